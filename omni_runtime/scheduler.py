@@ -1,0 +1,326 @@
+"""``OmniARScheduler``: vLLM's v1 scheduler for the AR stage of an omni pipeline.
+
+The scheduler decides when a request's KV cache goes to the next stage, hands the block ids
+to the model runner, and keeps the blocks allocated until the transfer resolves:
+
+  * trigger (at most once per request, the request keeps decoding afterwards):
+      - ``prefill_finished``: the prompt's KV is computed; ``seq_len`` = prompt length;
+      - ``special_token``: the sentinel token is sampled; ``seq_len`` = the tokens before the
+        first sentinel (the KV that exists when it is sampled);
+      - otherwise when the request finishes (stopped or length-capped; never on abort):
+        ``seq_len`` = its computed tokens;
+  * ``schedule()`` hands every pending transfer to the runner in
+    ``finished_requests_needing_kv_transfer``;
+  * the runner answers in ``kv_extracted_req_ids`` / ``kv_extraction_failures``;
+  * a finished request with an unresolved transfer keeps its blocks (held) until the
+    transfer is acked, failed or expired; an aborted request's pending transfer is cancelled.
+
+All the bookkeeping lives in :class:`~omni_runtime.transfers.TransferLedger`; this class only
+wires it into vLLM's hooks. Plug it in with
+``--scheduler-cls omni_runtime.scheduler.OmniARScheduler`` (or ``OmniARAsyncScheduler`` with
+async scheduling).
+
+Invariant: a marked transfer only names blocks whose KV is already computed (seq_len <= the
+request's computed tokens at marking), so the runner may copy them at any point after
+hand-off, and the blocks are allocated until the transfer resolves or the request is
+preempted (then the transfer is resolved first and replayed on the recomputed blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from omni_runtime.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
+from omni_runtime.observability import build_observers
+from omni_runtime.outputs import (
+    ACKS_FIELD,
+    FAILURES_FIELD,
+    OmniNewRequestData,
+    OmniSchedulerOutput,
+)
+from omni_runtime.transfers import Outcome, Transfer, TransferLedger, Trigger
+
+logger = logging.getLogger(__name__)
+
+#: Finishes that complete a request; any other finish (abort, error, ...) starts no transfer
+#: and cancels a pending one.
+_COMPLETED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+
+#: Attribute on vLLM's Request holding its latest Transfer: it dies with the request.
+_TRANSFER_ATTR = "omni_kv_transfer"
+
+
+class OmniKVTransferMixin:
+    """The KV-transfer behaviour, over vLLM's ``Scheduler`` or ``AsyncScheduler``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = self.vllm_config
+        model_config = vllm_config.model_config
+        try:
+            cfg = parse_omni_kv_config(
+                raw_omni_kv_config(vllm_config), vocab_size=model_config.get_vocab_size()
+            )
+        except OmniKVConfigError as exc:
+            raise OmniKVConfigError(f"OmniARScheduler: {exc}") from None
+        if cfg.need_send_cache and self.connector is not None:
+            raise OmniKVConfigError(
+                "OmniARScheduler: omni_kv_config.need_send_cache cannot be combined with "
+                "--kv-transfer-config: both would own the lifetime of finished requests' "
+                "blocks; use one of them"
+            )
+        self.omni_kv_config = cfg
+        self._send = cfg.need_send_cache
+        self._criteria = cfg.criteria if cfg.need_send_cache else None
+        self._sentinel = cfg.token_id
+        groups = self.kv_cache_config.kv_cache_groups
+        self._kv_block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
+        self.transfer_ledger = TransferLedger(cfg.timeout_seconds)
+        for observer in build_observers(
+            stage=cfg.stage_name,
+            model_name=model_config.served_model_name or model_config.model,
+            timeout_seconds=cfg.timeout_seconds,
+            vllm_config=vllm_config,
+        ):
+            self.transfer_ledger.add_observer(observer)
+        # Requests whose in-flight trigger has not fired yet (only with a criteria).
+        self._awaiting_trigger: set[str] = set()
+        # Preempted requests whose unresolved transfer was dropped with their blocks:
+        # request id -> (trigger, seq_len) to start again once the KV is recomputed.
+        self._replay: dict[str, tuple[Trigger, int]] = {}
+        # Requests carrying vllm-omni's additional_information (none on plain vLLM).
+        self._payload_requests: set[str] = set()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if not is_new:
+            return  # a streaming-input update of a request we already track
+        if self._criteria is not None:
+            self._awaiting_trigger.add(request.request_id)
+        if getattr(request, "additional_information", None) is not None:
+            self._payload_requests.add(request.request_id)
+
+    def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kw: Any) -> None:
+        super()._preempt_request(request, timestamp, *args, **kw)
+        if not self._send:
+            return
+        dropped = self.transfer_ledger.request_preempted(request.request_id)
+        if dropped is not None:
+            logger.info(
+                "KV transfer of request %s %s on preemption; it restarts once %d tokens "
+                "are recomputed",
+                request.request_id,
+                dropped.outcome.value,
+                dropped.seq_len,
+            )
+            self._replay[request.request_id] = (dropped.trigger, dropped.seq_len)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        if not self._send:
+            return super()._free_request(request, delay_free_blocks)
+        request_id = request.request_id
+        ledger = self.transfer_ledger
+        self._awaiting_trigger.discard(request_id)
+        self._payload_requests.discard(request_id)
+        self._replay.pop(request_id, None)
+        completed = request.status in _COMPLETED
+        if completed and not ledger.has_triggered(request_id):
+            frontier = request.num_computed_tokens - request.num_output_placeholders
+            self._mark(request, Trigger.REQUEST_FINISHED, frontier)
+        hold = False
+        if ledger.get(request_id) is not None:
+            num_blocks = sum(len(g) for g in self.kv_cache_manager.get_block_ids(request_id))
+            hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
+        else:
+            ledger.forget(request_id)
+        kv_params, ec_params = super()._free_request(request, delay_free_blocks or hold)
+        transfer = getattr(request, _TRANSFER_ATTR, None)
+        if transfer is not None:
+            kv_params = {**(kv_params or {}), **_transfer_params(transfer)}
+        return kv_params, ec_params
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        ledger = self.transfer_ledger
+        if ledger.has_unresolved():
+            # Before scheduling, so that blocks freed by expiry serve this step.
+            for transfer in ledger.expire_due():
+                logger.warning(
+                    "KV transfer of request %s expired: %s", transfer.request_id, transfer.reason
+                )
+                self._release(transfer)
+        output = super().schedule(*args, **kwargs)
+        # Same fields, one more: re-class instead of copying every field each step.
+        output.__class__ = OmniSchedulerOutput
+        if ledger.num_pending:
+            output.finished_requests_needing_kv_transfer = {
+                t.request_id: {"seq_len": t.seq_len, "block_ids": list(t.block_ids)}
+                for t in ledger.hand_off_pending()
+            }
+        else:
+            output.finished_requests_needing_kv_transfer = {}
+        if self._payload_requests and output.scheduled_new_reqs:
+            self._attach_payloads(output)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if not self._send:
+            return outputs
+        # Requests that finished in this step were marked (request_finished) and dropped
+        # from the sets below by _free_request; what remains is still running.
+        if self._awaiting_trigger:
+            self._fire_step_triggers(scheduler_output, model_runner_output)
+        if self._replay:
+            self._fire_replays(scheduler_output)
+        acked = getattr(model_runner_output, ACKS_FIELD, None)
+        failed = getattr(model_runner_output, FAILURES_FIELD, None)
+        if acked or failed:
+            self._resolve_from_runner(acked or (), failed or {})
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or self.transfer_ledger.has_unresolved()
+
+    def has_requests(self) -> bool:
+        return super().has_requests() or self.transfer_ledger.has_unresolved()
+
+    def shutdown(self) -> None:
+        # Resolve what is left, so that spans end and blocks are accounted for.
+        for transfer in self.transfer_ledger.unresolved():
+            self.transfer_ledger.resolve(
+                transfer.request_id, Outcome.FAILED, "scheduler shut down"
+            )
+        super().shutdown()
+
+    # ------------------------------------------------------------------ helpers
+    def _fire_step_triggers(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> None:
+        # Only requests scheduled in this step can have reached their trigger; the set
+        # intersection runs in C, the loop below only over those candidates.
+        candidates = self._awaiting_trigger.intersection(scheduler_output.num_scheduled_tokens)
+        if not candidates:
+            return
+        requests = self.requests
+        if self._criteria is Trigger.PREFILL_FINISHED:
+            for request_id in candidates:
+                request = requests[request_id]
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    self._mark(request, Trigger.PREFILL_FINISHED, request.num_prompt_tokens)
+            return
+        sentinel = self._sentinel
+        sampled = model_runner_output.sampled_token_ids
+        if not sampled:
+            return
+        index = model_runner_output.req_id_to_index
+        for request_id in candidates:
+            new_tokens = sampled[index[request_id]]
+            if sentinel in new_tokens:
+                request = requests[request_id]
+                # num_tokens already counts this step's tokens; cut at the first sentinel.
+                before = request.num_tokens - len(new_tokens) + list(new_tokens).index(sentinel)
+                self._mark(request, Trigger.SPECIAL_TOKEN, before)
+
+    def _fire_replays(self, scheduler_output: SchedulerOutput) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id in [r for r in self._replay if r in scheduled]:
+            request = self.requests[request_id]
+            trigger, seq_len = self._replay[request_id]
+            if request.num_computed_tokens - request.num_output_placeholders >= seq_len:
+                del self._replay[request_id]
+                self._mark(request, trigger, seq_len)
+
+    def _mark(self, request: Request, trigger: Trigger, seq_len: int) -> Transfer:
+        request_id = request.request_id
+        self._awaiting_trigger.discard(request_id)
+        error = None
+        try:
+            block_ids = self.kv_cache_manager.get_block_ids(request_id)[0]
+            needed = -(-seq_len // self._kv_block_size)
+            if len(block_ids) < needed:
+                raise RuntimeError(
+                    f"request holds {len(block_ids)} KV blocks, {needed} needed for "
+                    f"seq_len {seq_len}"
+                )
+            block_ids = block_ids[:needed]
+        except Exception as exc:  # reported: the transfer resolves as failed, below
+            block_ids = []
+            error = f"marking failed: {type(exc).__name__}: {exc}"
+        transfer = self.transfer_ledger.mark(
+            request_id, trigger, seq_len, block_ids, trace_headers=request.trace_headers
+        )
+        setattr(request, _TRANSFER_ATTR, transfer)
+        if error is not None:
+            logger.error("KV transfer of request %s failed: %s", request_id, error)
+            self.transfer_ledger.resolve(request_id, Outcome.FAILED, error)
+        return transfer
+
+    def _resolve_from_runner(self, acked: Any, failed: dict[str, str]) -> None:
+        ledger = self.transfer_ledger
+        for request_id in acked:
+            transfer = ledger.resolve(request_id, Outcome.ACKED, only_active=True)
+            if transfer is None:
+                logger.debug("ignoring ack for request %s: no active transfer", request_id)
+            else:
+                self._release(transfer)
+        for request_id, reason in failed.items():
+            transfer = ledger.resolve(request_id, Outcome.FAILED, str(reason), only_active=True)
+            if transfer is None:
+                logger.debug("ignoring failure for request %s: no active transfer", request_id)
+                continue
+            logger.warning("KV transfer of request %s failed: %s", request_id, reason)
+            self._release(transfer)
+
+    def _release(self, transfer: Transfer) -> None:
+        """Free the blocks of a held transfer that has just resolved (exactly once: the
+        ledger returns a transfer from resolve only once)."""
+        if not transfer.held:
+            return
+        request = self.requests.get(transfer.request_id)
+        if request is not None and request.is_finished():
+            self._free_blocks(request)
+
+    def _attach_payloads(self, output: SchedulerOutput) -> None:
+        for new_request in output.scheduled_new_reqs:
+            if new_request.req_id in self._payload_requests:
+                request = self.requests[new_request.req_id]
+                new_request.__class__ = OmniNewRequestData
+                new_request.additional_information = request.additional_information
+
+
+def _transfer_params(transfer: Transfer) -> dict[str, Any]:
+    """What the request's output carries about its transfer (as the reference does, plus
+    its state: the outcome if it resolved before the request finished)."""
+    block_ids = list(transfer.block_ids)
+    return {
+        "past_key_values": block_ids,
+        "kv_metadata": {
+            "seq_len": transfer.seq_len,
+            "block_ids": block_ids,
+            "trigger": transfer.trigger.value,
+            "state": transfer.phase.value,
+            "outcome": transfer.outcome.value if transfer.outcome else None,
+            "reason": transfer.reason,
+        },
+    }
+
+
+class OmniARScheduler(OmniKVTransferMixin, Scheduler):
+    """The omni AR scheduler over vLLM's synchronous scheduler."""
+
+
+class OmniARAsyncScheduler(OmniKVTransferMixin, AsyncScheduler):
+    """The omni AR scheduler over vLLM's async scheduler (``--async-scheduling``)."""

@@ -1,0 +1,132 @@
+"""A tiny random Qwen2 model with a trained byte-level BPE tokenizer, built locally and cached.
+
+Tests and the demo need a real model that vLLM and Hugging Face transformers both load, with
+no model hub. This one is small enough to build in a few seconds and run on a CPU, and it
+respects vLLM's CPU constraints (attention head size >= 32). The weights are seeded, so the
+same files come out on every machine; the directory is keyed by a hash of the recipe, so a
+change to the recipe builds a new one instead of reusing a stale cache.
+
+    python -m omni_runtime.tiny_model   # prints the path, building it if needed
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+#: The recipe. Head size = hidden_size / num_attention_heads = 32.
+TINY_QWEN2 = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "seed": 1234,
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "An omni pipeline runs an autoregressive stage and hands its KV cache to the next stage.",
+    "Kubernetes reconciles the desired state of every pipeline into deployments and services.",
+    "Prometheus scrapes metrics; an alert fires when a transfer is stuck for too long.",
+    "Hello world! Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation: , . ; : ? ! ' \" ( ) [ ] { }",
+    "def main():\n    return 42\n",
+]
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def default_cache_dir() -> Path:
+    """``$OMNI_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/omni-pipeline`` (~/.cache)."""
+    if env := os.environ.get("OMNI_CACHE_DIR"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "omni-pipeline"
+
+
+def _recipe_key() -> str:
+    blob = json.dumps({"model": TINY_QWEN2, "corpus": _CORPUS, "special": _SPECIAL_TOKENS})
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    """Return the directory of the tiny model, building it once if it is not cached."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"tiny-qwen2-{_recipe_key()}"
+    if (target / ".complete").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    # Build in a temporary sibling and rename, so concurrent callers (pytest workers, the
+    # demo) never see a half-written model.
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen2-", dir=root))
+    try:
+        _build(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(out: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    spec = TINY_QWEN2
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec["vocab_size"],
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 8, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out)
+
+    eos_id = fast.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        vocab_size=spec["vocab_size"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec["seed"])
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def main() -> None:
+    print(ensure_tiny_model())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""The KV-transfer ledger: the bookkeeping of every KV-cache transfer of one stage.
+
+This module imports no vLLM: it is a small state machine that the scheduler drives and that
+the metrics and tracing observe. One transfer per request at a time:
+
+    mark ──> PENDING ──hand_off──> ACTIVE ──resolve──> (gone)
+                │                     │
+                └──────resolve────────┘        outcome: acked | failed | expired | cancelled
+
+and, orthogonally, HELD: the request has finished while its transfer is unresolved, so its KV
+blocks stay allocated; they are released exactly once, when the transfer resolves.
+
+Invariants (checked by the tests after every operation):
+  * an unresolved transfer is in exactly one of ``_pending`` / ``_active``; a held one is also
+    in ``_held``; a resolved transfer is in none of them and is never resolved again;
+  * ``_by_deadline`` holds exactly the unresolved transfers, in marking order; since every
+    transfer gets the same timeout and the clock is monotonic, that is also deadline order, so
+    the next to expire is always the first one (expiry costs O(expired), never a scan);
+  * ``_triggered`` holds the requests that marked a transfer and have not finished: what makes
+    a trigger fire at most once per request. Nothing about a request survives its finish and
+    the resolution of its transfer.
+All operations the scheduler calls per request are O(1).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Default deadline for a transfer, from marking to resolution. Long enough for a large prompt's
+#: KV cache over a slow link, short enough that a lost ack frees its blocks within a minute.
+DEFAULT_TIMEOUT_SECONDS = 30.0
+
+
+class Trigger(str, enum.Enum):
+    """Why a transfer was started (the ``trigger`` label of the started counter)."""
+
+    PREFILL_FINISHED = "prefill_finished"
+    SPECIAL_TOKEN = "special_token"
+    REQUEST_FINISHED = "request_finished"
+
+
+class Outcome(str, enum.Enum):
+    """How a transfer resolved (the ``outcome`` label)."""
+
+    ACKED = "acked"  # the runner (and with our connector, the receiver) has it
+    FAILED = "failed"  # the runner or the receiver said it failed, or marking failed
+    EXPIRED = "expired"  # the deadline passed with no answer
+    CANCELLED = "cancelled"  # the request went away before the transfer was handed off
+
+
+class Phase(str, enum.Enum):
+    """Where an unresolved transfer is (the ``state`` label, with ``held``)."""
+
+    PENDING = "pending"
+    ACTIVE = "active"
+    RESOLVED = "resolved"
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """One KV transfer. Times are on the ledger's clock (see :class:`TransferLedger`)."""
+
+    request_id: str
+    trigger: Trigger
+    seq_len: int
+    block_ids: Sequence[int]
+    marked_at: float
+    deadline: float
+    trace_headers: dict[str, str] | None = None
+    phase: Phase = Phase.PENDING
+    handed_off_at: float | None = None
+    #: Set when the request finished while this transfer was unresolved.
+    held_since: float | None = None
+    #: KV blocks the finished request keeps allocated (all of its blocks, not only the
+    #: ``block_ids`` being shipped).
+    held_blocks: int = 0
+    outcome: Outcome | None = None
+    reason: str | None = None
+    resolved_at: float | None = None
+    #: Free slot for an observer (the tracing observer keeps the span here).
+    observer_state: Any = field(default=None, repr=False)
+
+    @property
+    def held(self) -> bool:
+        return self.held_since is not None
+
+
+class TransferObserver:
+    """Hook for metrics and tracing. Called after each state change, with the ledger already
+    updated (so an observer may read its counts). Methods do nothing by default."""
+
+    def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        pass
+
+    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        pass
+
+    def on_held(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        pass
+
+    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        """``transfer.outcome`` is set; if ``transfer.held`` its blocks are being released."""
+
+
+class TransferLedger:
+    """Bookkeeping of one stage's KV transfers.
+
+    ``clock`` returns seconds on a monotonic scale (default :func:`time.monotonic`); tests
+    inject a fake one. :meth:`wall_time` maps a ledger time to unix time for metrics.
+    """
+
+    def __init__(
+        self,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observers: Iterable[TransferObserver] = (),
+    ) -> None:
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        self.timeout_seconds = float(timeout_seconds)
+        self._clock = clock
+        self._wall_offset = time.time() - clock()
+        self._observers: list[TransferObserver] = list(observers)
+        # Insertion-ordered: the first entry of each is the oldest in that state.
+        self._pending: OrderedDict[str, Transfer] = OrderedDict()
+        self._active: OrderedDict[str, Transfer] = OrderedDict()
+        self._held: OrderedDict[str, Transfer] = OrderedDict()
+        self._by_deadline: OrderedDict[str, Transfer] = OrderedDict()
+        self._triggered: set[str] = set()
+        self._held_block_count = 0
+
+    # ------------------------------------------------------------------ observers
+    def add_observer(self, observer: TransferObserver) -> None:
+        self._observers.append(observer)
+
+    @property
+    def observers(self) -> tuple[TransferObserver, ...]:
+        return tuple(self._observers)
+
+    # ------------------------------------------------------------------ queries
+    def now(self) -> float:
+        return self._clock()
+
+    def wall_time(self, ledger_time: float) -> float:
+        """Unix time of a ledger time."""
+        return ledger_time + self._wall_offset
+
+    def get(self, request_id: str) -> Transfer | None:
+        """The request's unresolved transfer, if any."""
+        return self._by_deadline.get(request_id)
+
+    def has_triggered(self, request_id: str) -> bool:
+        """Whether the request has started a transfer since it was added (or re-armed)."""
+        return request_id in self._triggered
+
+    def has_unresolved(self) -> bool:
+        return bool(self._by_deadline)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return self._held_block_count
+
+    def oldest_entered(self, phase: str) -> float | None:
+        """Ledger time at which the oldest transfer now in ``phase`` ('pending', 'active' or
+        'held') entered it; None when there is none. O(1)."""
+        if phase == "pending":
+            first = next(iter(self._pending.values()), None)
+            return None if first is None else first.marked_at
+        if phase == "active":
+            first = next(iter(self._active.values()), None)
+            return None if first is None else first.handed_off_at
+        if phase == "held":
+            first = next(iter(self._held.values()), None)
+            return None if first is None else first.held_since
+        raise ValueError(f"unknown phase {phase!r}")
+
+    def unresolved(self) -> list[Transfer]:
+        """A snapshot of all unresolved transfers, oldest first (for debugging and drains)."""
+        return list(self._by_deadline.values())
+
+    # ------------------------------------------------------------------ transitions
+    def mark(
+        self,
+        request_id: str,
+        trigger: Trigger,
+        seq_len: int,
+        block_ids: Sequence[int],
+        *,
+        trace_headers: dict[str, str] | None = None,
+    ) -> Transfer:
+        """Start a transfer (PENDING). A request can start one transfer until it finishes or
+        is re-armed; marking twice is a bug in the caller, so it raises."""
+        if request_id in self._triggered:
+            raise RuntimeError(f"request {request_id!r} already started a KV transfer")
+        now = self._clock()
+        transfer = Transfer(
+            request_id=request_id,
+            trigger=trigger,
+            seq_len=seq_len,
+            block_ids=block_ids,
+            marked_at=now,
+            deadline=now + self.timeout_seconds,
+            trace_headers=trace_headers,
+        )
+        self._triggered.add(request_id)
+        self._pending[request_id] = transfer
+        self._by_deadline[request_id] = transfer
+        for observer in self._observers:
+            observer.on_marked(self, transfer)
+        return transfer
+
+    def hand_off_pending(self) -> list[Transfer]:
+        """Move every pending transfer to ACTIVE and return them, oldest first."""
+        if not self._pending:
+            return []
+        now = self._clock()
+        handed = list(self._pending.values())
+        self._pending.clear()
+        for transfer in handed:
+            transfer.phase = Phase.ACTIVE
+            transfer.handed_off_at = now
+            self._active[transfer.request_id] = transfer
+            for observer in self._observers:
+                observer.on_handed_off(self, transfer)
+        return handed
+
+    def resolve(
+        self,
+        request_id: str,
+        outcome: Outcome,
+        reason: str | None = None,
+        *,
+        only_active: bool = False,
+    ) -> Transfer | None:
+        """Resolve the request's unresolved transfer. Returns it, or None when there is none
+        (an ack for a transfer that already expired, say). If the returned transfer is
+        ``held``, the caller must now free the request's blocks.
+
+        ``only_active``: resolve only a transfer that was handed off. An answer from the
+        runner can only be about a transfer it was given; one for a pending transfer is a
+        late answer about an earlier attempt and must not resolve the new one."""
+        transfer = self._by_deadline.get(request_id)
+        if transfer is None or (only_active and transfer.phase is not Phase.ACTIVE):
+            return None
+        del self._by_deadline[request_id]
+        if transfer.phase is Phase.PENDING:
+            del self._pending[request_id]
+        else:
+            del self._active[request_id]
+        if transfer.held_since is not None:
+            del self._held[request_id]
+            self._held_block_count -= transfer.held_blocks
+        transfer.phase = Phase.RESOLVED
+        transfer.outcome = outcome
+        transfer.reason = reason
+        transfer.resolved_at = self._clock()
+        for observer in self._observers:
+            observer.on_resolved(self, transfer)
+        return transfer
+
+    def expire_due(self) -> list[Transfer]:
+        """Resolve as EXPIRED every transfer whose deadline has passed. O(expired)."""
+        if not self._by_deadline:
+            return []
+        now = self._clock()
+        expired = []
+        while self._by_deadline:
+            transfer = next(iter(self._by_deadline.values()))
+            if transfer.deadline > now:
+                break
+            waited = now - transfer.marked_at
+            self.resolve(
+                transfer.request_id,
+                Outcome.EXPIRED,
+                f"no answer within {self.timeout_seconds:g}s (waited {waited:.1f}s, "
+                f"{transfer.phase.value})",
+            )
+            expired.append(transfer)
+        return expired
+
+    def request_finished(self, request_id: str, num_blocks: int, *, aborted: bool) -> bool:
+        """The request has finished (stopped, length-capped, aborted or errored).
+
+        Returns True when the caller must keep the request's ``num_blocks`` KV blocks
+        allocated (HELD) until its transfer resolves; False when it may free them now. A
+        pending transfer of an aborted request is cancelled: its blocks are about to be freed
+        and must never reach the runner. An active transfer is held even on abort: the runner
+        may be reading the blocks. The request's trigger state is dropped either way.
+        """
+        self._triggered.discard(request_id)
+        transfer = self._by_deadline.get(request_id)
+        if transfer is None:
+            return False
+        if aborted and transfer.phase is Phase.PENDING:
+            self.resolve(request_id, Outcome.CANCELLED, "request aborted before hand-off")
+            return False
+        transfer.held_since = self._clock()
+        transfer.held_blocks = num_blocks
+        self._held[request_id] = transfer
+        self._held_block_count += num_blocks
+        for observer in self._observers:
+            observer.on_held(self, transfer)
+        return True
+
+    def request_preempted(self, request_id: str) -> Transfer | None:
+        """The request was preempted: vLLM has freed its blocks and will recompute them.
+
+        An unresolved transfer can no longer be served from those blocks: a pending one is
+        cancelled, an active one fails. Its trigger state is dropped, so the caller can start
+        the transfer again once the recomputed KV reaches the same length. A transfer that
+        already resolved is left as it is (its data reached the runner). Returns the transfer
+        resolved here, if any.
+        """
+        transfer = self._by_deadline.get(request_id)
+        if transfer is None:
+            return None
+        self._triggered.discard(request_id)
+        if transfer.phase is Phase.PENDING:
+            return self.resolve(request_id, Outcome.CANCELLED, "request preempted before hand-off")
+        return self.resolve(
+            request_id, Outcome.FAILED, "request preempted: vLLM reclaimed the blocks in flight"
+        )
+
+    def forget(self, request_id: str) -> None:
+        """Drop the trigger state of a request the scheduler no longer tracks, with no
+        transfer (e.g. a request rejected before it ran)."""
+        self._triggered.discard(request_id)
+
+    # ------------------------------------------------------------------ introspection
+    def check_invariants(self) -> None:
+        """Assert the documented invariants. O(n): for tests and debugging only."""
+        unresolved = set(self._by_deadline)
+        pending, active, held = set(self._pending), set(self._active), set(self._held)
+        assert not pending & active, f"in two states: {pending & active}"
+        assert pending | active == unresolved, "unresolved != pending | active"
+        assert held <= unresolved, f"held but resolved: {held - unresolved}"
+        assert self._held_block_count == sum(t.held_blocks for t in self._held.values())
+        deadlines = [t.deadline for t in self._by_deadline.values()]
+        assert deadlines == sorted(deadlines), "deadlines out of marking order"
+        for rid, t in self._pending.items():
+            assert t.phase is Phase.PENDING and t.request_id == rid
+        for rid, t in self._active.items():
+            assert t.phase is Phase.ACTIVE and t.request_id == rid
+        for t in self._held.values():
+            assert t.held_since is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferLedger(pending={self.num_pending}, active={self.num_active}, "
+            f"held={self.num_held}, held_blocks={self.num_held_blocks}, "
+            f"triggered={len(self._triggered)})"
+        )

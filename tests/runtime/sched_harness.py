@@ -1,0 +1,165 @@
+"""Builds real vLLM 0.32 schedulers (stock or ours) without a model runner, and the
+ModelRunnerOutputs a runner would return, the way vLLM's own scheduler tests do."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from omni_runtime.tiny_model import ensure_tiny_model
+
+EOS = 0  # <|endoftext|> is the first special token of the tiny tokenizer
+_ids = itertools.count()
+
+
+def make_vllm_config(
+    omni_kv_config: Mapping[str, Any] | None = None,
+    *,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 8192,
+    max_model_len: int = 2048,
+    block_size: int = 16,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = False,
+    num_blocks: int = 10_000,
+) -> VllmConfig:
+    model_config = ModelConfig(
+        model=str(ensure_tiny_model()), dtype="float32", seed=0, max_model_len=max_model_len
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=enable_prefix_caching
+    )
+    cache_config.num_gpu_blocks = num_blocks
+    additional = {"omni_kv_config": dict(omni_kv_config)} if omni_kv_config is not None else {}
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        additional_config=additional,
+    )
+
+
+def make_scheduler(cls: type[Scheduler], vllm_config: VllmConfig) -> Scheduler:
+    block_size = vllm_config.cache_config.block_size
+    num_blocks = vllm_config.cache_config.num_gpu_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=False,
+    )
+
+
+def make_request(
+    num_prompt_tokens: int,
+    *,
+    max_tokens: int = 16,
+    request_id: str | None = None,
+    trace_headers: Mapping[str, str] | None = None,
+    ignore_eos: bool = True,
+    prompt_token: int = 7,
+) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
+    params.update_from_generation_config({}, EOS)
+    return Request(
+        request_id=request_id or f"req-{next(_ids)}",
+        prompt_token_ids=[prompt_token] * num_prompt_tokens,
+        sampling_params=params,
+        pooling_params=None,
+        trace_headers=trace_headers,
+    )
+
+
+def runner_output(
+    scheduler_output: SchedulerOutput,
+    tokens: Mapping[str, list[int]] | None = None,
+    *,
+    default_token: int = 5,
+    acked: Iterable[str] = (),
+    failed: Mapping[str, str] | None = None,
+) -> ModelRunnerOutput:
+    """What a runner returns for ``scheduler_output``: one sampled token per request that
+    finished its prefill (or was decoding), none for partial prefill chunks."""
+    tokens = dict(tokens or {})
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        if req_id in tokens:
+            sampled.append(list(tokens[req_id]))
+        elif _is_partial_prefill(scheduler_output, req_id):
+            sampled.append([])
+        else:
+            sampled.append([default_token])
+    out = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+    out.kv_extracted_req_ids = list(acked)
+    out.kv_extraction_failures = dict(failed or {})
+    return out
+
+
+_scheduler_for_output: dict[int, Scheduler] = {}
+
+
+def _is_partial_prefill(scheduler_output: SchedulerOutput, req_id: str) -> bool:
+    scheduler = _scheduler_for_output.get(id(scheduler_output))
+    if scheduler is None:
+        return False
+    request = scheduler.requests.get(req_id)
+    return request is not None and request.num_computed_tokens < request.num_tokens
+
+
+def step(
+    scheduler: Scheduler,
+    tokens: Mapping[str, list[int]] | None = None,
+    *,
+    acked: Iterable[str] = (),
+    failed: Mapping[str, str] | None = None,
+    default_token: int = 5,
+):
+    """One engine step: schedule, 'run' the model, update. Returns (scheduler_output,
+    engine_core_outputs)."""
+    so = scheduler.schedule()
+    _scheduler_for_output[id(so)] = scheduler
+    try:
+        mro = runner_output(so, tokens, acked=acked, failed=failed, default_token=default_token)
+    finally:
+        del _scheduler_for_output[id(so)]
+    return so, scheduler.update_from_output(so, mro)
+
+
+def free_blocks(scheduler: Scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

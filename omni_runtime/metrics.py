@@ -1,0 +1,260 @@
+"""Prometheus metrics of one stage's KV transfers, fed by the transfer ledger's observer hook.
+
+The families and their meaning are the metric contract of ARCHITECTURE.md (documented with
+PromQL in docs/metrics.md). Design points:
+
+* Every labelled child is bound once, at construction: the hot path (one callback per state
+  change) does a handful of ``set``/``inc``/``observe`` calls on pre-bound children, never a
+  ``labels()`` lookup. Binding all children up front also makes every series exist (at 0) from
+  the first scrape, so ``rate()`` and absence alerts work from the start.
+* Gauges are set to absolute values read from the ledger (O(1) properties), never inc/dec'd:
+  a missed callback cannot drift them, and it is what the ``mostrecent`` multiprocess modes
+  require.
+* prometheus_client multiprocess mode (the scheduler runs in vLLM's engine-core process, the
+  API server process serves /metrics): gauges use ``livemostrecent``. The restarted engine
+  process writes every gauge series at construction, so its values supersede any left by a dead
+  one; ``mark_process_dead(pid)`` removes a dead process's gauges outright. Counters and
+  histograms are summed over processes, which keeps them monotonic across engine restarts.
+  Multiprocess mode needs ``PROMETHEUS_MULTIPROC_DIR`` set (and emptied) before anything
+  imports prometheus_client: see :func:`omni_runtime.observability.prepare_prometheus_multiproc_dir`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from omni_runtime.transfers import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Outcome,
+    Transfer,
+    TransferLedger,
+    TransferObserver,
+    Trigger,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The only labels every family carries: bounded, set once per stage process.
+BASE_LABELS: tuple[str, ...] = ("stage", "model_name")
+STATES: tuple[str, ...] = ("pending", "active", "held")
+TRIGGERS: tuple[str, ...] = tuple(t.value for t in Trigger)
+OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
+
+#: Duration buckets (seconds). 1, 5, 10, 30, 60, 120 and 300 are the alert thresholds the
+#: dashboards and alerts use; the configured deadline is added by :func:`duration_buckets`.
+BASE_DURATION_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+#: Payload buckets (bytes): 4 KiB to 16 GiB by factors of 4 (one KV block to a long prompt).
+BYTES_BUCKETS: tuple[float, ...] = tuple(float(4096 * 4**i) for i in range(12))
+
+GAUGE_MODE = "livemostrecent"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family of the contract, as exposed (counter names with ``_total``)."""
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    help: str
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("omni_kv_transfers", "gauge", BASE_LABELS + ("state",),
+           "KV transfers in each state now (held transfers are also pending or active)."),
+    Family("omni_kv_held_blocks", "gauge", BASE_LABELS,
+           "KV blocks kept allocated for finished requests whose transfer is unresolved."),
+    Family("omni_kv_transfer_oldest_start_timestamp_seconds", "gauge", BASE_LABELS + ("state",),
+           "Unix time at which the oldest transfer now in the state entered it; 0 when none."),
+    Family("omni_kv_transfers_started_total", "counter", BASE_LABELS + ("trigger",),
+           "KV transfers marked, by trigger."),
+    Family("omni_kv_transfers_resolved_total", "counter", BASE_LABELS + ("outcome",),
+           "KV transfers resolved, by outcome."),
+    Family("omni_kv_transfer_duration_seconds", "histogram", BASE_LABELS + ("outcome",),
+           "Time from marking a KV transfer to its resolution."),
+    Family("omni_kv_hold_duration_seconds", "histogram", BASE_LABELS,
+           "Time from a request finishing to its held KV blocks being freed."),
+    Family("omni_kv_transfer_bytes", "histogram", BASE_LABELS,
+           "Payload size of delivered KV transfers (observed by the KV extraction worker)."),
+)
+FAMILIES_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def duration_buckets(deadline_seconds: float | None) -> tuple[float, ...]:
+    """The duration buckets plus the deadline, so 'expired at the deadline' is its own bucket."""
+    buckets = set(BASE_DURATION_BUCKETS)
+    if deadline_seconds is not None and deadline_seconds > 0:
+        buckets.add(float(deadline_seconds))
+    return tuple(sorted(buckets))
+
+
+class _Families:
+    """The registered (unbound) families of one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.registry = registry
+        f = FAMILIES_BY_NAME
+        self.transfers = Gauge("omni_kv_transfers", f["omni_kv_transfers"].help,
+                               BASE_LABELS + ("state",), registry=registry,
+                               multiprocess_mode=GAUGE_MODE)
+        self.held_blocks = Gauge("omni_kv_held_blocks", f["omni_kv_held_blocks"].help,
+                                 BASE_LABELS, registry=registry, multiprocess_mode=GAUGE_MODE)
+        name = "omni_kv_transfer_oldest_start_timestamp_seconds"
+        self.oldest = Gauge(name, f[name].help, BASE_LABELS + ("state",), registry=registry,
+                            multiprocess_mode=GAUGE_MODE)
+        # prometheus_client appends _total to counter names itself.
+        self.started = Counter("omni_kv_transfers_started",
+                               f["omni_kv_transfers_started_total"].help,
+                               BASE_LABELS + ("trigger",), registry=registry)
+        self.resolved = Counter("omni_kv_transfers_resolved",
+                                f["omni_kv_transfers_resolved_total"].help,
+                                BASE_LABELS + ("outcome",), registry=registry)
+        self.duration = Histogram("omni_kv_transfer_duration_seconds",
+                                  f["omni_kv_transfer_duration_seconds"].help,
+                                  BASE_LABELS + ("outcome",), registry=registry, buckets=buckets)
+        self.hold = Histogram("omni_kv_hold_duration_seconds",
+                              f["omni_kv_hold_duration_seconds"].help,
+                              BASE_LABELS, registry=registry, buckets=buckets)
+        self.bytes = Histogram("omni_kv_transfer_bytes", f["omni_kv_transfer_bytes"].help,
+                               BASE_LABELS, registry=registry, buckets=BYTES_BUCKETS)
+
+    def unregister(self) -> None:
+        if self.registry is None:
+            return
+        for collector in (self.transfers, self.held_blocks, self.oldest, self.started,
+                          self.resolved, self.duration, self.hold, self.bytes):
+            self.registry.unregister(collector)
+
+
+# Families are process-wide per registry, as Prometheus metrics should be: a second
+# TransferMetrics on the same registry (vLLM re-creating an in-process engine, two ledgers in
+# one process) reuses them instead of failing with "Duplicated timeseries".
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_unregistered: dict[tuple[float, ...], _Families] = {}
+
+
+def _families_for(registry: CollectorRegistry | None, buckets: tuple[float, ...]) -> _Families:
+    if registry is None:  # unregistered (multiprocess writers need no registry)
+        fams = _unregistered.get(buckets)
+        if fams is None:
+            fams = _unregistered[buckets] = _Families(None, buckets)
+        return fams
+    fams = _families.get(registry)
+    if fams is not None and fams.buckets != buckets:
+        # A new deadline changes the histogram buckets, which a registered family cannot do.
+        logger.info("re-registering omni_ KV transfer metrics with buckets %s", buckets)
+        fams.unregister()
+        fams = None
+    if fams is None:
+        fams = _families[registry] = _Families(registry, buckets)
+    return fams
+
+
+class TransferMetrics(TransferObserver):
+    """The metric contract's families for one stage, as a ledger observer.
+
+    ``registry`` defaults to prometheus_client's global one (vLLM serves it, or in
+    multiprocess mode the files behind it); tests pass a private ``CollectorRegistry``.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: str,
+        model_name: str,
+        deadline_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self.stage = stage
+        self.model_name = model_name
+        self.buckets = duration_buckets(deadline_seconds)
+        fams = _families_for(registry, self.buckets)
+        base = (stage, model_name)
+        # Children bound once; see the module docstring.
+        self._count = {s: fams.transfers.labels(*base, s) for s in STATES}
+        self._oldest = {s: fams.oldest.labels(*base, s) for s in STATES}
+        self._held_blocks = fams.held_blocks.labels(*base)
+        self._started = {t: fams.started.labels(*base, t) for t in TRIGGERS}
+        self._resolved = {o: fams.resolved.labels(*base, o) for o in OUTCOMES}
+        self._duration = {o: fams.duration.labels(*base, o) for o in OUTCOMES}
+        self._hold = fams.hold.labels(*base)
+        self._bytes = fams.bytes.labels(*base)
+        self._pending, self._active, self._held = (self._count[s] for s in STATES)
+        self._oldest_pending, self._oldest_active, self._oldest_held = (
+            self._oldest[s] for s in STATES
+        )
+        # Start every gauge series at "none" (this also supersedes a dead process's values).
+        for gauge in (*self._count.values(), *self._oldest.values(), self._held_blocks):
+            gauge.set(0)
+
+    # ------------------------------------------------------------------ observer hook
+    def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        self._started[transfer.trigger.value].inc()
+        self._pending.set(ledger.num_pending)
+        if ledger.num_pending == 1:  # the oldest pending changes only when it was empty
+            self._oldest_pending.set(ledger.wall_time(transfer.marked_at))
+
+    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        self._pending.set(ledger.num_pending)
+        self._active.set(ledger.num_active)
+        self._set_oldest(self._oldest_pending, ledger, "pending")
+        if ledger.num_active == 1:
+            self._oldest_active.set(ledger.wall_time(transfer.handed_off_at))
+
+    def on_held(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        self._held.set(ledger.num_held)
+        self._held_blocks.set(ledger.num_held_blocks)
+        if ledger.num_held == 1:
+            self._oldest_held.set(ledger.wall_time(transfer.held_since))
+
+    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        outcome = transfer.outcome.value
+        self._resolved[outcome].inc()
+        self._duration[outcome].observe(max(0.0, transfer.resolved_at - transfer.marked_at))
+        # It left pending (never handed off) or active; update only that state.
+        if transfer.handed_off_at is None:
+            self._pending.set(ledger.num_pending)
+            self._set_oldest(self._oldest_pending, ledger, "pending")
+        else:
+            self._active.set(ledger.num_active)
+            self._set_oldest(self._oldest_active, ledger, "active")
+        if transfer.held_since is not None:
+            self._hold.observe(max(0.0, transfer.resolved_at - transfer.held_since))
+            self._held.set(ledger.num_held)
+            self._held_blocks.set(ledger.num_held_blocks)
+            self._set_oldest(self._oldest_held, ledger, "held")
+
+    @staticmethod
+    def _set_oldest(gauge: Gauge, ledger: TransferLedger, phase: str) -> None:
+        entered = ledger.oldest_entered(phase)
+        gauge.set(0.0 if entered is None else ledger.wall_time(entered))
+
+    # ------------------------------------------------------------------ worker side
+    def observe_transfer_bytes(self, num_bytes: int) -> None:
+        """Record a delivered transfer's payload size (the KV extraction worker calls this)."""
+        self._bytes.observe(num_bytes)
+
+
+def family_names() -> list[str]:
+    return [f.name for f in FAMILIES]
+
+
+def build_registry(
+    *,
+    stage: str = "stage",
+    model_name: str = "model",
+    deadline_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+) -> tuple[CollectorRegistry, TransferMetrics]:
+    """A private registry holding every omni_ family with one stage's series (at zero), for
+    tools that check dashboard and alert queries against the real metric names."""
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(stage=stage, model_name=model_name,
+                              deadline_seconds=deadline_seconds, registry=registry)
+    return registry, metrics

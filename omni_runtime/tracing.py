@@ -1,0 +1,187 @@
+"""OpenTelemetry spans of KV transfers: one ``omni.kv_transfer`` span per transfer.
+
+The span runs from marking to resolution (timestamps are the ledger's, mapped to unix time),
+with an event per state change, and is a child of the request's trace when the request came
+with W3C trace headers (vLLM hands them to the engine core as ``Request.trace_headers``).
+Attributes carry ids, counts and enum values only: never prompt text.
+
+Which tracer (see docs/tracing.md), decided once at start-up by :func:`resolve_tracer`:
+1. a tracer provider someone already installed globally (vLLM does in the engine-core process
+   when ``--otlp-traces-endpoint`` is given): use it, never install a second one over it;
+2. otherwise, when vLLM's ``otlp_traces_endpoint`` or the standard
+   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` ask for export: a
+   private provider (not installed globally) exporting only our spans;
+3. otherwise none: no observer is attached at all, so tracing costs nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from omni_runtime.transfers import Outcome, Transfer, TransferLedger, TransferObserver
+
+logger = logging.getLogger(__name__)
+
+SPAN_NAME = "omni.kv_transfer"
+INSTRUMENTATION_NAME = "omni_runtime.kv_transfer"
+
+# Attribute keys. The request id uses vLLM's key, so one search finds vLLM's request span too.
+ATTR_REQUEST_ID = "gen_ai.request.id"
+ATTR_STAGE = "omni.stage"
+ATTR_MODEL_NAME = "omni.model_name"
+ATTR_TRIGGER = "omni.kv_transfer.trigger"
+ATTR_SEQ_LEN = "omni.kv_transfer.seq_len"
+ATTR_BLOCKS = "omni.kv_transfer.blocks"
+ATTR_HELD_BLOCKS = "omni.kv_transfer.held_blocks"
+ATTR_OUTCOME = "omni.kv_transfer.outcome"
+ATTR_REASON = "omni.kv_transfer.reason"
+
+EVENT_HANDED_OFF = "handed_off"
+EVENT_HELD = "held"
+EVENT_RESOLVED = "resolved"
+
+#: Reasons come from our code or the worker; cap them so a span stays small.
+MAX_REASON_CHARS = 256
+
+_ERROR_OUTCOMES = frozenset((Outcome.FAILED, Outcome.EXPIRED))
+_propagator = TraceContextTextMapPropagator()
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+class TransferTracing(TransferObserver):
+    """Ledger observer that records each transfer as an ``omni.kv_transfer`` span."""
+
+    def __init__(self, tracer: Tracer, *, stage: str, model_name: str) -> None:
+        self._tracer = tracer
+        self._stage = stage
+        self._model_name = model_name
+
+    def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        headers = transfer.trace_headers
+        # No headers: a root span (extract() of nothing would give the same, slower).
+        parent = _propagator.extract(headers) if headers else None
+        transfer.observer_state = self._tracer.start_span(
+            SPAN_NAME,
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            start_time=_ns(ledger.wall_time(transfer.marked_at)),
+            attributes={
+                ATTR_REQUEST_ID: transfer.request_id,
+                ATTR_STAGE: self._stage,
+                ATTR_MODEL_NAME: self._model_name,
+                ATTR_TRIGGER: transfer.trigger.value,
+                ATTR_SEQ_LEN: transfer.seq_len,
+                ATTR_BLOCKS: len(transfer.block_ids),
+            },
+        )
+
+    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        span = transfer.observer_state
+        if span is not None:
+            span.add_event(EVENT_HANDED_OFF, timestamp=_ns(ledger.wall_time(transfer.handed_off_at)))
+
+    def on_held(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        span = transfer.observer_state
+        if span is not None:
+            span.add_event(
+                EVENT_HELD,
+                attributes={ATTR_HELD_BLOCKS: transfer.held_blocks},
+                timestamp=_ns(ledger.wall_time(transfer.held_since)),
+            )
+
+    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        span = transfer.observer_state
+        if span is None:
+            return
+        transfer.observer_state = None
+        outcome = transfer.outcome
+        end = _ns(ledger.wall_time(transfer.resolved_at))
+        event_attrs: dict[str, Any] = {ATTR_OUTCOME: outcome.value}
+        if transfer.reason:
+            event_attrs[ATTR_REASON] = transfer.reason[:MAX_REASON_CHARS]
+        span.add_event(EVENT_RESOLVED, attributes=event_attrs, timestamp=end)
+        span.set_attribute(ATTR_OUTCOME, outcome.value)
+        if transfer.held_since is not None:
+            span.set_attribute(ATTR_HELD_BLOCKS, transfer.held_blocks)
+        if outcome in _ERROR_OUTCOMES:
+            span.set_status(Status(StatusCode.ERROR, event_attrs.get(ATTR_REASON)))
+        span.end(end_time=end)
+
+
+# ---------------------------------------------------------------------- tracer resolution
+def _global_provider_is_set() -> bool:
+    provider = trace.get_tracer_provider()
+    # The API's placeholders until someone calls set_tracer_provider().
+    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
+def _vllm_endpoint(vllm_config: Any) -> str | None:
+    observability = getattr(vllm_config, "observability_config", None)
+    return getattr(observability, "otlp_traces_endpoint", None)
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() == "true"
+
+
+def _make_private_provider(endpoint: str | None) -> Any:
+    """A TracerProvider that is never installed globally, exporting by OTLP.
+
+    ``endpoint`` None lets the SDK exporter apply the standard OTEL_EXPORTER_OTLP_* rules
+    (including the ``/v1/traces`` suffix on a generic HTTP endpoint). The protocol follows
+    vLLM's rule, so our spans and vLLM's go the same way: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+    (or OTEL_EXPORTER_OTLP_PROTOCOL), ``grpc`` by default, or ``http/protobuf``.
+    """
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    kwargs = {} if endpoint is None else {"endpoint": endpoint}
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        if endpoint is not None:
+            kwargs["insecure"] = endpoint.startswith("http://") or "://" not in endpoint
+        exporter = OTLPSpanExporter(**kwargs)
+    elif protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(**kwargs)
+    else:
+        raise ValueError(f"unsupported OTLP protocol {protocol!r} (grpc or http/protobuf)")
+    # Resource.create() reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "omni-pipeline"),
+                                "process.pid": os.getpid()})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    atexit.register(provider.shutdown)  # flush what is buffered
+    return provider
+
+
+def resolve_tracer(vllm_config: Any = None) -> Tracer | None:
+    """The tracer for transfer spans, or None when nothing asks for traces (see module doc)."""
+    if _env_true("OTEL_SDK_DISABLED"):
+        return None
+    if _global_provider_is_set():
+        return trace.get_tracer(INSTRUMENTATION_NAME)
+    if os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return None
+    endpoint = _vllm_endpoint(vllm_config)
+    if endpoint is None and not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return None
+    provider = _make_private_provider(endpoint)
+    logger.info("KV transfer spans exported by a private OTLP tracer provider")
+    return provider.get_tracer(INSTRUMENTATION_NAME)

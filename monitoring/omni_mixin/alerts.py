@@ -1,0 +1,163 @@
+"""The alert rules: one source for alerts/omni-pipeline.rules.yaml and the chart's
+PrometheusRule.
+
+Every alert carries `severity`, a static `summary`, a templated `description` and a
+`runbook_url` into docs/runbooks.md (anchor = the alert name in lower case).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import metrics as m
+from .config import Config
+
+STAGE_BY = ", ".join(m.STAGE_LABELS)
+# Alert labels name the stage; descriptions refer to these labels.
+WHERE = "{{ $labels.namespace }}/{{ $labels.pipeline }} stage {{ $labels.stage }}"
+
+
+def _alert(
+    cfg: Config,
+    name: str,
+    expr: str,
+    for_: str,
+    severity: str,
+    summary: str,
+    description: str,
+) -> dict[str, Any]:
+    return {
+        "alert": name,
+        "expr": expr.strip() + "\n",
+        "for": for_,
+        "labels": {"severity": severity},
+        "annotations": {
+            "summary": summary,
+            "description": description,
+            "runbook_url": f"{cfg.runbook_base_url}#{name.lower()}",
+        },
+    }
+
+
+def _oldest_age_alert(cfg: Config, name: str, state: str, seconds, for_, severity, summary, what):
+    """`what` completes "The oldest ... on <stage> (pod <pod>) has been <state> for <age>"."""
+    # The gauge is 0 when no transfer is in `state`; `> 0` drops those series so that
+    # time() - 0 (decades) never fires. The timestamp keeps ageing while the engine hangs,
+    # which an age gauge updated by the engine itself would not.
+    expr = f"""
+time() - ({m.KV_OLDEST_START}{{state="{state}"}} > 0)
+  > {seconds}
+"""
+    description = (
+        f"The oldest {what} on {WHERE} (pod {{{{ $labels.pod }}}}) has been {state} for "
+        "{{ $value | humanizeDuration }}."
+    )
+    return _alert(cfg, name, expr, for_, severity, summary, description)
+
+
+def kv_transfer_rules(cfg: Config) -> list[dict[str, Any]]:
+    failure_expr = f"""
+(
+  sum by ({STAGE_BY}) (rate({m.KV_RESOLVED}{{outcome=~"failed|expired"}}[{cfg.failure_rate_window}]))
+/
+  sum by ({STAGE_BY}) (rate({m.KV_RESOLVED}[{cfg.failure_rate_window}]))
+) > {cfg.failure_ratio}
+"""
+    return [
+        _oldest_age_alert(
+            cfg,
+            "OmniKVTransferStuck",
+            "active",
+            cfg.stuck_transfer_seconds,
+            cfg.stuck_transfer_for,
+            "critical",
+            "A KV transfer has been active far longer than any transfer should take.",
+            "KV transfer",
+        ),
+        _oldest_age_alert(
+            cfg,
+            "OmniKVBlocksHeldTooLong",
+            "held",
+            cfg.held_too_long_seconds,
+            cfg.held_too_long_for,
+            "warning",
+            "A finished request's KV blocks stay allocated, waiting for its transfer.",
+            "transfer holding a finished request's KV blocks",
+        ),
+        _alert(
+            cfg,
+            "OmniKVTransferFailureRateHigh",
+            failure_expr,
+            cfg.failure_rate_for,
+            "warning",
+            "Many KV transfers fail or expire.",
+            f"{{{{ $value | humanizePercentage }}}} of the KV transfers resolved by {WHERE} "
+            f"in the last {cfg.failure_rate_window} failed or expired.",
+        ),
+    ]
+
+
+def stage_rules(cfg: Config) -> list[dict[str, Any]]:
+    # Stage targets are the ones the scrape labels with their pipeline.
+    down_expr = 'up{pipeline!=""} == 0'
+    # Every pipeline has a sending stage, whose runtime exports omni_kv_transfers even when
+    # idle. A pipeline whose stages answer scrapes but export none of it runs without the
+    # omni scheduler or without its multiprocess metrics: its transfers are invisible.
+    absent_expr = f"""
+count by (namespace, pipeline) (up{{pipeline!=""}} == 1)
+unless on (namespace, pipeline)
+count by (namespace, pipeline) ({m.KV_TRANSFERS})
+"""
+    return [
+        _alert(
+            cfg,
+            "OmniStageDown",
+            down_expr,
+            cfg.stage_down_for,
+            "critical",
+            "A pipeline stage cannot be scraped.",
+            f"Prometheus cannot scrape {WHERE} (pod {{{{ $labels.pod }}}}, "
+            "instance {{ $labels.instance }}).",
+        ),
+        _alert(
+            cfg,
+            "OmniKVMetricsAbsent",
+            absent_expr,
+            cfg.metrics_absent_for,
+            "warning",
+            "A pipeline exports no KV-transfer metrics.",
+            "No stage of pipeline {{ $labels.namespace }}/{{ $labels.pipeline }} exports "
+            f"{m.KV_TRANSFERS} although its stages are scraped: stuck transfers would go "
+            "unnoticed.",
+        ),
+    ]
+
+
+def operator_rules(cfg: Config) -> list[dict[str, Any]]:
+    expr = f"""
+sum by (namespace, pod) (increase({m.OPERATOR_RECONCILES}{{result="error"}}[{cfg.reconcile_error_window}]))
+  > 0
+"""
+    return [
+        _alert(
+            cfg,
+            "OmniOperatorReconcileErrors",
+            expr,
+            cfg.reconcile_error_for,
+            "warning",
+            "The omni-pipeline operator keeps failing to reconcile.",
+            "The operator {{ $labels.namespace }}/{{ $labels.pod }} has failed "
+            "{{ $value | humanize }} reconciles in the last "
+            f"{cfg.reconcile_error_window}.",
+        ),
+    ]
+
+
+def rule_groups(cfg: Config = Config()) -> dict[str, Any]:
+    """The rule file's content: `{"groups": [...]}` (also a PrometheusRule's spec)."""
+    return {
+        "groups": [
+            {"name": "omni-pipeline.kv-transfers", "rules": kv_transfer_rules(cfg)},
+            {"name": "omni-pipeline.stages", "rules": stage_rules(cfg)},
+            {"name": "omni-pipeline.operator", "rules": operator_rules(cfg)},
+        ]
+    }

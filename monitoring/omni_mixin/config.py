@@ -1,0 +1,35 @@
+"""Tunables shared by the alert rules and the dashboards.
+
+The chart exposes the same tunables as Helm values; its defaults must equal these (a test
+renders the chart with default values and compares the rules with the plain rule file).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Where the runbooks live; each alert links to `<base>#<alertname lowercased>`.
+DEFAULT_RUNBOOK_BASE_URL = (
+    "https://github.com/omni-pipeline/omni-pipeline/blob/main/docs/runbooks.md"
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    # An active transfer normally resolves within milliseconds and the runtime expires it at
+    # its deadline (`timeout_seconds`, typically tens of seconds). One still active after
+    # this long means the engine loop or the deadline sweep is not running.
+    stuck_transfer_seconds: int | str = 300
+    stuck_transfer_for: str = "1m"
+    # Held transfers keep KV blocks allocated after the request finished: memory the
+    # scheduler cannot give to new requests.
+    held_too_long_seconds: int | str = 300
+    held_too_long_for: str = "1m"
+    # Fraction of resolved transfers that failed or expired, over `failure_rate_window`.
+    failure_ratio: float | str = 0.05
+    failure_rate_window: str = "10m"
+    failure_rate_for: str = "10m"
+    stage_down_for: str = "5m"
+    metrics_absent_for: str = "10m"
+    reconcile_error_window: str = "10m"
+    reconcile_error_for: str = "15m"
+    runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL

@@ -1,0 +1,279 @@
+"""The two dashboards: "Omni KV transfers" and "Omni pipelines"."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import metrics as m
+from .config import Config
+from .grafana import Panel, Row, dashboard, query_variable
+
+SEL = 'namespace=~"$namespace", pipeline=~"$pipeline", stage=~"$stage"'
+RATE = "$__rate_interval"
+
+
+def _variables(metric: str, matchers: str = "") -> list[dict[str, Any]]:
+    """namespace, pipeline and stage, each narrowed by the ones before it."""
+    first = f"{matchers}, " if matchers else ""
+    return [
+        query_variable("namespace", "Namespace", f"{metric}{{{matchers}}}" if matchers else metric),
+        query_variable("pipeline", "Pipeline", f'{metric}{{{first}namespace=~"$namespace"}}'),
+        query_variable(
+            "stage", "Stage", f'{metric}{{{first}namespace=~"$namespace", pipeline=~"$pipeline"}}'
+        ),
+    ]
+
+
+def _quantiles(histogram: str, by: str, extra: str = "") -> list[tuple[str, str]]:
+    matchers = SEL + (", " + extra if extra else "")
+    return [
+        (
+            f"histogram_quantile({q}, sum by (le, {by}) "
+            f"(rate({histogram}_bucket{{{matchers}}}[{RATE}])))",
+            f"p{int(q * 100)} {{{{{by}}}}}",
+        )
+        for q in (0.5, 0.95, 0.99)
+    ]
+
+
+def _oldest_age(state: str) -> str:
+    # 0 means "none in this state": drop it, or the panel would show 50 years.
+    return (
+        f'max by (pipeline, stage) (time() - ({m.KV_OLDEST_START}{{{SEL}, state="{state}"}} > 0))'
+    )
+
+
+def kv_transfers(cfg: Config = Config()) -> dict[str, Any]:
+    by_stage = "{{pipeline}}/{{stage}}"
+    rows = [
+        Row(
+            "Transfers now",
+            [
+                Panel(
+                    "Transfers by state",
+                    "Pending (marked, not yet handed to the runner), active (handed over, "
+                    "not yet resolved) and held (request finished, blocks still allocated; "
+                    "also counted as pending or active) transfers per stage.",
+                    [(
+                        f"sum by (pipeline, stage, state) ({m.KV_TRANSFERS}{{{SEL}}})",
+                        by_stage + " {{state}}",
+                    )],
+                    width=8,
+                ),
+                Panel(
+                    "Held KV blocks",
+                    "KV-cache blocks kept allocated for finished requests whose transfer "
+                    "has not resolved: memory new requests cannot use.",
+                    [(f"sum by (pipeline, stage) ({m.KV_HELD_BLOCKS}{{{SEL}}})", by_stage)],
+                    width=8,
+                ),
+                Panel(
+                    "Age of the oldest active transfer",
+                    "Time since the oldest transfer still active entered that state. The "
+                    "red line is OmniKVTransferStuck's threshold.",
+                    [(_oldest_age("active"), by_stage)],
+                    unit="s",
+                    width=8,
+                    threshold=float(cfg.stuck_transfer_seconds),
+                ),
+                Panel(
+                    "Age of the oldest held transfer",
+                    "Time since the oldest held transfer's request finished. The red line "
+                    "is OmniKVBlocksHeldTooLong's threshold.",
+                    [(_oldest_age("held"), by_stage)],
+                    unit="s",
+                    width=8,
+                    threshold=float(cfg.held_too_long_seconds),
+                ),
+            ],
+        ),
+        Row(
+            "Throughput and outcomes",
+            [
+                Panel(
+                    "Transfers started by trigger",
+                    "Transfers marked per second, by what triggered them.",
+                    [(
+                        f"sum by (pipeline, stage, trigger) (rate({m.KV_STARTED}{{{SEL}}}[{RATE}]))",
+                        by_stage + " {{trigger}}",
+                    )],
+                    unit="ops",
+                    width=8,
+                ),
+                Panel(
+                    "Resolutions by outcome",
+                    "Transfers resolved per second: acked (delivered), failed, expired "
+                    "(deadline passed) or cancelled (request aborted before hand-off).",
+                    [(
+                        f"sum by (pipeline, stage, outcome) (rate({m.KV_RESOLVED}{{{SEL}}}[{RATE}]))",
+                        by_stage + " {{outcome}}",
+                    )],
+                    unit="ops",
+                    width=8,
+                    stack=True,
+                ),
+                Panel(
+                    "Transfer duration",
+                    "Marking to resolution, all outcomes: p50, p95 and p99.",
+                    _quantiles(m.KV_DURATION, "stage"),
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "Transfer bytes per second",
+                    "Payload bytes of delivered transfers, measured by the worker.",
+                    [(
+                        f"sum by (pipeline, stage) (rate({m.KV_BYTES}_sum{{{SEL}}}[{RATE}]))",
+                        by_stage,
+                    )],
+                    unit="Bps",
+                    width=8,
+                ),
+                Panel(
+                    "Hold duration",
+                    "Request finished to its KV blocks freed: p50, p95 and p99.",
+                    _quantiles(m.KV_HOLD_DURATION, "stage"),
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "Receiver rejections",
+                    "Incoming transfers a receiving stage refused, by reason.",
+                    [(
+                        f"sum by (pipeline, stage, reason) (rate({m.KV_RECEIVER_REJECTED}{{{SEL}}}[{RATE}]))",
+                        by_stage + " {{reason}}",
+                    )],
+                    unit="ops",
+                    width=8,
+                ),
+            ],
+        ),
+    ]
+    return dashboard(
+        "omni-kv-transfers",
+        "Omni KV transfers",
+        "KV-cache transfers between the stages of omni pipelines (omni_kv_* metrics).",
+        _variables(m.KV_TRANSFERS),
+        rows,
+    )
+
+
+def pipelines(cfg: Config = Config()) -> dict[str, Any]:
+    by_stage = "{{pipeline}}/{{stage}}"
+    up = f"up{{{SEL}}}"
+    rows = [
+        Row(
+            "Stages",
+            [
+                Panel(
+                    "Stage readiness",
+                    "Fraction of each stage's pods that Prometheus scrapes successfully.",
+                    [(
+                        f"sum by (pipeline, stage) ({up}) / count by (pipeline, stage) ({up})",
+                        by_stage,
+                    )],
+                    unit="percentunit",
+                    kind="stat",
+                    width=24,
+                    height=4,
+                    threshold=1,
+                    extra_defaults={
+                        "thresholds": {
+                            "mode": "absolute",
+                            "steps": [
+                                {"color": "red", "value": None},
+                                {"color": "green", "value": 1},
+                            ],
+                        }
+                    },
+                ),
+            ],
+        ),
+        Row(
+            "Requests (vLLM)",
+            [
+                Panel(
+                    "Request rate",
+                    "Finished requests per second, by finish reason.",
+                    [(
+                        f"sum by (pipeline, stage, finished_reason) "
+                        f"(rate({m.VLLM_REQUEST_SUCCESS}{{{SEL}}}[{RATE}]))",
+                        by_stage + " {{finished_reason}}",
+                    )],
+                    unit="reqps",
+                ),
+                Panel(
+                    "Requests running and waiting",
+                    "Requests in the engine's batch and in its queue.",
+                    [
+                        (
+                            f"sum by (pipeline, stage) ({m.VLLM_REQUESTS_RUNNING}{{{SEL}}})",
+                            by_stage + " running",
+                        ),
+                        (
+                            f"sum by (pipeline, stage) ({m.VLLM_REQUESTS_WAITING}{{{SEL}}})",
+                            by_stage + " waiting",
+                        ),
+                    ],
+                ),
+                Panel(
+                    "End-to-end request latency",
+                    "Request arrival to last token: p50, p95 and p99.",
+                    _quantiles(m.VLLM_E2E_LATENCY, "stage"),
+                    unit="s",
+                ),
+                Panel(
+                    "Time to first token",
+                    "p50, p95 and p99.",
+                    _quantiles(m.VLLM_TTFT, "stage"),
+                    unit="s",
+                ),
+                Panel(
+                    "KV-cache usage",
+                    "Fraction of the KV cache in use (held transfer blocks included).",
+                    [(f"max by (pipeline, stage) ({m.VLLM_KV_CACHE_USAGE}{{{SEL}}})", by_stage)],
+                    unit="percentunit",
+                    width=24,
+                    extra_defaults={"max": 1},
+                ),
+            ],
+        ),
+        Row(
+            "Operator",
+            [
+                Panel(
+                    "Reconciles by result",
+                    "Reconciles of OmniPipeline resources per second, by result, over all "
+                    "operator replicas.",
+                    [(
+                        f"sum by (result) (rate({m.OPERATOR_RECONCILES}[{RATE}]))",
+                        "{{result}}",
+                    )],
+                    unit="ops",
+                ),
+                Panel(
+                    "Reconcile errors",
+                    "Failed reconciles per second; OmniOperatorReconcileErrors fires when "
+                    "this stays above zero.",
+                    [(
+                        f'sum by (namespace, pod) (rate({m.OPERATOR_RECONCILES}{{result="error"}}[{RATE}]))',
+                        "{{namespace}}/{{pod}}",
+                    )],
+                    unit="ops",
+                ),
+            ],
+        ),
+    ]
+    return dashboard(
+        "omni-pipelines",
+        "Omni pipelines",
+        "Stages of omni pipelines: readiness, vLLM requests and KV cache, and the operator.",
+        _variables("up", 'pipeline!=""'),
+        rows,
+    )
+
+
+# File name (in dashboards/ and the chart) -> builder.
+DASHBOARDS = {
+    "omni-kv-transfers.json": kv_transfers,
+    "omni-pipelines.json": pipelines,
+}

@@ -1,0 +1,36 @@
+"""Metric and label names the mixin queries, in one place so that a rename is one edit.
+
+The `omni_kv_*` names are fixed by the metric contract in ARCHITECTURE.md; the receiver and
+operator names follow the runtime's and the operator's registries (tests check every name a
+rule or panel queries against those registries and vLLM's own).
+"""
+from __future__ import annotations
+
+# Runtime (stage) metrics: the ARCHITECTURE.md metric contract.
+KV_TRANSFERS = "omni_kv_transfers"  # gauge, label state
+KV_HELD_BLOCKS = "omni_kv_held_blocks"  # gauge
+KV_OLDEST_START = "omni_kv_transfer_oldest_start_timestamp_seconds"  # gauge, label state
+KV_STARTED = "omni_kv_transfers_started_total"  # counter, label trigger
+KV_RESOLVED = "omni_kv_transfers_resolved_total"  # counter, label outcome
+KV_DURATION = "omni_kv_transfer_duration_seconds"  # histogram, label outcome
+KV_HOLD_DURATION = "omni_kv_hold_duration_seconds"  # histogram
+KV_BYTES = "omni_kv_transfer_bytes"  # histogram (worker side)
+# Receiving stage: transfers it refused (bad payload, unknown request, full), label reason.
+KV_RECEIVER_REJECTED = "omni_kv_receiver_rejected_total"
+
+# Operator metrics.
+OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result
+
+# vLLM's own metrics on the same /metrics page.
+VLLM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+VLLM_REQUEST_SUCCESS = "vllm:request_success_total"
+VLLM_E2E_LATENCY = "vllm:e2e_request_latency_seconds"
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+
+# Labels that the scrape adds (the operator's PodMonitor, the chart's ServiceMonitor or a
+# plain scrape_config): the stage's Kubernetes namespace and pod, and the OmniPipeline's
+# name. Together with the metrics' own `stage` and `model_name` they identify a stage.
+SCRAPE_LABELS = ("namespace", "pod", "pipeline", "stage")
+STAGE_LABELS = ("namespace", "pipeline", "stage", "model_name")

@@ -1,0 +1,45 @@
+"""The operator's own Prometheus metrics, in a registry of their own (served on --metrics-port)."""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PHASES = ("Progressing", "Ready", "Degraded", "Failed")
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.reconciles = Counter(
+            "omni_operator_reconciles_total", "OmniPipeline reconciles, by result.",
+            ["result"], registry=self.registry)
+        self.duration = Histogram(
+            "omni_operator_reconcile_duration_seconds", "Time to reconcile one OmniPipeline.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
+        self.pipelines = Gauge(
+            "omni_operator_pipelines", "OmniPipelines known to the operator, by phase.",
+            ["phase"], registry=self.registry)
+        self.api_calls = Counter(
+            "omni_operator_api_requests_total", "Kubernetes API requests made, by verb and kind.",
+            ["verb", "kind"], registry=self.registry)
+        self._phases: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+        for phase in PHASES:
+            self.pipelines.labels(phase).set(0)
+
+    def api_call(self, verb: str, kind: str) -> None:
+        self.api_calls.labels(verb, kind).inc()
+
+    def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Record a pipeline's phase (None: the pipeline is gone) and refresh the gauge."""
+        with self._lock:
+            if phase is None:
+                self._phases.pop((namespace, name), None)
+            else:
+                self._phases[(namespace, name)] = phase
+            counts = {p: 0 for p in PHASES}
+            for value in self._phases.values():
+                counts[value] = counts.get(value, 0) + 1
+            for p, n in counts.items():
+                self.pipelines.labels(p).set(n)

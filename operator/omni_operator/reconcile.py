@@ -1,0 +1,263 @@
+"""One reconcile path for create, update, resume, child events and the resync timer.
+
+Reads the OmniPipeline, validates it (nothing is written for an invalid spec but its
+status and one Warning event), renders the desired children, applies the differences
+(create, patch, delete), and writes the status computed from the children, each write only
+when something differs. Calls for one pipeline are serialised by a lock, since kopf's
+handlers, child events and the resync thread may reconcile it at once.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from . import API_VERSION, KIND, naming
+from .diff import merge_patch
+from .errors import SpecError
+from .kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, PODMONITOR, Kind
+from .kube import ApiException, Kube
+from .metrics import OperatorMetrics
+from .model import Pipeline, parse_pipeline
+from .render import render_children
+from .status import compute_status, invalid_status, status_patch
+
+log = logging.getLogger("omni_operator")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Outcome:
+    result: str  # applied, unchanged, invalid, conflict, gone
+    writes: int = 0
+    phase: str | None = None
+    changed: list[str] = field(default_factory=list)  # "verb Kind/name" of each child write
+
+
+def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+def child_selector(pipeline_name: str) -> str:
+    return f"{naming.PIPELINE_LABEL}={pipeline_name},app.kubernetes.io/managed-by={naming.MANAGER}"
+
+
+def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
+    """The desired object plus an annotation recording it, for the next three-way diff."""
+    record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    meta = dict(desired["metadata"])
+    meta["annotations"] = {**meta.get("annotations", {}), naming.LAST_APPLIED_ANNOTATION: record}
+    return {**desired, "metadata": meta}
+
+
+def last_applied(live: Mapping[str, Any]) -> dict[str, Any]:
+    text = ((live.get("metadata") or {}).get("annotations") or {}).get(naming.LAST_APPLIED_ANNOTATION)
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
+                 clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0):
+        self.kube = kube
+        self.metrics = metrics or OperatorMetrics()
+        self.clock = clock
+        self.addon_cache_seconds = addon_cache_seconds
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._podmonitors: tuple[float, bool] | None = None
+        # What each pipeline's children should look like, as last rendered: lets a child
+        # event be ignored cheaply when the child is still as desired.
+        self._desired: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
+
+    # -- entry points ------------------------------------------------------------------------
+    def reconcile(self, namespace: str, name: str) -> Outcome:
+        with self._lock_for(namespace, name):
+            started = time.perf_counter()
+            try:
+                body = self.kube.get_pipeline(namespace, name)
+                if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                    self.forget(namespace, name)
+                    outcome = Outcome("gone")
+                else:
+                    outcome = self._reconcile(body)
+            except Exception:
+                self.metrics.reconciles.labels("error").inc()
+                raise
+            finally:
+                self.metrics.duration.observe(time.perf_counter() - started)
+            self.metrics.reconciles.labels(outcome.result).inc()
+            if outcome.phase:
+                self.metrics.set_phase(namespace, name, outcome.phase)
+            return outcome
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The pipeline is gone: drop what is remembered about it (its children are garbage-collected)."""
+        self._desired.pop((namespace, name), None)
+        self.metrics.set_phase(namespace, name, None)
+
+    def child_needs_reconcile(self, child: Mapping[str, Any], deleted: bool) -> bool:
+        """Whether an event about a child should trigger its pipeline's reconcile."""
+        meta = child.get("metadata") or {}
+        pipeline = (meta.get("labels") or {}).get(naming.PIPELINE_LABEL)
+        desired = self._desired.get((meta.get("namespace"), pipeline))
+        if desired is None:
+            return True  # not reconciled by this process yet
+        want = desired.get((child.get("kind"), meta.get("name")))
+        if want is None:
+            return False  # not a current child (being deleted by us, or not ours)
+        if deleted or child.get("kind") == DEPLOYMENT.kind:
+            return True  # re-create it / refresh the status from its rollout state
+        return bool(merge_patch(want, child, last_applied(child)))
+
+    # -- the reconcile -----------------------------------------------------------------------
+    def _lock_for(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def _podmonitors_served(self) -> bool:
+        now = time.monotonic()
+        if self._podmonitors is None or now - self._podmonitors[0] > self.addon_cache_seconds:
+            self._podmonitors = (now, self.kube.serves(PODMONITOR))
+        return self._podmonitors[1]
+
+    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+        meta = body["metadata"]
+        namespace, name = meta.get("namespace") or "default", meta["name"]
+        try:
+            pipeline = parse_pipeline(body)
+        except SpecError as exc:
+            return self._refuse(body, "InvalidSpec", str(exc))
+        podmonitors = self._podmonitors_served()
+        desired = [with_last_applied(child) for child in render_children(pipeline, podmonitor_available=podmonitors)]
+        self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
+        live = self._owned_children(pipeline, podmonitors)
+        outcome = Outcome("unchanged")
+        current: dict[tuple[str, str], dict[str, Any]] = {}
+        conflicts = []
+        for child in desired:
+            key = (child["kind"], child["metadata"]["name"])
+            obj = self._apply_one(BY_KIND[child["kind"]], pipeline, child, live.get(key), outcome)
+            if obj is None:
+                conflicts.append(f"{key[0]} {key[1]}")
+            else:
+                current[key] = obj
+        wanted = set(self._desired[(namespace, name)])
+        for key, obj in live.items():
+            if key not in wanted:
+                self.kube.delete(BY_KIND[key[0]], namespace, key[1])
+                outcome.changed.append(f"delete {key[0]}/{key[1]}")
+        outcome.writes = len(outcome.changed)
+        if outcome.changed:
+            outcome.result = "applied"
+            log.info("%s/%s: %s", namespace, name, ", ".join(outcome.changed))
+        if conflicts:
+            refused = self._refuse(body, "ChildConflict",
+                                   "objects with the children's names exist and are not owned by this OmniPipeline: "
+                                   f"{', '.join(conflicts)}; delete or rename them", pipeline.generation)
+            refused.writes += outcome.writes
+            refused.changed = outcome.changed + refused.changed
+            return refused
+        deployments = {stage.name: current.get((DEPLOYMENT.kind, naming.stage_name(pipeline.name, stage.name)))
+                       for stage in pipeline.stages}
+        status = compute_status(pipeline, deployments, body.get("status"), self.clock())
+        outcome.phase = status["phase"]
+        if self._write_status(body, status):
+            outcome.writes += 1
+        return outcome
+
+    def _owned_children(self, pipeline: Pipeline, podmonitors: bool) -> dict[tuple[str, str], dict[str, Any]]:
+        selector = child_selector(pipeline.name)
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        for kind in CHILD_KINDS:
+            if kind is PODMONITOR and not podmonitors:
+                continue
+            for obj in self.kube.list(kind, pipeline.namespace, selector):
+                labels = (obj.get("metadata") or {}).get("labels") or {}
+                # Filter again here: only what this very resource controls is ever changed.
+                if labels.get(naming.PIPELINE_LABEL) == pipeline.name and is_owned_by(obj, pipeline.uid):
+                    found[(kind.kind, obj["metadata"]["name"])] = {"kind": kind.kind, **obj}
+        return found
+
+    def _apply_one(self, kind: Kind, pipeline: Pipeline, desired: dict[str, Any],
+                   live: dict[str, Any] | None, outcome: Outcome) -> dict[str, Any] | None:
+        name = desired["metadata"]["name"]
+        if live is None:
+            try:
+                created = self.kube.create(kind, pipeline.namespace, desired)
+                outcome.changed.append(f"create {kind.kind}/{name}")
+                return created
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            # It exists after all: created concurrently, or someone else's object.
+            live = self.kube.get(kind, pipeline.namespace, name)
+            if live is None or not is_owned_by(live, pipeline.uid):
+                return None
+        patch = merge_patch(desired, live, last_applied(live))
+        if not patch:
+            return live
+        outcome.changed.append(f"patch {kind.kind}/{name}")
+        return self.kube.patch(kind, pipeline.namespace, name, patch)
+
+    def _write_status(self, body: Mapping[str, Any], status: dict[str, Any]) -> bool:
+        patch = status_patch(body.get("status"), status)
+        if not patch:
+            return False
+        meta = body["metadata"]
+        try:
+            self.kube.patch_pipeline_status(meta.get("namespace") or "default", meta["name"], {"status": patch})
+        except ApiException as exc:
+            if exc.status == 404:  # deleted meanwhile
+                return False
+            raise
+        return True
+
+    def _refuse(self, body: dict[str, Any], reason: str, message: str, generation: int | None = None) -> Outcome:
+        """Report a resource that cannot be applied: Ready=False, one Warning event per new message."""
+        meta = body["metadata"]
+        gen = int(meta.get("generation") or 0) if generation is None else generation
+        previous = body.get("status") or {}
+        ready = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
+        outcome = Outcome("invalid" if reason == "InvalidSpec" else "conflict", phase="Failed")
+        if ready.get("reason") != reason or ready.get("message") != message:
+            log.warning("%s/%s: %s: %s", meta.get("namespace"), meta["name"], reason, message)
+            self._post_warning(body, reason, message)
+            outcome.writes += 1
+        if self._write_status(body, invalid_status(gen, message, previous, self.clock(), reason)):
+            outcome.writes += 1
+        return outcome
+
+    def _post_warning(self, body: Mapping[str, Any], reason: str, message: str) -> None:
+        meta = body["metadata"]
+        now = self.clock()
+        namespace = meta.get("namespace") or "default"
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+                               "namespace": namespace, "uid": meta.get("uid", "")},
+            "type": "Warning",
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": naming.MANAGER},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.kube.create_event(namespace, event)
+        except ApiException as exc:  # an event is best effort; the condition carries the news
+            log.warning("could not post event for %s/%s: %s", namespace, meta["name"], exc.status)

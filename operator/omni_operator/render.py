@@ -1,0 +1,263 @@
+"""The desired children of an OmniPipeline: a pure function of the validated spec.
+
+Rendered objects hold only the fields the operator owns. They omit empty values, because the
+API server drops them too and a difference that can never go away would mean a write on
+every reconcile.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import API_VERSION, KIND, naming
+from .kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
+from .model import GPU_RESOURCE, Pipeline, Stage
+from .stage_config import config_hash, dump_stage_config, render_stage_config
+
+RUN_AS_USER = 1000  # the restricted Pod Security profile asks for a non-root user
+STARTUP_BUDGET_SECONDS = 1800  # loading a large model from a cold cache can take many minutes
+
+
+def owner_reference(pipeline: Pipeline) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": pipeline.name,
+        "uid": pipeline.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(pipeline: Pipeline, name: str, stage: str | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": pipeline.namespace,
+        "labels": naming.common_labels(pipeline.name, stage),
+        "ownerReferences": [owner_reference(pipeline)],
+    }
+
+
+def render_children(pipeline: Pipeline, *, podmonitor_available: bool) -> list[dict[str, Any]]:
+    """Every child the pipeline should have, in apply order."""
+    children: list[dict[str, Any]] = []
+    for stage in pipeline.stages:
+        config_text = dump_stage_config(render_stage_config(pipeline, stage.name))
+        children.append(render_configmap(pipeline, stage, config_text))
+        children.append(render_service(pipeline, stage))
+        children.append(render_deployment(pipeline, stage, config_hash(config_text)))
+        children.append(render_pdb(pipeline, stage))
+    children.append(render_networkpolicy(pipeline))
+    if podmonitor_available and pipeline.observability.metrics:
+        children.append(render_podmonitor(pipeline))
+    return children
+
+
+def render_configmap(pipeline: Pipeline, stage: Stage, config_text: str) -> dict[str, Any]:
+    return {
+        "apiVersion": CONFIGMAP.api_version,
+        "kind": CONFIGMAP.kind,
+        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "data": {naming.CONFIG_KEY: config_text},
+    }
+
+
+def render_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    return {
+        "apiVersion": SERVICE.api_version,
+        "kind": SERVICE.kind,
+        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector_labels(pipeline.name, stage.name),
+            "ports": [
+                {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "kv", "port": naming.KV_PORT, "targetPort": "kv", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def render_pdb(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    # maxUnavailable (not minAvailable) so a single-replica stage still lets nodes drain.
+    return {
+        "apiVersion": PDB.api_version,
+        "kind": PDB.kind,
+        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": naming.selector_labels(pipeline.name, stage.name)},
+        },
+    }
+
+
+def render_networkpolicy(pipeline: Pipeline) -> dict[str, Any]:
+    pods = {"matchLabels": naming.selector_labels(pipeline.name)}
+    return {
+        "apiVersion": NETWORKPOLICY.api_version,
+        "kind": NETWORKPOLICY.kind,
+        "metadata": _metadata(pipeline, pipeline.name, None),
+        "spec": {
+            "podSelector": pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                # KV caches are only accepted from the pipeline's own stages.
+                {"from": [{"podSelector": pods}], "ports": [{"protocol": "TCP", "port": naming.KV_PORT}]},
+                # The HTTP API and /metrics stay reachable for clients and Prometheus.
+                {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}]},
+            ],
+        },
+    }
+
+
+def render_podmonitor(pipeline: Pipeline) -> dict[str, Any]:
+    return {
+        "apiVersion": PODMONITOR.api_version,
+        "kind": PODMONITOR.kind,
+        "metadata": _metadata(pipeline, pipeline.name, None),
+        "spec": {
+            "selector": {"matchLabels": naming.selector_labels(pipeline.name)},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
+    downstream = [naming.kv_endpoint(pipeline.name, s, pipeline.namespace) for s in pipeline.downstream_of(stage.name)]
+    env: list[dict[str, Any]] = [
+        {"name": "OMNI_PIPELINE", "value": pipeline.name},
+        {"name": "OMNI_STAGE", "value": stage.name},
+        {"name": "OMNI_STAGE_ROLE", "value": stage.role},
+        {"name": "OMNI_STAGE_CONFIG", "value": naming.CONFIG_PATH},
+        {"name": "OMNI_DOWNSTREAM_ENDPOINTS", "value": ",".join(downstream)},
+        {"name": "OMNI_POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+        {"name": "OMNI_POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}},
+        # The pods run as a non-root user with no home directory; caches go to the /tmp volume.
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if pipeline.model.cache_claim:
+        env.append({"name": "HF_HOME", "value": f"{pipeline.model.cache_mount_path}/huggingface"})
+    if pipeline.model.hub_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": pipeline.model.hub_token_secret, "key": pipeline.model.hub_token_key}}})
+    if pipeline.observability.otlp_endpoint:
+        env += [
+            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": pipeline.observability.otlp_endpoint},
+            {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "http/protobuf"},
+            {"name": "OTEL_SERVICE_NAME", "value": naming.stage_name(pipeline.name, stage.name)},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES",
+             "value": f"omni.pipeline={pipeline.name},omni.stage={stage.name},k8s.namespace.name={pipeline.namespace}"},
+        ]
+    env += [dict(item) for item in stage.env]
+    return env
+
+
+def _resources(stage: Stage) -> dict[str, Any]:
+    resources = {section: dict(values) for section, values in stage.resources.items() if values}
+    if stage.gpus > 0:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(stage.gpus)
+        if "requests" in resources:  # extended resources need requests == limits when both are set
+            resources["requests"][GPU_RESOURCE] = str(stage.gpus)
+    return resources
+
+
+def _probe(period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+        "successThreshold": 1,
+    }
+
+
+def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) -> dict[str, Any]:
+    name = naming.stage_name(pipeline.name, stage.name)
+    container: dict[str, Any] = {
+        "name": "stage",
+        "image": stage.image,
+        "imagePullPolicy": pipeline.image_pull_policy,
+        "command": ["omni-stage", "--config", naming.CONFIG_PATH],
+        "ports": [
+            {"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"},
+            {"name": "kv", "containerPort": naming.KV_PORT, "protocol": "TCP"},
+        ],
+        "env": _env(pipeline, stage),
+        "resources": _resources(stage),
+        "startupProbe": _probe(10, STARTUP_BUDGET_SECONDS // 10, 5),
+        "readinessProbe": _probe(10, 3, 5),
+        "livenessProbe": _probe(20, 6, 10),
+        "volumeMounts": [
+            {"name": "stage-config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "stage-config", "configMap": {"name": name}},
+        # vLLM and NCCL need a large shared-memory segment; the container default is 64Mi.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": stage.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if pipeline.model.cache_claim:
+        container["volumeMounts"].append({"name": "model-cache", "mountPath": pipeline.model.cache_mount_path,
+                                          "readOnly": pipeline.model.cache_read_only})
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {
+            "claimName": pipeline.model.cache_claim, "readOnly": pipeline.model.cache_read_only}})
+    tolerations = [dict(t) for t in stage.tolerations]
+    if stage.gpus > 0 and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule.
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        # No API access needed by a stage; no service-link variables (VLLM_PORT-like names
+        # injected for Services break vLLM's own environment parsing).
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": stage.kv.timeout_seconds + 30,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if stage.node_selector:
+        pod_spec["nodeSelector"] = dict(stage.node_selector)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if pipeline.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pipeline.image_pull_secrets]
+    if pipeline.service_account:
+        pod_spec["serviceAccountName"] = pipeline.service_account
+    # GPUs are scarce: replace pods in place rather than surge onto GPUs that may not exist.
+    rolling = {"maxSurge": 0, "maxUnavailable": 1} if stage.gpus > 0 else {"maxSurge": 1, "maxUnavailable": 0}
+    return {
+        "apiVersion": DEPLOYMENT.api_version,
+        "kind": DEPLOYMENT.kind,
+        "metadata": _metadata(pipeline, name, stage.name),
+        "spec": {
+            "replicas": stage.replicas,
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": STARTUP_BUDGET_SECONDS,
+            "selector": {"matchLabels": naming.selector_labels(pipeline.name, stage.name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": {
+                "metadata": {
+                    "labels": naming.common_labels(pipeline.name, stage.name),
+                    "annotations": {
+                        # A changed stage config changes the pod template, so the pods roll.
+                        naming.CONFIG_HASH_ANNOTATION: stage_config_hash,
+                        "kubectl.kubernetes.io/default-container": "stage",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

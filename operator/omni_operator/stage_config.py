@@ -1,0 +1,78 @@
+"""The stage config file that `omni-stage --config /etc/omni/stage.yaml` reads.
+
+A pure function of the pipeline and the stage name. The operator puts it in the stage's
+ConfigMap; docs/operator.md documents every key, since the runtime is written against it.
+It never holds secrets: the hub token reaches the pod as a secretKeyRef environment variable.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import yaml
+
+from . import naming
+from .model import Pipeline
+
+CONFIG_API_VERSION = "omnipipeline.dev/v1alpha1"
+CONFIG_KIND = "StageConfig"
+
+
+def render_stage_config(
+    pipeline: Pipeline,
+    stage_name: str,
+    endpoint_for: Callable[[str], str] | None = None,
+) -> dict[str, Any]:
+    """The stage config as a dict.
+
+    `endpoint_for(stage)` gives the host:port of a stage's KV receiver; by default the stage's
+    Service in the pipeline's namespace (a local runner passes 127.0.0.1 addresses).
+    """
+    if endpoint_for is None:
+        def endpoint_for(name: str) -> str:
+            return naming.kv_endpoint(pipeline.name, name, pipeline.namespace)
+    stage = pipeline.stage(stage_name)
+    model: dict[str, Any] = {"name": pipeline.model.name}
+    if pipeline.model.path:
+        model["path"] = pipeline.model.path
+    if pipeline.model.revision:
+        model["revision"] = pipeline.model.revision
+    if pipeline.model.cache_claim:
+        model["cacheDir"] = pipeline.model.cache_mount_path
+    criteria: dict[str, Any] = {"type": stage.kv.criteria_type}
+    if stage.kv.token_id is not None:
+        criteria["tokenId"] = stage.kv.token_id
+    return {
+        "apiVersion": CONFIG_API_VERSION,
+        "kind": CONFIG_KIND,
+        "pipeline": pipeline.name,
+        "namespace": pipeline.namespace,
+        "stage": stage.name,
+        "role": stage.role,
+        "model": model,
+        "engineArgs": dict(stage.engine_args),
+        "kvTransfer": {
+            "send": stage.kv.send,
+            "criteria": criteria,
+            "timeoutSeconds": stage.kv.timeout_seconds,
+        },
+        "inputs": list(stage.inputs),
+        "downstream": [
+            {"stage": name, "endpoint": endpoint_for(name)} for name in pipeline.downstream_of(stage.name)
+        ],
+        "ports": {"http": naming.HTTP_PORT, "kv": naming.KV_PORT},
+        "observability": {
+            "metrics": pipeline.observability.metrics,
+            "tracing": {"otlpEndpoint": pipeline.observability.otlp_endpoint},
+            "alerts": {"stuckTransferSeconds": pipeline.observability.stuck_transfer_seconds},
+        },
+    }
+
+
+def dump_stage_config(config: dict[str, Any]) -> str:
+    """Deterministic YAML (sorted keys), so the same config always hashes the same."""
+    return yaml.safe_dump(config, sort_keys=True, default_flow_style=False)
+
+
+def config_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

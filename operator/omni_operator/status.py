@@ -1,0 +1,118 @@
+"""The OmniPipeline's status: a pure function of its stage Deployments.
+
+Conditions follow the Kubernetes convention (type, status, reason, message,
+lastTransitionTime); a condition keeps its lastTransitionTime while its status is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .model import Pipeline
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+
+def _deployment_condition(deployment: Mapping[str, Any], ctype: str) -> Mapping[str, Any]:
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype:
+            return cond
+    return {}
+
+
+def stage_state(desired_replicas: int, deployment: Mapping[str, Any] | None) -> tuple[dict[str, int], str, str]:
+    """(counts, state, detail) of one stage; state is ready, progressing or failing."""
+    if deployment is None:
+        return {"replicas": desired_replicas, "readyReplicas": 0, "updatedReplicas": 0}, "progressing", "Deployment not created yet"
+    st = deployment.get("status") or {}
+    counts = {
+        "replicas": desired_replicas,
+        "readyReplicas": int(st.get("readyReplicas") or 0),
+        "updatedReplicas": int(st.get("updatedReplicas") or 0),
+    }
+    progressing = _deployment_condition(deployment, "Progressing")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if progressing.get("reason") == "ProgressDeadlineExceeded":
+        return counts, "failing", f"rollout exceeded its progress deadline: {progressing.get('message', '')}".rstrip(": ")
+    if failure.get("status") == "True":
+        return counts, "failing", f"cannot create pods: {failure.get('message', '')}".rstrip(": ")
+    generation = int((deployment.get("metadata") or {}).get("generation") or 0)
+    observed = int(st.get("observedGeneration") or 0)
+    spec_replicas = int((deployment.get("spec") or {}).get("replicas", desired_replicas))
+    if observed < generation or spec_replicas != desired_replicas:
+        return counts, "progressing", "rollout not yet observed"
+    if counts["updatedReplicas"] < desired_replicas or int(st.get("replicas") or 0) > desired_replicas:
+        return counts, "progressing", f"{counts['updatedReplicas']}/{desired_replicas} replicas updated"
+    if counts["readyReplicas"] < desired_replicas:
+        return counts, "progressing", f"{counts['readyReplicas']}/{desired_replicas} replicas ready"
+    return counts, "ready", ""
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message,
+            "observedGeneration": generation}
+
+
+def with_transition_times(conditions: list[dict[str, Any]], previous: list[Mapping[str, Any]] | None, now: str) -> list[dict[str, Any]]:
+    before = {c.get("type"): c for c in previous or []}
+    out = []
+    for cond in conditions:
+        old = before.get(cond["type"])
+        same = old is not None and old.get("status") == cond["status"] and old.get("lastTransitionTime")
+        out.append({**cond, "lastTransitionTime": old["lastTransitionTime"] if same else now})
+    return out
+
+
+def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, Any]],
+                   previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+    """Status from the stage Deployments (keyed by stage name)."""
+    stages, waiting, failing = [], [], []
+    for stage in pipeline.stages:
+        counts, state, detail = stage_state(stage.replicas, deployments.get(stage.name))
+        stages.append({"name": stage.name, **counts})
+        if state == "failing":
+            failing.append(f"{stage.name}: {detail}")
+        elif state == "progressing":
+            waiting.append(f"{stage.name}: {detail}")
+    ready_count = len(pipeline.stages) - len(waiting) - len(failing)
+    all_ready = not waiting and not failing
+    gen = pipeline.generation
+    conditions = [
+        _condition(READY, all_ready, "AllStagesReady" if all_ready else "StagesNotReady",
+                   "all stages are ready" if all_ready else "; ".join(failing + waiting), gen),
+        _condition(PROGRESSING, bool(waiting), "RollingOut" if waiting else "Complete",
+                   "; ".join(waiting) if waiting else "no rollout in progress", gen),
+        _condition(DEGRADED, bool(failing), "StageFailing" if failing else "AsExpected",
+                   "; ".join(failing) if failing else "no stage is failing", gen),
+    ]
+    phase = "Degraded" if failing else "Ready" if all_ready else "Progressing"
+    return {
+        "observedGeneration": gen,
+        "phase": phase,
+        "stagesReady": f"{ready_count}/{len(pipeline.stages)}",
+        "stages": stages,
+        "conditions": with_transition_times(conditions, (previous or {}).get("conditions"), now),
+    }
+
+
+def invalid_status(generation: int, message: str, previous: Mapping[str, Any] | None, now: str,
+                   reason: str = "InvalidSpec") -> dict[str, Any]:
+    """Status of a resource that cannot be applied: Ready=False with the reason; nothing changed."""
+    previous = previous or {}
+    conditions = [
+        _condition(READY, False, reason, message, generation),
+        _condition(PROGRESSING, False, reason, "nothing is applied until the spec is fixed", generation),
+        _condition(DEGRADED, True, reason, message, generation),
+    ]
+    return {
+        "observedGeneration": generation,
+        "phase": "Failed",
+        "stagesReady": previous.get("stagesReady", "0/0"),
+        "stages": list(previous.get("stages") or []),
+        "conditions": with_transition_times(conditions, previous.get("conditions"), now),
+    }
+
+
+def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of status to write: empty when nothing changed (no write)."""
+    current = current or {}
+    return {k: v for k, v in desired.items() if current.get(k) != v}

@@ -132,11 +132,16 @@ class OmniKVTransferMixin:
         ledger = self.transfer_ledger
         self._awaiting_trigger.discard(request_id)
         self._payload_requests.discard(request_id)
-        self._replay.pop(request_id, None)
+        replay = self._replay.pop(request_id, None)
         completed = request.status in _COMPLETED
         if completed and not ledger.has_triggered(request_id):
-            frontier = request.num_computed_tokens - request.num_output_placeholders
-            self._mark(request, Trigger.REQUEST_FINISHED, frontier)
+            if replay is not None:
+                # Preempted after its trigger, finished as soon as it was recomputed: ship
+                # the snapshot it was going to ship.
+                self._mark(request, *replay)
+            else:
+                frontier = request.num_computed_tokens - request.num_output_placeholders
+                self._mark(request, Trigger.REQUEST_FINISHED, frontier)
         hold = False
         if ledger.get(request_id) is not None:
             num_blocks = sum(len(g) for g in self.kv_cache_manager.get_block_ids(request_id))
@@ -176,19 +181,22 @@ class OmniKVTransferMixin:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
         if not self._send:
-            return outputs
+            return super().update_from_output(scheduler_output, model_runner_output)
+        # The runner's answers concern transfers handed off in earlier steps: resolve them
+        # first, so that a request finishing in this step sees its transfer resolved and
+        # frees its blocks at once instead of holding them.
+        acked = getattr(model_runner_output, ACKS_FIELD, None)
+        failed = getattr(model_runner_output, FAILURES_FIELD, None)
+        if acked or failed:
+            self._resolve_from_runner(acked or (), failed or {})
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
         # Requests that finished in this step were marked (request_finished) and dropped
         # from the sets below by _free_request; what remains is still running.
         if self._awaiting_trigger:
             self._fire_step_triggers(scheduler_output, model_runner_output)
         if self._replay:
             self._fire_replays(scheduler_output)
-        acked = getattr(model_runner_output, ACKS_FIELD, None)
-        failed = getattr(model_runner_output, FAILURES_FIELD, None)
-        if acked or failed:
-            self._resolve_from_runner(acked or (), failed or {})
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -1,0 +1,435 @@
+"""OmniARScheduler over the real vLLM 0.32 Scheduler, driven with hand-made
+ModelRunnerOutputs as vLLM's own scheduler tests do (no model runner: none is needed to
+exercise the scheduler's decisions, and none runs fast enough here for hundreds of cases)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import pytest
+from sched_harness import (
+    free_blocks,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    runner_output,
+    step,
+)
+from vllm.config import SpeculativeConfig
+from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.request import RequestStatus
+
+from omni_runtime.config import OmniKVConfigError
+from omni_runtime.outputs import OmniNewRequestData, OmniSchedulerOutput
+from omni_runtime.scheduler import OmniARScheduler
+from omni_runtime.transfers import Outcome, Phase, TransferObserver, Trigger
+
+SENTINEL = 9
+PREFILL = {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"}}
+SPECIAL = {
+    "need_send_cache": True,
+    "kv_transfer_criteria": {"type": "special_token", "token_id": SENTINEL},
+}
+ON_FINISH = {"need_send_cache": True}
+
+
+class Recorder(TransferObserver):
+    def __init__(self):
+        self.resolved = []
+        self.marked = []
+
+    def on_marked(self, ledger, transfer):
+        self.marked.append(transfer)
+
+    def on_resolved(self, ledger, transfer):
+        self.resolved.append(transfer)
+
+
+def omni(kv_config, **kw):
+    sched = make_scheduler(OmniARScheduler, make_vllm_config(kv_config, **kw))
+    rec = Recorder()
+    sched.transfer_ledger.add_observer(rec)
+    sched.recorder = rec
+    return sched
+
+
+def outputs_by_id(engine_core_outputs):
+    return {o.request_id: o for eco in engine_core_outputs.values() for o in eco.outputs}
+
+
+def assert_quiescent(sched, start_free):
+    """Nothing left: no request, no transfer, no tracking state, every block back."""
+    assert not sched.has_requests() and not sched.has_unfinished_requests()
+    assert not sched.requests
+    assert not sched.transfer_ledger.has_unresolved()
+    assert not sched.transfer_ledger._triggered
+    assert not sched._awaiting_trigger and not sched._replay and not sched._payload_requests
+    assert free_blocks(sched) == start_free
+    sched.transfer_ledger.check_invariants()
+
+
+# ---------------------------------------------------------------------------- triggers
+
+
+def test_prefill_finished_marks_the_prompt_and_decoding_goes_on():
+    s = omni(PREFILL)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=4)
+    s.add_request(r)
+    so, _ = step(s)
+    assert isinstance(so, OmniSchedulerOutput) and so.finished_requests_needing_kv_transfer == {}
+    t = s.transfer_ledger.get(r.request_id)
+    assert (t.trigger, t.seq_len, list(t.block_ids), t.phase) == (
+        Trigger.PREFILL_FINISHED,
+        40,
+        s.kv_cache_manager.get_block_ids(r.request_id)[0][:3],
+        Phase.PENDING,
+    )
+    so, _ = step(s)
+    assert so.finished_requests_needing_kv_transfer == {
+        r.request_id: {"seq_len": 40, "block_ids": list(t.block_ids)}
+    }
+    assert r.request_id in so.num_scheduled_tokens, "the request keeps decoding"
+    assert t.phase is Phase.ACTIVE
+    so, _ = step(s, acked=[r.request_id])
+    assert t.outcome is Outcome.ACKED
+    while s.has_requests():
+        so, _ = step(s)
+        assert so.finished_requests_needing_kv_transfer == {}, "at most one transfer"
+    assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert len(s.recorder.marked) == 1
+    assert_quiescent(s, start)
+
+
+def test_chunked_prefill_triggers_when_the_last_chunk_is_computed():
+    s = omni(PREFILL, max_num_batched_tokens=16, max_num_seqs=4)
+    r = make_request(40, max_tokens=2)
+    s.add_request(r)
+    step(s)
+    step(s)
+    assert r.num_computed_tokens == 32 and s.transfer_ledger.get(r.request_id) is None
+    step(s)
+    t = s.transfer_ledger.get(r.request_id)
+    assert t is not None and t.seq_len == 40 and len(t.block_ids) == 3
+
+
+def test_special_token_cuts_the_snapshot_at_the_first_sentinel():
+    s = omni(SPECIAL)
+    start = free_blocks(s)
+    r = make_request(20, max_tokens=8)
+    s.add_request(r)
+    step(s)  # prefill: samples token 5 at position 20
+    step(s)  # position 21
+    assert s.transfer_ledger.get(r.request_id) is None
+    step(s, {r.request_id: [SENTINEL]})  # the sentinel is sampled at position 22
+    t = s.transfer_ledger.get(r.request_id)
+    assert (t.trigger, t.seq_len) == (Trigger.SPECIAL_TOKEN, 22)
+    assert t.seq_len <= r.num_computed_tokens, "only KV that exists is shipped"
+    so, _ = step(s, {r.request_id: [SENTINEL]})  # a second sentinel starts nothing new
+    assert list(so.finished_requests_needing_kv_transfer) == [r.request_id]
+    step(s, acked=[r.request_id])
+    while s.has_requests():
+        step(s)
+    assert [m.trigger for m in s.recorder.marked] == [Trigger.SPECIAL_TOKEN], "once per request"
+    assert_quiescent(s, start)
+
+
+def _spec_scheduler():
+    cfg = make_vllm_config(SPECIAL)
+    cfg.speculative_config = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=3,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        target_model_config=cfg.model_config,
+        target_parallel_config=cfg.parallel_config,
+    )
+    return make_scheduler(OmniARScheduler, cfg)
+
+
+def test_sentinel_in_the_middle_of_a_multi_token_step_and_block_truncation():
+    """Speculative decoding accepts several tokens in one step; the snapshot is cut at the
+    first sentinel among them, and its block ids at ceil(seq_len / block_size) although
+    the request already holds a block more."""
+    s = _spec_scheduler()
+    r = make_request(30, max_tokens=20)
+    s.add_request(r)
+    step(s)  # prefill, samples position 30
+    s.update_draft_token_ids(DraftTokenIds([r.request_id], [[5, SENTINEL, SENTINEL]]))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens[r.request_id] == [5, SENTINEL, SENTINEL]
+    # All drafts accepted plus a bonus token: positions 31..34, first sentinel at 32.
+    s.update_from_output(so, runner_output(so, {r.request_id: [5, SENTINEL, SENTINEL, 5]}))
+    t = s.transfer_ledger.get(r.request_id)
+    held = s.kv_cache_manager.get_block_ids(r.request_id)[0]
+    assert t.seq_len == 32
+    assert len(held) == 3 and list(t.block_ids) == held[:2]
+
+
+def test_request_finished_trigger_holds_blocks_until_the_ack():
+    s = omni(ON_FINISH)
+    start = free_blocks(s)
+    r = make_request(33, max_tokens=3)
+    s.add_request(r)
+    step(s)
+    step(s)
+    assert s.transfer_ledger.get(r.request_id) is None
+    _, outs = step(s)  # third token: length-capped
+    out = outputs_by_id(outs)[r.request_id]
+    t = s.transfer_ledger.get(r.request_id)
+    assert (t.trigger, t.seq_len, t.held, t.phase) == (Trigger.REQUEST_FINISHED, 35, True, Phase.PENDING)
+    assert out.finish_reason is not None
+    assert out.kv_transfer_params["kv_metadata"]["seq_len"] == 35
+    assert out.kv_transfer_params["past_key_values"] == list(t.block_ids)
+    assert out.kv_transfer_params["kv_metadata"]["state"] == "pending"
+    assert free_blocks(s) == start - 3, "held: the finished request's blocks stay allocated"
+    assert s.has_requests() and s.has_unfinished_requests()
+    so, _ = step(s)
+    assert list(so.finished_requests_needing_kv_transfer) == [r.request_id]
+    assert free_blocks(s) == start - 3
+    step(s, acked=[r.request_id])
+    assert t.outcome is Outcome.ACKED
+    assert_quiescent(s, start)
+
+
+def test_kv_transfer_params_carry_the_outcome_when_resolved_before_the_finish():
+    s = omni(PREFILL)
+    r = make_request(16, max_tokens=3)
+    s.add_request(r)
+    step(s)
+    step(s)
+    _, outs = step(s, acked=[r.request_id])
+    meta = outputs_by_id(outs)[r.request_id].kv_transfer_params["kv_metadata"]
+    assert (meta["trigger"], meta["outcome"], meta["state"]) == ("prefill_finished", "acked", "resolved")
+
+
+# ---------------------------------------------------------------------------- resolution
+
+
+def test_runner_failure_frees_held_blocks_and_keeps_the_reason(caplog):
+    s = omni(ON_FINISH)
+    start = free_blocks(s)
+    r = make_request(16, max_tokens=1)
+    s.add_request(r)
+    step(s)
+    step(s)  # hand-off
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.scheduler"):
+        step(s, failed={r.request_id: "receiver rejected: checksum mismatch"})
+    (t,) = s.recorder.resolved
+    assert (t.outcome, t.reason) == (Outcome.FAILED, "receiver rejected: checksum mismatch")
+    assert sum("checksum mismatch" in m for m in caplog.messages) == 1
+    assert_quiescent(s, start)
+
+
+def test_a_lost_ack_expires_frees_the_blocks_and_the_engine_loop_ends():
+    s = omni({**ON_FINISH, "timeout_seconds": 0.2})
+    start = free_blocks(s)
+    r = make_request(16, max_tokens=1)
+    s.add_request(r)
+    step(s)
+    deadline = time.monotonic() + 10
+    steps = 0
+    while s.has_requests():  # what EngineCore's loop asks before each step
+        assert time.monotonic() < deadline, "the transfer never expired"
+        step(s)
+        steps += 1
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.EXPIRED and t.held
+    assert steps > 1
+    assert_quiescent(s, start)
+
+
+def test_acks_for_unknown_requests_are_ignored_and_an_ack_may_come_with_the_hand_off_step():
+    s = omni(PREFILL)
+    r = make_request(16, max_tokens=4)
+    s.add_request(r)
+    step(s, acked=["nobody"], failed={"nobody-else": "?"})
+    assert s.transfer_ledger.get(r.request_id).phase is Phase.PENDING
+    # A runner that extracts synchronously answers in the output of the hand-off step.
+    step(s, acked=[r.request_id])
+    assert s.recorder.resolved[0].outcome is Outcome.ACKED
+    # (An answer for a transfer still pending is refused by the ledger: test_ledger.py.)
+
+
+def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatch):
+    s = omni(PREFILL)
+    r = make_request(16, max_tokens=3)
+    s.add_request(r)
+
+    def broken(request_id):
+        raise KeyError(request_id)
+
+    monkeypatch.setattr(s.kv_cache_manager, "get_block_ids", broken)
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.scheduler"):
+        step(s)
+    monkeypatch.undo()
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.FAILED and t.reason.startswith("marking failed: KeyError")
+    assert len([m for m in caplog.messages if "marking failed" in m]) == 1
+    so, _ = step(s)
+    assert so.finished_requests_needing_kv_transfer == {}, "a failed marking ships nothing"
+
+
+# ---------------------------------------------------------------------------- aborts
+
+
+def test_abort_before_hand_off_cancels_and_ships_no_freed_blocks():
+    s = omni(PREFILL)
+    start = free_blocks(s)
+    r = make_request(32, max_tokens=8)
+    s.add_request(r)
+    step(s)
+    assert s.transfer_ledger.get(r.request_id).phase is Phase.PENDING
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(s) == start, "an aborted request's blocks are freed at once"
+    so, _ = step(s)
+    assert so.finished_requests_needing_kv_transfer == {}
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.CANCELLED
+    assert_quiescent(s, start)
+
+
+def test_abort_after_hand_off_keeps_blocks_until_the_transfer_resolves():
+    s = omni(PREFILL)
+    start = free_blocks(s)
+    r = make_request(32, max_tokens=8)
+    s.add_request(r)
+    step(s)
+    step(s)  # handed off
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(s) < start, "the runner may still be reading them"
+    assert s.has_requests()
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)  # twice: no effect
+    step(s, acked=[r.request_id])
+    assert s.recorder.resolved[0].outcome is Outcome.ACKED
+    assert_quiescent(s, start)
+
+
+def test_an_aborted_request_starts_no_transfer():
+    s = omni(ON_FINISH)
+    start = free_blocks(s)
+    r = make_request(32, max_tokens=8)
+    s.add_request(r)
+    step(s)
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    step(s)  # tells the runner the request finished
+    assert not s.recorder.marked
+    assert_quiescent(s, start)
+
+
+# ---------------------------------------------------------------------------- preemption
+
+
+def test_preemption_after_a_trigger_drops_the_transfer_and_replays_it():
+    """Two requests fill the KV cache; when the first needs a new block, vLLM preempts the
+    second and frees its blocks. Its pending transfer must not reach the runner with those
+    blocks; once recomputed, the transfer starts again and completes."""
+    s = omni(PREFILL, num_blocks=9, max_num_seqs=4)  # 8 usable blocks of 16 tokens
+    start = free_blocks(s)
+    a = make_request(64, max_tokens=6, request_id="a")  # 4 blocks, the 5th on its 1st decode
+    b = make_request(60, max_tokens=2, request_id="b")  # 4 blocks
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # prefill both; both transfers pending
+    first_b = s.transfer_ledger.get("b")
+    so, _ = step(s)  # a needs a 5th block: b is preempted
+    assert b.status is RequestStatus.PREEMPTED
+    assert "b" not in so.finished_requests_needing_kv_transfer
+    assert first_b.outcome is Outcome.CANCELLED and "preempted" in first_b.reason
+    assert list(so.finished_requests_needing_kv_transfer) == ["a"]
+    step(s, acked=["a"])
+    handed = {}
+    while s.has_requests():
+        so, _ = step(s, acked=list(handed))
+        handed = so.finished_requests_needing_kv_transfer
+        for rid, info in handed.items():
+            assert rid == "b" and info["seq_len"] == 60
+            assert info["block_ids"] == s.kv_cache_manager.get_block_ids("b")[0][:4]
+    outcomes = [(t.request_id, t.outcome) for t in s.recorder.resolved]
+    assert outcomes == [("b", Outcome.CANCELLED), ("a", Outcome.ACKED), ("b", Outcome.ACKED)]
+    assert_quiescent(s, start)
+
+
+# ---------------------------------------------------------------------------- scale
+
+
+def test_hundreds_of_concurrent_requests_leave_nothing_behind():
+    rng = random.Random(7)
+    s = omni({**PREFILL, "timeout_seconds": 0.5}, max_num_seqs=256, num_blocks=4000)
+    start = free_blocks(s)
+    n = 400
+    for i in range(n):
+        s.add_request(make_request(rng.randint(1, 70), max_tokens=rng.randint(1, 12)))
+    in_flight: set[str] = set()
+    deadline = time.monotonic() + 120
+    while s.has_requests():
+        assert time.monotonic() < deadline
+        acked = {r for r in in_flight if rng.random() < 0.4}
+        failed = {r: "receiver busy" for r in in_flight - acked if rng.random() < 0.1}
+        in_flight -= acked | set(failed)
+        so, _ = step(s, acked=acked, failed=failed)
+        in_flight |= set(so.finished_requests_needing_kv_transfer)
+        live = [r for r in s.requests.values() if not r.is_finished()]
+        if live and rng.random() < 0.05:
+            s.finish_requests(rng.choice(live).request_id, RequestStatus.FINISHED_ABORTED)
+        s.transfer_ledger.check_invariants()
+    outcomes = {o: sum(t.outcome is o for t in s.recorder.resolved) for o in Outcome}
+    assert len(s.recorder.resolved) == len(s.recorder.marked) >= n * 0.8
+    assert outcomes[Outcome.ACKED] and outcomes[Outcome.FAILED]
+    assert len({id(t) for t in s.recorder.resolved}) == len(s.recorder.resolved)
+    assert_quiescent(s, start)
+
+
+# ---------------------------------------------------------------------------- misc
+
+
+def test_transfers_off_behaves_like_the_stock_scheduler():
+    ours = make_scheduler(OmniARScheduler, make_vllm_config(None))
+    stock = make_scheduler(Scheduler, make_vllm_config(None))
+    rng = random.Random(3)
+    specs = [(rng.randint(1, 50), rng.randint(1, 10)) for _ in range(30)]
+    for sched in (ours, stock):
+        for i, (p, m) in enumerate(specs):
+            sched.add_request(make_request(p, max_tokens=m, request_id=f"r{i}"))
+    while stock.has_requests():
+        so_a, out_a = step(ours)
+        so_b, out_b = step(stock)
+        assert so_a.num_scheduled_tokens == so_b.num_scheduled_tokens
+        assert {k: (o.new_token_ids, o.finish_reason) for k, o in outputs_by_id(out_a).items()} == {
+            k: (o.new_token_ids, o.finish_reason) for k, o in outputs_by_id(out_b).items()
+        }
+        assert so_a.finished_requests_needing_kv_transfer == {}
+    assert not ours.has_requests()
+
+
+def test_request_payloads_reach_the_runner_only_for_requests_that_carry_them():
+    s = omni(PREFILL)
+    plain = make_request(8, request_id="plain")
+    rich = make_request(8, request_id="rich")
+    rich.additional_information = {"speaker": [1.0, 2.0]}
+    s.add_request(plain)
+    s.add_request(rich)
+    so = s.schedule()
+    by_id = {nr.req_id: nr for nr in so.scheduled_new_reqs}
+    assert type(by_id["plain"]) is NewRequestData
+    assert isinstance(by_id["rich"], OmniNewRequestData)
+    assert by_id["rich"].additional_information == {"speaker": [1.0, 2.0]}
+
+
+def test_trace_headers_travel_with_the_transfer():
+    s = omni(PREFILL)
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    r = make_request(8, trace_headers=headers)
+    s.add_request(r)
+    step(s)
+    assert s.transfer_ledger.get(r.request_id).trace_headers == headers
+
+
+def test_a_bad_omni_kv_config_fails_start_up_naming_the_key():
+    bad = {"need_send_cache": True, "kv_transfer_criteria": {"type": "special_token", "token_id": 10_000}}
+    with pytest.raises(OmniKVConfigError, match=r"kv_transfer_criteria\.token_id.*vocabulary"):
+        omni(bad)

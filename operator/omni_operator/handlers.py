@@ -20,6 +20,11 @@ log = logging.getLogger("omni_operator")
 def build_registry() -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
+    # kopf's watches use the very credentials of the reconciler's client (one source).
+    @kopf.on.login(registry=registry)
+    def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+        return connection_info(memo.reconciler.kube.api_client.configuration)
+
     # Create, update and resume share one level-based reconcile; kopf retries it on errors.
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
@@ -37,6 +42,25 @@ def build_registry() -> kopf.OperatorRegistry:
         register_child_watch(registry, group, version or kind.api_version, kind.plural)
 
     return registry
+
+
+def connection_info(config: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from a `kubernetes.client.Configuration` (as kopf.login_via_client does)."""
+    # The getter runs the refresh hook, so a rotated service-account token is picked up on re-login.
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        username=config.username or None,
+        password=config.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
 
 
 def register_child_watch(registry: kopf.OperatorRegistry, group: str, version: str, plural: str) -> None:

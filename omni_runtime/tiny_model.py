@@ -27,6 +27,9 @@ TINY_QWEN2 = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
     "max_position_embeddings": 2048,
+    # Far above the usual 0.02, so that greedy decoding of a random model wanders over the
+    # vocabulary instead of repeating one token: comparisons of outputs then mean something.
+    "initializer_range": 0.2,
     "seed": 1234,
 }
 
@@ -114,6 +117,7 @@ def _build(out: Path) -> None:
         num_key_value_heads=spec["num_key_value_heads"],
         vocab_size=spec["vocab_size"],
         max_position_embeddings=spec["max_position_embeddings"],
+        initializer_range=spec["initializer_range"],
         tie_word_embeddings=True,
         bos_token_id=eos_id,
         eos_token_id=eos_id,

@@ -1,0 +1,95 @@
+"""A real vLLM engine (LLM on the tiny model, in-process engine core) with our scheduler."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from omni_runtime.offline import drain_transfers, engine_core_of, omni_llm
+from omni_runtime.tiny_model import ensure_tiny_model
+from omni_runtime.transfers import Outcome, TransferObserver, Trigger
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over", "An omni pipeline runs stages"]
+ENGINE_ARGS = dict(
+    kv_cache_memory_bytes=64 << 20, max_model_len=512, dtype="float32", enforce_eager=True, seed=0
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_process_engine_core():
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+def _generate(llm, max_tokens=12):
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return outs
+
+
+@pytest.fixture
+def make_llm():
+    made = []
+
+    def make(**kw):
+        if kw.pop("stock", False):
+            from vllm import LLM
+
+            llm = LLM(model=str(ensure_tiny_model()), **ENGINE_ARGS)
+        else:
+            llm = omni_llm(str(ensure_tiny_model()), kw.pop("omni_kv_config", None), **ENGINE_ARGS)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.llm_engine.engine_core.shutdown()
+    made.clear()
+    gc.collect()
+
+
+def test_with_transfers_off_greedy_outputs_equal_the_stock_scheduler(make_llm):
+    stock = [o.outputs[0].token_ids for o in _generate(make_llm(stock=True))]
+    ours = [o.outputs[0].token_ids for o in _generate(make_llm())]
+    assert ours == stock
+    assert len({tuple(t) for t in stock}) == len(PROMPTS), "the oracle must discriminate"
+
+
+def test_unacked_transfers_expire_and_generation_still_finishes(make_llm):
+    llm = make_llm(
+        omni_kv_config={
+            "need_send_cache": True,
+            "kv_transfer_criteria": {"type": "prefill_finished"},
+            "timeout_seconds": 0.5,
+        }
+    )
+    scheduler = engine_core_of(llm).scheduler
+    assert type(scheduler).__name__ == "OmniARScheduler"
+    resolved = []
+
+    class Keep(TransferObserver):
+        def on_resolved(self, ledger, transfer):
+            resolved.append(transfer)
+
+    scheduler.transfer_ledger.add_observer(Keep())
+    free_at_start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    outs = _generate(llm)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs), "generation finished"
+    for o in outs:
+        meta = o.kv_transfer_params["kv_metadata"]
+        assert meta["trigger"] == "prefill_finished"
+        assert meta["seq_len"] == len(o.prompt_token_ids)
+    drain_transfers(llm, timeout_s=30)
+    # The engine core knows requests by internal ids: "<external id>-<suffix>".
+    assert sorted(t.request_id.split("-")[0] for t in resolved) == sorted(o.request_id for o in outs)
+    assert {(t.trigger, t.outcome) for t in resolved} == {(Trigger.PREFILL_FINISHED, Outcome.EXPIRED)}
+    assert not scheduler.has_requests()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_at_start

@@ -52,5 +52,12 @@ demo: setup
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# Alert rules, dashboards and the chart's copies, from monitoring/omni_mixin.
+dashboards: setup
+	$(PY) monitoring/generate.py
+
+check-generated: setup
+	$(PY) monitoring/generate.py --check
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,280 @@
+"""charts/omni-pipeline, rendered by the real Helm engine and checked against Kubernetes'
+schemas, the operator's code and the monitoring mixin."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from omni_mixin.render import chart_default_values
+
+from . import operator_permissions
+from .chart import NAMESPACE, RELEASE, by_kind, crds, notes, one, render
+from .conftest import CHART, ROOT, RULES_FILE
+
+# Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schemas known.
+KUBE_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+# Kinds from CRDs that kubernetes-validate has no schema for; checked separately below.
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+
+NON_DEFAULT = {
+    "fullnameOverride": "omni",
+    "image": {"repository": "registry.example/omni-operator", "digest": "sha256:" + "a" * 64,
+              "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "watch": {"namespaces": ["ml-team", "research"]},
+    "logLevel": "debug",
+    "extraArgs": ["--resync-seconds=30"],
+    "extraEnv": [{"name": "TZ", "value": "UTC"}],
+    "serviceAccount": {"create": True, "name": "omni-sa", "annotations": {"team": "ml"}},
+    "metrics": {"port": 9090, "service": {"enabled": True, "type": "ClusterIP"}},
+    "liveness": {"port": 9091},
+    "serviceMonitor": {"enabled": True, "namespace": "monitoring", "interval": "15s",
+                       "additionalLabels": {"release": "kube-prometheus-stack"}},
+    "prometheusRule": {"enabled": True, "namespace": "monitoring",
+                       "additionalLabels": {"release": "kube-prometheus-stack"},
+                       "stuckTransferSeconds": 120, "heldTooLongSeconds": 600,
+                       "failureRatio": 0.2,
+                       "runbookBaseUrl": "https://wiki.example/omni/runbooks"},
+    "dashboards": {"enabled": True, "namespace": "grafana",
+                   "annotations": {"grafana_folder": "Omni"}},
+    "podAnnotations": {"a": "b"},
+    "podLabels": {"team": "ml"},
+    "priorityClassName": "system-cluster-critical",
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+}
+ALL_ON = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
+          "dashboards": {"enabled": True}}
+VALUE_SETS = {"default": {}, "all-toggles-on": ALL_ON, "non-default": NON_DEFAULT}
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_lint_is_clean(values):
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+    assert report["total_charts_linted"] == 1
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_every_rendered_object_is_valid_for_kubernetes(values, kube_version):
+    objects = render(values)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(obj, kube_version, strict=True)
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "omni-pipeline"
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "omni-pipeline-0.1.0"
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_the_crd_is_valid_for_kubernetes(kube_version):
+    for crd in crds():
+        kubernetes_validate.validate(yaml.safe_load(crd["data"]), kube_version, strict=True)
+
+
+def test_crds_are_byte_identical_to_the_operator_source():
+    source = sorted((ROOT / "operator" / "omni_operator" / "crd").glob("*.yaml"))
+    assert source, "the operator's CRD is missing"
+    in_chart = {c["name"].removeprefix("crds/"): c["data"] for c in crds()}
+    assert set(in_chart) == {p.name for p in source}
+    for path in source:
+        assert (CHART / "crds" / path.name).read_bytes() == path.read_bytes()
+        assert in_chart[path.name] == path.read_text()
+
+
+def test_defaults_install_the_operator_and_nothing_optional():
+    objects = render()
+    assert sorted(o["kind"] for o in objects) == [
+        "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"
+    ]
+
+
+def _container(objects):
+    deployment = one(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return deployment, container
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_operator_pod_meets_the_restricted_pod_security_standard(values):
+    deployment, container = _container(render(values))
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    ctx = container["securityContext"]
+    assert ctx["runAsNonRoot"] is True
+    assert ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "hostPath" not in json.dumps(pod["volumes"])
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+
+
+def test_probes_use_kopfs_liveness_endpoint_on_the_port_the_operator_is_told():
+    for values, port in (({}, 8081), (NON_DEFAULT, 9091)):
+        _, container = _container(render(values))
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["healthz"] == port
+        assert f"--liveness-port={port}" in container["args"]
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+
+
+def test_operator_arguments_parse_with_the_operators_own_cli():
+    from omni_operator.main import parse_args
+
+    _, container = _container(render())
+    options = parse_args(container["args"])
+    assert options.clusterwide and options.metrics_port == 8080 and options.liveness_port == 8081
+    assert container["command"] == ["omni-operator"]
+
+    _, container = _container(render(NON_DEFAULT))
+    options = parse_args(container["args"])
+    assert options.namespaces == ["ml-team", "research"]
+    assert options.metrics_port == 9090 and options.debug and options.resync_seconds == 30
+    assert container["image"] == "registry.example/omni-operator@sha256:" + "a" * 64
+
+
+def test_metrics_service_selects_the_operator_pod():
+    objects = render()
+    deployment, container = _container(objects)
+    service = one(objects, "Service")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "metrics"
+    assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+
+
+def test_service_monitor_scrapes_the_metrics_service():
+    objects = render(NON_DEFAULT)
+    monitor, service = one(objects, "ServiceMonitor"), one(objects, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == "monitoring"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["interval"] == "15s"
+
+
+def test_prometheus_rule_with_defaults_is_the_plain_rule_file():
+    rule = one(render(ALL_ON), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == yaml.safe_load(RULES_FILE.read_text())
+    # The chart's defaults are the mixin's (so the equality above is by construction).
+    assert {k: v for k, v in render_values()["prometheusRule"].items()
+            if k in chart_default_values()} == chart_default_values()
+
+
+def render_values():
+    with helm.Chart.load(CHART) as chart:
+        return chart.values
+
+
+def test_prometheus_rule_takes_the_thresholds_and_passes_promtool(promtool, tmp_path):
+    rule = one(render(NON_DEFAULT), "PrometheusRule")
+    assert rule["metadata"]["namespace"] == "monitoring"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert rules["OmniKVTransferStuck"]["expr"].rstrip().endswith("> 120")
+    assert rules["OmniKVBlocksHeldTooLong"]["expr"].rstrip().endswith("> 600")
+    assert rules["OmniKVTransferFailureRateHigh"]["expr"].rstrip().endswith("> 0.2")
+    assert rules["OmniStageDown"]["annotations"]["runbook_url"] == \
+        "https://wiki.example/omni/runbooks#omnistagedown"
+    # Prometheus' own templates survive Helm's.
+    assert "{{ $labels.stage }}" in rules["OmniKVTransferStuck"]["annotations"]["description"]
+    path = tmp_path / "rendered.rules.yaml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_configmaps_carry_the_sidecar_label_and_the_dashboards():
+    objects = render(NON_DEFAULT)
+    maps = [m for m in by_kind(objects, "ConfigMap")
+            if m["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    assert len(maps) == 2
+    found = {}
+    for cm in maps:
+        assert cm["metadata"]["namespace"] == "grafana"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "Omni"}
+        ((name, text),) = cm["data"].items()
+        found[name] = text
+    for name, text in found.items():
+        assert text == (ROOT / "dashboards" / name).read_text()
+    assert set(found) == {"omni-kv-transfers.json", "omni-pipelines.json"}
+
+
+@pytest.mark.parametrize("clusterwide", [True, False], ids=["cluster-wide", "namespaced"])
+def test_rbac_grants_exactly_what_the_operator_calls(clusterwide):
+    values = {} if clusterwide else {"watch": {"namespaces": ["ml-team", "research"]}}
+    objects = render(values)
+    required = operator_permissions.required(clusterwide)
+    if clusterwide:
+        assert not by_kind(objects, "Role")
+        role = one(objects, "ClusterRole")
+        binding = one(objects, "ClusterRoleBinding")
+        assert operator_permissions.granted(role["rules"]) == required
+        bindings = [binding]
+    else:
+        assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+        roles, bindings = by_kind(objects, "Role"), by_kind(objects, "RoleBinding")
+        assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team", "research"]
+        for role in roles:
+            assert operator_permissions.granted(role["rules"]) == required
+    sa = one(objects, "ServiceAccount")
+    for binding in bindings:
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                        "namespace": NAMESPACE}]
+
+
+def test_rbac_check_is_not_vacuous():
+    """A permission the operator does not use, or one it lacks, is caught."""
+    role = one(render(), "ClusterRole")
+    granted = operator_permissions.granted(role["rules"])
+    required = operator_permissions.required(True)
+    assert granted | {("", "secrets", "get")} != required
+    assert granted - {("apps", "deployments", "patch")} != required
+
+
+@pytest.mark.parametrize("bad", [
+    {"replicaCount": 2},
+    {"unknownKey": True},
+    {"prometheusRule": {"stuckTransferSeconds": "5m"}},
+    {"watch": {"namespaces": ["Not_A_Namespace"]}},
+    {"logLevel": "trace"},
+    {"serviceMonitor": {"interval": "soon"}},
+])
+def test_values_schema_rejects_bad_values(bad):
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(chart.merge_values({}))  # the defaults pass
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(chart.merge_values(bad))
+
+
+def test_service_monitor_without_the_metrics_service_fails_to_render():
+    with pytest.raises(helm.HelmError, match="needs metrics.service.enabled"):
+        render({"serviceMonitor": {"enabled": True}, "metrics": {"service": {"enabled": False}}})
+
+
+def test_notes_say_what_was_installed():
+    text = notes(NON_DEFAULT)
+    assert "ml-team, research" in text and "fires after 120s" in text
+    assert 'grafana_dashboard="1"' in text
+    assert "all namespaces" in notes()

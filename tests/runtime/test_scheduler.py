@@ -9,14 +9,6 @@ import random
 import time
 
 import pytest
-from sched_harness import (
-    free_blocks,
-    make_request,
-    make_scheduler,
-    make_vllm_config,
-    runner_output,
-    step,
-)
 from vllm.config import SpeculativeConfig
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -25,6 +17,14 @@ from vllm.v1.request import RequestStatus
 
 from omni_runtime.config import OmniKVConfigError
 from omni_runtime.outputs import OmniNewRequestData, OmniSchedulerOutput
+from omni_runtime.sched_testing import (
+    free_blocks,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    runner_output,
+    step,
+)
 from omni_runtime.scheduler import OmniARScheduler
 from omni_runtime.transfers import Outcome, Phase, TransferObserver, Trigger
 

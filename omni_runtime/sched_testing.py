@@ -1,5 +1,8 @@
-"""Builds real vLLM 0.32 schedulers (stock or ours) without a model runner, and the
-ModelRunnerOutputs a runner would return, the way vLLM's own scheduler tests do."""
+"""Real vLLM 0.32 schedulers (stock or ours) without a model runner, and the
+ModelRunnerOutputs a runner would return, the way vLLM's own scheduler tests build them.
+
+For the scheduler tests and the benchmarks: exercising the scheduler's decisions needs no
+model, and no model runs fast enough here for hundreds of cases."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from writing forever on objects the API server has touched:
 Lists are written whole (merge-patch semantics), when an element differs from the live one
 or when the list differs from what was last applied (so an element field that the operator
 stopped setting goes away too). A field that was last applied and is no longer desired is
-deleted with null.
+deleted with null. A few maps (selectors, ConfigMap data) are owned whole.
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from .quantities import quantities_equal
 _MISSING = object()
 QUANTITY_KEYS = frozenset({"limits", "requests", "sizeLimit"})
 IDENTITY_KEYS = frozenset({"apiVersion", "kind"})
+# Maps the operator owns whole: a key someone adds changes behaviour (a selector that matches
+# no pod, a node selector that schedules nowhere), so it is removed, not tolerated.
+WHOLE_MAPS = frozenset({"selector", "matchLabels", "nodeSelector", "data"})
 
 
 def is_zero(value: Any) -> bool:
@@ -68,6 +71,8 @@ def _diff(want: dict[str, Any], have: dict[str, Any], last: dict[str, Any], *, q
         q = quantity or key in QUANTITY_KEYS
         if isinstance(value, dict) and isinstance(live_value, dict):
             sub = _diff(value, live_value, last_value if isinstance(last_value, dict) else {}, quantity=q)
+            if key in WHOLE_MAPS:
+                sub.update({k: None for k in live_value if k not in value})
             if sub:
                 patch[key] = sub
         elif not matches(value, live_value, quantity=q):

@@ -1,0 +1,192 @@
+"""Rendering the children and the stage config: pure functions of the spec."""
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import pipeline_body
+from omni_operator import naming
+from omni_operator.model import parse_pipeline
+from omni_operator.render import render_children
+from omni_operator.stage_config import render_stage_config
+
+K8S_VERSION = "1.30"
+
+
+def parse(body: dict):
+    body = copy.deepcopy(body)
+    body["metadata"].update(uid="0a0b0c0d-0000-4000-8000-000000000001", generation=3)
+    return parse_pipeline(body)
+
+
+def children(body: dict, podmonitors: bool = True) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in render_children(parse(body), podmonitor_available=podmonitors)}
+
+
+def container(kids: dict, stage: str, pipeline: str = "tiny") -> dict:
+    return kids[("Deployment", f"{pipeline}-{stage}")]["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c["env"]}
+
+
+def test_children_per_stage_and_per_pipeline():
+    kids = children(pipeline_body())
+    kinds = sorted(kids)
+    for stage in ("thinker", "talker", "code2wav"):
+        for kind in ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget"):
+            assert (kind, f"tiny-{stage}") in kids
+    assert ("NetworkPolicy", "tiny") in kids and ("PodMonitor", "tiny") in kids
+    assert len(kinds) == 3 * 4 + 2
+
+
+def test_podmonitor_only_when_served_and_wanted():
+    assert ("PodMonitor", "tiny") not in children(pipeline_body(), podmonitors=False)
+    assert ("PodMonitor", "tiny") not in children(pipeline_body(observability={"metrics": False}))
+
+
+@pytest.mark.parametrize("example", ["tiny-pipeline.yaml", "bagel-ar-diffusion.yaml", "qwen-omni-thinker-talker.yaml"])
+def test_children_pass_kubernetes_schemas(example):
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", example)
+    with open(path, encoding="utf-8") as f:
+        body = yaml.safe_load(f)
+    body["metadata"]["namespace"] = "default"
+    for child in render_children(parse(body), podmonitor_available=False):
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+
+
+def test_validation_would_catch_a_broken_child():
+    # The check above has teeth: a malformed Deployment is refused by Kubernetes' schema.
+    deployment = children(pipeline_body())[("Deployment", "tiny-thinker")]
+    deployment["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+def test_every_child_is_owned_and_labelled():
+    for (kind, name), child in children(pipeline_body()).items():
+        meta = child["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline", "name": "tiny",
+            "uid": "0a0b0c0d-0000-4000-8000-000000000001", "controller": True, "blockOwnerDeletion": True}]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/managed-by"] == "omni-operator"
+        assert labels["app.kubernetes.io/instance"] == "tiny"
+        assert labels["app.kubernetes.io/part-of"] == "omni-pipeline"
+        assert labels[naming.PIPELINE_LABEL] == "tiny"
+
+
+def test_deployment_gpu_scheduling_and_probes():
+    body = pipeline_body()
+    body["spec"]["stages"][0].update(gpus=2, nodeSelector={"gpu": "h100"},
+                                     tolerations=[{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}])
+    kids = children(body)
+    pod = kids[("Deployment", "tiny-thinker")]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod["tolerations"]
+    assert c["command"] == ["omni-stage", "--config", "/etc/omni/stage.yaml"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "kv": 9600}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    # The CPU stage asks for no GPU and tolerates no GPU taint.
+    cpu_pod = kids[("Deployment", "tiny-code2wav")]["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu_pod["containers"][0]["resources"].get("limits", {})
+    assert "tolerations" not in cpu_pod
+
+
+def test_restricted_security_context():
+    pod = children(pipeline_body())[("Deployment", "tiny-thinker")]["spec"]["template"]["spec"]
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_env_names_pipeline_stage_and_downstream():
+    kids = children(pipeline_body())
+    env = env_of(container(kids, "thinker"))
+    assert env["OMNI_PIPELINE"]["value"] == "tiny"
+    assert env["OMNI_STAGE"]["value"] == "thinker"
+    assert env["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == "tiny-talker.team-a.svc:9600"
+    assert env_of(container(kids, "code2wav"))["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == ""
+    assert not any(name.startswith("OTEL_") for name in env)  # no tracing configured
+
+
+def test_otlp_env_when_tracing_is_set():
+    kids = children(pipeline_body(observability={"tracing": {"otlpEndpoint": "http://otel:4318"}}))
+    env = env_of(container(kids, "talker"))
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4318"
+    assert env["OTEL_SERVICE_NAME"]["value"] == "tiny-talker"
+
+
+def test_hub_token_is_a_secret_ref_and_never_in_a_configmap():
+    kids = children(pipeline_body(model={"name": "org/model", "hubTokenSecretRef": {"name": "hf", "key": "tok"}}))
+    for stage in ("thinker", "talker", "code2wav"):
+        env = env_of(container(kids, stage))
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}}
+        text = kids[("ConfigMap", f"tiny-{stage}")]["data"]["stage.yaml"]
+        assert "hf" not in yaml.safe_load(text)["model"].values() and "secret" not in text.lower()
+
+
+def test_config_hash_rolls_only_the_changed_stage():
+    before = children(pipeline_body())
+    body = pipeline_body()
+    body["spec"]["stages"][1]["engineArgs"] = {"max-model-len": 2048}
+    after = children(body)
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("ConfigMap", "tiny-talker"), ("Deployment", "tiny-talker")}
+    annotation = naming.CONFIG_HASH_ANNOTATION
+    assert before[("Deployment", "tiny-talker")]["spec"]["template"]["metadata"]["annotations"][annotation] != \
+        after[("Deployment", "tiny-talker")]["spec"]["template"]["metadata"]["annotations"][annotation]
+
+
+def test_rendering_is_deterministic():
+    assert render_children(parse(pipeline_body()), podmonitor_available=True) == \
+        render_children(parse(pipeline_body()), podmonitor_available=True)
+
+
+def test_networkpolicy_limits_kv_port_to_pipeline_pods():
+    policy = children(pipeline_body())[("NetworkPolicy", "tiny")]["spec"]
+    assert policy["podSelector"] == {"matchLabels": {naming.PIPELINE_LABEL: "tiny"}}
+    kv_rule, http_rule = policy["ingress"]
+    assert kv_rule == {"from": [{"podSelector": {"matchLabels": {naming.PIPELINE_LABEL: "tiny"}}}],
+                       "ports": [{"protocol": "TCP", "port": 9600}]}
+    assert "from" not in http_rule and http_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+
+def test_stage_config_keys():
+    body = pipeline_body()
+    body["spec"]["stages"][0]["kvTransfer"] = {"send": True, "criteria": {"type": "special_token", "tokenId": 151645},
+                                               "timeoutSeconds": 45}
+    body["spec"]["stages"][0]["engineArgs"] = {"max-model-len": 4096}
+    config = render_stage_config(parse(body), "thinker")
+    assert config == {
+        "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "StageConfig",
+        "pipeline": "tiny", "namespace": "team-a", "stage": "thinker", "role": "ar",
+        "model": {"name": "tiny-qwen2"},
+        "engineArgs": {"max-model-len": 4096},
+        "kvTransfer": {"send": True, "criteria": {"type": "special_token", "tokenId": 151645}, "timeoutSeconds": 45},
+        "inputs": [],
+        "downstream": [{"stage": "talker", "endpoint": "tiny-talker.team-a.svc:9600"}],
+        "ports": {"http": 8000, "kv": 9600},
+        "observability": {"metrics": True, "tracing": {"otlpEndpoint": None}, "alerts": {"stuckTransferSeconds": 120}},
+    }
+
+
+def test_stage_config_endpoints_can_be_local():
+    config = render_stage_config(parse(pipeline_body()), "talker", endpoint_for=lambda s: f"127.0.0.1:{9600 + len(s)}")
+    assert config["downstream"] == [{"stage": "code2wav", "endpoint": "127.0.0.1:9608"}]
+    assert config["inputs"] == ["thinker"]

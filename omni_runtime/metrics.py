@@ -157,6 +157,26 @@ def _families_for(registry: CollectorRegistry | None, buckets: tuple[float, ...]
     return fams
 
 
+class _Latest:
+    """A bound gauge child that writes only when its value changes.
+
+    In multiprocess mode every write is a locked mmap write (about a microsecond or two); many
+    callbacks leave a gauge as it was (the oldest timestamp changes only when the oldest
+    transfer leaves; a hand-off batch sets pending to 0 once, not per transfer). Only this
+    process writes its gauge file, so skipping an unchanged write loses nothing."""
+
+    __slots__ = ("_write", "_last")
+
+    def __init__(self, child: Gauge) -> None:
+        self._write = child.set
+        self._last: float | None = None
+
+    def set(self, value: float) -> None:
+        if value != self._last:
+            self._last = value
+            self._write(value)
+
+
 class TransferMetrics(TransferObserver):
     """The metric contract's families for one stage, as a ledger observer.
 
@@ -178,21 +198,22 @@ class TransferMetrics(TransferObserver):
         fams = _families_for(registry, self.buckets)
         base = (stage, model_name)
         # Children bound once; see the module docstring.
-        self._count = {s: fams.transfers.labels(*base, s) for s in STATES}
-        self._oldest = {s: fams.oldest.labels(*base, s) for s in STATES}
-        self._held_blocks = fams.held_blocks.labels(*base)
         self._started = {t: fams.started.labels(*base, t) for t in TRIGGERS}
         self._resolved = {o: fams.resolved.labels(*base, o) for o in OUTCOMES}
         self._duration = {o: fams.duration.labels(*base, o) for o in OUTCOMES}
         self._hold = fams.hold.labels(*base)
         self._bytes = fams.bytes.labels(*base)
-        self._pending, self._active, self._held = (self._count[s] for s in STATES)
-        self._oldest_pending, self._oldest_active, self._oldest_held = (
-            self._oldest[s] for s in STATES
+        self._pending, self._active, self._held = (
+            _Latest(fams.transfers.labels(*base, s)) for s in STATES
         )
+        self._oldest_pending, self._oldest_active, self._oldest_held = (
+            _Latest(fams.oldest.labels(*base, s)) for s in STATES
+        )
+        self._held_blocks = _Latest(fams.held_blocks.labels(*base))
         # Start every gauge series at "none" (this also supersedes a dead process's values).
-        for gauge in (*self._count.values(), *self._oldest.values(), self._held_blocks):
-            gauge.set(0)
+        for gauge in (self._pending, self._active, self._held, self._oldest_pending,
+                      self._oldest_active, self._oldest_held, self._held_blocks):
+            gauge.set(0.0)
 
     # ------------------------------------------------------------------ observer hook
     def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
@@ -232,7 +253,7 @@ class TransferMetrics(TransferObserver):
             self._set_oldest(self._oldest_held, ledger, "held")
 
     @staticmethod
-    def _set_oldest(gauge: Gauge, ledger: TransferLedger, phase: str) -> None:
+    def _set_oldest(gauge: _Latest, ledger: TransferLedger, phase: str) -> None:
         entered = ledger.oldest_entered(phase)
         gauge.set(0.0 if entered is None else ledger.wall_time(entered))
 

@@ -1,7 +1,7 @@
 """OpenTelemetry spans of KV transfers: one ``omni.kv_transfer`` span per transfer.
 
 The span runs from marking to resolution (timestamps are the ledger's, mapped to unix time),
-with an event per state change, and is a child of the request's trace when the request came
+with an event per state change (hand-off, hold, resolution), and is a child of the request's trace when the request came
 with W3C trace headers (vLLM hands them to the engine core as ``Request.trace_headers``).
 Attributes carry ids, counts and enum values only: never prompt text.
 
@@ -59,62 +59,51 @@ def _ns(seconds: float) -> int:
 
 
 class TransferTracing(TransferObserver):
-    """Ledger observer that records each transfer as an ``omni.kv_transfer`` span."""
+    """Ledger observer that records each transfer as an ``omni.kv_transfer`` span.
+
+    The span is built whole when the transfer resolves, from what the ledger recorded
+    (marking, hand-off and hold times, block counts): an OpenTelemetry span is exported only
+    once it ends, so nothing is lost by not opening it at marking, and one call with every
+    attribute at once costs about half of opening it early and adding to it at each change
+    (the SDK validates attributes per call). Hand-off and hold cost nothing here.
+    """
 
     def __init__(self, tracer: Tracer, *, stage: str, model_name: str) -> None:
         self._tracer = tracer
         self._stage = stage
         self._model_name = model_name
 
-    def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        headers = transfer.trace_headers
-        # No headers: a root span (extract() of nothing would give the same, slower).
-        parent = _propagator.extract(headers) if headers else None
-        transfer.observer_state = self._tracer.start_span(
-            SPAN_NAME,
-            context=parent,
-            kind=SpanKind.INTERNAL,
-            start_time=_ns(ledger.wall_time(transfer.marked_at)),
-            attributes={
-                ATTR_REQUEST_ID: transfer.request_id,
-                ATTR_STAGE: self._stage,
-                ATTR_MODEL_NAME: self._model_name,
-                ATTR_TRIGGER: transfer.trigger.value,
-                ATTR_SEQ_LEN: transfer.seq_len,
-                ATTR_BLOCKS: len(transfer.block_ids),
-            },
-        )
-
-    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        span = transfer.observer_state
-        if span is not None:
-            span.add_event(EVENT_HANDED_OFF, timestamp=_ns(ledger.wall_time(transfer.handed_off_at)))
-
-    def on_held(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        span = transfer.observer_state
-        if span is not None:
-            span.add_event(
-                EVENT_HELD,
-                attributes={ATTR_HELD_BLOCKS: transfer.held_blocks},
-                timestamp=_ns(ledger.wall_time(transfer.held_since)),
-            )
-
     def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        span = transfer.observer_state
-        if span is None:
-            return
-        transfer.observer_state = None
-        outcome = transfer.outcome
-        end = _ns(ledger.wall_time(transfer.resolved_at))
-        event_attrs: dict[str, Any] = {ATTR_OUTCOME: outcome.value}
-        if transfer.reason:
-            event_attrs[ATTR_REASON] = transfer.reason[:MAX_REASON_CHARS]
-        span.add_event(EVENT_RESOLVED, attributes=event_attrs, timestamp=end)
-        span.set_attribute(ATTR_OUTCOME, outcome.value)
+        wall = ledger.wall_time
+        headers = transfer.trace_headers
+        attributes: dict[str, Any] = {
+            ATTR_REQUEST_ID: transfer.request_id,
+            ATTR_STAGE: self._stage,
+            ATTR_MODEL_NAME: self._model_name,
+            ATTR_TRIGGER: transfer.trigger.value,
+            ATTR_SEQ_LEN: transfer.seq_len,
+            ATTR_BLOCKS: len(transfer.block_ids),
+            ATTR_OUTCOME: transfer.outcome.value,
+        }
         if transfer.held_since is not None:
-            span.set_attribute(ATTR_HELD_BLOCKS, transfer.held_blocks)
-        if outcome in _ERROR_OUTCOMES:
-            span.set_status(Status(StatusCode.ERROR, event_attrs.get(ATTR_REASON)))
+            attributes[ATTR_HELD_BLOCKS] = transfer.held_blocks
+        span = self._tracer.start_span(
+            SPAN_NAME,
+            # No headers: a root span (extract() of nothing would give the same, slower).
+            context=_propagator.extract(headers) if headers else None,
+            kind=SpanKind.INTERNAL,
+            start_time=_ns(wall(transfer.marked_at)),
+            attributes=attributes,
+        )
+        if transfer.handed_off_at is not None:
+            span.add_event(EVENT_HANDED_OFF, timestamp=_ns(wall(transfer.handed_off_at)))
+        if transfer.held_since is not None:
+            span.add_event(EVENT_HELD, timestamp=_ns(wall(transfer.held_since)))
+        end = _ns(wall(transfer.resolved_at))
+        reason = transfer.reason[:MAX_REASON_CHARS] if transfer.reason else None
+        span.add_event(EVENT_RESOLVED, {ATTR_REASON: reason} if reason else None, timestamp=end)
+        if transfer.outcome in _ERROR_OUTCOMES:
+            span.set_status(Status(StatusCode.ERROR, reason))
         span.end(end_time=end)
 
 

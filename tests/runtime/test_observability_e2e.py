@@ -328,5 +328,10 @@ def test_transfer_spans_reach_the_collector_in_the_requests_trace(otlp, traffic)
     # Made by vLLM's own tracer provider in the engine-core process: no second provider.
     assert span.resource.get("vllm.process_kind") == "engine_core"
     assert all(s.trace_id != TRACE_ID for s in spans if s is not span)
+    # In the same trace as vLLM's own span of that request (made in the API server process).
+    vllm_spans = otlp.wait_for(
+        lambda all_spans: [s for s in all_spans
+                           if s.trace_id == TRACE_ID and s.name != "omni.kv_transfer"], 30)
+    assert {s.parent_span_id for s in vllm_spans} == {CLIENT_SPAN_ID}
     # Never prompt text, anywhere in what was exported.
     assert not any(SECRET.encode() in body for body in otlp.raw_bodies)

@@ -1,0 +1,159 @@
+"""Scheduler step time with transfer metrics and tracing on, against off.
+
+Same workload as benchmarks/scheduler_overhead.py (its builder and plan are imported from
+there): a real vLLM 0.32 ``OmniARScheduler`` with 1024 running requests decoding, 10% of them
+sampling the sentinel during the measured window, so their transfers are marked, handed off
+and acked (one step later) while every step's callbacks run.
+
+"on" is what production runs: prometheus_client in multiprocess mode (mmap-backed values, as
+in the engine-core process) and an SDK tracer provider with a batch span processor, installed
+globally the way vLLM installs it, found by ``build_observers``. "off" detaches the observers.
+The two schedulers step alternately, so machine noise hits both alike; best of the repeats.
+
+Last line: JSON ``{"ratio": on/off, ...}``. Target: ratio <= 1.02.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+# Multiprocess mode must be chosen before prometheus_client is first imported (vLLM imports
+# it), as the stage launcher does for the engine-core process.
+_MULTIPROC_DIR = tempfile.TemporaryDirectory(prefix="omni-bench-prom-")
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = _MULTIPROC_DIR.name
+for _name in [n for n in os.environ if n.startswith("OTEL_")]:
+    del os.environ[_name]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+N = 1024
+TARGET = 1.02
+
+
+class _DroppingExporter:
+    """A span exporter to nowhere: what is measured is our cost and the SDK's, not a network's."""
+
+    def export(self, spans):  # noqa: ANN001
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 0) -> bool:
+        return True
+
+
+def measure(steps: int, repeats: int) -> dict:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from prometheus_client import values
+
+    from omni_runtime.scheduler import OmniARScheduler
+    from scheduler_overhead import SENTINEL, build, decode_plan, timed_step
+
+    assert values.ValueClass.__name__ == "MmapedValue", "not in multiprocess mode"
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(_DroppingExporter()))
+    trace.set_tracer_provider(provider)  # what vLLM does in the engine core when tracing is on
+
+    kv = {
+        "need_send_cache": True,
+        "kv_transfer_criteria": {"type": "special_token", "token_id": SENTINEL},
+        "timeout_seconds": 300,
+    }
+    totals: dict[str, list[int]] = {"off": [], "on": []}
+    transfers = 0
+    for r in range(repeats):
+        off = build(OmniARScheduler, N, kv)
+        on = build(OmniARScheduler, N, kv, keep_observers=True)
+        kinds = sorted(type(o).__name__ for o in on.transfer_ledger.observers)
+        assert kinds == ["TransferMetrics", "TransferTracing"], kinds
+        assert not off.transfer_ledger.observers
+        plan = decode_plan(N, steps)
+        acks = {"off": [], "on": []}
+        t = {"off": 0, "on": 0}
+        gc.collect()
+        gc.disable()
+        try:
+            for k in range(steps):
+                # Alternate which goes first, so neither always runs on a warmer cache.
+                order = (("off", off), ("on", on)) if (k + r) % 2 == 0 else (("on", on), ("off", off))
+                for name, sched in order:
+                    ns, handed = timed_step(sched, plan[k], acks[name])
+                    t[name] += ns
+                    acks[name] = handed  # the runner acks in the next step's output
+                    if name == "on":
+                        transfers += len(handed)
+        finally:
+            gc.enable()
+        assert on.transfer_ledger.num_active <= len(acks["on"])  # all but the last acked
+        totals["off"].append(t["off"])
+        totals["on"].append(t["on"])
+    us_per_transfer = per_transfer_cost()
+    provider.shutdown()
+    best_off, best_on = min(totals["off"]), min(totals["on"])
+    return {
+        "ratio": best_on / best_off,
+        "off_step_us": best_off / steps / 1e3,
+        "on_step_us": best_on / steps / 1e3,
+        "transfers": transfers // repeats,
+        "us_per_transfer": us_per_transfer,
+    }
+
+
+def per_transfer_cost(n: int = 3000) -> float:
+    """Microseconds the observers add to one transfer's whole life (mark, hand-off, hold,
+    ack), on a bare ledger: what a heavier transfer rate than the workload's would pay."""
+    from opentelemetry import trace
+
+    from omni_runtime.observability import build_observers
+    from omni_runtime.transfers import Outcome, TransferLedger, Trigger
+
+    def run(ledger: TransferLedger) -> float:
+        t0 = time.perf_counter_ns()
+        for i in range(n):
+            rid = f"t{i}"
+            ledger.mark(rid, Trigger.PREFILL_FINISHED, 64, [1, 2])
+            ledger.hand_off_pending()
+            ledger.request_finished(rid, 3, aborted=False)
+            ledger.resolve(rid, Outcome.ACKED)
+        return (time.perf_counter_ns() - t0) / n / 1e3
+
+    observers = build_observers(stage="bench", model_name="m", timeout_seconds=300)
+    assert len(observers) == 2 and trace.get_tracer_provider() is not None
+    bare = min(run(TransferLedger(300)) for _ in range(3))
+    observed = min(run(TransferLedger(300, observers=observers)) for _ in range(3))
+    return observed - bare
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    started = time.perf_counter()
+    m = measure(args.steps, args.repeats)
+    print(f"# {N} running: off {m['off_step_us']:.0f} us/step, on {m['on_step_us']:.0f} us/step, "
+          f"{m['transfers']} transfers per run, observers add {m['us_per_transfer']:.1f} us per "
+          f"transfer; {time.perf_counter() - started:.0f} s",
+          file=sys.stderr)
+    print(json.dumps({"ratio": round(m["ratio"], 4), "off_step_us": round(m["off_step_us"], 1),
+                      "on_step_us": round(m["on_step_us"], 1), "transfers": m["transfers"],
+                      "us_per_transfer": round(m["us_per_transfer"], 1), "target": TARGET}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""The KV connector: ships a request's KV cache from an AR stage to the next stages over
+ZeroMQ, with delivery acks (wire format and semantics: docs/connector.md).
+
+No vLLM import here: the KV extraction worker builds :class:`KVPayload` host arrays and
+calls :class:`KVSender`; a receiving stage runs :class:`KVReceiver` into a :class:`KVInbox`.
+"""
+
+from omni_runtime.connector.inbox import InboxFull, KVInbox
+from omni_runtime.connector.metrics import ReceiverMetrics
+from omni_runtime.connector.receiver import KVReceiver
+from omni_runtime.connector.sender import KVSender
+from omni_runtime.connector.wire import REJECT_CODES, WIRE_VERSION, KVPayload
+
+__all__ = ["KVPayload", "KVSender", "KVReceiver", "KVInbox", "InboxFull", "ReceiverMetrics",
+           "REJECT_CODES", "WIRE_VERSION"]

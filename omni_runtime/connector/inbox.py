@@ -1,0 +1,186 @@
+"""The receiving stage's inbox: payloads stored by request id until consumed, with a memory
+bound and a TTL.
+
+Policy (docs/connector.md): when storing a payload would exceed ``max_bytes`` the NEW payload
+is refused (the receiver answers ``inbox_full`` and the sender's transfer fails), never an old
+one evicted: a payload in the inbox has been acked, so the AR stage has already freed its
+blocks and nothing could resend it. Stored payloads leave only by being consumed
+(:meth:`KVInbox.get`), by expiring ``ttl_s`` after they were stored, or by being replaced by a
+newer payload of the same request id (a re-sent transfer after a preemption); expiries and
+replacements are counted and logged, never silent.
+
+Invariants (under the lock): ``bytes == sum of stored payload sizes <= max_bytes``; entries
+are in store order, which is expiry order (one TTL for all), so expiry is O(expired).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from omni_runtime.connector.wire import KVPayload
+
+if TYPE_CHECKING:
+    from omni_runtime.connector.metrics import ReceiverMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 4 << 30
+DEFAULT_TTL_S = 300.0
+
+
+@dataclass
+class _Entry:
+    payload: KVPayload
+    nbytes: int
+    stored_at: float  # the inbox clock (monotonic)
+
+
+class InboxFull(Exception):
+    """Storing the payload would exceed the inbox's memory bound."""
+
+
+class KVInbox:
+    """Thread-safe store of received payloads, read by request id with a timeout.
+
+    ``clock`` is monotonic seconds (injectable for tests); ``received_at`` in summaries is
+    unix time.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, ttl_s: float = DEFAULT_TTL_S, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_bytes <= 0 or ttl_s <= 0:
+            raise ValueError("max_bytes and ttl_s must be > 0")
+        self.max_bytes = int(max_bytes)
+        self.ttl_s = float(ttl_s)
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._metrics: ReceiverMetrics | None = None
+
+    def bind_metrics(self, metrics: ReceiverMetrics | None) -> None:
+        """Report size gauges, evictions and get() wait times to ``metrics`` (the receiver
+        does this with its own metrics)."""
+        with self._cond:
+            self._metrics = metrics
+            self._update_gauges()
+
+    # ------------------------------------------------------------------ producer side
+    def put(self, payload: KVPayload) -> None:
+        """Store ``payload`` (replacing one of the same request id) or raise InboxFull.
+        Wakes every get() waiting for it."""
+        nbytes = payload.nbytes
+        with self._cond:
+            self._expire_locked(self._clock())
+            old = self._entries.get(payload.request_id)
+            freed = old.nbytes if old is not None else 0
+            if self._bytes - freed + nbytes > self.max_bytes:
+                raise InboxFull(f"{nbytes} bytes do not fit: {self._bytes} of {self.max_bytes} "
+                                f"bytes used by {len(self._entries)} payloads")
+            if old is not None:
+                self._remove_locked(payload.request_id, "replaced")
+            if payload.received_at is None:
+                payload.received_at = time.time()
+            self._entries[payload.request_id] = _Entry(payload, nbytes, self._clock())
+            self._bytes += nbytes
+            self._update_gauges()
+            self._cond.notify_all()
+
+    def expire(self) -> int:
+        """Evict payloads older than the TTL now; the number evicted."""
+        with self._cond:
+            return self._expire_locked(self._clock())
+
+    def next_expiry_in(self) -> float | None:
+        """Seconds until the oldest payload expires (None when empty), for the receiver's
+        wake-up timer."""
+        with self._cond:
+            if not self._entries:
+                return None
+            first = next(iter(self._entries.values()))
+            return max(0.0, first.stored_at + self.ttl_s - self._clock())
+
+    # ------------------------------------------------------------------ consumer side
+    def get(self, request_id: str, timeout_s: float = 0.0, *, remove: bool = True
+            ) -> KVPayload | None:
+        """The payload of ``request_id``, waiting up to ``timeout_s`` for it to arrive; None
+        on timeout. ``remove`` (default) consumes it, freeing its bytes."""
+        start = time.monotonic()
+        deadline = start + max(0.0, timeout_s)
+        with self._cond:
+            while True:
+                self._expire_locked(self._clock())
+                entry = self._entries.get(request_id)
+                if entry is not None:
+                    if remove:
+                        self._remove_locked(request_id, None)
+                    self._observe_wait(time.monotonic() - start, True)
+                    return entry.payload
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._observe_wait(time.monotonic() - start, False)
+                    return None
+                # Woken by put(); the loop re-checks (spurious wake-ups, other request ids).
+                self._cond.wait(left)
+
+    def list(self) -> list[dict]:
+        """Summaries of the stored payloads, oldest first (for the stage's HTTP endpoint)."""
+        with self._cond:
+            self._expire_locked(self._clock())
+            return [{
+                "request_id": e.payload.request_id,
+                "seq_len": e.payload.seq_len,
+                "bytes": e.nbytes,
+                "dtype": e.payload.dtype_name,
+                "shape": list(e.payload.kv.shape),
+                "received_at": e.payload.received_at,
+                "from_stage": e.payload.from_stage,
+                "pipeline": e.payload.pipeline,
+            } for e in self._entries.values()]
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        with self._cond:
+            return request_id in self._entries
+
+    @property
+    def bytes(self) -> int:
+        with self._cond:
+            return self._bytes
+
+    # ------------------------------------------------------------------ internals
+    def _expire_locked(self, now: float) -> int:
+        evicted = 0
+        while self._entries:
+            rid, entry = next(iter(self._entries.items()))
+            if now - entry.stored_at < self.ttl_s:
+                break  # store order is expiry order
+            self._remove_locked(rid, "expired")
+            evicted += 1
+        return evicted
+
+    def _remove_locked(self, request_id: str, eviction: str | None) -> None:
+        entry = self._entries.pop(request_id)
+        self._bytes -= entry.nbytes
+        if eviction is not None:
+            logger.warning("KV inbox: evicted payload of request %s (%d bytes): %s",
+                           request_id, entry.nbytes, eviction)
+            if self._metrics is not None:
+                self._metrics.evicted(eviction)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_inbox(len(self._entries), self._bytes)
+
+    def _observe_wait(self, seconds: float, found: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_wait(seconds, found)

@@ -1,0 +1,149 @@
+"""Prometheus metrics of a receiving stage's KV connector (receiver and inbox).
+
+Same style as the metric contract (omni_runtime/metrics.py): prefix ``omni_``, base units,
+``_total`` counters, labels ``stage`` and ``model_name`` plus at most one bounded label
+(``outcome``, ``reason``); never a request id. Every child is bound at construction, so every
+series exists (at 0) from the first scrape. Gauges are set to absolute values read from the
+inbox and use the ``livemostrecent`` multiprocess mode, so a restarted process's values
+supersede a dead one's; counters and histograms are summed over processes (see
+docs/metrics.md, "multiprocess mode").
+
+The sender side's ``omni_kv_transfer_bytes`` is the contract's family in
+omni_runtime/metrics.py (``TransferMetrics.observe_transfer_bytes``); the sender takes that
+method as its ``observe_bytes`` callback rather than defining the family twice.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from omni_runtime.connector.wire import REJECT_CODES
+
+BASE_LABELS: tuple[str, ...] = ("stage", "model_name")
+RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
+EVICTION_REASONS: tuple[str, ...] = ("expired", "replaced")
+WAIT_OUTCOMES: tuple[str, ...] = ("found", "timeout")
+GAUGE_MODE = "livemostrecent"
+
+#: inbox.get() wait (seconds): the consumer usually asks just before or after arrival.
+WAIT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+#: Payload sizes (bytes): the contract's 4 KiB to 16 GiB by factors of 4.
+BYTES_BUCKETS: tuple[float, ...] = tuple(float(4096 * 4**i) for i in range(12))
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    help: str
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("omni_kv_received_total", "counter", BASE_LABELS + ("outcome",),
+           "Incoming KV transfers answered: delivered (stored and acked) or rejected."),
+    Family("omni_kv_receiver_rejected_total", "counter", BASE_LABELS + ("reason",),
+           "Incoming KV transfers rejected, by reason."),
+    Family("omni_kv_received_bytes", "histogram", BASE_LABELS,
+           "Payload size of delivered incoming KV transfers."),
+    Family("omni_kv_receiver_buffered_payloads", "gauge", BASE_LABELS,
+           "KV payloads stored in the inbox, not yet consumed."),
+    Family("omni_kv_receiver_buffered_bytes", "gauge", BASE_LABELS,
+           "Bytes of KV payloads stored in the inbox, not yet consumed."),
+    Family("omni_kv_receiver_evicted_total", "counter", BASE_LABELS + ("reason",),
+           "Stored KV payloads dropped unconsumed: expired (TTL) or replaced (same request)."),
+    Family("omni_kv_receiver_wait_seconds", "histogram", BASE_LABELS + ("outcome",),
+           "Time a consumer waited in inbox.get(), by outcome (found, timeout)."),
+)
+
+
+class _Families:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.registry = registry
+        help_ = {f.name: f.help for f in FAMILIES}
+        r = registry
+        # prometheus_client appends _total to counter names itself.
+        self.received = Counter("omni_kv_received", help_["omni_kv_received_total"],
+                                BASE_LABELS + ("outcome",), registry=r)
+        self.rejected = Counter("omni_kv_receiver_rejected",
+                                help_["omni_kv_receiver_rejected_total"],
+                                BASE_LABELS + ("reason",), registry=r)
+        self.received_bytes = Histogram("omni_kv_received_bytes", help_["omni_kv_received_bytes"],
+                                        BASE_LABELS, registry=r, buckets=BYTES_BUCKETS)
+        self.payloads = Gauge("omni_kv_receiver_buffered_payloads",
+                              help_["omni_kv_receiver_buffered_payloads"], BASE_LABELS,
+                              registry=r, multiprocess_mode=GAUGE_MODE)
+        self.bytes = Gauge("omni_kv_receiver_buffered_bytes",
+                           help_["omni_kv_receiver_buffered_bytes"], BASE_LABELS,
+                           registry=r, multiprocess_mode=GAUGE_MODE)
+        self.evicted = Counter("omni_kv_receiver_evicted", help_["omni_kv_receiver_evicted_total"],
+                               BASE_LABELS + ("reason",), registry=r)
+        self.wait = Histogram("omni_kv_receiver_wait_seconds",
+                              help_["omni_kv_receiver_wait_seconds"], BASE_LABELS + ("outcome",),
+                              registry=r, buckets=WAIT_BUCKETS)
+
+
+# One set of families per registry (several receivers in one process, tests re-creating
+# them) instead of "Duplicated timeseries".
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_unregistered: list[_Families] = []
+
+
+def _families_for(registry: CollectorRegistry | None) -> _Families:
+    if registry is None:
+        if not _unregistered:
+            _unregistered.append(_Families(None))
+        return _unregistered[0]
+    fams = _families.get(registry)
+    if fams is None:
+        fams = _families[registry] = _Families(registry)
+    return fams
+
+
+class ReceiverMetrics:
+    """The receiver families for one stage, children bound once (thread-safe: the receiver
+    thread and consumer threads call it)."""
+
+    def __init__(self, *, stage: str, model_name: str = "",
+                 registry: CollectorRegistry | None = REGISTRY) -> None:
+        fams = _families_for(registry)
+        base = (stage, model_name)
+        self._received = {o: fams.received.labels(*base, o) for o in RECEIVE_OUTCOMES}
+        self._rejected = {c: fams.rejected.labels(*base, c) for c in REJECT_CODES}
+        self._bytes = fams.received_bytes.labels(*base)
+        self._payloads = fams.payloads.labels(*base)
+        self._buffered = fams.bytes.labels(*base)
+        self._evicted = {r: fams.evicted.labels(*base, r) for r in EVICTION_REASONS}
+        self._wait = {o: fams.wait.labels(*base, o) for o in WAIT_OUTCOMES}
+        self.set_inbox(0, 0)  # also supersedes a dead process's gauge values
+
+    def delivered(self, nbytes: int) -> None:
+        self._received["delivered"].inc()
+        self._bytes.observe(nbytes)
+
+    def rejected(self, code: str) -> None:
+        self._received["rejected"].inc()
+        self._rejected[code].inc()
+
+    def set_inbox(self, payloads: int, nbytes: int) -> None:
+        self._payloads.set(payloads)
+        self._buffered.set(nbytes)
+
+    def evicted(self, reason: str) -> None:
+        self._evicted[reason].inc()
+
+    def observe_wait(self, seconds: float, found: bool) -> None:
+        self._wait["found" if found else "timeout"].observe(seconds)
+
+
+def build_registry(*, stage: str = "stage", model_name: str = "model"
+                   ) -> tuple[CollectorRegistry, ReceiverMetrics]:
+    """A private registry with every receiver family (series at zero), for tools that check
+    dashboard and alert queries against the real names."""
+    registry = CollectorRegistry()
+    return registry, ReceiverMetrics(stage=stage, model_name=model_name, registry=registry)

@@ -1,0 +1,376 @@
+"""KVSender: ships KVPayloads to every downstream stage from a background I/O thread and
+reports each transfer's outcome back to the caller (the KV extraction worker).
+
+Delivery semantics (docs/connector.md):
+* ``acked``: every endpoint's receiver stored the payload and said so. Nothing else acks.
+* ``failed`` (with a reason): an endpoint rejected it (the receiver's code and reason), an
+  endpoint was unreachable until the deadline (ZMQ_IMMEDIATE: nothing is queued toward a
+  peer that is not connected, so "unreachable" is not confused with "slow"), or no ack came
+  before the deadline (``send_timeout_s`` from submit(), queueing included), or the sender
+  was closed first. A failed transfer may still have reached a receiver (an ack lost with a
+  dying connection); the receiver's inbox then holds a payload nobody waits for, which its
+  TTL removes.
+* Each submitted transfer is reported exactly once, by request id, unless a newer submit()
+  of the same request id supersedes it (a re-sent snapshot after a preemption): then only
+  the newer one is reported, and any unpolled result of the older one is dropped.
+
+Threads: submit/poll/wait/pending/close may be called from any thread. Only the I/O thread
+touches the DEALER sockets; submit() hands it work through a deque and wakes it over an
+inproc PAIR socket. Reconnection after a receiver restart is ZeroMQ's own (every
+RECONNECT_IVL_MS); with ZMQ_IMMEDIATE a send waits for the new connection, up to its deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import zmq
+
+from omni_runtime.connector.wire import (
+    CHECKSUMS,
+    DEFAULT_CHECKSUM,
+    KVPayload,
+    checksum,
+    data_view,
+    decode_reply,
+    encode_header,
+    validate_payload,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SEND_TIMEOUT_S = 10.0
+DEFAULT_MAX_IN_FLIGHT = 8
+RECONNECT_IVL_MS = 100
+# Detects a peer that vanished without closing its connection (a node lost), so its queued
+# sends stop waiting for it: ZMTP heartbeats every second, dead after three missed.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+
+
+@dataclass(eq=False)
+class _Transfer:
+    tid: int
+    payload: KVPayload
+    deadline: float  # monotonic
+    waiting: set[str]  # stages that have not acked yet
+    data: memoryview | None = None  # the payload's bytes, made once on the I/O thread
+    digest: str | None = None
+    done: bool = False  # reported (or superseded): no further report
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    stage: str
+    address: str
+    socket: zmq.Socket
+    queue: deque[_Transfer] = field(default_factory=deque)  # not yet sent, deadline order
+    in_flight: dict[int, _Transfer] = field(default_factory=dict)  # sent, send order
+
+
+class KVSender:
+    """Sends each submitted payload to every stage of ``endpoints`` ({stage: zmq address}).
+
+    ``max_in_flight``: unacked transfers per endpoint; more wait in the sender's queue (their
+    deadline runs). ``observe_bytes``: called with the payload size of each delivered
+    transfer, from the I/O thread (pass ``TransferMetrics.observe_transfer_bytes`` to feed
+    the contract's ``omni_kv_transfer_bytes``).
+    """
+
+    def __init__(
+        self,
+        endpoints: Mapping[str, str],
+        *,
+        pipeline: str = "",
+        stage: str = "",
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        checksum_algo: str = DEFAULT_CHECKSUM,
+        observe_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("KVSender needs at least one endpoint")
+        if max_in_flight < 1 or send_timeout_s <= 0:
+            raise ValueError("max_in_flight must be >= 1 and send_timeout_s > 0")
+        if checksum_algo not in CHECKSUMS:
+            raise ValueError(f"unknown checksum {checksum_algo!r} (known: {sorted(CHECKSUMS)})")
+        self.endpoints = dict(endpoints)
+        self.pipeline = pipeline
+        self.stage = stage
+        self.max_in_flight = max_in_flight
+        self.send_timeout_s = send_timeout_s
+        self.checksum_algo = checksum_algo
+        self._observe_bytes = observe_bytes
+        self._tids = itertools.count(1)
+        # Caller-side state, all under _lock.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._submitted: deque[_Transfer] = deque()
+        self._latest: dict[str, int] = {}  # unresolved request id -> its newest transfer id
+        self._acked: list[str] = []
+        self._failed: dict[str, str] = {}
+        self._closing_deadline: float | None = None
+        self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
+        # The I/O thread and its wake-up pipe.
+        self._ctx = zmq.Context(io_threads=1)
+        self._wake_addr = f"inproc://omni-kv-sender-wake-{id(self)}"
+        self._wake = self._ctx.socket(zmq.PAIR)
+        self._wake.setsockopt(zmq.SNDHWM, 0)  # wake-ups never block or drop
+        self._wake.bind(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"omni-kv-sender-{stage}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller API
+    def submit(self, payload: KVPayload) -> None:
+        """Queue ``payload`` for every endpoint; returns at once. Never raises for network
+        trouble or a bad payload: both are reported by poll() as failures. The caller must
+        not modify ``payload.kv`` afterwards (it is sent without a copy)."""
+        problem = validate_payload(payload)
+        rid = payload.request_id if isinstance(payload, KVPayload) else None
+        if not isinstance(rid, str) or not rid:
+            logger.error("KVSender.submit: dropped an unaddressable payload: %s", problem)
+            return
+        with self._lock:
+            # Results of an older transfer of this request are stale once it is re-sent.
+            if rid in self._failed:
+                del self._failed[rid]
+            if rid in self._acked:
+                self._acked.remove(rid)
+            tid = next(self._tids)
+            self._latest[rid] = tid
+            reason = problem and f"invalid payload: {problem}"
+            if reason is None and (self._dead or self._closing_deadline is not None):
+                reason = self._dead or "sender closed"
+            transfer = _Transfer(tid, payload, time.monotonic() + self.send_timeout_s,
+                                 set(self.endpoints))
+            if reason is not None:
+                self._report_locked(transfer, reason)
+                return
+            self._submitted.append(transfer)
+        self._kick()
+
+    def poll(self) -> tuple[list[str], dict[str, str]]:
+        """Results since the last poll(), without blocking: (request ids delivered to every
+        endpoint, {request id: reason} of failed transfers)."""
+        with self._lock:
+            acked, failed = self._acked, self._failed
+            self._acked, self._failed = [], {}
+            return acked, failed
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a result is ready for poll(); whether one is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._acked or self._failed), timeout_s)
+
+    def pending(self) -> int:
+        """Transfers submitted and not yet resolved (reported results not counted)."""
+        with self._lock:
+            return len(self._latest)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop taking transfers, give unresolved ones up to ``linger_s`` to resolve, then
+        fail the rest ("sender closed") and close the sockets. Results stay readable by
+        poll(). Idempotent."""
+        with self._lock:
+            if self._closing_deadline is None:
+                self._closing_deadline = time.monotonic() + max(0.0, linger_s)
+        self._kick()
+        self._thread.join()
+        with self._wake_lock:
+            if not self._wake.closed:
+                self._wake.close(linger=0)
+                self._ctx.term()
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ caller helpers
+    def _kick(self) -> None:
+        with self._wake_lock:
+            if not self._wake.closed:
+                self._wake.send(b"", zmq.NOBLOCK)
+
+    def _report_locked(self, t: _Transfer, failure: str | None) -> None:
+        """Record ``t``'s outcome once, unless a newer transfer of its request superseded it."""
+        if t.done:
+            return
+        t.done = True
+        rid = t.payload.request_id
+        if self._latest.get(rid) != t.tid:
+            return  # superseded
+        del self._latest[rid]
+        if failure is None:
+            self._acked.append(rid)
+        else:
+            self._failed[rid] = failure
+        self._cond.notify_all()
+
+    def _report(self, t: _Transfer, failure: str | None) -> None:
+        with self._lock:
+            delivered = failure is None and not t.done and self._latest.get(
+                t.payload.request_id) == t.tid
+            self._report_locked(t, failure)
+        if failure is not None:
+            logger.warning("KV transfer of request %s failed: %s", t.payload.request_id, failure)
+        elif delivered and self._observe_bytes is not None:
+            try:
+                self._observe_bytes(t.payload.nbytes)
+            except Exception:  # metrics must never break delivery
+                logger.exception("observe_bytes failed")
+
+    def _is_current(self, t: _Transfer) -> bool:
+        with self._lock:
+            return not t.done and self._latest.get(t.payload.request_id) == t.tid
+
+    # ------------------------------------------------------------------ the I/O thread
+    def _run(self) -> None:
+        eps: list[_Endpoint] = []
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.connect(self._wake_addr)
+        try:
+            for stage, address in self.endpoints.items():
+                s = self._ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.IMMEDIATE, 1)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+                s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+                s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+                eps.append(_Endpoint(stage, address, s))
+                s.connect(address)
+            self._loop(wake, eps)
+            reason = "sender closed"
+        except BaseException as e:  # pragma: no cover - a bug; fail everything, loudly
+            logger.exception("KV sender I/O thread died")
+            reason = f"sender I/O thread died: {type(e).__name__}: {e}"
+        with self._lock:
+            self._dead = reason
+            leftovers = list(self._submitted)
+            self._submitted.clear()
+        for ep in eps:
+            leftovers.extend(ep.queue)
+            leftovers.extend(ep.in_flight.values())
+        for t in leftovers:
+            self._report(t, reason)
+        for ep in eps:
+            ep.socket.close(linger=0)
+        wake.close(linger=0)
+
+    def _loop(self, wake: zmq.Socket, eps: list[_Endpoint]) -> None:
+        by_socket = {ep.socket: ep for ep in eps}
+        while True:
+            # Wait for a reply, a wake-up, a connection able to take a queued send, or the
+            # next deadline, whichever is first.
+            poller = zmq.Poller()
+            poller.register(wake, zmq.POLLIN)
+            for ep in eps:
+                can_send = ep.queue and len(ep.in_flight) < self.max_in_flight
+                poller.register(ep.socket, zmq.POLLIN | (zmq.POLLOUT if can_send else 0))
+            timeout_ms = self._next_timeout_ms(eps)
+            events = dict(poller.poll(timeout_ms))
+            if wake in events:
+                while True:
+                    try:
+                        wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            with self._lock:
+                new = list(self._submitted)
+                self._submitted.clear()
+                closing = self._closing_deadline
+            for t in new:
+                for ep in eps:
+                    ep.queue.append(t)
+            for sock, ev in events.items():
+                ep = by_socket.get(sock)
+                if ep is not None and ev & zmq.POLLIN:
+                    self._read_replies(ep)
+            for ep in eps:
+                self._pump(ep)
+            now = time.monotonic()
+            self._expire(eps, now)
+            if closing is not None:
+                if now >= closing or not self.pending():
+                    return
+
+    def _next_timeout_ms(self, eps: list[_Endpoint]) -> int:
+        deadlines = [ep.queue[0].deadline for ep in eps if ep.queue]
+        deadlines += [next(iter(ep.in_flight.values())).deadline for ep in eps if ep.in_flight]
+        with self._lock:
+            if self._closing_deadline is not None:
+                deadlines.append(self._closing_deadline)
+        if not deadlines:
+            return 1000  # nothing timed; a wake-up or reply ends the wait earlier
+        return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+
+    def _pump(self, ep: _Endpoint) -> None:
+        """Send queued transfers while the endpoint is connected and under its in-flight cap."""
+        while ep.queue and len(ep.in_flight) < self.max_in_flight:
+            t = ep.queue[0]
+            if not self._is_current(t):
+                ep.queue.popleft()  # already failed elsewhere, or superseded
+                continue
+            if t.data is None:  # once for all endpoints, on this thread (not the caller's)
+                t.data = data_view(t.payload.kv)
+                t.digest = checksum(self.checksum_algo, t.data)
+            header = encode_header(t.payload, transfer_id=t.tid, to_stage=ep.stage,
+                                   digest=t.digest)
+            try:
+                # copy=False: ZeroMQ sends from the array's memory, which the _Transfer (and
+                # the Frame ZeroMQ holds) keeps alive.
+                ep.socket.send_multipart([header, t.data], zmq.NOBLOCK,
+                                         copy=False)
+            except zmq.Again:
+                return  # not connected (ZMQ_IMMEDIATE) or full: POLLOUT tells when to retry
+            ep.queue.popleft()
+            ep.in_flight[t.tid] = t
+
+    def _read_replies(self, ep: _Endpoint) -> None:
+        while True:
+            try:
+                raw = ep.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reply = decode_reply(raw)
+            t = ep.in_flight.pop(reply.transfer_id, None) if reply else None
+            if t is None:
+                # A late answer to a transfer that already timed out, or garbage.
+                logger.info("KV sender: ignored reply from stage %s: %r", ep.stage, raw[:200])
+                continue
+            if reply.ok:
+                t.waiting.discard(ep.stage)
+                if not t.waiting:
+                    self._report(t, None)
+            else:
+                self._report(t, f"stage {ep.stage} rejected: {reply.code}: {reply.reason}")
+
+    def _expire(self, eps: list[_Endpoint], now: float) -> None:
+        for ep in eps:
+            while ep.queue and ep.queue[0].deadline <= now:
+                t = ep.queue.popleft()
+                if not self._is_current(t):
+                    continue
+                if len(ep.in_flight) >= self.max_in_flight:
+                    why = (f"still queued for stage {ep.stage} behind {len(ep.in_flight)} "
+                           f"unacked transfers after {self.send_timeout_s:g}s")
+                else:
+                    why = (f"stage {ep.stage} unreachable at {ep.address}: not connected "
+                           f"within {self.send_timeout_s:g}s")
+                self._report(t, why)
+            while ep.in_flight:
+                tid, t = next(iter(ep.in_flight.items()))
+                if t.deadline > now:
+                    break
+                del ep.in_flight[tid]
+                self._report(t, f"no ack from stage {ep.stage} at {ep.address} within "
+                                f"{self.send_timeout_s:g}s")

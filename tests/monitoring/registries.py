@@ -50,10 +50,9 @@ def runtime() -> dict[str, frozenset[str]]:
     registry, _ = build_registry(stage="s", model_name="m")
     names = from_registry(registry)
     # The receiving stage's families, where the runtime defines them.
-    spec = importlib.util.find_spec("omni_runtime.receiver_metrics")
-    if spec is not None:
-        module = importlib.import_module("omni_runtime.receiver_metrics")
-        names.update(from_registry(module.build_registry()[0]))
+    if importlib.util.find_spec("omni_runtime.connector") is not None:
+        module = importlib.import_module("omni_runtime.connector.metrics")
+        names.update(from_registry(module.build_registry(stage="s", model_name="m")[0]))
     return names
 
 

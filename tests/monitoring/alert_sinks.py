@@ -1,0 +1,88 @@
+"""Alertmanager and a webhook receiver for it, both real processes/servers on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from .conftest import free_port, wait_until
+
+
+class WebhookReceiver:
+    """Collects the JSON bodies Alertmanager's webhook_config posts."""
+
+    def __init__(self):
+        self.payloads: list[dict] = []
+        lock = threading.Lock()
+        payloads = self.payloads
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with lock:
+                    payloads.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):  # keep the test output quiet
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def alerts(self, name: str, status: str = "firing") -> list[dict]:
+        return [a for p in list(self.payloads) for a in p["alerts"]
+                if a["labels"].get("alertname") == name and a["status"] == status]
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+class Alertmanager:
+    def __init__(self, workdir: Path, webhook_url: str):
+        binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+        if binary is None:
+            pytest.fail("Alertmanager not found: `make setup` installs prometheus-alertmanager",
+                        pytrace=False)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "alertmanager.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "route": {"receiver": "webhook", "group_by": ["alertname"], "group_wait": "1s",
+                      "group_interval": "1s", "repeat_interval": "1h"},
+            "receivers": [{"name": "webhook",
+                           "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}],
+        }))
+        self.log_path = workdir / "alertmanager.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}",
+             "--cluster.listen-address="],  # no gossip port: a single, local instance
+            stdout=self._log, stderr=subprocess.STDOUT)
+        wait_until(self._ready, 30, "Alertmanager to be ready")
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"alertmanager exited:\n{self.log_path.read_text()[-3000:]}")
+        return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()

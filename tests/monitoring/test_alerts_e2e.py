@@ -1,0 +1,209 @@
+"""End to end: a real AR stage (vLLM OpenAI server, multi-process engine core, the omni
+scheduler) whose transfers nobody acknowledges, scraped by a real Prometheus loaded with the
+generated alert rules; OmniKVTransferStuck fires and reaches a webhook receiver through a
+real Alertmanager. The dashboards' queries are run against the same Prometheus."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from omni_mixin import render
+from omni_mixin.config import Config
+from omni_mixin.dashboards import DASHBOARDS
+
+from .alert_sinks import Alertmanager, WebhookReceiver
+from .conftest import ROOT, PrometheusServer, free_port, wait_until
+from .promql_names import substitute_grafana_variables
+
+pytestmark = pytest.mark.engine
+
+STAGE, MODEL = "ar", "tiny"
+SCRAPE_LABELS = {"namespace": "e2e", "pipeline": "tiny", "pod": "tiny-ar-0"}
+STUCK_SECONDS = 3
+# The transfer deadline, well above the alert threshold: the transfers stay active all test.
+DEADLINE_SECONDS = 900
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+START_TIMEOUT_S = 300.0
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop a process started with start_new_session=True, and its children (engine core)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    from omni_runtime.tiny_model import ensure_tiny_model
+
+    tmp = tmp_path_factory.mktemp("stage")
+    multiproc = tmp / "prometheus-multiproc"
+    multiproc.mkdir()  # empty, before prometheus_client loads (see docs/metrics.md)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OTEL_", "PROMETHEUS_")) and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(PROMETHEUS_MULTIPROC_DIR=str(multiproc), VLLM_TARGET_DEVICE="cpu")
+    omni_kv_config = {
+        "need_send_cache": True,
+        "kv_transfer_criteria": {"type": "prefill_finished"},
+        "timeout_seconds": DEADLINE_SECONDS,
+        "stage_name": STAGE,
+    }
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(ensure_tiny_model()), "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--scheduler-cls", "omni_runtime.scheduler.OmniARScheduler",
+        "--additional-config", json.dumps({"omni_kv_config": omni_kv_config}),
+        "--kv-cache-memory-bytes", "67108864", "--max-model-len", "512",
+        "--block-size", str(BLOCK_SIZE), "--enforce-eager",
+    ]
+    log = tmp / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy():
+            if proc.poll() is not None:
+                raise AssertionError(f"the stage exited:\n{log.read_text()[-4000:]}")
+            return requests.get(f"{url}/health", timeout=5).status_code == 200
+
+        wait_until(healthy, START_TIMEOUT_S, "the stage to be healthy", interval=0.5)
+        yield {"url": url, "port": port}
+    finally:
+        _stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def alertmanager(tmp_path_factory, webhook):
+    am = Alertmanager(tmp_path_factory.mktemp("alertmanager"), webhook.url)
+    yield am
+    am.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory, stage, alertmanager):
+    tmp = tmp_path_factory.mktemp("prometheus")
+    rules = tmp / "omni.rules.yaml"
+    # The generated rules, with a threshold a test can wait for.
+    rules.write_text(render.rules_file(Config(stuck_transfer_seconds=STUCK_SECONDS,
+                                              stuck_transfer_for="0s")))
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "alerting": {"alertmanagers": [{"static_configs": [
+            {"targets": [f"127.0.0.1:{alertmanager.port}"]}]}]},
+        # What the operator's PodMonitor does on Kubernetes (docs/monitoring.md).
+        "scrape_configs": [{
+            "job_name": "omni-stages",
+            "honor_labels": True,
+            "static_configs": [{"targets": [f"127.0.0.1:{stage['port']}"],
+                                "labels": {**SCRAPE_LABELS, "stage": STAGE}}],
+        }],
+    }
+    server = PrometheusServer(tmp, json.dumps(config))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def traffic(stage, prometheus):
+    """Requests whose transfers are never acknowledged (there is no receiver)."""
+    for _ in range(2):
+        r = requests.post(f"{stage['url']}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4,
+            "max_tokens": 4, "temperature": 0})
+        r.raise_for_status()
+    return time.time()
+
+
+def test_stuck_transfer_alert_reaches_the_webhook(webhook, prometheus, traffic):
+    alerts = wait_until(lambda: webhook.alerts("OmniKVTransferStuck"), 90,
+                        "OmniKVTransferStuck at the webhook receiver", interval=0.5)
+    alert = alerts[0]
+    labels = alert["labels"]
+    assert labels["severity"] == "critical" and labels["state"] == "active"
+    assert labels["stage"] == STAGE and labels["model_name"] == MODEL
+    assert {k: labels[k] for k in SCRAPE_LABELS} == SCRAPE_LABELS
+    annotations = alert["annotations"]
+    assert annotations["runbook_url"].endswith("/docs/runbooks.md#omnikvtransferstuck")
+    assert annotations["description"].startswith(
+        "The oldest KV transfer on e2e/tiny stage ar (pod tiny-ar-0) has been active for ")
+    # The stage itself is fine: it is scraped and exports the omni families.
+    assert not webhook.alerts("OmniStageDown") and not webhook.alerts("OmniKVMetricsAbsent")
+
+
+def test_prometheus_shows_the_alert_firing_and_no_failure_alert(prometheus, traffic, webhook):
+    wait_until(lambda: webhook.alerts("OmniKVTransferStuck"), 90, "the stuck alert")
+    answer = requests.get(f"{prometheus.url}/api/v1/alerts", timeout=5).json()
+    firing = {a["labels"]["alertname"] for a in answer["data"]["alerts"] if a["state"] == "firing"}
+    assert "OmniKVTransferStuck" in firing
+    # Nothing resolved yet (the deadline is far), so no failure-rate alert.
+    assert "OmniKVTransferFailureRateHigh" not in firing
+
+
+# Dashboard queries that a stage whose transfers never resolve cannot answer: nothing is
+# resolved, delivered or received, and no operator runs here.
+NO_DATA_EXPECTED = {
+    "Resolutions by outcome", "Transfer duration", "Hold duration",
+    "Transfer bytes per second", "Receiver rejections",
+    "Reconciles by result", "Reconcile errors",
+}
+
+
+def _dashboard_targets():
+    for name, build in DASHBOARDS.items():
+        for panel in build()["panels"]:
+            for target in panel.get("targets", []):
+                yield name, panel["title"], target["expr"]
+
+
+def test_dashboard_queries_return_data_from_the_live_stage(prometheus, traffic, webhook):
+    # Wait until the stage's transfers are visibly stuck, so every age panel has data.
+    wait_until(lambda: webhook.alerts("OmniKVTransferStuck"), 90, "the stuck alert")
+    # Some rate() panels need two samples after the requests: poll each query.
+    empty = []
+    for name, title, expr in _dashboard_targets():
+        # The variables set to this stage, as a user would pick it.
+        query = substitute_grafana_variables(
+            expr.replace("$__rate_interval", "1m").replace("$namespace", "e2e")
+            .replace("$pipeline", "tiny").replace("$stage", STAGE))
+
+        def answered():
+            body = prometheus.query(query)
+            assert body["status"] == "success", (title, body)
+            return body["data"]["result"]
+
+        if title in NO_DATA_EXPECTED:
+            assert prometheus.query(query)["status"] == "success"
+            continue
+        try:
+            wait_until(answered, 20, f"data for {name} / {title}", interval=0.5)
+        except AssertionError:
+            empty.append((name, title, query))
+    assert empty == []

@@ -320,11 +320,16 @@ class KVSender:
             if not self._is_current(t):
                 ep.queue.popleft()  # already failed elsewhere, or superseded
                 continue
-            if t.data is None:  # once for all endpoints, on this thread (not the caller's)
-                t.data = data_view(t.payload.kv)
-                t.digest = checksum(self.checksum_algo, t.data)
-            header = encode_header(t.payload, transfer_id=t.tid, to_stage=ep.stage,
-                                   digest=t.digest)
+            try:
+                if t.data is None:  # once for all endpoints, on this thread (not the caller's)
+                    t.data = data_view(t.payload.kv)
+                    t.digest = checksum(self.checksum_algo, t.data)
+                header = encode_header(t.payload, transfer_id=t.tid, to_stage=ep.stage,
+                                       digest=t.digest)
+            except Exception as e:  # submit() validated it; a payload changed since, say
+                ep.queue.popleft()
+                self._report(t, f"cannot encode payload: {type(e).__name__}: {e}")
+                continue
             try:
                 # copy=False: ZeroMQ sends from the array's memory, which the _Transfer (and
                 # the Frame ZeroMQ holds) keeps alive.

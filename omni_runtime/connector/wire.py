@@ -129,9 +129,14 @@ def validate_payload(p: Any) -> str | None:
     for key, value in (("trace_context", p.trace_context), ("extra", p.extra)):
         if value is not None and not isinstance(value, dict):
             return f"{key} must be a dict or None"
-    if p.trace_context and not all(isinstance(k, str) and isinstance(v, str)
-                                   for k, v in p.trace_context.items()):
-        return "trace_context must map str to str"
+    for key in ("pipeline", "from_stage"):
+        if not isinstance(getattr(p, key), str):
+            return f"{key} must be a string"
+    if p.extra:
+        try:
+            json.dumps(p.extra)
+        except (TypeError, ValueError) as e:
+            return f"extra is not JSON-able: {e}"
     return None
 
 
@@ -187,7 +192,10 @@ def encode_header(payload: KVPayload, *, transfer_id: int, to_stage: str, digest
         "shape": list(payload.kv.shape),
         "nbytes": payload.nbytes,
         "checksum": digest,
-        "trace_context": payload.trace_context or None,
+        # Only str -> str entries travel: a stray header must not fail the transfer.
+        "trace_context": {k: v for k, v in payload.trace_context.items()
+                          if isinstance(k, str) and isinstance(v, str)} or None
+        if payload.trace_context else None,
         "sent_at": time.time() if sent_at is None else sent_at,
         "extra": payload.extra or None,
     }

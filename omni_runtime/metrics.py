@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -259,8 +260,28 @@ class TransferMetrics(TransferObserver):
 
     # ------------------------------------------------------------------ worker side
     def observe_transfer_bytes(self, num_bytes: int) -> None:
-        """Record a delivered transfer's payload size (the KV extraction worker calls this)."""
+        """Record a delivered transfer's payload size, from the scheduler's process. Another
+        process (worker, connector) uses :func:`transfer_bytes_observer` instead."""
         self._bytes.observe(num_bytes)
+
+
+def transfer_bytes_observer(
+    *, stage: str, model_name: str, registry: CollectorRegistry | None = REGISTRY
+) -> Callable[[int], None]:
+    """``observe(num_bytes)`` for ``omni_kv_transfer_bytes``, for the process that ships the
+    KV (the worker or connector), which is not the scheduler's. Use this there, not a
+    TransferMetrics: constructing one writes every gauge at 0, and with ``livemostrecent``
+    those newer writes would hide the scheduler process's live values."""
+    fams = _families_for(registry, _registered_buckets(registry))
+    return fams.bytes.labels(stage, model_name).observe
+
+
+def _registered_buckets(registry: CollectorRegistry | None) -> tuple[float, ...]:
+    """The duration buckets a registry's families already have (so reusing them does not
+    re-register), else the default deadline's."""
+    fams = _unregistered.get(duration_buckets(DEFAULT_TIMEOUT_SECONDS)) if registry is None \
+        else _families.get(registry)
+    return fams.buckets if fams is not None else duration_buckets(DEFAULT_TIMEOUT_SECONDS)
 
 
 def family_names() -> list[str]:

@@ -310,3 +310,34 @@ def test_multiprocess_gauges_of_a_process_marked_dead_disappear(tmp_path):
     assert registry.get_sample_value(
         "omni_kv_transfers", {"stage": STAGE, "model_name": MODEL, "state": "active"}) is None
     assert value(registry, "omni_kv_transfers_started_total", trigger="prefill_finished") == 2
+
+
+_BYTES_WRITER = textwrap.dedent("""
+    from omni_runtime.metrics import transfer_bytes_observer
+    observe = transfer_bytes_observer(stage="ar", model_name="tiny")
+    observe(3 * 2**20)
+""")
+
+
+def test_the_shipping_process_records_bytes_without_hiding_the_schedulers_gauges(tmp_path):
+    _run_writer(tmp_path, 3)  # the scheduler's process: 3 active transfers
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _BYTES_WRITER], env=env, cwd=REPO, check=True,
+                   timeout=60)  # the worker / connector process, later
+    registry = _read(tmp_path)
+    assert value(registry, "omni_kv_transfers", state="active") == 3
+    assert value(registry, "omni_kv_held_blocks") == 12
+    assert value(registry, "omni_kv_transfer_bytes_count") == 1
+    assert value(registry, "omni_kv_transfer_bytes_sum") == 3 * 2**20
+
+
+def test_bytes_observer_reuses_the_families_of_its_registry():
+    registry = CollectorRegistry()
+    TransferMetrics(stage=STAGE, model_name=MODEL, deadline_seconds=7, registry=registry)
+    from omni_runtime.metrics import transfer_bytes_observer
+
+    transfer_bytes_observer(stage=STAGE, model_name=MODEL, registry=registry)(4096)
+    assert value(registry, "omni_kv_transfer_bytes_count") == 1
+    # The deadline's bucket survived: the families were reused, not re-registered.
+    assert value(registry, "omni_kv_transfer_duration_seconds_bucket", outcome="acked",
+                 le="7.0") == 0

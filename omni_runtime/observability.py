@@ -49,15 +49,17 @@ def prepare_prometheus_multiproc_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` empty and point ``PROMETHEUS_MULTIPROC_DIR`` at it.
 
     Whoever starts a stage calls this (or does the same in its shell) before the stage's
-    Python process imports prometheus_client, so that the API server and the engine-core
-    process share one metrics directory. Emptying it drops the files of a previous run, whose
-    series would otherwise linger (counters of a dead run would be added to the new one's).
+    Python process imports prometheus_client, or in a launcher before it starts that process
+    (which inherits the variable), so that the API server and the engine-core process share
+    one metrics directory. Emptying it drops the files of a previous run, whose series would
+    otherwise linger (counters of a dead run would be added to the new one's).
     """
-    if "prometheus_client" in sys.modules and os.environ.get(MULTIPROC_ENV) != str(path):
-        # Too late for this process: its metrics would silently stay single-process.
-        raise RuntimeError(
-            f"prometheus_client is already imported: set {MULTIPROC_ENV} before it is")
     directory = Path(path)
+    current = os.environ.get(MULTIPROC_ENV)
+    if "prometheus_client" in sys.modules and current and Path(current) == directory:
+        # Already this process's directory, so this process (in multiprocess mode) or the
+        # children it started may be writing there: emptying it would lose their series.
+        raise RuntimeError(f"{directory} is already the live {MULTIPROC_ENV}")
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)

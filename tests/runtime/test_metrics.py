@@ -341,3 +341,20 @@ def test_bytes_observer_reuses_the_families_of_its_registry():
     # The deadline's bucket survived: the families were reused, not re-registered.
     assert value(registry, "omni_kv_transfer_duration_seconds_bucket", outcome="acked",
                  le="7.0") == 0
+
+
+def test_prepare_multiproc_dir_empties_it_and_sets_the_variable(tmp_path, monkeypatch):
+    from omni_runtime.observability import prepare_prometheus_multiproc_dir
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    target = tmp_path / "metrics"
+    target.mkdir()
+    (target / "counter_123.db").write_bytes(b"stale")
+    assert prepare_prometheus_multiproc_dir(target) == target
+    assert list(target.iterdir()) == []
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(target)
+    # Never under a process that is already writing there.
+    (target / "gauge_livemostrecent_1.db").write_bytes(b"live")
+    with pytest.raises(RuntimeError, match="live"):
+        prepare_prometheus_multiproc_dir(target)
+    assert (target / "gauge_livemostrecent_1.db").exists()

@@ -169,8 +169,7 @@ class OmniKVTransferMixin:
         output.__class__ = OmniSchedulerOutput
         if ledger.num_pending:
             output.finished_requests_needing_kv_transfer = {
-                t.request_id: {"seq_len": t.seq_len, "block_ids": list(t.block_ids)}
-                for t in ledger.hand_off_pending()
+                t.request_id: _hand_off_info(t) for t in ledger.hand_off_pending()
             }
         else:
             output.finished_requests_needing_kv_transfer = {}
@@ -307,6 +306,16 @@ class OmniKVTransferMixin:
                 request = self.requests[new_request.req_id]
                 new_request.__class__ = OmniNewRequestData
                 new_request.additional_information = request.additional_information
+
+
+def _hand_off_info(transfer: Transfer) -> dict[str, Any]:
+    """What the runner gets per transfer: vllm-omni's two keys, plus the request's W3C trace
+    headers when it has some (our worker puts them in the payload header, so the receiving
+    stage's span joins the request's trace)."""
+    info: dict[str, Any] = {"seq_len": transfer.seq_len, "block_ids": list(transfer.block_ids)}
+    if transfer.trace_headers:
+        info["trace_headers"] = dict(transfer.trace_headers)
+    return info
 
 
 def _transfer_params(transfer: Transfer) -> dict[str, Any]:

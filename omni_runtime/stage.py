@@ -1,0 +1,186 @@
+"""``omni-stage --config STAGE.yaml``: start one pipeline stage.
+
+The stage config is the file the operator renders into the stage's ConfigMap (keys in
+docs/operator.md; ``omni-pipeline up`` writes the same file for local runs). Two kinds:
+
+* an AR stage (``role: ar``): vLLM's OpenAI server with :class:`OmniARScheduler`, the KV
+  extraction worker and the stage's ``omni_kv_config``; this process supervises it (see
+  :mod:`omni_runtime.ar_stage`);
+* a receiving stage (any other role): a small HTTP server with ``/health``, ``/metrics`` and
+  ``/v1/kv`` (what arrived), and the KV receiver with its inbox (see
+  :mod:`omni_runtime.receiver_stage`).
+
+Ports: ``http`` (default 8000) and ``kv`` (default 9600), from the config's ``ports``.
+SIGTERM drains: stop taking work, wait for active transfers up to a grace period, then exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger("omni_runtime.stage")
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_KV_PORT = 9600
+DEFAULT_GRACE_SECONDS = 30.0
+
+
+class StageConfigError(ValueError):
+    """A bad stage config; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Downstream:
+    stage: str
+    endpoint: str  # host:port of the stage's KV receiver
+
+    @property
+    def zmq_address(self) -> str:
+        return self.endpoint if "://" in self.endpoint else f"tcp://{self.endpoint}"
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    pipeline: str
+    stage: str
+    role: str
+    model: str  # what vLLM loads: a path, else the name
+    model_name: str  # what clients ask for (served model name)
+    model_dir: str | None = None
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    kv_send: bool = False
+    kv_criteria: Mapping[str, Any] | None = None
+    kv_timeout_seconds: float | None = None
+    downstream: tuple[Downstream, ...] = ()
+    http_port: int = DEFAULT_HTTP_PORT
+    kv_port: int = DEFAULT_KV_PORT
+    metrics: bool = True
+    otlp_endpoint: str | None = None
+
+    @property
+    def is_ar(self) -> bool:
+        return self.role == "ar"
+
+    def omni_kv_config(self) -> dict[str, Any]:
+        """The scheduler's ``omni_kv_config`` (the CRD's camelCase mapped to its keys)."""
+        cfg: dict[str, Any] = {"need_send_cache": self.kv_send, "stage_name": self.stage}
+        if self.kv_criteria:
+            criteria = {"type": self.kv_criteria.get("type")}
+            token_id = self.kv_criteria.get("tokenId", self.kv_criteria.get("token_id"))
+            if token_id is not None:
+                criteria["token_id"] = token_id
+            cfg["kv_transfer_criteria"] = criteria
+        if self.kv_timeout_seconds is not None:
+            cfg["timeout_seconds"] = self.kv_timeout_seconds
+        return cfg
+
+
+def _get(mapping: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...):
+    if key not in mapping or mapping[key] is None:
+        if default is ...:
+            raise StageConfigError(f"{where}{key} is required")
+        return default
+    value = mapping[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise StageConfigError(f"{where}{key} must be a {names}, got {value!r}")
+    return value
+
+
+def parse_stage_config(raw: Any) -> StageConfig:
+    if not isinstance(raw, Mapping):
+        raise StageConfigError("the stage config must be a mapping")
+    model = _get(raw, "model", Mapping, "")
+    model_ref = model.get("path") or model.get("name")
+    if not model_ref:
+        raise StageConfigError("model.name or model.path is required")
+    kv = _get(raw, "kvTransfer", Mapping, "", {})
+    ports = _get(raw, "ports", Mapping, "", {})
+    obs = _get(raw, "observability", Mapping, "", {})
+    tracing = obs.get("tracing") or {}
+    downstream = []
+    for i, entry in enumerate(_get(raw, "downstream", list, "", [])):
+        where = f"downstream[{i}]."
+        if not isinstance(entry, Mapping):
+            raise StageConfigError(f"downstream[{i}] must be a mapping")
+        downstream.append(
+            Downstream(_get(entry, "stage", str, where), _get(entry, "endpoint", str, where))
+        )
+    timeout = kv.get("timeoutSeconds")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+        raise StageConfigError(f"kvTransfer.timeoutSeconds must be a number, got {timeout!r}")
+    criteria = kv.get("criteria")
+    if criteria is not None and not isinstance(criteria, Mapping):
+        raise StageConfigError("kvTransfer.criteria must be a mapping with a type")
+    return StageConfig(
+        pipeline=_get(raw, "pipeline", str, ""),
+        stage=_get(raw, "stage", str, ""),
+        role=_get(raw, "role", str, ""),
+        model=str(model_ref),
+        model_name=str(model.get("name") or model_ref),
+        model_dir=model.get("cacheDir"),
+        engine_args=dict(_get(raw, "engineArgs", Mapping, "", {})),
+        kv_send=bool(_get(kv, "send", bool, "kvTransfer.", False)),
+        kv_criteria=dict(criteria) if criteria else None,
+        kv_timeout_seconds=float(timeout) if timeout is not None else None,
+        downstream=tuple(downstream),
+        http_port=_get(ports, "http", int, "ports.", DEFAULT_HTTP_PORT),
+        kv_port=_get(ports, "kv", int, "ports.", DEFAULT_KV_PORT),
+        metrics=bool(obs.get("metrics", True)),
+        otlp_endpoint=tracing.get("otlpEndpoint") or None,
+    )
+
+
+def load_stage_config(path: str | Path) -> StageConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise StageConfigError(f"cannot read the stage config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise StageConfigError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        return parse_stage_config(raw)
+    except StageConfigError as exc:
+        raise StageConfigError(f"{path}: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-stage", description="Start one omni pipeline stage.")
+    parser.add_argument("--config", required=True, help="stage config file (from the stage's ConfigMap)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to serve on (default 0.0.0.0)")
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        help="on SIGTERM, how long to wait for active transfers before exiting",
+    )
+    parser.add_argument("--print-command", action="store_true", help="print the vLLM command of an AR stage and exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_stage_config(args.config)
+    except StageConfigError as exc:
+        print(f"omni-stage: {exc}", file=sys.stderr)
+        return 2
+    if config.is_ar:
+        from omni_runtime.ar_stage import ARStage, vllm_command
+
+        if args.print_command:
+            print(" ".join(vllm_command(config, args.host)))
+            return 0
+        return ARStage(config, host=args.host, grace_seconds=args.grace_seconds).run()
+    from omni_runtime.receiver_stage import ReceiverStage
+
+    return ReceiverStage(config, host=args.host, grace_seconds=args.grace_seconds).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -196,8 +196,9 @@ def test_ack_means_the_payload_is_already_in_the_inbox(receiver, make_sender, re
     assert value(registry, "omni_kv_received_bytes_sum") == p.kv.nbytes
 
 
-def test_many_transfers_all_arrive_intact(receiver, make_sender):
-    sender = make_sender({STAGE: receiver.endpoint}, max_in_flight=3)
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
+def test_many_transfers_all_arrive_intact(receiver, make_sender, algo):
+    sender = make_sender({STAGE: receiver.endpoint}, max_in_flight=3, checksum_algo=algo)
     sent = {f"r{i}": payload(f"r{i}", seq_len=1 + i) for i in range(40)}
     for p in sent.values():
         sender.submit(p)

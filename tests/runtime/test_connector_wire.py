@@ -242,3 +242,22 @@ def test_fuzz_mutated_headers_are_rejected_or_decode_consistently(changes, data)
     assert payload.kv.nbytes == len(data) == header["nbytes"]
     assert list(payload.kv.shape) == header["shape"]
     assert header["checksum"] == checksum("crc32", memoryview(data))
+
+
+@pytest.mark.parametrize("algo", sorted(CHECKSUMS))
+def test_every_offered_checksum_round_trips_and_catches_a_flipped_bit(algo):
+    p = KVPayload("r", 5, kv(5))
+    data = data_view(p.kv)
+    header = encode_header(p, transfer_id=1, to_stage="talker", digest=checksum(algo, data))
+    got, h = decode_transfer([header, bytes(data)], LIMITS)
+    assert h["checksum"].startswith(f"{algo}:") and np.array_equal(got.kv, p.kv)
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0x10
+    assert rejected([header, bytes(flipped)]).code == "checksum_mismatch"
+
+
+def test_default_checksum_is_the_fast_one():
+    """xxhash is a base dependency (pyproject); the sender defaults to it."""
+    from omni_runtime.connector.wire import DEFAULT_CHECKSUM
+
+    assert DEFAULT_CHECKSUM == "xxh3_64"

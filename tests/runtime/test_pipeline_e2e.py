@@ -160,3 +160,66 @@ def test_metrics_show_the_deliveries_on_both_stages(pipeline):
     assert metric_value(text, "omni_kv_transfers_resolved_total", outcome="failed") == 0
     assert metric_value(text, "omni_kv_transfer_bytes_count") == acked
     assert metric_value(receiver.metrics(), "omni_kv_received_total", outcome="delivered") >= acked
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def _transfer_counts(ar: StageProcess) -> dict[str, float]:
+    text = ar.metrics()
+    counts = {o: metric_value(text, "omni_kv_transfers_resolved_total", outcome=o)
+              for o in ("acked", "failed", "expired", "cancelled")}
+    counts["in_flight"] = sum(
+        metric_value(text, "omni_kv_transfers", state=s) for s in ("pending", "active", "held")
+    )
+    counts["held_blocks"] = metric_value(text, "omni_kv_held_blocks")
+    return counts
+
+
+def test_receiver_killed_then_restarted(pipeline, tmp_path):
+    ar, receiver = pipeline["ar"], pipeline["receiver"]
+    before = wait_until(lambda: (c := _transfer_counts(ar))["in_flight"] == 0 and c, 30, "a quiet AR stage")
+    receiver.kill()
+    for prompt in ("sent while the receiver is down", "and another one"):
+        assert complete(ar, prompt)["choices"], "the AR stage keeps serving"
+
+    def lost_and_freed():
+        c = _transfer_counts(ar)
+        lost = (c["failed"] - before["failed"]) + (c["expired"] - before["expired"])
+        return c if lost >= 2 and c["in_flight"] == 0 and c["held_blocks"] == 0 else None
+
+    after_kill = wait_until(lost_and_freed, 60, "transfers to the dead receiver to fail or expire")
+    assert after_kill["acked"] == before["acked"]
+
+    restarted = StageProcess(receiver.config, tmp_path).start(timeout=60)
+    pipeline["receiver"] = restarted  # the module fixture stops this one
+    complete(ar, "after the restart")
+    wait_until(lambda: _transfer_counts(ar)["acked"] == after_kill["acked"] + 1, 60,
+               "a transfer delivered to the restarted receiver")
+    assert len(received(restarted)) == 1
+
+
+def test_an_aborted_request_leaves_nothing_held(pipeline):
+    """A streaming request whose client goes away: vLLM aborts it in the middle of decoding,
+    after its prefill transfer started. Nothing stays held or allocated."""
+    import http.client
+
+    ar = pipeline["ar"]
+    conn = http.client.HTTPConnection("127.0.0.1", ar.http_port, timeout=60)
+    body = json.dumps({"model": "tiny-qwen2", "prompt": "abort me " * 30, "max_tokens": 400,
+                       "stream": True, "ignore_eos": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.fp.readline()  # the first streamed chunk: the request is decoding
+    conn.close()  # the client leaves; vLLM aborts the request
+
+    def idle():
+        text = ar.metrics()
+        c = _transfer_counts(ar)
+        running = metric_value(text, "vllm:num_requests_running")
+        usage = metric_value(text, "vllm:kv_cache_usage_perc")
+        return c if c["in_flight"] == 0 and c["held_blocks"] == 0 and running == 0 and usage == 0 else None
+
+    wait_until(idle, 60, "the aborted request to leave no transfer, hold or block behind")
+    assert complete(ar, "still serving")["choices"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -159,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grace-seconds",
         type=float,
-        default=DEFAULT_GRACE_SECONDS,
-        help="on SIGTERM, how long to wait for active transfers before exiting",
+        default=None,
+        help="on SIGTERM, how long to wait for transfers in flight before exiting "
+        "(default: the stage's kvTransfer.timeoutSeconds, after which none can be active)",
     )
     parser.add_argument("--print-command", action="store_true", help="print the vLLM command of an AR stage and exit")
     args = parser.parse_args(argv)
@@ -170,16 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     except StageConfigError as exc:
         print(f"omni-stage: {exc}", file=sys.stderr)
         return 2
+    grace = args.grace_seconds
+    if grace is None:
+        grace = config.kv_timeout_seconds or DEFAULT_GRACE_SECONDS
     if config.is_ar:
         from omni_runtime.ar_stage import ARStage, vllm_command
 
         if args.print_command:
             print(" ".join(vllm_command(config, args.host)))
             return 0
-        return ARStage(config, host=args.host, grace_seconds=args.grace_seconds).run()
+        return ARStage(config, host=args.host, grace_seconds=grace).run()
+    # One process serves a receiving stage's /metrics: prometheus_client's single-process
+    # mode is right, whatever the image's environment says (decided at its import, below).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from omni_runtime.receiver_stage import ReceiverStage
 
-    return ReceiverStage(config, host=args.host, grace_seconds=args.grace_seconds).run()
+    return ReceiverStage(config, host=args.host, grace_seconds=grace).run()
 
 
 if __name__ == "__main__":

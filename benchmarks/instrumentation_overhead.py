@@ -149,7 +149,7 @@ def per_transfer_cost(n: int = 3000) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     logging.disable(logging.WARNING)

@@ -500,7 +500,43 @@ def test_after_fuzzing_the_receiver_still_delivers(receiver, dealer, make_sender
     assert collect(sender, 1) == (["after-fuzz"], {})
 
 
+class FlakyInbox(KVInbox):
+    """An inbox whose store raises (a bug) for one request id."""
+
+    def put(self, payload):
+        if payload.request_id == "boom":
+            raise RuntimeError("disk on fire")
+        super().put(payload)
+
+
+def test_a_bug_while_storing_is_answered_internal_error_and_serving_goes_on(
+        make_receiver, make_sender, registry):
+    receiver = make_receiver(inbox=FlakyInbox(max_bytes=1 << 20))
+    sender = make_sender({STAGE: receiver.endpoint})
+    for rid in ("before", "boom", "after"):
+        sender.submit(payload(rid))
+    acked, failed = collect(sender, 3)
+    assert sorted(acked) == ["after", "before"]
+    assert "internal_error: RuntimeError: disk on fire" in failed["boom"]
+    assert value(registry, "omni_kv_receiver_rejected_total", reason="internal_error") == 1
+    assert receiver.running
+
+
 # ---------------------------------------------------------------------- observability
+def test_delivered_sizes_feed_the_contracts_transfer_bytes_histogram(receiver, make_sender):
+    from omni_runtime.metrics import TransferMetrics
+
+    reg = CollectorRegistry()
+    metrics = TransferMetrics(stage="ar", model_name="m", registry=reg)
+    sender = make_sender({STAGE: receiver.endpoint},
+                         observe_bytes=metrics.observe_transfer_bytes)
+    sender.submit(payload("a"))
+    sender.submit(KVPayload("bad", 1, kv(2)))  # fails: not observed
+    collect(sender, 2)
+    labels = {"stage": "ar", "model_name": "m"}
+    assert reg.get_sample_value("omni_kv_transfer_bytes_count", labels) == 1
+    assert reg.get_sample_value("omni_kv_transfer_bytes_sum", labels) == 4096
+
 def test_inbox_gauges_follow_the_receiver(receiver, make_sender, registry):
     sender = make_sender({STAGE: receiver.endpoint})
     sender.submit(payload("g1"))

@@ -1,0 +1,92 @@
+"""How many API calls the operator makes, and how fast it reconciles.
+
+Counts, at the (emulated) API server, the requests made by reconciling a 3-stage pipeline:
+its creation, a reconcile with nothing to change (target: no write), and a change to one
+stage; then times reconciling --pipelines pipelines from scratch. The server is the kmock-
+based emulator of tests/operator (there is no Kubernetes API server here), so the wall time
+measures the operator's own work plus local HTTP, not a real cluster's latency.
+
+Prints one JSON object as its last line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "operator"))
+
+from conftest import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body  # noqa: E402
+from emulator import EmulatorThread  # noqa: E402
+from omni_operator.reconcile import Reconciler  # noqa: E402
+
+WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
+
+
+def server_calls(emu: EmulatorThread, since: int) -> tuple[int, int]:
+    requests = emu.requests[since:]
+    return len(requests), sum(1 for r in requests if str(r.method.value) in WRITE_METHODS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipelines", type=int, default=100)
+    args = parser.parse_args()
+
+    with EmulatorThread() as emu:
+        user = make_kube(emu.url)
+        user.request("create", "Namespace", "POST", "/api/v1/namespaces",
+                     body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        create_pipeline(user, pipeline_body())
+        operator_client = make_kube(emu.url)
+        reconciler = Reconciler(operator_client)
+
+        mark = len(emu.requests)
+        reconciler.reconcile(NAMESPACE, "tiny")
+        create_calls, create_writes = server_calls(emu, mark)
+
+        mark = len(emu.requests)
+        reconciler.reconcile(NAMESPACE, "tiny")
+        noop_calls, noop_writes = server_calls(emu, mark)
+
+        stages = pipeline_body()["spec"]["stages"]
+        stages[1]["engineArgs"] = {"max-model-len": 2048}
+        patch_pipeline(user, "tiny", {"spec": {"stages": stages}})
+        mark = len(emu.requests)
+        reconciler.reconcile(NAMESPACE, "tiny")
+        update_calls, update_writes = server_calls(emu, mark)
+
+        names = [f"p{i:03d}" for i in range(args.pipelines)]
+        for name in names:
+            create_pipeline(user, pipeline_body(name=name))
+        started = time.perf_counter()
+        for name in names:
+            reconciler.reconcile(NAMESPACE, name)
+        elapsed = time.perf_counter() - started
+        started = time.perf_counter()
+        noop_total_writes = 0
+        for name in names:
+            noop_total_writes += reconciler.reconcile(NAMESPACE, name).writes
+        noop_elapsed = time.perf_counter() - started
+        user.close()
+        operator_client.close()
+
+    print(json.dumps({
+        "create_calls": create_calls,
+        "create_writes": create_writes,
+        "noop_calls": noop_calls,
+        "noop_writes": noop_writes,
+        "update_calls": update_calls,
+        "update_writes": update_writes,
+        "pipelines": args.pipelines,
+        "pipelines_per_s": round(args.pipelines / elapsed, 1),
+        "noop_pipelines_per_s": round(args.pipelines / noop_elapsed, 1),
+        "noop_writes_100": noop_total_writes,
+    }))
+
+
+if __name__ == "__main__":
+    main()

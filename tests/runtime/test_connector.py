@@ -349,6 +349,54 @@ def test_a_short_per_submit_timeout_expires_even_behind_a_long_one(fake, make_se
     assert collect(sender, 1) == (["long"], {})
 
 
+RECEIVER_PROCESS = textwrap.dedent("""
+    import sys
+    from prometheus_client import CollectorRegistry
+    from omni_runtime.connector import KVInbox, KVReceiver
+    receiver = KVReceiver(sys.argv[1], KVInbox(), stage="talker", registry=CollectorRegistry())
+    receiver.start()
+    print("ready", flush=True)
+    sys.stdin.read()  # serve until the test closes stdin (or kills this process)
+    receiver.close()
+""")
+
+
+@pytest.fixture
+def receiver_process():
+    procs: list[subprocess.Popen] = []
+
+    def start(endpoint: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", RECEIVER_PROCESS, endpoint], cwd=REPO,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "ready", "receiver process did not start"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def test_receiver_process_killed_and_restarted_on_the_same_port(receiver_process,
+                                                                make_sender):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = receiver_process(endpoint)
+    sender = make_sender({STAGE: endpoint}, send_timeout_s=WAIT)
+    sender.submit(payload("one"))
+    assert collect(sender, 1) == (["one"], {})
+    first.kill()
+    first.wait(WAIT)
+    sender.submit(payload("while-dead"), timeout_s=0.5)
+    assert "while-dead" in collect(sender, 1)[1]
+    receiver_process(endpoint)  # a new process on the same port
+    sender.submit(payload("two"))
+    assert collect(sender, 1) == (["two"], {})
+
+
 def test_in_flight_cap_holds_back_sends_until_acks_come(fake, make_sender):
     sender = make_sender({STAGE: fake.endpoint}, max_in_flight=2)
     for rid in ("a", "b", "c"):

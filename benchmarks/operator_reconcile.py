@@ -19,8 +19,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "operator"))
 
-from conftest import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body  # noqa: E402
-from emulator import EmulatorThread  # noqa: E402
+from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body  # noqa: E402
+from k8s_emulator import EmulatorThread  # noqa: E402
 from omni_operator.reconcile import Reconciler  # noqa: E402
 
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}

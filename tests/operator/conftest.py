@@ -1,65 +1,13 @@
 """Fixtures for the operator tests: the API emulator, clients on it, the running operator."""
 from __future__ import annotations
 
-import copy
-import socket
-import threading
-import time
 from typing import Any, Callable, Iterator
 
-import kubernetes
 import pytest
 
-from emulator import EmulatorThread
-from omni_operator import main as operator_main
+from k8s_emulator import EmulatorThread
 from omni_operator.kube import Kube
-from omni_operator.metrics import OperatorMetrics
-
-NAMESPACE = "team-a"
-PIPELINES = "/apis/omnipipeline.dev/v1alpha1/namespaces/{ns}/omnipipelines"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    """Poll a condition until it holds (a wait on state, with a deadline; not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pipeline_body(name: str = "tiny", namespace: str = NAMESPACE, stages: list[dict] | None = None, **spec: Any) -> dict:
-    body = {
-        "apiVersion": "omnipipeline.dev/v1alpha1",
-        "kind": "OmniPipeline",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "image": "ghcr.io/example/omni-stage:0.1.0",
-            "model": {"name": "tiny-qwen2"},
-            "stages": stages if stages is not None else [
-                {"name": "thinker", "role": "ar", "gpus": 1, "kvTransfer": {"send": True}},
-                {"name": "talker", "role": "ar", "inputs": ["thinker"], "kvTransfer": {"send": True}},
-                {"name": "code2wav", "role": "generation", "gpus": 0, "inputs": ["talker"]},
-            ],
-        },
-    }
-    body["spec"].update(spec)
-    return body
-
-
-def make_kube(url: str) -> Kube:
-    config = kubernetes.client.Configuration()
-    config.host = url
-    return Kube(kubernetes.client.ApiClient(config))
+from omnip_support import NAMESPACE, RunningOperator, make_kube
 
 
 @pytest.fixture
@@ -76,56 +24,6 @@ def kube(emulator: EmulatorThread) -> Iterator[Kube]:
                    body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     yield client
     client.close()
-
-
-def create_pipeline(kube: Kube, body: dict) -> dict:
-    ns = body["metadata"]["namespace"]
-    return kube.request("create", "OmniPipeline", "POST", PIPELINES.format(ns=ns), body=copy.deepcopy(body))
-
-
-def patch_pipeline(kube: Kube, name: str, patch: dict, namespace: str = NAMESPACE) -> dict:
-    return kube.request("patch", "OmniPipeline", "PATCH", PIPELINES.format(ns=namespace) + f"/{name}",
-                        body=patch, content_type="application/merge-patch+json")
-
-
-class RunningOperator:
-    """The real operator (kopf, the handlers, the reconciler) in a thread, stopped at teardown."""
-
-    def __init__(self, url: str, namespaces: list[str], resync_seconds: float = 3600.0):
-        self.metrics = OperatorMetrics()
-        self.kube = make_kube(url)
-        self.kube._on_call = self.metrics.api_call
-        self.metrics_port = free_port()
-        self.liveness_port = free_port()
-        self.options = operator_main.Options(
-            namespaces=namespaces, metrics_host="127.0.0.1", metrics_port=self.metrics_port,
-            liveness_host="127.0.0.1", liveness_port=self.liveness_port, resync_seconds=resync_seconds)
-        self.stop_flag = threading.Event()
-        self.ready_flag = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="omni-operator", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            operator_main.run(self.options, kube=self.kube, metrics=self.metrics,
-                              stop_flag=self.stop_flag, ready_flag=self.ready_flag)
-        except BaseException as exc:  # reported by stop()
-            self.error = exc
-
-    def start(self) -> "RunningOperator":
-        self._thread.start()
-        wait_for(lambda: self.ready_flag.is_set() or self.error, 30, "the operator to start")
-        if self.error:
-            raise self.error
-        return self
-
-    def stop(self) -> None:
-        self.stop_flag.set()
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "the operator did not stop"
-        self.kube.close()
-        if self.error:
-            raise self.error
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import os
 import pytest
 import yaml
 
-from cases import BOTH_REJECT, OPERATOR_REJECTS
-from conftest import pipeline_body
+from omnip_cases import BOTH_REJECT, OPERATOR_REJECTS
+from omnip_support import pipeline_body
 from crd_validation import validate
 from omni_operator import crd
 from omni_operator.errors import SpecError

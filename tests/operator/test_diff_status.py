@@ -5,7 +5,7 @@ import copy
 
 from hypothesis import given, settings, strategies as st
 
-from conftest import pipeline_body
+from omnip_support import pipeline_body
 from omni_operator.diff import merge_patch
 from omni_operator.model import parse_pipeline
 from omni_operator.quantities import parse_quantity

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from conftest import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body, wait_for
+from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body, wait_for
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, PDB, SERVICE
 from omni_operator.reconcile import Reconciler
 from omni_operator.resync import Resync

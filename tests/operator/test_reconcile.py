@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from conftest import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body
-from emulator import EmulatorThread
+from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body
+from k8s_emulator import EmulatorThread
 from omni_operator import naming
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
 from omni_operator.reconcile import Reconciler

@@ -7,7 +7,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import pipeline_body
+from omnip_support import pipeline_body
 from omni_operator import naming
 from omni_operator.model import parse_pipeline
 from omni_operator.render import render_children

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from conftest import pipeline_body
+from omnip_support import pipeline_body
 
 
 def mutate(fn: Callable[[dict], Any], **kw: Any) -> dict:

@@ -26,6 +26,7 @@ import logging
 from copy import copy
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -82,8 +83,9 @@ class OmniKVWorkerMixin:
                 endpoints=endpoints,
                 pipeline=str(settings.get("pipeline", "")),
                 stage=kv_cfg.stage_name,
-                # The connector gives up when the scheduler would expire the transfer anyway.
-                send_timeout_s=kv_cfg.timeout_seconds,
+                # The connector gives up just before the scheduler would expire the transfer,
+                # so that the failure reaches the scheduler with its reason.
+                send_timeout_s=max(0.1, 0.95 * kv_cfg.timeout_seconds),
                 observe_bytes=transfer_bytes_observer(
                     stage=kv_cfg.stage_name,
                     model_name=model_config.served_model_name or model_config.model,
@@ -161,11 +163,11 @@ class OmniKVWorkerMixin:
                 dtype = None
                 if kv.dtype == torch.bfloat16:
                     # NumPy has no bfloat16: ship the bits, named in the header.
-                    kv, dtype = kv.view(torch.uint16), "bfloat16"
+                    kv, dtype = kv.view(torch.int16), "bfloat16"
                 payload = KVPayload(
                     request_id=request_id,
                     seq_len=info["seq_len"],
-                    kv=kv.numpy(),
+                    kv=kv.numpy() if dtype is None else kv.numpy().view(np.uint16),
                     dtype=dtype,
                     pipeline=self._omni_pipeline,
                     from_stage=self._omni_stage,

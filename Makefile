@@ -12,7 +12,7 @@ TORCH_VERSION := 2.13.0
 DEBIAN_PACKAGES := prometheus prometheus-alertmanager
 PYTEST_ARGS ?=
 
-.PHONY: all setup test demo bench dashboards check-generated clean
+.PHONY: all setup test demo demo-scheduler bench dashboards check-generated clean
 
 all: test
 
@@ -46,7 +46,16 @@ $(STAMP)/python: $(VENV)/bin/python pyproject.toml
 test: setup
 	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest $(PYTEST_ARGS)
 
+# The tiny pipeline of examples/tiny-pipeline.yaml as local processes: an AR stage (vLLM on
+# the tiny CPU model) shipping each request's KV cache to a receiving stage. Runs until
+# Ctrl-C; DEMO_ARGS="--exit-after 20" stops it by itself.
+DEMO_ARGS ?=
 demo: setup
+	$(PY) -m omni_runtime.tiny_model .omni-cache/tiny-qwen2
+	$(VENV)/bin/omni-pipeline up examples/tiny-pipeline.yaml --demo 3 $(DEMO_ARGS)
+
+# The scheduler alone in an offline vLLM engine, printing each transfer's life.
+demo-scheduler: setup
 	$(PY) -m omni_runtime.demo
 
 bench: setup

@@ -10,7 +10,7 @@ import yaml
 
 from omnip_cases import BOTH_REJECT, OPERATOR_REJECTS
 from omnip_support import pipeline_body
-from crd_validation import validate
+from omni_operator.validation import validate
 from omni_operator import crd
 from omni_operator.errors import SpecError
 from omni_operator.model import parse_pipeline

@@ -29,9 +29,9 @@ PROMPTS = {
 
 
 def stage_configs(tmp_path, *, timeout_seconds=20):
-    """Stage configs as the operator renders them, with local ports."""
+    """Stage configs as the operator renders them, with local ports (as omni-pipeline up)."""
+    from omni_operator.local import local_stage_configs
     from omni_operator.model import parse_pipeline
-    from omni_operator.stage_config import render_stage_config
 
     ports = {name: {"http": free_port(), "kv": free_port()} for name in ("ar", "receiver")}
     body = {
@@ -62,13 +62,7 @@ def stage_configs(tmp_path, *, timeout_seconds=20):
             ],
         },
     }
-    pipeline = parse_pipeline(body)
-    configs = {}
-    for name in ports:
-        cfg = render_stage_config(pipeline, name, lambda s: f"127.0.0.1:{ports[s]['kv']}")
-        cfg["ports"] = ports[name]
-        configs[name] = cfg
-    return configs
+    return local_stage_configs(parse_pipeline(body), ports)
 
 
 @pytest.fixture(scope="module")

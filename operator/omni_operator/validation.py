@@ -1,4 +1,6 @@
-"""Validate an object against a CRD's openAPIV3Schema as the API server would (for tests).
+"""Validate an object against a CRD's openAPIV3Schema as the API server would.
+
+Used by ``omni-pipeline validate`` (and the tests) to check a file before it is applied.
 
 JSON Schema (jsonschema) does the structural part once the Kubernetes extensions are
 translated: x-kubernetes-int-or-string, x-kubernetes-preserve-unknown-fields, nullable,
@@ -12,7 +14,7 @@ from typing import Any
 import celpy
 import jsonschema
 
-from omni_operator.crd import apply_defaults
+from omni_operator.crd import apply_defaults, openapi_schema
 
 _PASSTHROUGH = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
                 "minItems", "maxItems", "required", "description", "default", "minProperties", "maxProperties")
@@ -76,11 +78,24 @@ def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[str]:
     return errors
 
 
+def _path(parts) -> str:
+    """spec.stages[1].role: the field paths the operator's own errors use."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
 def validate(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     """Every error the API server would report for obj (empty: accepted)."""
     obj = apply_defaults(schema, obj)
     validator = jsonschema.Draft202012Validator(to_jsonschema(schema, root=True))
-    errors = [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
+    errors = [f"{_path(e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
     if errors:
         return errors  # the server stops at structural errors before running CEL
     return _cel_errors(schema, obj, "")
+
+
+def validate_resource(obj: dict[str, Any]) -> list[str]:
+    """Every error the API server would report for an OmniPipeline (schema and CEL rules)."""
+    return validate(openapi_schema(), obj)

@@ -1,0 +1,402 @@
+"""``omni-pipeline``: run or check an ``OmniPipeline`` file without a cluster.
+
+    omni-pipeline validate FILE...   the CRD's schema and CEL rules, then the graph rules
+    omni-pipeline up FILE            every stage as a local process on 127.0.0.1
+
+``up`` takes the same file ``kubectl apply`` takes. Each stage gets the stage config the
+operator would put in its ConfigMap (the same renderer), with 127.0.0.1 ports instead of
+Service addresses, and runs as ``omni-stage --config`` (the runtime is started as a process,
+never imported: this package stays free of vLLM). Stages start downstream first, so receivers
+listen before senders ship; a live table shows each stage until Ctrl-C, which stops them
+upstream first, so that in-flight transfers can still land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from .errors import SpecError
+from .model import Pipeline, find_cycle, parse_pipeline
+from .stage_config import dump_stage_config, render_stage_config
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+# ---------------------------------------------------------------------------- validate
+
+
+class FileError(Exception):
+    """A file that cannot be read as YAML."""
+
+
+def load_documents(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as exc:
+        raise FileError(f"cannot read it: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise FileError(f"not valid YAML: {exc}") from None
+
+
+def check_resource(obj: Any) -> tuple[Pipeline | None, list[str]]:
+    """(the parsed pipeline, []) or (None, every problem, each naming its field)."""
+    from .validation import validate_resource
+
+    if not isinstance(obj, dict) or obj.get("kind") != "OmniPipeline":
+        return None, ["kind: this is not an OmniPipeline"]
+    errors = validate_resource(obj)
+    if errors:
+        return None, errors
+    try:
+        return parse_pipeline(obj), []
+    except SpecError as exc:
+        return None, [str(p) for p in exc.problems]
+
+
+def cmd_validate(args: argparse.Namespace, out: TextIO) -> int:
+    status = 0
+    for path in args.files:
+        try:
+            docs = load_documents(path)
+        except FileError as exc:
+            print(f"{path}: {exc}", file=out)
+            status = 1
+            continue
+        for doc in docs:
+            name = (doc.get("metadata") or {}).get("name", "?") if isinstance(doc, dict) else "?"
+            pipeline, errors = check_resource(doc)
+            if errors:
+                status = 1
+                for error in errors:
+                    print(f"{path}: {name}: {error}", file=out)
+            else:
+                print(f"{path}: {name}: valid ({len(pipeline.stages)} stages)", file=out)
+    return status
+
+
+# ---------------------------------------------------------------------------- up
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_order(pipeline: Pipeline) -> list[str]:
+    """Downstream stages first (reverse topological order of the input graph)."""
+    graph = {s.name: list(s.inputs) for s in pipeline.stages}
+    assert find_cycle(graph) is None  # parse_pipeline rejected cycles
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for downstream in pipeline.downstream_of(name):
+            visit(downstream)
+        order.append(name)
+
+    for stage in pipeline.stages:
+        visit(stage.name)
+    return order
+
+
+def local_stage_configs(
+    pipeline: Pipeline, ports: dict[str, dict[str, int]], host: str = "127.0.0.1"
+) -> dict[str, dict[str, Any]]:
+    """The operator's stage configs, with local ports and KV endpoints."""
+    configs = {}
+    for stage in pipeline.stages:
+        cfg = render_stage_config(pipeline, stage.name, lambda s: f"{host}:{ports[s]['kv']}")
+        cfg["ports"] = dict(ports[stage.name])
+        configs[stage.name] = cfg
+    return configs
+
+
+@dataclass
+class LocalStage:
+    name: str
+    role: str
+    config_path: Path
+    log_path: Path
+    http_port: int
+    host: str
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    counts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def start(self, env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_runtime.stage", "--config", str(self.config_path), "--host", self.host],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        log.close()
+        # Each stage leads its own process group (vLLM's engine core is in it): the pid file
+        # lets whoever finds the runner gone (kill -9) stop the stages with `kill -- -PID`.
+        self.log_path.with_suffix(".pid").write_text(f"{self.proc.pid}\n")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def poll(self) -> None:
+        self.ready = _get(self.url + "/health", timeout=1) is not None
+        page = _get(self.url + "/metrics", timeout=2) if self.ready else None
+        if page is not None:
+            self.counts = stage_counts(page)
+
+    def stop(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its process group
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def _get(url: str, timeout: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.read().decode() if resp.status == 200 else None
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+def stage_counts(page: str) -> dict[str, float]:
+    """What the table shows, from a stage's /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        counts[key] = counts.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == "omni_kv_transfers" and s.labels.get("state") in ("pending", "active", "held"):
+                add(s.labels["state"], s.value)
+            elif s.name == "omni_kv_transfers_resolved_total":
+                outcome = s.labels.get("outcome")
+                add("delivered" if outcome == "acked" else "failed" if outcome in ("failed", "expired") else "other", s.value)
+            elif s.name == "omni_kv_received_total":
+                add("received" if s.labels.get("outcome") == "delivered" else "rejected", s.value)
+    return counts
+
+
+def render_table(pipeline: str, stages: list[LocalStage]) -> str:
+    rows = [("STAGE", "ROLE", "READY", "PENDING/ACTIVE/HELD", "DELIVERED", "FAILED", "RECEIVED", "METRICS")]
+    for st in stages:
+        c = st.counts
+        flight = "/".join(str(int(c.get(k, 0))) for k in ("pending", "active", "held")) if st.role == "ar" else "-"
+        rows.append((
+            st.name, st.role,
+            "yes" if st.ready else "waiting" if st.proc is None else "starting" if st.alive() else "exited",
+            flight,
+            str(int(c.get("delivered", 0))) if st.role == "ar" else "-",
+            str(int(c.get("failed", 0))) if st.role == "ar" else str(int(c.get("rejected", 0))),
+            "-" if st.role == "ar" else str(int(c.get("received", 0))),
+            st.url + "/metrics",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"pipeline {pipeline}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+class LocalPipeline:
+    def __init__(self, pipeline: Pipeline, workdir: Path, host: str = "127.0.0.1") -> None:
+        self.pipeline = pipeline
+        self.workdir = workdir
+        self.host = host
+        ports = {s.name: {"http": free_port(host), "kv": free_port(host)} for s in pipeline.stages}
+        configs = local_stage_configs(pipeline, ports, host)
+        roles = {s.name: s.role for s in pipeline.stages}
+        self.order = launch_order(pipeline)
+        self.stages: dict[str, LocalStage] = {}
+        for name in self.order:
+            path = workdir / f"{name}.yaml"
+            path.write_text(dump_stage_config(configs[name]))
+            self.stages[name] = LocalStage(name, roles[name], path, workdir / f"{name}.log", ports[name]["http"], host)
+
+    def table_order(self) -> list[LocalStage]:
+        return [self.stages[s.name] for s in self.pipeline.stages]
+
+    def start(self, env: dict[str, str], stop: threading.Event, on_poll=None) -> bool:
+        """Start every stage, downstream first, each once the ones below it are ready.
+        False if a stage exits or ``stop`` is set first."""
+        for name in self.order:
+            stage = self.stages[name]
+            stage.start(env)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while not stage.ready:
+                if not stage.alive() or stop.is_set() or time.monotonic() > deadline:
+                    return False
+                stop.wait(0.5)
+                self.poll()
+                if on_poll:
+                    on_poll()
+        return True
+
+    def poll(self) -> None:
+        for stage in self.stages.values():
+            if stage.alive():
+                stage.poll()
+            else:
+                stage.ready = False
+
+    def stop(self, timeout: float = 60.0) -> None:
+        for name in reversed(self.order):  # upstream first: its transfers can still land
+            self.stages[name].stop(timeout)
+
+
+def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -> None:
+    prompts = ["Hello world", "The quick brown fox jumps over the lazy dog.",
+               "An omni pipeline ships KV caches between stages."]
+    for i in range(count):
+        body = json.dumps({"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(stage.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            reply = json.loads(resp.read())
+        print(f"request {i}: {prompts[i % len(prompts)]!r} -> {reply['choices'][0]['text']!r}", file=out)
+
+
+def show_arrivals(local: LocalPipeline, expected: int, stop: threading.Event, out: TextIO) -> None:
+    """Print what reached the receiving stages (their /v1/kv), once ``expected`` arrived or
+    after 30 s."""
+    receivers = [s for s in local.table_order() if s.role != "ar"]
+    deadline = time.monotonic() + 30
+    listings: dict[str, list[dict]] = {}
+    while not stop.is_set():
+        for st in receivers:
+            page = _get(st.url + "/v1/kv", timeout=2)
+            listings[st.name] = json.loads(page)["payloads"] if page else []
+        if all(len(v) >= expected for v in listings.values()) or time.monotonic() > deadline:
+            break
+        stop.wait(0.2)
+    for name, payloads in listings.items():
+        print(f"KV arrived at stage {name} ({local.stages[name].url}/v1/kv):", file=out)
+        for p in payloads:
+            print(f"  {p['request_id']}: seq_len={p['seq_len']} {p['dtype']}{list(p['shape'])} "
+                  f"{p['bytes']} bytes from {p['from_stage']}", file=out)
+
+
+def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        docs = load_documents(args.file)
+    except FileError as exc:
+        print(f"{args.file}: {exc}", file=out)
+        return 2
+    if len(docs) != 1:
+        print(f"{args.file}: expected one OmniPipeline, found {len(docs)} documents", file=out)
+        return 2
+    pipeline, errors = check_resource(docs[0])
+    if errors:
+        for error in errors:
+            print(f"{args.file}: {error}", file=out)
+        return 2
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"omni-{pipeline.name}-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    local = LocalPipeline(pipeline, workdir, args.host)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    tty = out.isatty()
+    last = [""]
+
+    def show() -> None:
+        table = render_table(pipeline.name, local.table_order())
+        if table == last[0]:
+            return
+        last[0] = table
+        print(("\x1b[H\x1b[2J" if tty else "") + table + f"\n(logs and stage configs in {workdir}; Ctrl-C stops)",
+              file=out, flush=True)
+
+    env = dict(os.environ)
+    started_at = time.monotonic()
+    try:
+        if not local.start(env, stop, on_poll=show):
+            show()
+            failed = [s for s in local.stages.values() if not s.alive() and s.proc is not None]
+            for s in failed:
+                print(f"stage {s.name} exited; the end of its log ({s.log_path}):\n" + _tail(s.log_path), file=out)
+            return 0 if stop.is_set() and not failed else 1
+        show()
+        if args.demo:
+            ar = next((s for s in local.table_order() if s.role == "ar"), None)
+            if ar is not None:
+                send_demo_requests(ar, pipeline.model.name, args.demo, out)
+                show_arrivals(local, args.demo, stop, out)
+        while not stop.wait(1.0):
+            local.poll()
+            show()
+            if args.exit_after is not None and time.monotonic() - started_at > args.exit_after:
+                break
+            if any(not s.alive() for s in local.stages.values()):
+                print("a stage exited; stopping the pipeline", file=out)
+                return 1
+        local.poll()
+        show()
+        return 0
+    finally:
+        local.stop()
+        if not args.workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-pipeline", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check OmniPipeline files against the CRD and the graph rules")
+    v.add_argument("files", nargs="+", type=Path)
+    u = sub.add_parser("up", help="run an OmniPipeline's stages as local processes")
+    u.add_argument("file", type=Path)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--workdir", help="where stage configs and logs go (default: a temporary directory)")
+    u.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    u.add_argument("--demo", type=int, default=0, metavar="N", help="send N requests to the AR stage once all stages are ready")
+    u.add_argument("--exit-after", type=float, metavar="SECONDS", help="stop the pipeline after this long (unattended runs)")
+    args = parser.parse_args(argv)
+    if args.command == "validate":
+        return cmd_validate(args, sys.stdout)
+    return cmd_up(args, sys.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,33 +16,20 @@ method as its ``observe_bytes`` callback rather than defining the family twice.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from omni_runtime.connector.wire import REJECT_CODES
+from omni_runtime.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE_MODE, Family
 
-BASE_LABELS: tuple[str, ...] = ("stage", "model_name")
 RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
 EVICTION_REASONS: tuple[str, ...] = ("expired", "replaced")
 WAIT_OUTCOMES: tuple[str, ...] = ("found", "timeout")
-GAUGE_MODE = "livemostrecent"
 
 #: inbox.get() wait (seconds): the consumer usually asks just before or after arrival.
 WAIT_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
-#: Payload sizes (bytes): the contract's 4 KiB to 16 GiB by factors of 4.
-BYTES_BUCKETS: tuple[float, ...] = tuple(float(4096 * 4**i) for i in range(12))
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    type: str
-    labels: tuple[str, ...]
-    help: str
-
 
 FAMILIES: tuple[Family, ...] = (
     Family("omni_kv_received_total", "counter", BASE_LABELS + ("outcome",),

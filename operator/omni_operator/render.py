@@ -6,6 +6,7 @@ every reconcile.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from . import API_VERSION, KIND, naming
@@ -109,14 +110,48 @@ def render_networkpolicy(pipeline: Pipeline) -> dict[str, Any]:
     }
 
 
+def prometheus_label_name(name: str) -> str:
+    """A Kubernetes label key as Prometheus' service discovery spells it in `__meta_*` labels
+    (every character other than a letter, digit or underscore becomes an underscore)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def pod_label_meta(label: str) -> str:
+    """The `__meta_kubernetes_pod_label_*` source label of a pod label."""
+    return f"__meta_kubernetes_pod_label_{prometheus_label_name(label)}"
+
+
+# Target labels each stage's series get, and where they come from. The alerts and dashboards
+# identify a stage by namespace, pipeline and stage (and pod); the Prometheus Operator adds
+# namespace and pod by default, stated here too so the PodMonitor does not depend on it.
+PODMONITOR_TARGET_LABELS = {
+    "namespace": "__meta_kubernetes_namespace",
+    "pod": "__meta_kubernetes_pod_name",
+    "pipeline": pod_label_meta(naming.PIPELINE_LABEL),
+    "stage": pod_label_meta(naming.STAGE_LABEL),
+}
+
+
 def render_podmonitor(pipeline: Pipeline) -> dict[str, Any]:
+    endpoint = {
+        "port": "http",
+        "path": "/metrics",
+        "interval": "15s",
+        # The runtime's omni_kv_* series carry their own `stage` (the same value as the pod
+        # label): keep it, rather than have Prometheus rename it to `exported_stage`.
+        "honorLabels": True,
+        "relabelings": [
+            {"action": "replace", "sourceLabels": [source], "targetLabel": target}
+            for target, source in PODMONITOR_TARGET_LABELS.items()
+        ],
+    }
     return {
         "apiVersion": PODMONITOR.api_version,
         "kind": PODMONITOR.kind,
         "metadata": _metadata(pipeline, pipeline.name, None),
         "spec": {
             "selector": {"matchLabels": naming.selector_labels(pipeline.name)},
-            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "podMetricsEndpoints": [endpoint],
         },
     }
 

@@ -165,7 +165,12 @@ def test_podmonitor_created_when_the_prometheus_operator_is_installed():
         reconciler = Reconciler(client)
         reconciler.reconcile(NAMESPACE, "tiny")
         monitor = client.get(PODMONITOR, NAMESPACE, "tiny")
-        assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        assert {k: endpoint[k] for k in ("port", "path", "interval", "honorLabels")} == \
+            {"port": "http", "path": "/metrics", "interval": "15s", "honorLabels": True}
+        assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"namespace", "pod", "pipeline", "stage"}
+        # A second reconcile finds the stored PodMonitor (lists of relabelings included) as desired.
+        assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0
         patch_pipeline(client, "tiny", {"spec": {"observability": {"metrics": False}}})
         assert "delete PodMonitor/tiny" in reconciler.reconcile(NAMESPACE, "tiny").changed
         assert client.get(PODMONITOR, NAMESPACE, "tiny") is None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import kubernetes_validate
 import pytest
@@ -47,6 +48,74 @@ def test_children_per_stage_and_per_pipeline():
 def test_podmonitor_only_when_served_and_wanted():
     assert ("PodMonitor", "tiny") not in children(pipeline_body(), podmonitors=False)
     assert ("PodMonitor", "tiny") not in children(pipeline_body(observability={"metrics": False}))
+
+
+# The Prometheus Operator's PodMonitor CRD (monitoring.coreos.com/v1) is not among
+# kubernetes-validate's schemas: the fields used are checked against its documented shape.
+PODMETRICSENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "honorLabels", "relabelings",
+                             "metricRelabelings", "scheme"}
+RELABEL_FIELDS = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
+RELABEL_ACTIONS = {"replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep",
+                   "lowercase", "uppercase", "keepequal", "dropequal"}
+LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def relabel(meta: dict[str, str], relabelings: list[dict]) -> dict[str, str]:
+    """Prometheus' `replace` relabeling (default regex `(.*)`, replacement `$1`), then the
+    `__`-prefixed labels dropped: the target labels a scrape of that pod gets."""
+    labels = dict(meta)
+    for rule in relabelings:
+        assert rule["action"] == "replace" and "regex" not in rule and "replacement" not in rule, rule
+        value = rule.get("separator", ";").join(labels.get(s, "") for s in rule["sourceLabels"])
+        if value:
+            labels[rule["targetLabel"]] = value
+    return {k: v for k, v in labels.items() if not k.startswith("__")}
+
+
+def test_podmonitor_gives_each_series_namespace_pod_pipeline_and_stage():
+    kids = children(pipeline_body())
+    monitor = kids[("PodMonitor", "tiny")]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert set(endpoint) <= PODMETRICSENDPOINT_FIELDS
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    # The runtime's series carry `stage` themselves: keep theirs (no `exported_stage`).
+    assert endpoint["honorLabels"] is True
+    for rule in endpoint["relabelings"]:
+        assert set(rule) <= RELABEL_FIELDS and rule["action"] in RELABEL_ACTIONS
+        assert all(LABEL_NAME.match(label) for label in rule["sourceLabels"]), rule
+        assert LABEL_NAME.match(rule["targetLabel"]), rule
+    # Prometheus' Kubernetes discovery spells the pod label keys with underscores.
+    assert {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]} == {
+        "namespace": ["__meta_kubernetes_namespace"],
+        "pod": ["__meta_kubernetes_pod_name"],
+        "pipeline": ["__meta_kubernetes_pod_label_omnipipeline_dev_pipeline"],
+        "stage": ["__meta_kubernetes_pod_label_omnipipeline_dev_stage"],
+    }
+    for stage in ("thinker", "talker", "code2wav"):
+        template = kids[("Deployment", f"tiny-{stage}")]["spec"]["template"]
+        pod_labels = template["metadata"]["labels"]
+        # The PodMonitor selects every stage's pods, on a port their container names.
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        assert "http" in {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+        # What service discovery gives Prometheus for one of these pods, relabelled.
+        meta = {"__meta_kubernetes_namespace": "team-a", "__meta_kubernetes_pod_name": f"tiny-{stage}-7d9f-x2",
+                **{"__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k): v
+                   for k, v in pod_labels.items()}}
+        assert relabel(meta, endpoint["relabelings"]) == {
+            "namespace": "team-a", "pod": f"tiny-{stage}-7d9f-x2", "pipeline": "tiny", "stage": stage}
+
+
+def test_podmonitor_label_check_has_teeth():
+    """A relabeling that keeps the dots of the label key matches no discovered label."""
+    endpoint = children(pipeline_body())[("PodMonitor", "tiny")]["spec"]["podMetricsEndpoints"][0]
+    broken = [dict(r) for r in endpoint["relabelings"]]
+    broken[2]["sourceLabels"] = ["__meta_kubernetes_pod_label_" + naming.PIPELINE_LABEL]
+    assert not LABEL_NAME.match(broken[2]["sourceLabels"][0])
+    meta = {"__meta_kubernetes_namespace": "team-a", "__meta_kubernetes_pod_name": "p",
+            "__meta_kubernetes_pod_label_omnipipeline_dev_pipeline": "tiny",
+            "__meta_kubernetes_pod_label_omnipipeline_dev_stage": "thinker"}
+    assert "pipeline" not in relabel(meta, broken)
 
 
 @pytest.mark.parametrize("example", ["tiny-pipeline.yaml", "bagel-ar-diffusion.yaml", "qwen-omni-thinker-talker.yaml"])

@@ -433,3 +433,30 @@ def test_a_bad_omni_kv_config_fails_start_up_naming_the_key():
     bad = {"need_send_cache": True, "kv_transfer_criteria": {"type": "special_token", "token_id": 10_000}}
     with pytest.raises(OmniKVConfigError, match=r"kv_transfer_criteria\.token_id.*vocabulary"):
         omni(bad)
+
+
+def test_the_async_variant_marks_the_same_snapshots_with_a_step_in_flight():
+    """vLLM's AsyncScheduler schedules step N+1 before step N's output arrives, so a
+    request's computed-token count runs one step ahead when its trigger fires; the snapshot
+    must still be the prompt. (vLLM's CPU platform turns async scheduling off, so this is
+    covered here rather than in a real engine.)"""
+    from omni_runtime.scheduler import OmniARAsyncScheduler
+
+    s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(PREFILL))
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=6)
+    s.add_request(r)
+    first = s.schedule()  # the prefill
+    second = s.schedule()  # the first decode, scheduled while the prefill runs
+    assert r.num_computed_tokens == 41
+    s.update_from_output(first, runner_output(first))
+    t = s.transfer_ledger.get(r.request_id)
+    assert (t.seq_len, len(t.block_ids)) == (40, 3)
+    s.update_from_output(second, runner_output(second))
+    # The rest one step at a time; the runner acks in the output of the hand-off step.
+    while s.has_requests():
+        so = s.schedule()
+        s.update_from_output(so, runner_output(so, acked=list(so.finished_requests_needing_kv_transfer)))
+    assert t.outcome is Outcome.ACKED
+    assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_quiescent(s, start)

@@ -17,8 +17,13 @@ RULES_FILE = ROOT / "alerts" / "omni-pipeline.rules.yaml"
 RULE_TESTS = Path(__file__).parent / "rules"
 CHART = ROOT / "charts" / "omni-pipeline"
 
+# The mixin, and the operator tests' helpers (the API emulator, the running operator) and the
+# runtime tests' stage processes, reused by import (their directories are not packages).
 if str(MONITORING) not in sys.path:
     sys.path.insert(0, str(MONITORING))
+for path in (ROOT / "tests" / "operator", ROOT / "tests" / "runtime"):
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
 
 
 def _binary(name: str) -> str:

@@ -34,11 +34,15 @@ FIXED_METHODS: dict[str, set[Permission]] = {
 }
 # kopf posts Kubernetes events for handler warnings and errors.
 KOPF_ALWAYS: set[Permission] = {("", "events", "create")}
-# Cluster-wide, kopf watches CRDs to notice resources appearing later (PodMonitor).
-KOPF_CLUSTERWIDE: set[Permission] = {
+# Cluster-scoped, kopf's observation of the cluster (kopf/_core/reactor/observation.py): it
+# watches CRDs to notice resources appearing later (PodMonitor), and, for listed namespaces,
+# lists and watches Namespaces to notice them appear. Refused, it retries each call for
+# about a minute before falling back, handling no events meanwhile (test_rbac_measured.py).
+KOPF_CRDS: set[Permission] = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
 }
+KOPF_NAMESPACES: set[Permission] = {("", "namespaces", "list"), ("", "namespaces", "watch")}
 
 
 def _group(api_version: str) -> str:
@@ -80,8 +84,18 @@ def kopf_calls() -> set[Permission]:
     return perms
 
 
+def required_namespaced() -> set[Permission]:
+    """What the operator calls on the resources in the namespaces it watches."""
+    return operator_calls() | kopf_calls()
+
+
+def required_cluster_scoped(clusterwide: bool) -> set[Permission]:
+    """What kopf calls on cluster-scoped resources."""
+    return KOPF_CRDS | (set() if clusterwide else KOPF_NAMESPACES)
+
+
 def required(clusterwide: bool) -> set[Permission]:
-    return operator_calls() | kopf_calls() | (KOPF_CLUSTERWIDE if clusterwide else set())
+    return required_namespaced() | required_cluster_scoped(clusterwide)
 
 
 def granted(rules: list[dict]) -> set[Permission]:

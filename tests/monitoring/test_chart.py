@@ -233,11 +233,15 @@ def test_rbac_grants_exactly_what_the_operator_calls(clusterwide):
         assert operator_permissions.granted(role["rules"]) == required
         bindings = [binding]
     else:
-        assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
-        roles, bindings = by_kind(objects, "Role"), by_kind(objects, "RoleBinding")
+        # Only kopf's cluster observation is cluster-wide; everything else is per namespace.
+        role, binding = one(objects, "ClusterRole"), one(objects, "ClusterRoleBinding")
+        assert operator_permissions.granted(role["rules"]) == operator_permissions.required_cluster_scoped(False)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        roles, bindings = by_kind(objects, "Role"), by_kind(objects, "RoleBinding") + [binding]
         assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team", "research"]
-        for role in roles:
-            assert operator_permissions.granted(role["rules"]) == required
+        for namespaced in roles:
+            assert operator_permissions.granted(namespaced["rules"]) == operator_permissions.required_namespaced()
+        assert operator_permissions.granted(role["rules"]) | operator_permissions.required_namespaced() == required
     sa = one(objects, "ServiceAccount")
     for binding in bindings:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],

@@ -11,7 +11,10 @@ subclass of `kmock.KubernetesEmulator`:
 - serves WATCH from a resourceVersion: only events after it, honouring timeoutSeconds;
 - applies JSON merge patches (and JSON patches), keeps status behind the /status subresource,
   rejects a stale resourceVersion with 409 and an unpatchable body with 422;
-- creates with generateName, refuses duplicates with 409, deletes with finalizers.
+- creates with generateName, refuses duplicates with 409, deletes with finalizers;
+- records every request as an authorizer sees it (`calls`: user = bearer token, verb, API
+  group, resource/subresource, namespace), and refuses with 403 what an optional
+  `authorize` hook does not allow (the chart's RBAC test runs the operator under its rules).
 
 It does not do schema validation, server-side apply, defaulting or garbage collection; the
 tests cover those with pure functions, kubernetes-validate and the CRD's own schema.
@@ -21,14 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import datetime
 import itertools
 import json
 import secrets
 import threading
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Callable
 
 import aiohttp.web
 import jsonpatch
@@ -87,6 +91,43 @@ def selector_matches(labels: dict[str, str], terms: list[tuple[str, str, str | N
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class ApiCall:
+    """One request as the API server's authorizer sees it (its RequestInfo): who asked, the
+    verb, and the resource; `namespace` is None for a cluster-scoped or all-namespaces call."""
+    user: str | None  # the bearer token, standing in for the authenticated user
+    verb: str | None  # None: a non-resource request (discovery: /api, /apis/<group>/<version>)
+    group: str = ""
+    resource: str = ""  # "plural" or "plural/subresource"
+    namespace: str | None = None
+    path: str = ""
+    allowed: bool = True  # False: refused with 403 by the emulator's `authorize` hook
+
+
+def api_call(method: str, path: str, params: Mapping[str, str], authorization: str | None) -> ApiCall:
+    """Resolve a request the way kube-apiserver's RequestInfoFactory does, for RBAC."""
+    user = authorization.split(" ", 1)[1] if authorization and " " in authorization else authorization
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"] and len(parts) >= 2:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return ApiCall(user, None, path=path)
+    if not rest:
+        return ApiCall(user, None, group, path=path)  # discovery of a group version
+    namespace = None
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        namespace, rest = rest[1], rest[2:]
+    # The Namespace objects themselves are cluster-scoped: /api/v1/namespaces[/NAME[/SUB]].
+    resource, name, sub = rest[0], (rest[1] if len(rest) > 1 else None), (rest[2] if len(rest) > 2 else None)
+    watch = params.get("watch", "").lower() in ("1", "true")
+    verb = {"GET": "watch" if watch else ("get" if name else "list"), "HEAD": "get" if name else "list",
+            "POST": "create", "PUT": "update", "PATCH": "patch",
+            "DELETE": "delete" if name else "deletecollection"}[method.upper()]
+    return ApiCall(user, verb, group, f"{resource}/{sub}" if sub else resource, namespace, path)
+
+
 class ResourceVersionedEmulator(kmock.KubernetesEmulator):
     """kmock's emulator with the resourceVersion, watch and patch semantics kopf relies on."""
 
@@ -97,6 +138,10 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
         self._log: dict[Any, list[tuple[int, dict[str, Any]]]] = {}
         # Live objects per resource, for LIST without scanning every object of every kind.
         self._index: dict[Any, dict[tuple[str | None, str], dict[str, Any]]] = {}
+        # Every request as the authorizer would see it, in arrival order (an audit log), and
+        # an optional authorizer: a call it refuses is answered 403 Forbidden, as RBAC would.
+        self.calls: list[ApiCall] = []
+        self.authorize: Callable[[ApiCall], bool] | None = None
         self.resources.load_bundled()
         self.resources[CRD_PLURAL] = kmock.ResourceInfo(
             kind="OmniPipeline", singular="omnipipeline", namespaced=True, shortnames={"omnip"},
@@ -141,6 +186,13 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
 
     # -- request dispatch -------------------------------------------------------------------
     async def _handle(self, request: rendering.Request):  # type: ignore[override]
+        raw = request._raw_request  # aiohttp's request: case-insensitive headers
+        call = api_call(raw.method, raw.path, raw.query, raw.headers.get("Authorization"))
+        if self.authorize is not None and not self.authorize(call):
+            self.calls.append(dataclasses.replace(call, allowed=False))
+            raise _error(403, "Forbidden", f"{call.user} cannot {call.verb} resource {call.resource!r} in API group "
+                                           f"{call.group!r}" + (f" in the namespace {call.namespace!r}" if call.namespace else ""))
+        self.calls.append(call)
         # Object requests are served here directly: kmock's DSL matches each request against
         # every past request (quadratic), which a benchmark of thousands of calls cannot afford.
         # Discovery and anything else still goes through kmock's DSL.
@@ -421,6 +473,11 @@ class EmulatorThread:
     def requests(self) -> list[Any]:
         assert self.emulator is not None
         return list(self.emulator._requests)
+
+    def calls(self, user: str | None = None) -> list[ApiCall]:
+        """The requests made so far (by one user: a bearer token), as the authorizer sees them."""
+        assert self.emulator is not None
+        return [c for c in list(self.emulator.calls) if user is None or c.user == user]
 
     def write_kubeconfig(self, path: str) -> str:
         config = {

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import kubernetes
 
 from omni_operator import main as operator_main
+from omni_operator.kinds import DEPLOYMENT
 from omni_operator.kube import Kube
 from omni_operator.metrics import OperatorMetrics
 
@@ -54,9 +55,16 @@ def pipeline_body(name: str = "tiny", namespace: str = NAMESPACE, stages: list[d
     return body
 
 
-def make_kube(url: str) -> Kube:
+# Bearer tokens that tell the emulator's audit log who made a call (no authentication is done).
+OPERATOR_TOKEN = "omni-operator-test-token"
+
+
+def make_kube(url: str, token: str | None = None) -> Kube:
     config = kubernetes.client.Configuration()
     config.host = url
+    if token is not None:  # as load_kube_config / load_incluster_config set a token
+        config.api_key = {"BearerToken": token}
+        config.api_key_prefix = {"BearerToken": "Bearer"}
     return Kube(kubernetes.client.ApiClient(config))
 
 
@@ -70,12 +78,27 @@ def patch_pipeline(kube: Kube, name: str, patch: dict, namespace: str = NAMESPAC
                         body=patch, content_type="application/merge-patch+json")
 
 
+def status(kube: Kube, name: str = "tiny", namespace: str = NAMESPACE) -> dict:
+    return (kube.get_pipeline(namespace, name) or {}).get("status") or {}
+
+
+def complete_rollout(kube: Kube, stage: str, pipeline: str = "tiny", namespace: str = NAMESPACE) -> None:
+    """Stand in for the Deployment controller (no kube-controller-manager here)."""
+    name = f"{pipeline}-{stage}"
+    dep = kube.get(DEPLOYMENT, namespace, name)
+    kube.request("patch", "Deployment", "PATCH", DEPLOYMENT.object_path(namespace, name) + "/status",
+                 body={"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": 1,
+                                  "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
+                 content_type="application/merge-patch+json")
+
+
 class RunningOperator:
     """The real operator (kopf, the handlers, the reconciler) in a thread, stopped at teardown."""
 
     def __init__(self, url: str, namespaces: list[str], resync_seconds: float = 3600.0):
         self.metrics = OperatorMetrics()
-        self.kube = make_kube(url)
+        # The operator's own credentials: kopf's watches log in with them too (handlers.login).
+        self.kube = make_kube(url, OPERATOR_TOKEN)
         self.kube._on_call = self.metrics.api_call
         self.metrics_port = free_port()
         self.liveness_port = free_port()

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import urllib.request
 
-from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body, wait_for
+from omnip_support import (NAMESPACE, complete_rollout, create_pipeline, make_kube, patch_pipeline, pipeline_body,
+                           status, wait_for)
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, PDB, SERVICE
 from omni_operator.reconcile import Reconciler
 from omni_operator.resync import Resync
@@ -12,8 +13,6 @@ STAGES = ("thinker", "talker", "code2wav")
 PIPELINE_PATH = f"/apis/omnipipeline.dev/v1alpha1/namespaces/{NAMESPACE}/omnipipelines/tiny"
 
 
-def status(kube):
-    return (kube.get_pipeline(NAMESPACE, "tiny") or {}).get("status") or {}
 
 
 def children(kube, kind):
@@ -27,15 +26,6 @@ def versions(kube):
 
 def ready_condition(kube):
     return next((c for c in status(kube).get("conditions", []) if c["type"] == "Ready"), {})
-
-
-def complete_rollout(kube, stage):
-    """Stand in for the Deployment controller (no kube-controller-manager here)."""
-    dep = kube.get(DEPLOYMENT, NAMESPACE, f"tiny-{stage}")
-    kube.request("patch", "Deployment", "PATCH", DEPLOYMENT.object_path(NAMESPACE, f"tiny-{stage}") + "/status",
-                 body={"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": 1,
-                                  "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
-                 content_type="application/merge-patch+json")
 
 
 def test_create_status_metrics_and_liveness(kube, start_operator):

@@ -33,13 +33,20 @@ and their status (its handler progress and last-handled state).
 {{- end }}
 
 {{/*
-Cluster-scoped rules, cluster-wide mode only: kopf watches CRDs to notice resources that
-appear later (the Prometheus Operator's PodMonitor). Without them (namespaced mode) kopf
-warns and discovers resources once, at start-up. Namespaces are not listed: the operator
-watches all namespaces or exact names, never name patterns.
+Cluster-scoped rules: kopf's observation of the cluster. It watches CRDs to notice resources
+that appear later (the Prometheus Operator's PodMonitor); in namespaced mode it also lists
+and watches Namespaces, to notice a listed namespace created after it starts. Refused, kopf
+falls back, but only after retrying each refused call for about a minute, during which it
+handles no events (tests/monitoring/test_rbac_measured.py runs the operator under these
+rules and measures what it calls).
 */}}
 {{- define "omni-pipeline.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- if .Values.watch.namespaces }}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
 {{- end }}

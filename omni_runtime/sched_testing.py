@@ -92,7 +92,10 @@ def make_request(
     trace_headers: Mapping[str, str] | None = None,
     ignore_eos: bool = True,
     prompt_token: int = 7,
+    block_size: int | None = None,
 ) -> Request:
+    """A request of ``num_prompt_tokens`` copies of ``prompt_token``; give ``block_size`` to
+    hash its blocks as vLLM's engine does (prefix caching needs it)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
     params.update_from_generation_config({}, EOS)
     return Request(
@@ -101,26 +104,37 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         trace_headers=trace_headers,
+        block_hasher=_block_hasher(block_size) if block_size else None,
     )
+
+
+def _block_hasher(block_size: int):
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
 
 
 def runner_output(
     scheduler_output: SchedulerOutput,
     tokens: Mapping[str, list[int]] | None = None,
     *,
+    scheduler: Scheduler | None = None,
     default_token: int = 5,
     acked: Iterable[str] = (),
     failed: Mapping[str, str] | None = None,
 ) -> ModelRunnerOutput:
-    """What a runner returns for ``scheduler_output``: one sampled token per request that
-    finished its prefill (or was decoding), none for partial prefill chunks."""
+    """What a runner returns for ``scheduler_output``: ``tokens[req_id]`` where given, else
+    one ``default_token`` per request — none for a partial prefill chunk, which needs the
+    ``scheduler`` (after its schedule()) to tell."""
     tokens = dict(tokens or {})
     req_ids = list(scheduler_output.num_scheduled_tokens)
     sampled = []
     for req_id in req_ids:
         if req_id in tokens:
             sampled.append(list(tokens[req_id]))
-        elif _is_partial_prefill(scheduler_output, req_id):
+        elif scheduler is not None and _is_partial_prefill(scheduler, req_id):
             sampled.append([])
         else:
             sampled.append([default_token])
@@ -134,13 +148,7 @@ def runner_output(
     return out
 
 
-_scheduler_for_output: dict[int, Scheduler] = {}
-
-
-def _is_partial_prefill(scheduler_output: SchedulerOutput, req_id: str) -> bool:
-    scheduler = _scheduler_for_output.get(id(scheduler_output))
-    if scheduler is None:
-        return False
+def _is_partial_prefill(scheduler: Scheduler, req_id: str) -> bool:
     request = scheduler.requests.get(req_id)
     return request is not None and request.num_computed_tokens < request.num_tokens
 
@@ -156,11 +164,9 @@ def step(
     """One engine step: schedule, 'run' the model, update. Returns (scheduler_output,
     engine_core_outputs)."""
     so = scheduler.schedule()
-    _scheduler_for_output[id(so)] = scheduler
-    try:
-        mro = runner_output(so, tokens, acked=acked, failed=failed, default_token=default_token)
-    finally:
-        del _scheduler_for_output[id(so)]
+    mro = runner_output(
+        so, tokens, scheduler=scheduler, acked=acked, failed=failed, default_token=default_token
+    )
     return so, scheduler.update_from_output(so, mro)
 
 

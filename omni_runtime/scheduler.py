@@ -50,9 +50,16 @@ from omni_runtime.transfers import Outcome, Transfer, TransferLedger, Trigger
 
 logger = logging.getLogger(__name__)
 
-#: Finishes that complete a request; any other finish (abort, error, ...) starts no transfer
-#: and cancels a pending one.
-_COMPLETED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+#: Finishes that complete a request (a stop token or string, the length cap, vLLM's repetition
+#: detector); any other finish (abort, error, ignored) starts no transfer and cancels a
+#: pending one.
+_COMPLETED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_REPETITION,
+    }
+)
 
 #: Attribute on vLLM's Request holding its latest Transfer: it dies with the request.
 _TRANSFER_ATTR = "omni_kv_transfer"
@@ -82,6 +89,12 @@ class OmniKVTransferMixin:
         self._criteria = cfg.criteria if cfg.need_send_cache else None
         self._sentinel = cfg.token_id
         groups = self.kv_cache_config.kv_cache_groups
+        if cfg.need_send_cache and len(groups) != 1:
+            raise OmniKVConfigError(
+                f"OmniARScheduler: omni_kv_config.need_send_cache needs a model with one KV "
+                f"cache group; this one has {len(groups)} (hybrid or sliding-window "
+                "attention), whose blocks a transfer of group 0's block ids would not cover"
+            )
         self._kv_block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
         self.transfer_ledger = TransferLedger(cfg.timeout_seconds)
         for observer in build_observers(
@@ -141,13 +154,14 @@ class OmniKVTransferMixin:
                 self._mark(request, *replay)
             else:
                 frontier = request.num_computed_tokens - request.num_output_placeholders
-                self._mark(request, Trigger.REQUEST_FINISHED, frontier)
-        hold = False
+                # Zero when nothing is computed: a request preempted by the step scheduled
+                # while this one ran (async scheduling) has no KV left to ship.
+                if frontier > 0:
+                    self._mark(request, Trigger.REQUEST_FINISHED, frontier)
+        num_blocks = 0
         if ledger.get(request_id) is not None:
             num_blocks = sum(len(g) for g in self.kv_cache_manager.get_block_ids(request_id))
-            hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
-        else:
-            ledger.forget(request_id)
+        hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
         kv_params, ec_params = super()._free_request(request, delay_free_blocks or hold)
         transfer = getattr(request, _TRANSFER_ATTR, None)
         if transfer is not None:
@@ -199,10 +213,8 @@ class OmniKVTransferMixin:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        # vLLM's has_requests() asks this too: the engine loop steps while a transfer is open.
         return super().has_unfinished_requests() or self.transfer_ledger.has_unresolved()
-
-    def has_requests(self) -> bool:
-        return super().has_requests() or self.transfer_ledger.has_unresolved()
 
     def shutdown(self) -> None:
         # Resolve what is left, so that spans end and blocks are accounted for.
@@ -216,26 +228,22 @@ class OmniKVTransferMixin:
     def _fire_step_triggers(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
-        # Only requests scheduled in this step can have reached their trigger; the set
-        # intersection runs in C, the loop below only over those candidates.
-        candidates = self._awaiting_trigger.intersection(scheduler_output.num_scheduled_tokens)
-        if not candidates:
-            return
+        awaiting = self._awaiting_trigger
         requests = self.requests
         if self._criteria is Trigger.PREFILL_FINISHED:
-            for request_id in candidates:
+            # Only requests scheduled in this step can have finished their prefill; the set
+            # intersection runs in C, the loop only over those candidates.
+            for request_id in awaiting.intersection(scheduler_output.num_scheduled_tokens):
                 request = requests[request_id]
                 if request.num_computed_tokens >= request.num_prompt_tokens:
                     self._mark(request, Trigger.PREFILL_FINISHED, request.num_prompt_tokens)
             return
         sentinel = self._sentinel
         sampled = model_runner_output.sampled_token_ids
-        if not sampled:
-            return
-        index = model_runner_output.req_id_to_index
-        for request_id in candidates:
-            new_tokens = sampled[index[request_id]]
-            if sentinel in new_tokens:
+        req_ids = model_runner_output.req_ids
+        # One C-level containment test per sampled row; dict lookups only for the hits.
+        for index, new_tokens in enumerate(sampled):
+            if sentinel in new_tokens and (request_id := req_ids[index]) in awaiting:
                 request = requests[request_id]
                 # num_tokens already counts this step's tokens; cut at the first sentinel.
                 before = request.num_tokens - len(new_tokens) + list(new_tokens).index(sentinel)
@@ -250,9 +258,14 @@ class OmniKVTransferMixin:
                 del self._replay[request_id]
                 self._mark(request, trigger, seq_len)
 
-    def _mark(self, request: Request, trigger: Trigger, seq_len: int) -> Transfer:
+    def _mark(self, request: Request, trigger: Trigger, seq_len: int) -> Transfer | None:
         request_id = request.request_id
         self._awaiting_trigger.discard(request_id)
+        if request.status is RequestStatus.PREEMPTED:
+            # Async scheduling: the step scheduled while this output was computed preempted
+            # the request and freed its blocks. Ship the snapshot once it is recomputed.
+            self._replay[request_id] = (trigger, seq_len)
+            return None
         error = None
         try:
             block_ids = self.kv_cache_manager.get_block_ids(request_id)[0]
@@ -336,8 +349,18 @@ def _transfer_params(transfer: Transfer) -> dict[str, Any]:
 
 
 class OmniARScheduler(OmniKVTransferMixin, Scheduler):
-    """The omni AR scheduler over vLLM's synchronous scheduler."""
+    """The omni AR scheduler. ``--scheduler-cls omni_runtime.scheduler.OmniARScheduler``
+    gives :class:`OmniARAsyncScheduler` when vLLM runs with async scheduling (its default on
+    GPUs): vLLM picks its own AsyncScheduler only when no scheduler class is given, and a
+    synchronous scheduler under an async engine would lose the overlap."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OmniARScheduler:
+        if cls is OmniARScheduler:
+            vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+            if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+                cls = OmniARAsyncScheduler
+        return super().__new__(cls)
 
 
-class OmniARAsyncScheduler(OmniKVTransferMixin, AsyncScheduler):
-    """The omni AR scheduler over vLLM's async scheduler (``--async-scheduling``)."""
+class OmniARAsyncScheduler(OmniARScheduler, AsyncScheduler):
+    """The omni AR scheduler over vLLM's AsyncScheduler."""

@@ -342,11 +342,6 @@ class TransferLedger:
             request_id, Outcome.FAILED, "request preempted: vLLM reclaimed the blocks in flight"
         )
 
-    def forget(self, request_id: str) -> None:
-        """Drop the trigger state of a request the scheduler no longer tracks, with no
-        transfer (e.g. a request rejected before it ran)."""
-        self._triggered.discard(request_id)
-
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:
         """Assert the documented invariants. O(n): for tests and debugging only."""

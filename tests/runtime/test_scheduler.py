@@ -460,3 +460,112 @@ def test_the_async_variant_marks_the_same_snapshots_with_a_step_in_flight():
     assert t.outcome is Outcome.ACKED
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
     assert_quiescent(s, start)
+
+
+def test_a_request_stopped_by_the_repetition_detector_ships_its_kv():
+    """FINISHED_REPETITION is a normal end (vLLM's check_stop), not an abort."""
+    from vllm.sampling_params import RepetitionDetectionParams
+
+    s = omni(ON_FINISH)
+    start = free_blocks(s)
+    r = make_request(16, max_tokens=50)
+    r.sampling_params.repetition_detection = RepetitionDetectionParams(
+        max_pattern_size=1, min_pattern_size=1, min_count=3
+    )
+    s.add_request(r)
+    while r.request_id not in {t.request_id for t in s.recorder.marked}:
+        step(s)  # the same token every step: the detector stops it on the third
+    assert r.status is RequestStatus.FINISHED_REPETITION
+    assert s.recorder.marked[0].trigger is Trigger.REQUEST_FINISHED
+    step(s)
+    step(s, acked=[r.request_id])
+    assert s.recorder.resolved[0].outcome is Outcome.ACKED
+    assert_quiescent(s, start)
+
+
+def test_preemption_of_an_active_transfer_fails_it_and_replays_the_snapshot():
+    s = omni(PREFILL, num_blocks=9, max_num_seqs=4)
+    start = free_blocks(s)
+    a = make_request(64, max_tokens=6, request_id="a")
+    b = make_request(60, max_tokens=4, request_id="b")
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both prefilled and marked
+    s.transfer_ledger.hand_off_pending()  # as if a schedule() had handed both off
+    first_b = s.transfer_ledger.get("b")
+    so, _ = step(s, acked=["a"])  # a needs a 5th block: b is preempted while active
+    assert b.status is RequestStatus.PREEMPTED
+    assert first_b.outcome is Outcome.FAILED and "reclaimed" in first_b.reason
+    handed: dict = {}
+    while s.has_requests():
+        so, _ = step(s, acked=list(handed))
+        handed = so.finished_requests_needing_kv_transfer
+    b_transfers = [t for t in s.recorder.marked if t.request_id == "b"]
+    assert [(t.seq_len, t.outcome) for t in b_transfers] == [(60, Outcome.FAILED), (60, Outcome.ACKED)]
+    assert_quiescent(s, start)
+
+
+def test_with_prefix_caching_a_cached_prompt_still_ships_its_whole_snapshot():
+    s = omni(PREFILL, enable_prefix_caching=True)
+    start = free_blocks(s)
+    first = make_request(64, max_tokens=2, request_id="first", block_size=16)
+    s.add_request(first)
+    while s.has_requests():
+        so, _ = step(s, acked=list(s.transfer_ledger._active))
+    second = make_request(64, max_tokens=2, request_id="second", block_size=16)
+    s.add_request(second)
+    so, _ = step(s)
+    t = s.transfer_ledger.get("second")
+    assert (t.seq_len, len(t.block_ids)) == (64, 4)
+    first_blocks = list(s.recorder.marked[0].block_ids)
+    assert list(t.block_ids[:3]) == first_blocks[:3], "the prompt's full blocks came from the prefix cache"
+    while s.has_requests():
+        step(s, acked=list(s.transfer_ledger._active))
+    assert t.outcome is Outcome.ACKED
+    assert free_blocks(s) == start
+
+
+def test_the_plain_class_name_gives_the_async_variant_under_async_scheduling():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from omni_runtime.scheduler import OmniARAsyncScheduler
+
+    cfg = make_vllm_config(PREFILL)
+    cfg.scheduler_config.async_scheduling = True
+    s = make_scheduler(OmniARScheduler, cfg)
+    assert type(s) is OmniARAsyncScheduler and isinstance(s, AsyncScheduler)
+    assert isinstance(s, OmniARScheduler) and s.transfer_ledger is not None
+    assert type(make_scheduler(OmniARScheduler, make_vllm_config(PREFILL))) is OmniARScheduler
+
+
+def test_async_a_trigger_of_a_request_preempted_by_the_step_in_flight_is_replayed():
+    """Async scheduling: step N+1 is scheduled (and may preempt) before step N's output is
+    processed. A sentinel sampled in step N for a request step N+1 preempted must not be
+    marked on freed blocks: it is replayed once the request is recomputed."""
+    from omni_runtime.scheduler import OmniARAsyncScheduler
+
+    s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(SPECIAL, num_blocks=9, max_num_seqs=4))
+    s.transfer_ledger.add_observer(rec := Recorder())
+    start = free_blocks(s)
+    a = make_request(63, max_tokens=8, request_id="a")
+    b = make_request(60, max_tokens=8, request_id="b")
+    s.add_request(a)
+    s.add_request(b)
+    prev = s.schedule()  # both prefill
+    while True:
+        nxt = s.schedule()
+        if b.status is RequestStatus.PREEMPTED:
+            break
+        s.update_from_output(prev, runner_output(prev))
+        prev = nxt
+    # `prev` was computed with b still running; its output carries b's sentinel. (Then
+    # `nxt`, which no longer has b, is processed by the loop below.)
+    s.update_from_output(prev, runner_output(prev, {"b": [SENTINEL]}))
+    assert not rec.marked and s._replay == {"b": (Trigger.SPECIAL_TOKEN, 61)}, "not on freed blocks"
+    s.update_from_output(nxt, runner_output(nxt))
+    while s.has_requests():
+        so = s.schedule()
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=list(so.finished_requests_needing_kv_transfer)))
+    (t,) = [t for t in rec.marked if t.request_id == "b"]
+    assert (t.seq_len, len(t.block_ids), t.outcome) == (61, 4, Outcome.ACKED)
+    assert free_blocks(s) == start

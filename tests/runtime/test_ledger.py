@@ -232,9 +232,12 @@ class LedgerMachine(RuleBasedStateMachine):
         if not unresolved:
             return
         t = data.draw(st.sampled_from(unresolved))
+        was_active = t.phase is Phase.ACTIVE
         outcome = Outcome.FAILED if failed else Outcome.ACKED
         got = self.ledger.resolve(t.request_id, outcome, only_active=True)
-        assert (got is not None) == (t.phase is Phase.RESOLVED and got is t)
+        # The runner's answer resolves exactly the active transfer it is about, and no other.
+        assert (got is t) == was_active and (got is None) == (not was_active)
+        assert (t.outcome is outcome) == was_active
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), aborted=st.booleans(), blocks=st.integers(1, 9))

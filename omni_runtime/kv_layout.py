@@ -12,9 +12,8 @@ probe values with vLLM's own ``cpu_attn_reshape_and_cache`` into a scratch block
 where every (token, head, dim) element lands. Decoding is then one gather, exact by
 construction for any layout that is a permutation (every non-quantized one).
 
-:class:`HeadMajorBlockLayout` reads the standard GPU layout ``[2, num_blocks, block_size,
-num_kv_heads, head_size]`` (FlashAttention, Triton, FlashInfer backends). It cannot be tested
-on this project's CPU-only machines; the CPU path is the one covered by the tests.
+GPU backends arrange a block's content their own way too; none is decoded yet (their probe
+would use the backend's own cache-write op, and no GPU runs here to check it against).
 """
 
 from __future__ import annotations
@@ -94,19 +93,6 @@ class CpuBlockLayout(BlockLayout):
         k = blocks[:, self._k_index].permute(1, 0, 2, 3).reshape(H, n * B, D)
         v = blocks[:, self._v_index].permute(1, 0, 2, 3).reshape(H, n * B, D)
         return torch.stack((k[:, :seq_len], v[:, :seq_len]))
-
-
-class HeadMajorBlockLayout(BlockLayout):
-    """``[2, num_blocks, block_size, num_kv_heads, head_size]`` (vLLM's GPU backends)."""
-
-    def __init__(self, num_kv_heads: int, block_size: int, head_size: int):
-        self.num_kv_heads, self.block_size, self.head_size = num_kv_heads, block_size, head_size
-
-    def read(self, cache: torch.Tensor, block_ids: Sequence[int], seq_len: int) -> torch.Tensor:
-        index = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
-        blocks = cache.index_select(1, index)  # [2, n, B, H, D]
-        two, n, B, H, D = blocks.shape
-        return blocks.permute(0, 3, 1, 2, 4).reshape(2, H, n * B, D)[:, :, :seq_len]
 
 
 def extract(

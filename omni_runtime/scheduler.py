@@ -322,10 +322,16 @@ class OmniKVTransferMixin:
 
 
 def _hand_off_info(transfer: Transfer) -> dict[str, Any]:
-    """What the runner gets per transfer: vllm-omni's two keys, plus the request's W3C trace
-    headers when it has some (our worker puts them in the payload header, so the receiving
-    stage's span joins the request's trace)."""
-    info: dict[str, Any] = {"seq_len": transfer.seq_len, "block_ids": list(transfer.block_ids)}
+    """What the runner gets per transfer: vllm-omni's two keys, the time left before the
+    deadline, and the request's W3C trace headers when it has some (our worker puts them in
+    the payload header, so the receiving stage's span joins the request's trace)."""
+    info: dict[str, Any] = {
+        "seq_len": transfer.seq_len,
+        "block_ids": list(transfer.block_ids),
+        # Time left before the scheduler expires it: the connector gives up before that, so
+        # its failure (with a reason) arrives first.
+        "deadline_in_s": max(0.0, transfer.deadline - transfer.handed_off_at),
+    }
     if transfer.trace_headers:
         info["trace_headers"] = dict(transfer.trace_headers)
     return info

@@ -32,13 +32,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from omni_runtime.config import parse_omni_kv_config, raw_omni_kv_config
-from omni_runtime.kv_layout import (
-    BlockLayout,
-    CpuBlockLayout,
-    HeadMajorBlockLayout,
-    UnsupportedKVCache,
-    extract,
-)
+from omni_runtime.kv_layout import BlockLayout, CpuBlockLayout, UnsupportedKVCache, extract
 from omni_runtime.outputs import ACKS_FIELD, FAILURES_FIELD, TRANSFERS_FIELD
 
 logger = logging.getLogger(__name__)
@@ -65,8 +59,12 @@ class OmniKVWorkerMixin:
         self._omni_setup_error: str | None = None
         try:
             vllm_config = self.vllm_config
-            if vllm_config.parallel_config.tensor_parallel_size != 1:
-                raise UnsupportedKVCache("KV extraction supports tensor_parallel_size 1 only")
+            parallel = vllm_config.parallel_config
+            if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+                # Each rank would hold a shard of the heads or of the layers.
+                raise UnsupportedKVCache(
+                    "KV extraction supports tensor_parallel_size 1 and pipeline_parallel_size 1"
+                )
             kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
             settings = (vllm_config.additional_config or {}).get(CONNECTOR_KEY) or {}
             endpoints = dict(settings.get("endpoints") or {})
@@ -105,17 +103,23 @@ class OmniKVWorkerMixin:
         if not caches:
             raise UnsupportedKVCache("the model runner has no KV cache tensors")
         spec = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        backend = type(runner.attn_groups[0][0].backend).__name__ if runner.attn_groups else ""
         if getattr(self.vllm_config.cache_config, "cache_dtype", "auto") not in ("auto", None):
             raise UnsupportedKVCache("quantized KV caches cannot be extracted")
-        if caches[0].dim() == 4 and caches[0].device.type == "cpu":
-            isa = self._omni_cpu_isa()
-            return CpuBlockLayout(spec.num_kv_heads, caches[0].shape[2], spec.head_size, isa, caches[0].dtype)
-        if caches[0].dim() == 5 and caches[0].shape[0] == 2:
-            return HeadMajorBlockLayout(spec.num_kv_heads, caches[0].shape[2], spec.head_size)
-        raise UnsupportedKVCache(
-            f"unknown KV cache layout {tuple(caches[0].shape)} for backend {backend!r}"
-        )
+        cache = caches[0]
+        if cache.device.type != "cpu":
+            # vLLM 0.32 views every layer as [blocks, heads, tokens, content]; the content's
+            # K/V arrangement is the attention backend's own, and no GPU backend's is
+            # decoded yet (docs/stages.md).
+            raise UnsupportedKVCache(
+                f"KV extraction from {cache.device.type} caches is not supported yet"
+            )
+        if cache.dim() != 4 or cache.shape[2] != spec.block_size:
+            # The scheduler's block ids count blocks of spec.block_size tokens.
+            raise UnsupportedKVCache(
+                f"unexpected CPU KV cache shape {tuple(cache.shape)} for blocks of "
+                f"{spec.block_size} tokens"
+            )
+        return CpuBlockLayout(spec.num_kv_heads, spec.block_size, spec.head_size, self._omni_cpu_isa(), cache.dtype)
 
     def _omni_cpu_isa(self) -> str:
         forward_context = self.vllm_config.compilation_config.static_forward_context
@@ -179,7 +183,9 @@ class OmniKVWorkerMixin:
                     f"extraction failed: {type(exc).__name__}: {exc}"
                 )
                 continue
-            self._omni_sender.submit(payload)
+            # Give up when the scheduler's deadline for this transfer would pass anyway.
+            timeout = info.get("deadline_in_s")
+            self._omni_sender.submit(payload, timeout_s=max(0.05, 0.95 * timeout) if timeout else None)
 
     def _omni_idle_wait(self) -> None:
         sender = getattr(self, "_omni_sender", None)
@@ -187,8 +193,8 @@ class OmniKVWorkerMixin:
             sender.wait(IDLE_WAIT_S)
 
     def _omni_attach(self, output: Any) -> Any:
-        if not self._omni_ready:
-            return output
+        if not self._omni_ready or output is None:
+            return output  # None: vLLM had no output this call; answers wait for the next
         acked: list[str] = []
         failed: dict[str, str] = {}
         if self._omni_sender is not None:

@@ -90,9 +90,10 @@ def test_prefill_finished_marks_the_prompt_and_decoding_goes_on():
         Phase.PENDING,
     )
     so, _ = step(s)
-    assert so.finished_requests_needing_kv_transfer == {
-        r.request_id: {"seq_len": 40, "block_ids": list(t.block_ids)}
-    }
+    info = so.finished_requests_needing_kv_transfer[r.request_id]
+    assert list(so.finished_requests_needing_kv_transfer) == [r.request_id]
+    assert (info["seq_len"], info["block_ids"]) == (40, list(t.block_ids))
+    assert 0 < info["deadline_in_s"] <= s.omni_kv_config.timeout_seconds
     assert r.request_id in so.num_scheduled_tokens, "the request keeps decoding"
     assert t.phase is Phase.ACTIVE
     so, _ = step(s, acked=[r.request_id])

@@ -33,6 +33,8 @@ logger = logging.getLogger("omni_runtime.stage")
 SCHEDULER_CLS = "omni_runtime.scheduler.OmniARScheduler"
 CPU_WORKER_CLS = "omni_runtime.worker.OmniCPUWorker"
 GPU_WORKER_CLS = "omni_runtime.worker.OmniGPUWorker"
+#: How long vLLM gets to stop on SIGTERM (finishing in-flight requests) before SIGKILL.
+STOP_TIMEOUT_S = 30
 #: engineArgs the stage sets itself; a user value would break the stage contract.
 RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "worker-cls", "served-model-name"})
 _IN_FLIGHT = re.compile(r'^omni_kv_transfers\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
@@ -140,14 +142,24 @@ class ARStage:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         logger.info("stage %s/%s: starting vLLM: %s", self.config.pipeline, self.config.stage, " ".join(argv))
-        # Own process group: a terminal's Ctrl-C reaches us, and we decide when vLLM stops.
-        self._child = subprocess.Popen(argv, env=env, start_new_session=True)
-        while not self._stop.wait(0.5):
-            if (code := self._child.poll()) is not None:
-                logger.error("vLLM exited with %s", code)
-                return code or 1
-        self._drain()
-        return self._stop_child()
+        # Own process group: a terminal's Ctrl-C reaches us only, and we decide when vLLM
+        # stops; if we die (kill -9), the kernel sends vLLM SIGTERM.
+        self._child = subprocess.Popen(
+            argv, env=env, start_new_session=True, preexec_fn=_terminate_with_parent
+        )
+        try:
+            while not self._stop.wait(0.5):
+                if (code := self._child.poll()) is not None:
+                    logger.error("vLLM exited with %s", code)
+                    return code or 1
+            self._drain()
+            return self._stop_child()
+        finally:
+            # Whatever is left of vLLM's group (its engine-core process) goes with us.
+            try:
+                os.killpg(self._child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _metrics_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
@@ -169,13 +181,25 @@ class ARStage:
         logger.warning("grace period over with transfers in flight; they will fail")
 
     def _stop_child(self) -> int:
+        """0 if vLLM stopped on SIGTERM within STOP_TIMEOUT_S, 1 if it had to be killed."""
         child = self._child
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
-                child.wait(timeout=30)
+                child.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                logger.error("vLLM did not stop within 30s; killing it")
+                logger.error("vLLM did not stop within %ds; killing it", STOP_TIMEOUT_S)
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
+                return 1
         return 0
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the supervisor's own cleanup still runs on a normal exit

@@ -58,6 +58,8 @@ def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVCo
             f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}; "
             f'pass e.g. {{"need_send_cache": true}}'
         )
+    # An explicit null means "the default" (vllm-omni's config objects carry None for unset).
+    raw = {k: v for k, v in raw.items() if v is not None}
     unknown = set(raw) - _KNOWN_KEYS - _FOREIGN_KEYS
     if unknown:
         raise OmniKVConfigError(

@@ -33,12 +33,11 @@ MAX_WAIT_S = 60.0
 
 
 class ReceiverStage:
-    def __init__(self, config: StageConfig, *, host: str, grace_seconds: float) -> None:
+    def __init__(self, config: StageConfig, *, host: str) -> None:
         from omni_runtime.connector import KVInbox, KVReceiver
 
         self.config = config
         self.host = host
-        self.grace_seconds = grace_seconds
         self.inbox = KVInbox()
         self.receiver = KVReceiver(
             f"tcp://{host}:{config.kv_port}",
@@ -112,7 +111,12 @@ class ReceiverStage:
                     return self._send(HTTPStatus.NOT_FOUND, b"no such payload", "text/plain")
                 buf = io.BytesIO()
                 np.save(buf, payload.kv, allow_pickle=False)
-                headers = {"X-Omni-Seq-Len": str(payload.seq_len), "X-Omni-From-Stage": payload.from_stage}
+                headers = {
+                    "X-Omni-Seq-Len": str(payload.seq_len),
+                    "X-Omni-From-Stage": payload.from_stage,
+                    # bfloat16 travels as uint16 bits: the array's dtype alone would mislead.
+                    "X-Omni-Dtype": payload.dtype_name,
+                }
                 return self._send(HTTPStatus.OK, buf.getvalue(), "application/octet-stream", headers)
 
             def _send(self, status, body, content_type, headers=None):

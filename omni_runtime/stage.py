@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from omni_runtime.config import OmniKVConfigError, parse_omni_kv_config
+
 logger = logging.getLogger("omni_runtime.stage")
 
 DEFAULT_HTTP_PORT = 8000
@@ -63,7 +65,8 @@ class StageConfig:
     downstream: tuple[Downstream, ...] = ()
     http_port: int = DEFAULT_HTTP_PORT
     kv_port: int = DEFAULT_KV_PORT
-    metrics: bool = True
+    #: AR stages only (vLLM's --otlp-traces-endpoint); a receiving stage's span exports
+    #: follow the standard OTEL_* variables the operator sets.
     otlp_endpoint: str | None = None
 
     @property
@@ -121,7 +124,7 @@ def parse_stage_config(raw: Any) -> StageConfig:
     criteria = kv.get("criteria")
     if criteria is not None and not isinstance(criteria, Mapping):
         raise StageConfigError("kvTransfer.criteria must be a mapping with a type")
-    return StageConfig(
+    config = StageConfig(
         pipeline=_get(raw, "pipeline", str, ""),
         stage=_get(raw, "stage", str, ""),
         role=_get(raw, "role", str, ""),
@@ -135,9 +138,27 @@ def parse_stage_config(raw: Any) -> StageConfig:
         downstream=tuple(downstream),
         http_port=_get(ports, "http", int, "ports.", DEFAULT_HTTP_PORT),
         kv_port=_get(ports, "kv", int, "ports.", DEFAULT_KV_PORT),
-        metrics=bool(obs.get("metrics", True)),
         otlp_endpoint=tracing.get("otlpEndpoint") or None,
     )
+    if config.is_ar:
+        # Fail here, naming the stage config's keys, rather than deep in vLLM's start-up.
+        try:
+            parse_omni_kv_config(config.omni_kv_config())
+        except OmniKVConfigError as exc:
+            raise StageConfigError(_as_stage_keys(str(exc))) from None
+    return config
+
+
+def _as_stage_keys(message: str) -> str:
+    """An omni_kv_config error in the stage config's own words."""
+    for ours, theirs in (
+        ("omni_kv_config.kv_transfer_criteria.token_id", "kvTransfer.criteria.tokenId"),
+        ("omni_kv_config.kv_transfer_criteria", "kvTransfer.criteria"),
+        ("omni_kv_config.timeout_seconds", "kvTransfer.timeoutSeconds"),
+        ("omni_kv_config.need_send_cache", "kvTransfer.send"),
+    ):
+        message = message.replace(ours, theirs)
+    return message
 
 
 def load_stage_config(path: str | Path) -> StageConfig:
@@ -187,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from omni_runtime.receiver_stage import ReceiverStage
 
-    return ReceiverStage(config, host=args.host, grace_seconds=grace).run()
+    return ReceiverStage(config, host=args.host).run()
 
 
 if __name__ == "__main__":

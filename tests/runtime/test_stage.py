@@ -95,3 +95,16 @@ def test_omni_stage_refuses_a_bad_config_with_the_key(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "model.name or model.path is required" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "kv, key",
+    [
+        ({"send": True, "criteria": {"type": "sometimes"}}, "kvTransfer.criteria.type"),
+        ({"send": True, "criteria": {"type": "special_token"}}, "kvTransfer.criteria.tokenId"),
+        ({"send": True, "timeoutSeconds": -5}, "kvTransfer.timeoutSeconds"),
+    ],
+)
+def test_an_ar_stage_config_with_bad_transfer_settings_fails_before_vllm_starts(kv, key):
+    with pytest.raises(StageConfigError, match=key.replace(".", r"\.")):
+        parse_stage_config({**BASE, "kvTransfer": kv})

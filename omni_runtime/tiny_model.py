@@ -79,6 +79,8 @@ def ensure_tiny_model(cache_dir: Path | None = None, *, path: Path | None = None
     try:
         _build(tmp)
         (tmp / ".complete").write_text(_recipe_key() + "\n")
+        if marker.exists() and marker.read_text().strip() == _recipe_key():
+            return target  # a concurrent caller finished first
         if target.exists():
             shutil.rmtree(target)  # an older recipe's model
         try:

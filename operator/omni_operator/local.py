@@ -155,8 +155,9 @@ class LocalStage:
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         log.close()
-        # Each stage leads its own process group (vLLM's engine core is in it): the pid file
-        # lets whoever finds the runner gone (kill -9) stop the stages with `kill -- -PID`.
+        # Each stage leads its own process group; an AR stage's vLLM leads another and is
+        # stopped by its supervisor, or signalled by the kernel if the supervisor dies. The
+        # pid file lets whoever finds the runner gone (kill -9) stop a stage with `kill PID`.
         self.log_path.with_suffix(".pid").write_text(f"{self.proc.pid}\n")
 
     def alive(self) -> bool:
@@ -273,9 +274,15 @@ class LocalPipeline:
             else:
                 stage.ready = False
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self) -> None:
         for name in reversed(self.order):  # upstream first: its transfers can still land
-            self.stages[name].stop(timeout)
+            self.stages[name].stop(self.stop_timeout)
+
+    @property
+    def stop_timeout(self) -> float:
+        """Long enough for an AR stage's drain (its transfer deadline) and vLLM's own stop
+        (30 s), before the runner resorts to SIGKILL."""
+        return max(s.kv.timeout_seconds for s in self.pipeline.stages) + 30 + 15
 
 
 def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -> None:
@@ -346,10 +353,14 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
     try:
         if not local.start(env, stop, on_poll=show):
             show()
-            failed = [s for s in local.stages.values() if not s.alive() and s.proc is not None]
-            for s in failed:
-                print(f"stage {s.name} exited; the end of its log ({s.log_path}):\n" + _tail(s.log_path), file=out)
-            return 0 if stop.is_set() and not failed else 1
+            if stop.is_set():
+                return 0
+            for s in local.stages.values():
+                if s.proc is None or s.ready:
+                    continue
+                what = "exited" if not s.alive() else f"was not ready after {STARTUP_TIMEOUT_S:g}s"
+                print(f"stage {s.name} {what}; the end of its log ({s.log_path}):\n" + _tail(s.log_path), file=out)
+            return 1
         show()
         if args.demo:
             ar = next((s for s in local.table_order() if s.role == "ar"), None)

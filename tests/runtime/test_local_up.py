@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,22 @@ from omni_runtime.tiny_model import ensure_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def processes_with_env(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (every descendant inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue  # gone meanwhile, or not ours
+        if marker.encode() in environ.split(b"\0") and "\nState:\tZ" not in status:
+            found.append(int(entry.name))
+    return found
+
+
 def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
     # The example names its model by a path relative to where `up` runs (the repo root for
     # `make demo`); run it from a scratch directory holding that path.
@@ -29,11 +46,13 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
     model_path.parent.mkdir(parents=True)
     shutil.copytree(ensure_tiny_model(), model_path)
     workdir = tmp_path / "run"
+    marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_operator.local", "up", str(ROOT / "examples" / "tiny-pipeline.yaml"),
          "--demo", "2", "--workdir", str(workdir)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]},
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -49,8 +68,10 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
         assert len(urls) == 2
         for url in urls:
             assert http_get(url)[0] == 200
+        assert len(processes_with_env(marker)) >= 5, "runner, 2 stages, vLLM, its engine core"
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=120) == 0
+        wait_until(lambda: not processes_with_env(marker), 30, "every stage process to be gone")
         for url in urls:
             try:
                 status = http_get(url, timeout=2)[0]
@@ -62,9 +83,9 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid_file in workdir.glob("*.pid"):  # stages lead their own process groups
+        for pid in processes_with_env(marker):  # whatever survived a failure above
             try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         reader.join(timeout=10)

@@ -76,7 +76,8 @@ class StageConfig:
     def omni_kv_config(self) -> dict[str, Any]:
         """The scheduler's ``omni_kv_config`` (the CRD's camelCase mapped to its keys)."""
         cfg: dict[str, Any] = {"need_send_cache": self.kv_send, "stage_name": self.stage}
-        if self.kv_criteria:
+        # request_finished is the CRD's name for "no early trigger": the scheduler's default.
+        if self.kv_criteria and self.kv_criteria.get("type") != "request_finished":
             criteria = {"type": self.kv_criteria.get("type")}
             token_id = self.kv_criteria.get("tokenId", self.kv_criteria.get("token_id"))
             if token_id is not None:

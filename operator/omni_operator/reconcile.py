@@ -74,7 +74,7 @@ class Reconciler:
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
         self.addon_cache_seconds = addon_cache_seconds
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
         self._podmonitors: tuple[float, bool] | None = None
         # What each pipeline's children should look like, as last rendered: lets a child
@@ -103,9 +103,12 @@ class Reconciler:
             return outcome
 
     def forget(self, namespace: str, name: str) -> None:
-        """The pipeline is gone: drop what is remembered about it (its children are garbage-collected)."""
-        self._desired.pop((namespace, name), None)
-        self.metrics.set_phase(namespace, name, None)
+        """The pipeline is gone: drop what is remembered about it (its children are garbage-collected).
+
+        Under the pipeline's lock: a reconcile running meanwhile reads what it stored."""
+        with self._lock_for(namespace, name):
+            self._desired.pop((namespace, name), None)
+            self.metrics.set_phase(namespace, name, None)
 
     def child_needs_reconcile(self, child: Mapping[str, Any], deleted: bool) -> bool:
         """Whether an event about a child should trigger its pipeline's reconcile."""
@@ -122,9 +125,10 @@ class Reconciler:
         return bool(merge_patch(want, child, last_applied(child)))
 
     # -- the reconcile -----------------------------------------------------------------------
-    def _lock_for(self, namespace: str, name: str) -> threading.Lock:
+    def _lock_for(self, namespace: str, name: str) -> threading.RLock:
         with self._locks_guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
+            # Re-entrant: a reconcile that finds its pipeline gone forgets it under the lock.
+            return self._locks.setdefault((namespace, name), threading.RLock())
 
     def _podmonitors_served(self) -> bool:
         now = time.monotonic()
@@ -153,7 +157,7 @@ class Reconciler:
                 conflicts.append(f"{key[0]} {key[1]}")
             else:
                 current[key] = obj
-        wanted = set(self._desired[(namespace, name)])
+        wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
         for key, obj in live.items():
             if key not in wanted:
                 self.kube.delete(BY_KIND[key[0]], namespace, key[1])

@@ -133,8 +133,9 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool) -> list[ApiC
         finally:
             op.stop()  # raises what the operator's thread raised
             user.close()
-        # Not asserted: no reconcile error. A refusal shows in the audit log (asserted below);
-        # a reconcile racing the pipeline's deletion can fail on its own (reported separately).
+        # Under enough permission nothing fails: a refusal would count as a reconcile error
+        # (and shows in the audit log, asserted below).
+        assert op.metrics.reconciles.labels("error")._value.get() == 0
         return emu.calls(OPERATOR_TOKEN)
 
 

@@ -108,3 +108,9 @@ def test_omni_stage_refuses_a_bad_config_with_the_key(tmp_path):
 def test_an_ar_stage_config_with_bad_transfer_settings_fails_before_vllm_starts(kv, key):
     with pytest.raises(StageConfigError, match=key.replace(".", r"\.")):
         parse_stage_config({**BASE, "kvTransfer": kv})
+
+
+def test_the_crds_request_finished_criteria_is_the_schedulers_default_trigger():
+    cfg = parse_stage_config({**BASE, "kvTransfer": {"send": True, "criteria": {"type": "request_finished"}}})
+    kv = parse_omni_kv_config(cfg.omni_kv_config())
+    assert kv.need_send_cache and kv.criteria is None

@@ -17,10 +17,6 @@ KV_HOLD_DURATION = "omni_kv_hold_duration_seconds"  # histogram
 KV_BYTES = "omni_kv_transfer_bytes"  # histogram (worker side)
 # Receiving stage: transfers it refused (bad payload, unknown request, full), label reason.
 KV_RECEIVER_REJECTED = "omni_kv_receiver_rejected_total"
-# Queried before the runtime exports them: the runtime has no receiving stage yet. The
-# metric-name test accepts these only while no `omni_kv_receiver_` family exists anywhere
-# in omni_runtime; from then on they must be in its registry like every other name.
-PENDING_IN_RUNTIME = frozenset({KV_RECEIVER_REJECTED})
 
 # Operator metrics.
 OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result

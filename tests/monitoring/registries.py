@@ -7,7 +7,6 @@ importing vLLM, which would load torch).
 from __future__ import annotations
 
 import ast
-import importlib
 import importlib.util
 from pathlib import Path
 
@@ -45,22 +44,13 @@ def from_registry(registry) -> dict[str, frozenset[str]]:
 
 
 def runtime() -> dict[str, frozenset[str]]:
+    """The AR stage's families and the receiving stage's."""
+    from omni_runtime.connector.metrics import build_registry as build_receiver_registry
     from omni_runtime.metrics import build_registry
 
-    registry, _ = build_registry(stage="s", model_name="m")
-    names = from_registry(registry)
-    # The receiving stage's families, where the runtime defines them.
-    if importlib.util.find_spec("omni_runtime.connector") is not None:
-        module = importlib.import_module("omni_runtime.connector.metrics")
-        names.update(from_registry(module.build_registry(stage="s", model_name="m")[0]))
+    names = from_registry(build_registry(stage="s", model_name="m")[0])
+    names.update(from_registry(build_receiver_registry(stage="s", model_name="m")[0]))
     return names
-
-
-def runtime_defines_receiver_metrics() -> bool:
-    """Whether any omni_runtime source mentions an `omni_kv_receiver_` family."""
-    spec = importlib.util.find_spec("omni_runtime")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    return any("omni_kv_receiver_" in p.read_text() for p in root.rglob("*.py"))
 
 
 def operator() -> dict[str, frozenset[str]]:

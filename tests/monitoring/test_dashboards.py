@@ -150,17 +150,8 @@ def known_metrics() -> dict[str, frozenset[str]]:
 @pytest.mark.parametrize("expr", ALL_QUERIES + ALERT_EXPRS)
 def test_every_queried_metric_and_label_exists(known_metrics, expr):
     for name, labels in selectors(expr):
-        if name in m.PENDING_IN_RUNTIME and not registries.runtime_defines_receiver_metrics():
-            continue  # see PENDING_IN_RUNTIME; checked once the runtime has a receiver
         assert name in known_metrics, f"{name} is exported by no registry"
         assert labels <= known_metrics[name] | registries.SCRAPE_LABELS, (name, labels)
-
-
-def test_pending_names_are_only_the_receivers():
-    """The exemption above is narrow: only receiver families, only while none exists."""
-    assert all(n.startswith("omni_kv_receiver_") for n in m.PENDING_IN_RUNTIME)
-    queried = {name for e in ALL_QUERIES + ALERT_EXPRS for name, _ in selectors(e)}
-    assert m.PENDING_IN_RUNTIME <= queried
 
 
 @pytest.mark.parametrize("expr", ALL_QUERIES + ALERT_EXPRS)

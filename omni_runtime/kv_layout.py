@@ -4,16 +4,15 @@ The payload layout (documented in docs/connector.md) is one array
 ``[num_layers, 2 (K, V), num_kv_heads, seq_len, head_size]``: per layer, Hugging Face's
 ``past_key_values`` order, so a receiver needs nothing of vLLM to use it.
 
-vLLM's CPU attention stores each layer as ``[num_blocks, num_kv_heads, block_size,
-2 * head_size]`` but the interior of a (block, head) depends on the kernel's ISA (keys
-transposed for the vector ISA, VNNI-packed for AMX, ...). Rather than hard-coding each
-variant, :class:`CpuBlockLayout` learns the permutation from the kernel itself: it writes
-probe values with vLLM's own ``cpu_attn_reshape_and_cache`` into a scratch block and records
-where every (token, head, dim) element lands. Decoding is then one gather, exact by
-construction for any layout that is a permutation (every non-quantized one).
-
-GPU backends arrange a block's content their own way too; none is decoded yet (their probe
-would use the backend's own cache-write op, and no GPU runs here to check it against).
+vLLM 0.32 views each layer's cache as ``[num_blocks, num_kv_heads, block_size, content]``,
+but how K and V fill a block's content is the attention backend's own affair, and varies
+(the CPU kernels transpose keys for the vector ISA and pack them for AMX; GPU backends have
+their own arrangements). Rather than hard-coding each variant, :class:`ProbedBlockLayout`
+learns it from the backend itself: it writes probe values through the layer's own
+``impl.do_kv_cache_update`` (what the forward pass uses) into a scratch block and records where
+every (token, head, dim) element lands. Decoding is then one gather, exact by construction for
+any layout that is a permutation (every non-quantized one). The tests check it against Hugging
+Face transformers on the CPU backend; no GPU runs in this project's CI.
 """
 
 from __future__ import annotations
@@ -38,58 +37,61 @@ class BlockLayout:
         raise NotImplementedError
 
 
-class CpuBlockLayout(BlockLayout):
-    def __init__(self, num_kv_heads: int, block_size: int, head_size: int, isa: str, dtype: torch.dtype):
-        self.num_kv_heads, self.block_size, self.head_size = num_kv_heads, block_size, head_size
-        self.isa = isa
-        self.dtype = dtype
-        self._k_index, self._v_index = self._probe()
+class ProbedBlockLayout(BlockLayout):
+    """The block interior learned from the attention backend's own cache write.
 
-    def _probe(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from vllm import _custom_ops as ops
+    ``layer`` is one of the model's attention layers (its ``impl.do_kv_cache_update`` is what
+    the forward pass uses to store K and V); ``cache`` one layer's cache tensor, a view
+    ``[blocks, kv_heads, tokens, content]`` as vLLM 0.32 allocates it. The probe writes into
+    a scratch block of the same strides and device, so what it learns holds for the real one.
+    """
 
+    def __init__(self, layer: torch.nn.Module, cache: torch.Tensor, num_kv_heads: int, head_size: int):
+        self.num_kv_heads, self.head_size = num_kv_heads, head_size
+        self.block_size = cache.shape[2]
+        self._k_index, self._v_index = self._probe(layer, cache)
+
+    def _probe(self, layer: torch.nn.Module, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         H, B, D = self.num_kv_heads, self.block_size, self.head_size
         n = B * H * D
-        # Element ids 1..n (0 marks "not written"); written bit by bit as 0/1 values, which
+        device, dtype = cache.device, cache.dtype
+        # Element ids 1..n (0 marks "not written"), written bit by bit as 0/1 values, which
         # every cache dtype (bf16 included) represents exactly.
-        ids = torch.arange(1, n + 1, dtype=torch.int64).view(B, H, D)
-        k_found = torch.zeros(H * B * 2 * D, dtype=torch.int64)
+        ids = torch.arange(1, n + 1, dtype=torch.int64, device=device).view(B, H, D)
+        k_found = torch.zeros(cache[0].numel(), dtype=torch.int64, device=device)
         v_found = torch.zeros_like(k_found)
-        slots = torch.arange(B, dtype=torch.int64)
-        zeros = torch.zeros(B, H, D, dtype=self.dtype)
+        slots = torch.arange(B, dtype=torch.int64, device=device)
+        zeros = torch.zeros(B, H, D, dtype=dtype, device=device)
         for bit in range(n.bit_length()):
-            plane = ((ids >> bit) & 1).to(self.dtype)
-            for probe, found, is_key in ((plane, k_found, True), (plane, v_found, False)):
-                scratch = torch.zeros(1, H, B, 2 * D, dtype=self.dtype)
-                key_cache, value_cache = scratch.view(1, H, 2 * B, D).chunk(2, dim=2)
-                key, value = (probe, zeros) if is_key else (zeros, probe)
-                ops.cpu_attn_reshape_and_cache(
-                    key.contiguous(), value.contiguous(), key_cache, value_cache, slots, self.isa
-                )
-                found |= (scratch.view(-1) != 0).to(torch.int64) << bit
-        k_index = self._invert(k_found, n)
-        v_index = self._invert(v_found, n)
-        return k_index.view(B, H, D).permute(1, 0, 2), v_index.view(B, H, D).permute(1, 0, 2)
+            plane = ((ids >> bit) & 1).to(dtype)
+            for found, key, value in ((k_found, plane, zeros), (v_found, zeros, plane)):
+                scratch = torch.zeros_like(cache[:1])  # same strides: same physical layout
+                layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
+                found |= (scratch[0].reshape(-1) != 0).to(torch.int64) << bit
+        k_index = self._invert(k_found, n).view(B, H, D).permute(1, 0, 2)
+        v_index = self._invert(v_found, n).view(B, H, D).permute(1, 0, 2)
+        return k_index, v_index
 
     @staticmethod
     def _invert(found: torch.Tensor, n: int) -> torch.Tensor:
-        """found[offset] = element id written there; returns offset of each id 1..n."""
+        """found[offset] = element id written there; returns the offset of each id 1..n."""
         where = torch.nonzero(found).view(-1)
         element = found[where]
         if element.numel() != n or torch.unique(element).numel() != n:
             raise UnsupportedKVCache(
-                "the CPU KV cache layout is not a permutation of its elements; extraction "
-                "is not supported for this cache (quantized?)"
+                "the KV cache layout is not a permutation of its elements; extraction is "
+                "not supported for this cache (quantized?)"
             )
-        offsets = torch.empty(n, dtype=torch.int64)
+        offsets = torch.empty(n, dtype=torch.int64, device=found.device)
         offsets[element - 1] = where
         return offsets
 
     def read(self, cache: torch.Tensor, block_ids: Sequence[int], seq_len: int) -> torch.Tensor:
         H, B, D = self.num_kv_heads, self.block_size, self.head_size
-        blocks = cache.view(cache.shape[0], -1)[torch.as_tensor(block_ids, dtype=torch.int64)]
+        index = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
+        blocks = cache[index].reshape(len(block_ids), -1)  # each block in logical order
         n = blocks.shape[0]
-        # [n, H, B, D] for K and V, then tokens of consecutive blocks side by side.
+        # [n, H, B, D] for K and V, then the tokens of consecutive blocks side by side.
         k = blocks[:, self._k_index].permute(1, 0, 2, 3).reshape(H, n * B, D)
         v = blocks[:, self._v_index].permute(1, 0, 2, 3).reshape(H, n * B, D)
         return torch.stack((k[:, :seq_len], v[:, :seq_len]))

@@ -32,7 +32,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from omni_runtime.config import parse_omni_kv_config, raw_omni_kv_config
-from omni_runtime.kv_layout import BlockLayout, CpuBlockLayout, UnsupportedKVCache, extract
+from omni_runtime.kv_layout import BlockLayout, ProbedBlockLayout, UnsupportedKVCache, extract
 from omni_runtime.outputs import ACKS_FIELD, FAILURES_FIELD, TRANSFERS_FIELD
 
 logger = logging.getLogger(__name__)
@@ -106,28 +106,23 @@ class OmniKVWorkerMixin:
         if getattr(self.vllm_config.cache_config, "cache_dtype", "auto") not in ("auto", None):
             raise UnsupportedKVCache("quantized KV caches cannot be extracted")
         cache = caches[0]
-        if cache.device.type != "cpu":
-            # vLLM 0.32 views every layer as [blocks, heads, tokens, content]; the content's
-            # K/V arrangement is the attention backend's own, and no GPU backend's is
-            # decoded yet (docs/stages.md).
-            raise UnsupportedKVCache(
-                f"KV extraction from {cache.device.type} caches is not supported yet"
-            )
         if cache.dim() != 4 or cache.shape[2] != spec.block_size:
-            # The scheduler's block ids count blocks of spec.block_size tokens.
+            # The scheduler's block ids count blocks of spec.block_size tokens; a backend that
+            # splits them into smaller kernel blocks would need their mapping too.
             raise UnsupportedKVCache(
-                f"unexpected CPU KV cache shape {tuple(cache.shape)} for blocks of "
+                f"unexpected KV cache view {tuple(cache.shape)} for blocks of "
                 f"{spec.block_size} tokens"
             )
-        return CpuBlockLayout(spec.num_kv_heads, spec.block_size, spec.head_size, self._omni_cpu_isa(), cache.dtype)
+        return ProbedBlockLayout(self._omni_attention_layer(), cache, spec.num_kv_heads, spec.head_size)
 
-    def _omni_cpu_isa(self) -> str:
+    def _omni_attention_layer(self) -> Any:
+        """An attention layer of the model: its backend writes the cache the probe decodes
+        (one KV cache group, so all layers share the backend and the layout)."""
         forward_context = self.vllm_config.compilation_config.static_forward_context
         for layer in forward_context.values():
-            isa = getattr(layer, "isa", None)
-            if isa:
-                return isa
-        raise UnsupportedKVCache("cannot tell the CPU attention ISA of the KV cache")
+            if hasattr(getattr(layer, "impl", None), "do_kv_cache_update"):
+                return layer
+        raise UnsupportedKVCache("no attention layer with a KV cache write to probe")
 
     # -------------------------------------------------------------- the step
     def execute_model(self, scheduler_output: Any) -> Any:

@@ -71,13 +71,16 @@ def pipeline(tmp_path_factory):
     configs = stage_configs(workdir)
     receiver = StageProcess(configs["receiver"], workdir)
     ar = StageProcess(configs["ar"], workdir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    stages = {"ar": ar, "receiver": receiver}
     try:
         receiver.start(timeout=60)
         ar.start(timeout=240)
-        yield {"ar": ar, "receiver": receiver}
+        yield stages
     finally:
-        ar.stop()
-        receiver.stop()
+        # The tests may replace a stage (a restarted receiver): stop what is there now, and
+        # what was there first.
+        for stage in {*stages.values(), ar, receiver}:
+            stage.stop()
 
 
 def complete(ar: StageProcess, prompt: str, max_tokens: int = 4) -> dict:

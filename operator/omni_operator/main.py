@@ -10,7 +10,7 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import kopf
 from prometheus_client import start_http_server

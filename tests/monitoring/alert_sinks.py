@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from .conftest import free_port, wait_until
+from procs import free_port, wait_until
 
 
 class WebhookReceiver:

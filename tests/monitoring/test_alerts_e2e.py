@@ -6,10 +6,6 @@ operator: test_dashboards_e2e.py.)"""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,8 +14,9 @@ import requests
 from omni_mixin import render
 from omni_mixin.config import Config
 
+from procs import PrometheusServer, VllmServer, wait_until
+
 from .alert_sinks import Alertmanager, WebhookReceiver
-from .conftest import ROOT, PrometheusServer, free_port, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -32,63 +29,23 @@ BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 START_TIMEOUT_S = 300.0
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """Stop a process started with start_new_session=True, and its children (engine core)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory):
-    from omni_runtime.tiny_model import ensure_tiny_model
-
-    tmp = tmp_path_factory.mktemp("stage")
-    multiproc = tmp / "prometheus-multiproc"
-    multiproc.mkdir()  # empty, before prometheus_client loads (see docs/metrics.md)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OTEL_", "PROMETHEUS_")) and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(PROMETHEUS_MULTIPROC_DIR=str(multiproc), VLLM_TARGET_DEVICE="cpu")
-    omni_kv_config = {
-        "need_send_cache": True,
-        "kv_transfer_criteria": {"type": "prefill_finished"},
-        "timeout_seconds": DEADLINE_SECONDS,
-        "stage_name": STAGE,
-    }
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(ensure_tiny_model()), "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--scheduler-cls", "omni_runtime.scheduler.OmniARScheduler",
-        "--additional-config", json.dumps({"omni_kv_config": omni_kv_config}),
-        "--kv-cache-memory-bytes", "67108864", "--max-model-len", "512",
-        "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-    ]
-    log = tmp / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    server = VllmServer(
+        tmp_path_factory.mktemp("stage"),
+        omni_kv_config={
+            "need_send_cache": True,
+            "kv_transfer_criteria": {"type": "prefill_finished"},
+            "timeout_seconds": DEADLINE_SECONDS,
+            "stage_name": STAGE,
+        },
+        served_model_name=MODEL,
+        block_size=BLOCK_SIZE,
+    ).start(START_TIMEOUT_S)
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy():
-            if proc.poll() is not None:
-                raise AssertionError(f"the stage exited:\n{log.read_text()[-4000:]}")
-            return requests.get(f"{url}/health", timeout=5).status_code == 200
-
-        wait_until(healthy, START_TIMEOUT_S, "the stage to be healthy", interval=0.5)
-        yield {"url": url, "port": port}
+        yield {"url": server.url, "port": server.port}
     finally:
-        _stop_group(proc)
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,9 @@ from omni_operator.local import local_stage_configs
 from omni_operator.model import parse_pipeline
 from omni_operator.render import render_children
 from omnip_support import OPERATOR_TOKEN, RunningOperator, create_pipeline, make_kube, wait_for
-from stage_procs import StageProcess, metric_value
+from procs import PrometheusServer, StageProcess, free_port, metric_value, wait_until
 
 from .chart import one, render
-from .conftest import PrometheusServer, free_port, wait_until
 from .promql_names import substitute_grafana_variables
 
 pytestmark = pytest.mark.engine

@@ -1,5 +1,5 @@
 import os
 import sys
 
-# Test helpers next to the tests (stage_procs, otlp_receiver) are imported by name.
+# Test helpers next to the tests (otlp_receiver) are imported by name.
 sys.path.insert(0, os.path.dirname(__file__))

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import yaml
-from stage_procs import http_get, wait_until
+from procs import http_get, wait_until
 
 from omni_runtime.tiny_model import ensure_tiny_model
 

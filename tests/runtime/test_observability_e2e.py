@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_runtime.tiny_model import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from otlp_receiver import OtlpReceiver  # noqa: E402
+from procs import PrometheusServer, VllmServer, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -44,46 +39,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # about 40 tokens:
 SECRET = "zebra-prompt-marker-9431"  # must never appear in a span
 N_PLAIN = 3
 START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2,
-               proc: subprocess.Popen | None = None, log: Path | None = None) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail with ``what`` at timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text()[-4000:] if log else ""
-            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}\n{tail}")
-        try:
-            last = condition()
-        except (requests.RequestException, ValueError) as exc:
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)  # polling interval, not synchronisation: the condition decides
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a process we started with start_new_session=True, and all its children."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # children (engine core, workers) may outlive the leader
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 def parse(text: str) -> dict[tuple[str, frozenset], float]:
@@ -116,71 +71,37 @@ def otlp():
 
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory, otlp):
-    tmp = tmp_path_factory.mktemp("stage")
-    multiproc = tmp / "prometheus-multiproc"
-    multiproc.mkdir()  # what the stage launcher does: empty, before prometheus_client loads
-    port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OTEL_", "PROMETHEUS_")) and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(
-        PROMETHEUS_MULTIPROC_DIR=str(multiproc),
-        OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
-        OTEL_BSP_SCHEDULE_DELAY="200",  # ms; export spans promptly
-        VLLM_TARGET_DEVICE="cpu",
-    )
-    omni_kv_config = {
-        "need_send_cache": True,
-        "kv_transfer_criteria": {"type": "prefill_finished"},
-        "timeout_seconds": TIMEOUT_S,
-        "stage_name": STAGE,
-    }
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(ensure_tiny_model()), "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--scheduler-cls", "omni_runtime.scheduler.OmniARScheduler",
-        "--additional-config", json.dumps({"omni_kv_config": omni_kv_config}),
-        "--kv-cache-memory-bytes", "67108864", "--max-model-len", "512",
-        "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-        "--otlp-traces-endpoint", otlp.endpoint,
-    ]
-    log = tmp / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    server = VllmServer(
+        tmp_path_factory.mktemp("stage"),
+        omni_kv_config={
+            "need_send_cache": True,
+            "kv_transfer_criteria": {"type": "prefill_finished"},
+            "timeout_seconds": TIMEOUT_S,
+            "stage_name": STAGE,
+        },
+        served_model_name=MODEL,
+        block_size=BLOCK_SIZE,
+        extra_args=("--otlp-traces-endpoint", otlp.endpoint),
+        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+             "OTEL_BSP_SCHEDULE_DELAY": "200"},  # ms; export spans promptly
+    ).start(START_TIMEOUT_S)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: requests.get(f"{url}/health", timeout=5).status_code == 200,
-                   START_TIMEOUT_S, "the vLLM server to be healthy", interval=0.5,
-                   proc=proc, log=log)
-        yield {"url": url, "port": port, "proc": proc, "log": log}
+        yield {"url": server.url, "port": server.port, "proc": server.proc, "log": server.log_path}
     finally:
-        stop(proc)
+        server.stop()
 
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, stage):
-    tmp = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
-    config = tmp / "prometheus.yml"
-    config.write_text(json.dumps({  # JSON is YAML
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "omni-stage",
                             "static_configs": [{"targets": [f"127.0.0.1:{stage['port']}"]}]}],
     }))
-    log = tmp / "prometheus.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [shutil.which("prometheus") or "/usr/bin/prometheus", f"--config.file={config}",
-             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: requests.get(f"{url}/-/ready", timeout=2).status_code == 200, 60,
-                   "Prometheus to be ready", proc=proc, log=log)
-        yield url
+        yield server.url
     finally:
-        stop(proc)
+        server.stop()
 
 
 @pytest.fixture(scope="module")

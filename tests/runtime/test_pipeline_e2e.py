@@ -16,7 +16,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from stage_procs import StageProcess, free_port, http_get, metric_value, wait_until
+from procs import StageProcess, free_port, http_get, metric_value, wait_until
 
 from omni_runtime.tiny_model import ensure_tiny_model
 

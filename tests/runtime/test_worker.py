@@ -4,7 +4,6 @@ real connector receiver in the test process."""
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest

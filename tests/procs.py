@@ -1,0 +1,244 @@
+"""Real processes for the e2e tests: stages (``omni-stage --config``), bare vLLM servers with
+the omni scheduler, and the helpers every such test needs (free ports, polling a condition,
+stopping a process group). One module for tests/runtime and tests/monitoring alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes, dict[str, str]]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2,
+               proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Poll ``predicate`` until it returns a truthy value (returned) or time runs out; with
+    ``proc``, fail at once (with the end of ``log``) if that process exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log else ""
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}\n{tail}")
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # not up yet
+            last_error = exc
+        time.sleep(interval)  # polling interval between condition checks
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a process started with start_new_session=True, and whatever is left of its
+    process group (vLLM's engine core)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=timeout)
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on the tiny model with OmniARScheduler
+    and no KV extraction worker: transfers are marked and handed off but nobody acknowledges
+    them (the tests of stuck, held and expiring transfers). Multi-process engine core, a
+    fresh ``PROMETHEUS_MULTIPROC_DIR``, as a stage launcher sets them up."""
+
+    def __init__(self, workdir: Path, *, omni_kv_config: dict[str, Any], served_model_name: str,
+                 block_size: int = 32, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
+        from omni_runtime.tiny_model import ensure_tiny_model
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "server.log"
+        multiproc = workdir / "prometheus-multiproc"
+        multiproc.mkdir()  # empty, before prometheus_client loads (docs/metrics.md)
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("OTEL_", "PROMETHEUS_")) and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        self.env.update(PROMETHEUS_MULTIPROC_DIR=str(multiproc), VLLM_TARGET_DEVICE="cpu", **(env or {}))
+        self.cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(ensure_tiny_model()), "--served-model-name", served_model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--scheduler-cls", "omni_runtime.scheduler.OmniARScheduler",
+            "--additional-config", json.dumps({"omni_kv_config": omni_kv_config}),
+            "--kv-cache-memory-bytes", "67108864", "--max-model-len", "512",
+            "--block-size", str(block_size), "--enforce-eager", *extra_args,
+        ]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> VllmServer:
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        try:
+            wait_until(lambda: http_get(self.url + "/health", timeout=5)[0] == 200, timeout,
+                       "the vLLM server to be healthy", interval=0.5, proc=self.proc, log=self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc)
+
+
+class StageProcess:
+    """One ``omni-stage`` process with its config file and log."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None):
+        self.config = config
+        self.name = config["stage"]
+        self.http_port = config["ports"]["http"]
+        self.kv_port = config["ports"]["kv"]
+        self.config_path = workdir / f"{self.name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / f"{self.name}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout: float = 180.0) -> StageProcess:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_runtime.stage", "--config", str(self.config_path),
+             "--host", "127.0.0.1", "--grace-seconds", "5"],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+        )
+        log.close()
+
+        def healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stage {self.name} exited: {self.log_tail()}")
+            return http_get(self.url + "/health", timeout=2)[0] == 200
+
+        try:
+            wait_until(healthy, timeout, f"stage {self.name} to be healthy")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash: no drain, no goodbye)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        stop_group(self.proc, timeout)
+        return self.proc.returncode
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> str:
+        status, body, _ = http_get(self.url + "/metrics")
+        assert status == 200
+        return body.decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found: `make setup` installs the Debian packages", pytrace=False)
+    return path
+
+
+class PrometheusServer:
+    """A real `prometheus` process on 127.0.0.1 with its own config and storage."""
+
+    def __init__(self, workdir: Path, config: str):
+        self.binary = binary("prometheus")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = workdir / "prometheus.yml"
+        self.config_path.write_text(config)
+        self.log_path = workdir / "prometheus.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(self._ready, 30, "Prometheus to be ready")
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"prometheus exited:\n{self.log_path.read_text()[-3000:]}")
+        return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+
+    def query(self, expr: str) -> dict:
+        response = requests.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        return response.json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()

@@ -139,12 +139,12 @@ class OmniKVTransferMixin:
             self._replay[request.request_id] = (dropped.trigger, dropped.seq_len)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        request_id = request.request_id
+        self._payload_requests.discard(request_id)
         if not self._send:
             return super()._free_request(request, delay_free_blocks)
-        request_id = request.request_id
         ledger = self.transfer_ledger
         self._awaiting_trigger.discard(request_id)
-        self._payload_requests.discard(request_id)
         replay = self._replay.pop(request_id, None)
         completed = request.status in _COMPLETED
         if completed and not ledger.has_triggered(request_id):

@@ -421,6 +421,16 @@ def test_request_payloads_reach_the_runner_only_for_requests_that_carry_them():
     assert by_id["rich"].additional_information == {"speaker": [1.0, 2.0]}
 
 
+def test_request_payloads_are_forgotten_with_their_request_even_with_transfers_off():
+    s = make_scheduler(OmniARScheduler, make_vllm_config(None))
+    rich = make_request(8, max_tokens=2, request_id="rich")
+    rich.additional_information = {"speaker": [1.0]}
+    s.add_request(rich)
+    while s.has_requests():
+        step(s)
+    assert not s._payload_requests and not s.requests
+
+
 def test_trace_headers_travel_with_the_transfer():
     s = omni(PREFILL)
     headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}

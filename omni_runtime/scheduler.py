@@ -196,7 +196,7 @@ class OmniKVTransferMixin:
     ) -> dict[int, EngineCoreOutputs]:
         if not self._send:
             return super().update_from_output(scheduler_output, model_runner_output)
-        # The runner's answers concern transfers handed off in earlier steps: resolve them
+        # The runner's answers concern transfers handed off in this or earlier steps: resolve them
         # first, so that a request finishing in this step sees its transfer resolved and
         # frees its blocks at once instead of holding them.
         acked = getattr(model_runner_output, ACKS_FIELD, None)

@@ -200,38 +200,28 @@ def binary(name: str) -> str:
     return path
 
 
-class PrometheusServer:
-    """A real `prometheus` process on 127.0.0.1 with its own config and storage."""
+class ReadyServer:
+    """A server binary on a free 127.0.0.1 port, ready once its ``/-/ready`` answers 200
+    (Prometheus' and Alertmanager's readiness endpoint), stopped by :meth:`stop`."""
 
-    def __init__(self, workdir: Path, config: str):
-        self.binary = binary("prometheus")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.config_path = workdir / "prometheus.yml"
-        self.config_path.write_text(config)
-        self.log_path = workdir / "prometheus.log"
+    name = "server"
+
+    def __init__(self, workdir: Path, argv: list[str], port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / f"{self.name}.log"
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                f"--config.file={self.config_path}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--web.enable-lifecycle",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        wait_until(self._ready, 30, "Prometheus to be ready")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(self._ready, 30, f"{self.name} to be ready")
+        except BaseException:
+            self.stop()
+            raise
 
     def _ready(self) -> bool:
         if self.process.poll() is not None:
-            raise AssertionError(f"prometheus exited:\n{self.log_path.read_text()[-3000:]}")
+            raise AssertionError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
         return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-
-    def query(self, expr: str) -> dict:
-        response = requests.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
-        return response.json()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -242,3 +232,25 @@ class PrometheusServer:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+class PrometheusServer(ReadyServer):
+    """A real `prometheus` process on 127.0.0.1 with its own config and storage."""
+
+    name = "prometheus"
+
+    def __init__(self, workdir: Path, config: str):
+        port = free_port()
+        self.config_path = workdir / "prometheus.yml"
+        self.config_path.write_text(config)
+        super().__init__(workdir, [
+            binary("prometheus"),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+        ], port)
+
+    def query(self, expr: str) -> dict:
+        response = requests.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        return response.json()

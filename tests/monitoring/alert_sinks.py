@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import requests
 
-from procs import free_port, wait_until
+from procs import ReadyServer, free_port
 
 
 class WebhookReceiver:
@@ -48,14 +46,17 @@ class WebhookReceiver:
         self.thread.join(timeout=10)
 
 
-class Alertmanager:
+class Alertmanager(ReadyServer):
+    """A real Alertmanager on 127.0.0.1 routing every alert to ``webhook_url``."""
+
+    name = "alertmanager"
+
     def __init__(self, workdir: Path, webhook_url: str):
         binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
         if binary is None:
             pytest.fail("Alertmanager not found: `make setup` installs prometheus-alertmanager",
                         pytrace=False)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         config = workdir / "alertmanager.yml"
         config.write_text(json.dumps({  # JSON is YAML
             "route": {"receiver": "webhook", "group_by": ["alertname"], "group_wait": "1s",
@@ -63,26 +64,8 @@ class Alertmanager:
             "receivers": [{"name": "webhook",
                            "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}],
         }))
-        self.log_path = workdir / "alertmanager.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}",
-             "--cluster.listen-address="],  # no gossip port: a single, local instance
-            stdout=self._log, stderr=subprocess.STDOUT)
-        wait_until(self._ready, 30, "Alertmanager to be ready")
-
-    def _ready(self) -> bool:
-        if self.process.poll() is not None:
-            raise AssertionError(f"alertmanager exited:\n{self.log_path.read_text()[-3000:]}")
-        return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+        super().__init__(workdir, [
+            binary, f"--config.file={config}", f"--storage.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",  # no gossip port: a single, local instance
+        ], port)

@@ -51,12 +51,12 @@ test: setup
 # Ctrl-C; DEMO_ARGS="--exit-after 20" stops it by itself.
 DEMO_ARGS ?=
 demo: setup
-	$(PY) -m omni_runtime.tiny_model .omni-cache/tiny-qwen2
+	$(PY) -m omni_runtime.devtools.tiny_model .omni-cache/tiny-qwen2
 	$(VENV)/bin/omni-pipeline up examples/tiny-pipeline.yaml --demo 3 $(DEMO_ARGS)
 
 # The scheduler alone in an offline vLLM engine, printing each transfer's life.
 demo-scheduler: setup
-	$(PY) -m omni_runtime.demo
+	$(PY) -m omni_runtime.devtools.demo
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -62,7 +62,7 @@ def measure(steps: int, repeats: int) -> dict:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from prometheus_client import values
 
-    from omni_runtime.scheduler import OmniARScheduler
+    from omni_runtime.sched.scheduler import OmniARScheduler
     from scheduler_overhead import SENTINEL, build, decode_plan, timed_step
 
     assert values.ValueClass.__name__ == "MmapedValue", "not in multiprocess mode"
@@ -127,8 +127,8 @@ def per_transfer_cost(n: int = 3000) -> float:
     ack), on a bare ledger: what a heavier transfer rate than the workload's would pay."""
     from opentelemetry import trace
 
-    from omni_runtime.observability import build_observers
-    from omni_runtime.transfers import Outcome, TransferLedger, Trigger
+    from omni_runtime.observability.observers import build_observers
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
 
     def run(ledger: TransferLedger) -> float:
         t0 = time.perf_counter_ns()

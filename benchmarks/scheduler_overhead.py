@@ -32,7 +32,7 @@ TRANSFER_FRACTION = 0.10
 
 
 def build(cls, n: int, kv_config, *, keep_observers: bool = False):
-    from omni_runtime.sched_testing import make_request, make_scheduler, make_vllm_config, step
+    from omni_runtime.devtools.sched_harness import make_request, make_scheduler, make_vllm_config, step
 
     sched = make_scheduler(
         cls,
@@ -60,7 +60,7 @@ def decode_plan(n: int, steps: int):
 
 def timed_step(sched, sentinel_for, acked):
     """One step; returns (nanoseconds in the scheduler, ids handed off)."""
-    from omni_runtime.sched_testing import runner_output
+    from omni_runtime.devtools.sched_harness import runner_output
 
     t0 = time.perf_counter_ns()
     so = sched.schedule()
@@ -76,7 +76,7 @@ def timed_step(sched, sentinel_for, acked):
 def measure(n: int, steps: int, repeats: int) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from omni_runtime.scheduler import OmniARScheduler
+    from omni_runtime.sched.scheduler import OmniARScheduler
 
     kv = {
         "need_send_cache": True,

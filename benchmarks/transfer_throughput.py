@@ -32,8 +32,9 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omni_runtime.connector import KVInbox, KVPayload, KVReceiver, KVSender  # noqa: E402
-from omni_runtime.connector.wire import CHECKSUMS, DEFAULT_CHECKSUM  # noqa: E402
+from omni_runtime.kv.transport import KVInbox, KVPayload, KVReceiver, KVSender  # noqa: E402
+from omni_runtime.kv.transport.wire import CHECKSUMS, DEFAULT_CHECKSUM  # noqa: E402
+from omni_runtime.observability.receiver_metrics import ReceiverMetrics  # noqa: E402
 
 # A 7B-class KV slice: 16 layers, 8 KV heads, head_dim 128, float16; seq_len sets the size.
 LAYERS, HEADS, HEAD_DIM = 16, 8, 128
@@ -46,7 +47,8 @@ def _serve_connector(conn, count: int, payload_bytes: int) -> None:
 
     inbox = KVInbox(max_bytes=max(8 * payload_bytes, 1 << 20), ttl_s=600)
     receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage="next",
-                          max_payload_bytes=payload_bytes * 2, registry=CollectorRegistry())
+                          max_payload_bytes=payload_bytes * 2,
+                          metrics=ReceiverMetrics(stage="next", registry=CollectorRegistry()))
     receiver.start()
     stop = threading.Event()
 
@@ -198,17 +200,17 @@ def measure_step_ratio(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    from omni_runtime.offline import drain_transfers, engine_core_of, omni_llm
-    from omni_runtime.tiny_model import ensure_tiny_model
+    from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
+    from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model())
     engine = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512, dtype="float32",
                   enforce_eager=True)
-    receiver = KVReceiver("tcp://127.0.0.1:0", KVInbox(), stage="next", registry=None).start()
+    receiver = KVReceiver("tcp://127.0.0.1:0", KVInbox(), stage="next").start()
     on = omni_llm(model, {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"},
                           "timeout_seconds": 60},
                   additional_config={"omni_kv_connector": {"endpoints": {"next": receiver.endpoint}}},
-                  worker_cls="omni_runtime.worker.OmniCPUWorker", **engine)
+                  worker_cls="omni_runtime.kv.worker.OmniCPUWorker", **engine)
     off = omni_llm(model, None, **engine)
     timings = {"on": [], "off": []}
 

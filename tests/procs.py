@@ -80,7 +80,7 @@ class VllmServer:
     def __init__(self, workdir: Path, *, omni_kv_config: dict[str, Any], served_model_name: str,
                  block_size: int = 32, extra_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None):
-        from omni_runtime.tiny_model import ensure_tiny_model
+        from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -94,7 +94,7 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(ensure_tiny_model()), "--served-model-name", served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--scheduler-cls", "omni_runtime.scheduler.OmniARScheduler",
+            "--scheduler-cls", "omni_runtime.sched.OmniARScheduler",
             "--additional-config", json.dumps({"omni_kv_config": omni_kv_config}),
             "--kv-cache-memory-bytes", "67108864", "--max-model-len", "512",
             "--block-size", str(block_size), "--enforce-eager", *extra_args,
@@ -139,7 +139,7 @@ class StageProcess:
     def start(self, timeout: float = 180.0) -> StageProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_runtime.stage", "--config", str(self.config_path),
+            [sys.executable, "-m", "omni_runtime.stages.main", "--config", str(self.config_path),
              "--host", "127.0.0.1", "--grace-seconds", "5"],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )

@@ -151,7 +151,7 @@ class LocalStage:
     def start(self, env: dict[str, str]) -> None:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_runtime.stage", "--config", str(self.config_path), "--host", self.host],
+            [sys.executable, "-m", "omni_runtime.stages.main", "--config", str(self.config_path), "--host", self.host],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         log.close()

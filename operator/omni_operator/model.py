@@ -25,8 +25,8 @@ RESERVED_ENGINE_ARGS = {
     "host": "the stage listens where the stage contract says (port http 8000)",
     "port": "the stage's HTTP port is fixed at 8000 by the stage contract",
     "model": "the model comes from spec.model",
-    "scheduler-cls": "the runtime installs omni_runtime.scheduler.OmniARScheduler itself",
-    "scheduler_cls": "the runtime installs omni_runtime.scheduler.OmniARScheduler itself",
+    "scheduler-cls": "the runtime installs omni_runtime.sched.OmniARScheduler itself",
+    "scheduler_cls": "the runtime installs omni_runtime.sched.OmniARScheduler itself",
 }
 RESERVED_ENV_PREFIXES = ("OMNI_",)
 GPU_RESOURCE = "nvidia.com/gpu"

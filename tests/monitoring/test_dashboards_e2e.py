@@ -50,7 +50,7 @@ AGE_PANELS = {"Age of the oldest active transfer", "Age of the oldest held trans
 
 
 def pipeline_body(namespace: str = NAMESPACE) -> dict:
-    from omni_runtime.tiny_model import ensure_tiny_model
+    from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
     return {
         "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_runtime.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
-from omni_runtime.transfers import DEFAULT_TIMEOUT_SECONDS, Trigger
+from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
+from omni_runtime.transfers.ledger import DEFAULT_TIMEOUT_SECONDS, Trigger
 
 
 def test_absent_config_means_transfers_off():

@@ -26,8 +26,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry
 
-from omni_runtime.connector import REJECT_CODES, KVInbox, KVPayload, KVReceiver, KVSender
-from omni_runtime.connector.wire import checksum, data_view, encode_header, encode_reply
+from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVPayload, KVReceiver, KVSender
+from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+from omni_runtime.kv.transport.wire import checksum, data_view, encode_header, encode_reply
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE = "talker"
@@ -84,9 +85,10 @@ def make_receiver(registry):
 
     def make(bind: str = "tcp://127.0.0.1:0", *, inbox: KVInbox | None = None,
              **kw) -> KVReceiver:
-        kw.setdefault("registry", registry)
+        stage = kw.pop("stage", STAGE)
+        kw.setdefault("metrics", ReceiverMetrics(stage=stage, registry=registry))
         r = KVReceiver(bind, inbox if inbox is not None else KVInbox(max_bytes=64 << 20),
-                       stage=kw.pop("stage", STAGE), pipeline=kw.pop("pipeline", "p"), **kw)
+                       stage=stage, pipeline=kw.pop("pipeline", "p"), **kw)
         made.append(r)
         return r.start()
 
@@ -351,9 +353,8 @@ def test_a_short_per_submit_timeout_expires_even_behind_a_long_one(fake, make_se
 
 RECEIVER_PROCESS = textwrap.dedent("""
     import sys
-    from prometheus_client import CollectorRegistry
-    from omni_runtime.connector import KVInbox, KVReceiver
-    receiver = KVReceiver(sys.argv[1], KVInbox(), stage="talker", registry=CollectorRegistry())
+    from omni_runtime.kv.transport import KVInbox, KVReceiver
+    receiver = KVReceiver(sys.argv[1], KVInbox(), stage="talker")
     receiver.start()
     print("ready", flush=True)
     sys.stdin.read()  # serve until the test closes stdin (or kills this process)
@@ -457,7 +458,8 @@ def test_close_lingers_for_acks(receiver, make_sender):
 
 
 def test_bind_conflict_raises_at_start(receiver, registry):
-    other = KVReceiver(receiver.endpoint, KVInbox(), stage=STAGE, registry=registry)
+    other = KVReceiver(receiver.endpoint, KVInbox(), stage=STAGE,
+                       metrics=ReceiverMetrics(stage=STAGE, registry=registry))
     with pytest.raises(zmq.ZMQError):
         other.start()
 
@@ -572,7 +574,7 @@ def test_a_bug_while_storing_is_answered_internal_error_and_serving_goes_on(
 
 # ---------------------------------------------------------------------- observability
 def test_delivered_sizes_feed_the_contracts_transfer_bytes_histogram(receiver, make_sender):
-    from omni_runtime.metrics import TransferMetrics
+    from omni_runtime.observability.metrics import TransferMetrics
 
     reg = CollectorRegistry()
     metrics = TransferMetrics(stage="ar", model_name="m", registry=reg)
@@ -665,8 +667,10 @@ def test_metrics_in_multiprocess_mode(tmp_path):
     mp_dir.mkdir()
     script = textwrap.dedent("""
         import numpy as np
-        from omni_runtime.connector import KVInbox, KVPayload, KVReceiver, KVSender
-        with KVReceiver("tcp://127.0.0.1:0", KVInbox(max_bytes=1 << 20), stage="talker") as r:
+        from omni_runtime.kv.transport import KVInbox, KVPayload, KVReceiver, KVSender
+        from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+        with KVReceiver("tcp://127.0.0.1:0", KVInbox(max_bytes=1 << 20), stage="talker",
+                        metrics=ReceiverMetrics(stage="talker")) as r:
             with KVSender({"talker": r.endpoint}, send_timeout_s=10) as s:
                 for rid in ("a", "b"):
                     s.submit(KVPayload(rid, 4, np.zeros((1, 2, 1, 4, 8), np.float32)))

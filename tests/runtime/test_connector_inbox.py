@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from omni_runtime.connector import InboxFull, KVInbox, KVPayload, ReceiverMetrics
+from omni_runtime.kv.transport import InboxFull, KVInbox, KVPayload
+from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 
 STAGE = "talker"
 

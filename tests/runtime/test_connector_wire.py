@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_runtime.connector.wire import (
+from omni_runtime.kv.transport.wire import (
     CHECKSUMS,
     MAX_HEADER_BYTES,
     REJECT_CODES,
@@ -258,6 +258,6 @@ def test_every_offered_checksum_round_trips_and_catches_a_flipped_bit(algo):
 
 def test_default_checksum_is_the_fast_one():
     """xxhash is a base dependency (pyproject); the sender defaults to it."""
-    from omni_runtime.connector.wire import DEFAULT_CHECKSUM
+    from omni_runtime.kv.transport.wire import DEFAULT_CHECKSUM
 
     assert DEFAULT_CHECKSUM == "xxh3_64"

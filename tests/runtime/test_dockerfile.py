@@ -28,7 +28,7 @@ def test_base_image_is_the_vllm_openai_server_of_the_tested_version():
 
 def test_it_installs_this_project_and_its_entrypoint_is_omni_stage():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["omni-stage"] == "omni_runtime.stage:main"
+    assert project["scripts"]["omni-stage"] == "omni_runtime.stages.main:main"
     assert _directives("ENTRYPOINT") == ['["omni-stage"]']
     assert any("pip install --no-cache-dir ." in r for r in _directives("RUN"))
     copied = " ".join(_directives("COPY"))

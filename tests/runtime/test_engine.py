@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from omni_runtime.offline import drain_transfers, engine_core_of, omni_llm
-from omni_runtime.tiny_model import ensure_tiny_model
-from omni_runtime.transfers import Outcome, TransferObserver, Trigger
+from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
+from omni_runtime.transfers.ledger import Outcome, TransferObserver, Trigger
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "An omni pipeline runs stages"]
 ENGINE_ARGS = dict(

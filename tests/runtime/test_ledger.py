@@ -13,7 +13,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from omni_runtime.transfers import (
+from omni_runtime.transfers.ledger import (
     Outcome,
     Phase,
     Transfer,

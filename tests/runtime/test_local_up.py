@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 from procs import http_get, wait_until
 
-from omni_runtime.tiny_model import ensure_tiny_model
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-from omni_runtime.metrics import FAMILIES, TransferMetrics, build_registry, duration_buckets
-from omni_runtime.transfers import Outcome, TransferLedger, Trigger
+from omni_runtime.observability.metrics import FAMILIES, TransferMetrics, build_registry, duration_buckets
+from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
 
 STAGE, MODEL = "ar", "tiny"
 REPO = Path(__file__).resolve().parents[2]
@@ -258,8 +258,8 @@ def test_gauges_and_counters_follow_the_ledger_after_every_operation(sequence):
 # ---------------------------------------------------------------------- multiprocess mode
 _WRITER = textwrap.dedent("""
     import sys
-    from omni_runtime.metrics import TransferMetrics
-    from omni_runtime.transfers import TransferLedger, Trigger
+    from omni_runtime.observability.metrics import TransferMetrics
+    from omni_runtime.transfers.ledger import TransferLedger, Trigger
     ledger = TransferLedger(30, observers=[TransferMetrics(stage="ar", model_name="tiny")])
     for i in range(int(sys.argv[1])):
         ledger.mark(f"r{i}", Trigger.PREFILL_FINISHED, 8, [i])
@@ -313,7 +313,7 @@ def test_multiprocess_gauges_of_a_process_marked_dead_disappear(tmp_path):
 
 
 _BYTES_WRITER = textwrap.dedent("""
-    from omni_runtime.metrics import transfer_bytes_observer
+    from omni_runtime.observability.metrics import transfer_bytes_observer
     observe = transfer_bytes_observer(stage="ar", model_name="tiny")
     observe(3 * 2**20)
 """)
@@ -334,7 +334,7 @@ def test_the_shipping_process_records_bytes_without_hiding_the_schedulers_gauges
 def test_bytes_observer_reuses_the_families_of_its_registry():
     registry = CollectorRegistry()
     TransferMetrics(stage=STAGE, model_name=MODEL, deadline_seconds=7, registry=registry)
-    from omni_runtime.metrics import transfer_bytes_observer
+    from omni_runtime.observability.metrics import transfer_bytes_observer
 
     transfer_bytes_observer(stage=STAGE, model_name=MODEL, registry=registry)(4096)
     assert value(registry, "omni_kv_transfer_bytes_count") == 1
@@ -344,7 +344,7 @@ def test_bytes_observer_reuses_the_families_of_its_registry():
 
 
 def test_prepare_multiproc_dir_empties_it_and_sets_the_variable(tmp_path, monkeypatch):
-    from omni_runtime.observability import prepare_prometheus_multiproc_dir
+    from omni_runtime.observability.multiproc import prepare_prometheus_multiproc_dir
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     target = tmp_path / "metrics"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from procs import StageProcess, free_port, http_get, metric_value, wait_until
 
-from omni_runtime.tiny_model import ensure_tiny_model
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
 PROMPTS = {
     "short": "Hello world",

@@ -15,9 +15,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import RequestStatus
 
-from omni_runtime.config import OmniKVConfigError
-from omni_runtime.outputs import OmniNewRequestData, OmniSchedulerOutput
-from omni_runtime.sched_testing import (
+from omni_runtime.transfers.config import OmniKVConfigError
+from omni_runtime.sched.outputs import OmniNewRequestData, OmniSchedulerOutput
+from omni_runtime.devtools.sched_harness import (
     free_blocks,
     make_request,
     make_scheduler,
@@ -25,8 +25,8 @@ from omni_runtime.sched_testing import (
     runner_output,
     step,
 )
-from omni_runtime.scheduler import OmniARScheduler
-from omni_runtime.transfers import Outcome, Phase, TransferObserver, Trigger
+from omni_runtime.sched.scheduler import OmniARScheduler
+from omni_runtime.transfers.ledger import Outcome, Phase, TransferObserver, Trigger
 
 SENTINEL = 9
 PREFILL = {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"}}
@@ -218,7 +218,7 @@ def test_runner_failure_frees_held_blocks_and_keeps_the_reason(caplog):
     s.add_request(r)
     step(s)
     step(s)  # hand-off
-    with caplog.at_level(logging.WARNING, logger="omni_runtime.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.sched.scheduler"):
         step(s, failed={r.request_id: "receiver rejected: checksum mismatch"})
     (t,) = s.recorder.resolved
     assert (t.outcome, t.reason) == (Outcome.FAILED, "receiver rejected: checksum mismatch")
@@ -265,7 +265,7 @@ def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatc
         raise KeyError(request_id)
 
     monkeypatch.setattr(s.kv_cache_manager, "get_block_ids", broken)
-    with caplog.at_level(logging.ERROR, logger="omni_runtime.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.sched.scheduler"):
         step(s)
     monkeypatch.undo()
     (t,) = s.recorder.resolved
@@ -451,7 +451,7 @@ def test_the_async_variant_marks_the_same_snapshots_with_a_step_in_flight():
     request's computed-token count runs one step ahead when its trigger fires; the snapshot
     must still be the prompt. (vLLM's CPU platform turns async scheduling off, so this is
     covered here rather than in a real engine.)"""
-    from omni_runtime.scheduler import OmniARAsyncScheduler
+    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
 
     s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(PREFILL))
     start = free_blocks(s)
@@ -539,7 +539,7 @@ def test_with_prefix_caching_a_cached_prompt_still_ships_its_whole_snapshot():
 def test_the_plain_class_name_gives_the_async_variant_under_async_scheduling():
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from omni_runtime.scheduler import OmniARAsyncScheduler
+    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
 
     cfg = make_vllm_config(PREFILL)
     cfg.scheduler_config.async_scheduling = True
@@ -553,7 +553,7 @@ def test_async_a_trigger_of_a_request_preempted_by_the_step_in_flight_is_replaye
     """Async scheduling: step N+1 is scheduled (and may preempt) before step N's output is
     processed. A sentinel sampled in step N for a request step N+1 preempted must not be
     marked on freed blocks: it is replayed once the request is recomputed."""
-    from omni_runtime.scheduler import OmniARAsyncScheduler
+    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
 
     s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(SPECIAL, num_blocks=9, max_num_seqs=4))
     s.transfer_ledger.add_observer(rec := Recorder())

@@ -8,15 +8,15 @@ import sys
 
 import pytest
 
-from omni_runtime.ar_stage import (
+from omni_runtime.stages.ar import (
     CPU_WORKER_CLS,
     SCHEDULER_CLS,
     engine_args_to_cli,
     in_flight_transfers,
     vllm_command,
 )
-from omni_runtime.config import parse_omni_kv_config
-from omni_runtime.stage import StageConfigError, parse_stage_config
+from omni_runtime.transfers.config import parse_omni_kv_config
+from omni_runtime.stages.config import StageConfigError, parse_stage_config
 
 BASE = {
     "pipeline": "p",
@@ -91,7 +91,7 @@ def test_in_flight_transfers_are_read_from_the_metrics_page():
 def test_omni_stage_refuses_a_bad_config_with_the_key(tmp_path):
     bad = tmp_path / "stage.yaml"
     bad.write_text("pipeline: p\nstage: s\nrole: ar\nmodel: {}\n")
-    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stage", "--config", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config", str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "model.name or model.path is required" in proc.stderr

@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from omni_runtime import tracing
-from omni_runtime.metrics import TransferMetrics
-from omni_runtime.observability import build_observers
-from omni_runtime.tracing import SPAN_NAME, TransferTracing, resolve_tracer
-from omni_runtime.transfers import Outcome, TransferLedger, Trigger
+from omni_runtime.observability import tracing
+from omni_runtime.observability.metrics import TransferMetrics
+from omni_runtime.observability.observers import build_observers
+from omni_runtime.observability.tracing import SPAN_NAME, TransferTracing, resolve_tracer
+from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -167,9 +167,9 @@ _GLOBAL = textwrap.dedent("""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from omni_runtime import tracing
-    from omni_runtime.observability import build_observers
-    from omni_runtime.transfers import Outcome, TransferLedger, Trigger
+    from omni_runtime.observability import tracing
+    from omni_runtime.observability.observers import build_observers
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
 
     # What vLLM's init_tracer does in the engine-core process.
     exporter = InMemorySpanExporter()

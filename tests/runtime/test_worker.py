@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from omni_runtime.connector import KVInbox, KVReceiver
-from omni_runtime.offline import drain_transfers, engine_core_of, omni_llm
-from omni_runtime.outputs import ACKS_FIELD, FAILURES_FIELD
-from omni_runtime.tiny_model import ensure_tiny_model
-from omni_runtime.transfers import Outcome, TransferObserver
-from omni_runtime.worker import _with_answers
+from omni_runtime.kv.transport import KVInbox, KVReceiver
+from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
+from omni_runtime.sched.outputs import ACKS_FIELD, FAILURES_FIELD
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
+from omni_runtime.transfers.ledger import Outcome, TransferObserver
+from omni_runtime.kv.worker import _with_answers
 
 ENGINE_ARGS = dict(
     kv_cache_memory_bytes=64 << 20,
     max_model_len=512,
     dtype="float32",
     enforce_eager=True,
-    worker_cls="omni_runtime.worker.OmniCPUWorker",
+    worker_cls="omni_runtime.kv.worker.OmniCPUWorker",
 )
 PREFILL = {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"}}
 
@@ -42,7 +42,7 @@ def in_process(monkeypatch):
 @pytest.fixture
 def receiver():
     inbox = KVInbox()
-    rx = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="p", stage="next", registry=None).start()
+    rx = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="p", stage="next").start()
     yield rx
     rx.close()
 

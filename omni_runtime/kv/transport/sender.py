@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 import zmq
 
-from omni_runtime.connector.wire import (
+from omni_runtime.kv.transport.wire import (
     CHECKSUMS,
     DEFAULT_CHECKSUM,
     KVPayload,

@@ -1,7 +1,7 @@
 """The KV extraction worker: the AR stage's vLLM worker that ships handed-off KV caches.
 
-Plugged in with vLLM's ``worker_cls`` (``--worker-cls omni_runtime.worker.OmniCPUWorker`` on
-CPU, ``omni_runtime.worker.OmniGPUWorker`` on GPU). Each step:
+Plugged in with vLLM's ``worker_cls`` (``--worker-cls omni_runtime.kv.worker.OmniCPUWorker`` on
+CPU, ``omni_runtime.kv.worker.OmniGPUWorker`` on GPU). Each step:
 
 1. ``execute_model`` reads ``finished_requests_needing_kv_transfer`` from the scheduler
    output and, *before* the forward pass, copies every listed request's blocks of every layer,
@@ -31,9 +31,9 @@ import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from omni_runtime.config import parse_omni_kv_config, raw_omni_kv_config
-from omni_runtime.kv_layout import BlockLayout, ProbedBlockLayout, UnsupportedKVCache, extract
-from omni_runtime.outputs import ACKS_FIELD, FAILURES_FIELD, TRANSFERS_FIELD
+from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
+from omni_runtime.kv.layout import BlockLayout, ProbedBlockLayout, UnsupportedKVCache, extract
+from omni_runtime.sched.outputs import ACKS_FIELD, FAILURES_FIELD, TRANSFERS_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class OmniKVWorkerMixin:
                     f"no downstream endpoint: set additional_config.{CONNECTOR_KEY}.endpoints"
                 )
             self._omni_layout = self._omni_make_layout()
-            from omni_runtime.connector import KVSender
-            from omni_runtime.metrics import transfer_bytes_observer
+            from omni_runtime.kv.transport import KVSender
+            from omni_runtime.observability.metrics import transfer_bytes_observer
 
             model_config = vllm_config.model_config
             self._omni_sender = KVSender(
@@ -153,7 +153,7 @@ class OmniKVWorkerMixin:
             for request_id in transfers:
                 self._omni_local_failures[request_id] = self._omni_setup_error
             return
-        from omni_runtime.connector import KVPayload
+        from omni_runtime.kv.transport import KVPayload
 
         caches = self.model_runner.kv_caches
         for request_id, info in transfers.items():

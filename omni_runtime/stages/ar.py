@@ -26,13 +26,13 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from omni_runtime.stage import StageConfig, StageConfigError
+from omni_runtime.stages.config import StageConfig, StageConfigError
 
-logger = logging.getLogger("omni_runtime.stage")
+logger = logging.getLogger(__name__)
 
-SCHEDULER_CLS = "omni_runtime.scheduler.OmniARScheduler"
-CPU_WORKER_CLS = "omni_runtime.worker.OmniCPUWorker"
-GPU_WORKER_CLS = "omni_runtime.worker.OmniGPUWorker"
+SCHEDULER_CLS = "omni_runtime.sched.OmniARScheduler"
+CPU_WORKER_CLS = "omni_runtime.kv.worker.OmniCPUWorker"
+GPU_WORKER_CLS = "omni_runtime.kv.worker.OmniGPUWorker"
 #: How long vLLM gets to stop on SIGTERM (finishing in-flight requests) before SIGKILL.
 STOP_TIMEOUT_S = 30
 #: engineArgs the stage sets itself; a user value would break the stage contract.
@@ -126,7 +126,7 @@ class ARStage:
         self._child: subprocess.Popen | None = None
 
     def _environment(self) -> dict[str, str]:
-        from omni_runtime.observability import MULTIPROC_ENV, prepare_prometheus_multiproc_dir
+        from omni_runtime.observability.multiproc import MULTIPROC_ENV, prepare_prometheus_multiproc_dir
 
         metrics_dir = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="omni-metrics-")
         prepare_prometheus_multiproc_dir(metrics_dir)  # emptied: a previous run's files go

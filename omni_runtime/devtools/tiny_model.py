@@ -6,7 +6,7 @@ respects vLLM's CPU constraints (attention head size >= 32). The weights are see
 same files come out on every machine; the directory is keyed by a hash of the recipe, so a
 change to the recipe builds a new one instead of reusing a stale cache.
 
-    python -m omni_runtime.tiny_model [PATH]   # prints the path, building it if needed
+    python -m omni_runtime.devtools.tiny_model [PATH]   # prints the path, building it if needed
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import SamplingParams
 
-    from omni_runtime.offline import drain_transfers, engine_core_of, omni_llm
-    from omni_runtime.tiny_model import ensure_tiny_model
-    from omni_runtime.transfers import TransferObserver
+    from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
+    from omni_runtime.devtools.tiny_model import ensure_tiny_model
+    from omni_runtime.transfers.ledger import TransferObserver
 
     model = ensure_tiny_model()
     print(f"tiny model: {model}")

@@ -20,7 +20,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from omni_runtime.tiny_model import ensure_tiny_model
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
 EOS = 0  # <|endoftext|> is the first special token of the tiny tokenizer
 _ids = itertools.count()

@@ -23,11 +23,10 @@ import zmq
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import REGISTRY, CollectorRegistry
 
-from omni_runtime.connector.inbox import InboxFull, KVInbox
-from omni_runtime.connector.metrics import ReceiverMetrics
-from omni_runtime.connector.wire import Limits, Rejected, decode_transfer, encode_reply
+from omni_runtime.kv.transport.inbox import InboxFull, KVInbox
+from omni_runtime.kv.transport.observer import NullReceiverObserver, ReceiverObserver
+from omni_runtime.kv.transport.wire import Limits, Rejected, decode_transfer, encode_reply
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +60,9 @@ class KVReceiver:
         *,
         pipeline: str = "",
         stage: str = "",
-        model_name: str = "",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         hard_max_frame_bytes: int | None = None,
-        metrics: ReceiverMetrics | None = None,
-        registry: CollectorRegistry | None = REGISTRY,
+        metrics: ReceiverObserver | None = None,
         tracer: Tracer | None = None,
     ) -> None:
         self.bind = bind
@@ -75,8 +72,7 @@ class KVReceiver:
         self.limits = Limits(max_payload_bytes=max_payload_bytes, stage=stage, pipeline=pipeline)
         self.hard_max_frame_bytes = (hard_max_frame_bytes if hard_max_frame_bytes is not None
                                      else 2 * max_payload_bytes + 65536)
-        self.metrics = metrics if metrics is not None else ReceiverMetrics(
-            stage=stage, model_name=model_name, registry=registry)
+        self.metrics = metrics if metrics is not None else NullReceiverObserver()
         self.inbox.bind_metrics(self.metrics)
         # A no-op tracer unless a tracer provider is installed globally (or one is passed).
         self._tracer = tracer if tracer is not None else trace.get_tracer(INSTRUMENTATION_NAME)

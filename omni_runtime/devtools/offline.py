@@ -12,11 +12,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-SCHEDULER_CLS = "omni_runtime.scheduler.OmniARScheduler"
+SCHEDULER_CLS = "omni_runtime.sched.OmniARScheduler"
 
 
 def omni_llm(model: str, omni_kv_config: Mapping[str, Any] | None = None, **engine_args: Any):
-    """An ``LLM`` whose scheduler is :class:`~omni_runtime.scheduler.OmniARScheduler`."""
+    """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`."""
     from vllm import LLM
 
     additional = dict(engine_args.pop("additional_config", None) or {})

@@ -20,12 +20,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from omni_runtime.connector.wire import KVPayload
-
-if TYPE_CHECKING:
-    from omni_runtime.connector.metrics import ReceiverMetrics
+from omni_runtime.kv.transport.observer import ReceiverObserver
+from omni_runtime.kv.transport.wire import KVPayload
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +59,9 @@ class KVInbox:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._cond = threading.Condition(threading.Lock())
-        self._metrics: ReceiverMetrics | None = None
+        self._metrics: ReceiverObserver | None = None
 
-    def bind_metrics(self, metrics: ReceiverMetrics | None) -> None:
+    def bind_metrics(self, metrics: ReceiverObserver | None) -> None:
         """Report size gauges, evictions and get() wait times to ``metrics`` (the receiver
         does this with its own metrics)."""
         with self._cond:

@@ -1,6 +1,6 @@
 """Prometheus metrics of a receiving stage's KV connector (receiver and inbox).
 
-Same style as the metric contract (omni_runtime/metrics.py): prefix ``omni_``, base units,
+Same style as the metric contract (omni_runtime/observability/metrics.py): prefix ``omni_``, base units,
 ``_total`` counters, labels ``stage`` and ``model_name`` plus at most one bounded label
 (``outcome``, ``reason``); never a request id. Every child is bound at construction, so every
 series exists (at 0) from the first scrape. Gauges are set to absolute values read from the
@@ -9,7 +9,7 @@ supersede a dead one's; counters and histograms are summed over processes (see
 docs/metrics.md, "multiprocess mode").
 
 The sender side's ``omni_kv_transfer_bytes`` is the contract's family in
-omni_runtime/metrics.py (``TransferMetrics.observe_transfer_bytes``); the sender takes that
+omni_runtime/observability/metrics.py (``TransferMetrics.observe_transfer_bytes``); the sender takes that
 method as its ``observe_bytes`` callback rather than defining the family twice.
 """
 
@@ -19,8 +19,8 @@ import weakref
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from omni_runtime.connector.wire import REJECT_CODES
-from omni_runtime.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE_MODE, Family
+from omni_runtime.kv.transport.wire import REJECT_CODES
+from omni_runtime.observability.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE_MODE, Family
 
 RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
 EVICTION_REASONS: tuple[str, ...] = ("expired", "replaced")

@@ -25,16 +25,17 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
-from omni_runtime.stage import StageConfig
+from omni_runtime.stages.config import StageConfig
 
-logger = logging.getLogger("omni_runtime.stage")
+logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
 
 
 class ReceiverStage:
     def __init__(self, config: StageConfig, *, host: str) -> None:
-        from omni_runtime.connector import KVInbox, KVReceiver
+        from omni_runtime.kv.transport import KVInbox, KVReceiver
+        from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 
         self.config = config
         self.host = host
@@ -44,7 +45,7 @@ class ReceiverStage:
             self.inbox,
             pipeline=config.pipeline,
             stage=config.stage,
-            model_name=config.model_name,
+            metrics=ReceiverMetrics(stage=config.stage, model_name=config.model_name),
         )
         self._stopping = threading.Event()
         self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())

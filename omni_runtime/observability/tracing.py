@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from omni_runtime.transfers import Outcome, Transfer, TransferLedger, TransferObserver
+from omni_runtime.transfers.ledger import Outcome, Transfer, TransferLedger, TransferObserver
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ to the model runner, and keeps the blocks allocated until the transfer resolves:
   * a finished request with an unresolved transfer keeps its blocks (held) until the
     transfer is acked, failed or expired; an aborted request's pending transfer is cancelled.
 
-All the bookkeeping lives in :class:`~omni_runtime.transfers.TransferLedger`; this class only
+All the bookkeeping lives in :class:`~omni_runtime.transfers.ledger.TransferLedger`; this class only
 wires it into vLLM's hooks. Plug it in with
-``--scheduler-cls omni_runtime.scheduler.OmniARScheduler`` (or ``OmniARAsyncScheduler`` with
+``--scheduler-cls omni_runtime.sched.OmniARScheduler`` (or ``OmniARAsyncScheduler`` with
 async scheduling).
 
 Invariant: a marked transfer only names blocks whose KV is already computed (seq_len <= the
@@ -38,15 +38,15 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from omni_runtime.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
-from omni_runtime.observability import build_observers
-from omni_runtime.outputs import (
+from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
+from omni_runtime.observability.observers import build_observers
+from omni_runtime.sched.outputs import (
     ACKS_FIELD,
     FAILURES_FIELD,
     OmniNewRequestData,
     OmniSchedulerOutput,
 )
-from omni_runtime.transfers import Outcome, Transfer, TransferLedger, Trigger
+from omni_runtime.transfers.ledger import Outcome, Transfer, TransferLedger, Trigger
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def _transfer_params(transfer: Transfer) -> dict[str, Any]:
 
 
 class OmniARScheduler(OmniKVTransferMixin, Scheduler):
-    """The omni AR scheduler. ``--scheduler-cls omni_runtime.scheduler.OmniARScheduler``
+    """The omni AR scheduler. ``--scheduler-cls omni_runtime.sched.OmniARScheduler``
     gives :class:`OmniARAsyncScheduler` when vLLM runs with async scheduling (its default on
     GPUs): vLLM picks its own AsyncScheduler only when no scheduler class is given, and a
     synchronous scheduler under an async engine would lose the overlap."""

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omni_runtime.transfers import DEFAULT_TIMEOUT_SECONDS, Trigger
+from omni_runtime.transfers.ledger import DEFAULT_TIMEOUT_SECONDS, Trigger
 
 logger = logging.getLogger(__name__)
 

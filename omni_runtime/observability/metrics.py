@@ -16,7 +16,7 @@ PromQL in docs/metrics.md). Design points:
   one; ``mark_process_dead(pid)`` removes a dead process's gauges outright. Counters and
   histograms are summed over processes, which keeps them monotonic across engine restarts.
   Multiprocess mode needs ``PROMETHEUS_MULTIPROC_DIR`` set (and emptied) before anything
-  imports prometheus_client: see :func:`omni_runtime.observability.prepare_prometheus_multiproc_dir`.
+  imports prometheus_client: see :func:`omni_runtime.observability.multiproc.prepare_prometheus_multiproc_dir`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from omni_runtime.transfers import (
+from omni_runtime.transfers.ledger import (
     DEFAULT_TIMEOUT_SECONDS,
     Outcome,
     Transfer,

@@ -1,0 +1,41 @@
+"""What the receiver and its inbox report, as an interface: the transport imports no metrics
+library and nothing else of omni_runtime. The receiving stage passes
+:class:`omni_runtime.observability.receiver_metrics.ReceiverMetrics`, which implements it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class ReceiverObserver(Protocol):
+    """Called from the receiver thread and from consumer threads: implementations are
+    thread-safe and never raise."""
+
+    def delivered(self, nbytes: int) -> None: ...
+
+    def rejected(self, code: str) -> None: ...
+
+    def set_inbox(self, payloads: int, nbytes: int) -> None: ...
+
+    def evicted(self, reason: str) -> None: ...
+
+    def observe_wait(self, seconds: float, found: bool) -> None: ...
+
+
+class NullReceiverObserver:
+    """Reports nothing (tools and tests that do not read receiver metrics)."""
+
+    def delivered(self, nbytes: int) -> None:
+        pass
+
+    def rejected(self, code: str) -> None:
+        pass
+
+    def set_inbox(self, payloads: int, nbytes: int) -> None:
+        pass
+
+    def evicted(self, reason: str) -> None:
+        pass
+
+    def observe_wait(self, seconds: float, found: bool) -> None:
+        pass

@@ -1,0 +1,39 @@
+"""Builds the observers (metrics, tracing) that the scheduler attaches to its ledger.
+
+Imports neither prometheus_client nor OpenTelemetry at import time: each is imported only
+when a scheduler builds its observers, in the engine-core process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from omni_runtime.observability.multiproc import MULTIPROC_ENV
+from omni_runtime.transfers.ledger import TransferObserver
+
+logger = logging.getLogger(__name__)
+
+
+def build_observers(
+    *, stage: str, model_name: str, timeout_seconds: float, vllm_config: Any = None
+) -> list[TransferObserver]:
+    """Metrics always; tracing only when something asks for traces (else no observer, no
+    cost). Called once per scheduler, in the engine-core process."""
+    from omni_runtime.observability.metrics import TransferMetrics
+    from omni_runtime.observability.tracing import TransferTracing, resolve_tracer
+
+    if MULTIPROC_ENV not in os.environ:
+        # Fine with an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0); with vLLM's
+        # default engine-core process the API server's /metrics will not show omni_ families.
+        logger.warning(
+            "%s is not set: omni_ KV transfer metrics are only visible from this process "
+            "(see docs/metrics.md)", MULTIPROC_ENV)
+    observers: list[TransferObserver] = [
+        TransferMetrics(stage=stage, model_name=model_name, deadline_seconds=timeout_seconds)
+    ]
+    tracer = resolve_tracer(vllm_config)
+    if tracer is not None:
+        observers.append(TransferTracing(tracer, stage=stage, model_name=model_name))
+    return observers

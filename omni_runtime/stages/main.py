@@ -1,0 +1,65 @@
+"""``omni-stage --config STAGE.yaml``: start one pipeline stage.
+
+The stage config is the file the operator renders into the stage's ConfigMap (keys in
+docs/operator.md; ``omni-pipeline up`` writes the same file for local runs). Two kinds:
+
+* an AR stage (``role: ar``): vLLM's OpenAI server with :class:`OmniARScheduler`, the KV
+  extraction worker and the stage's ``omni_kv_config``; this process supervises it (see
+  :mod:`omni_runtime.stages.ar`);
+* a receiving stage (any other role): a small HTTP server with ``/health``, ``/metrics`` and
+  ``/v1/kv`` (what arrived), and the KV receiver with its inbox (see
+  :mod:`omni_runtime.stages.receiver`).
+
+Ports: ``http`` (default 8000) and ``kv`` (default 9600), from the config's ``ports``.
+SIGTERM drains: stop taking work, wait for active transfers up to a grace period, then exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from omni_runtime.stages.config import DEFAULT_GRACE_SECONDS, StageConfigError, load_stage_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-stage", description="Start one omni pipeline stage.")
+    parser.add_argument("--config", required=True, help="stage config file (from the stage's ConfigMap)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to serve on (default 0.0.0.0)")
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=None,
+        help="on SIGTERM, how long to wait for transfers in flight before exiting "
+        "(default: the stage's kvTransfer.timeoutSeconds, after which none can be active)",
+    )
+    parser.add_argument("--print-command", action="store_true", help="print the vLLM command of an AR stage and exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_stage_config(args.config)
+    except StageConfigError as exc:
+        print(f"omni-stage: {exc}", file=sys.stderr)
+        return 2
+    grace = args.grace_seconds
+    if grace is None:
+        grace = config.kv_timeout_seconds or DEFAULT_GRACE_SECONDS
+    if config.is_ar:
+        from omni_runtime.stages.ar import ARStage, vllm_command
+
+        if args.print_command:
+            print(" ".join(vllm_command(config, args.host)))
+            return 0
+        return ARStage(config, host=args.host, grace_seconds=grace).run()
+    # One process serves a receiving stage's /metrics: prometheus_client's single-process
+    # mode is right, whatever the image's environment says (decided at its import, below).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    from omni_runtime.stages.receiver import ReceiverStage
+
+    return ReceiverStage(config, host=args.host).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

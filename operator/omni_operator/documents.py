@@ -81,7 +81,10 @@ def load_documents(text: str) -> list[Document]:
     A YAML syntax error ends the stream: the documents before it are kept, the rest of the
     file becomes one failed document (YAML cannot be resynchronised after an error)."""
     documents: list[Document] = []
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)  # the reader refuses control characters at once
+    except yaml.YAMLError as exc:
+        return [Document(0, None, f"not valid YAML: {_one_line(exc)}")]
     try:
         index = 0
         while True:

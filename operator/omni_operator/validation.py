@@ -256,7 +256,8 @@ def problems(schema: dict[str, Any], obj: Any,
 
 def _message(error: jsonschema.ValidationError) -> str:
     if error.validator == "pattern" and isinstance(error.schema, dict) and error.schema.get("description"):
-        return f"{error.message} ({error.schema['description']})"
+        # The description says in words what the regular expression says in symbols.
+        return f"{_short(repr(error.instance))} does not match: {error.schema['description']}"
     if error.validator == "type":
         return f"must be {' or '.join(_a(t) for t in _types(error.validator_value))}, not {_json_type(error.instance)}"
     return error.message

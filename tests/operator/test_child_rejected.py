@@ -111,6 +111,9 @@ def test_running_operator_reports_a_422_once_with_bounded_calls(kube, start_oper
     op = start_operator(resync_seconds=0.05)
     create_pipeline(kube, pipeline_body())
     wait_for(lambda: ready(kube).get("reason") == "ChildRejected", what="ChildRejected in the status")
+    # kopf records the handled spec on the object once its handler returns (its own write).
+    wait_for(lambda: (kube.get_pipeline(NAMESPACE, "tiny")["metadata"].get("annotations") or {})
+             .get("kopf.zalando.org/last-handled-configuration"), what="kopf to record the handled spec")
     rejected = op.metrics.reconciles.labels("rejected")
     start_rounds = rejected._value.get()
     start_calls = len(emulator.calls(OPERATOR_TOKEN))

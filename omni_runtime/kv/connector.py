@@ -54,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
 from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
@@ -64,24 +65,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CONNECTOR_NAME = "OmniKVConnector"
-CONNECTOR_MODULE = "omni_runtime.kv.connector"
 #: How long a step with nothing scheduled (transfers in flight) waits for an answer: the engine
 #: loop does not spin, and a request arriving meanwhile waits at most this long.
 IDLE_WAIT_S = 0.005
 #: Host buffers kept for re-use after their transfer was acked (bounded: payloads of one size
 #: repeat, e.g. the same prompt length; others are dropped to the allocator).
 POOL_BYTES = 1 << 30
-
-
-def kv_transfer_config(endpoints: Mapping[str, str], pipeline: str = "") -> dict[str, Any]:
-    """The ``--kv-transfer-config`` mapping that loads this connector."""
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"endpoints": dict(endpoints), "pipeline": pipeline},
-    }
 
 
 @dataclass

@@ -9,11 +9,18 @@ to the model runner, and keeps the blocks allocated until the transfer resolves:
         first sentinel (the KV that exists when it is sampled);
       - otherwise when the request finishes (stopped or length-capped; never on abort):
         ``seq_len`` = its computed tokens;
-  * ``schedule()`` hands every pending transfer to the runner in
-    ``finished_requests_needing_kv_transfer``;
-  * the runner answers in ``kv_extracted_req_ids`` / ``kv_extraction_failures``;
-  * a finished request with an unresolved transfer keeps its blocks (held) until the
-    transfer is acked, failed or expired; an aborted request's pending transfer is cancelled.
+  * ``schedule()`` hands every pending transfer to the omni KV connector
+    (``omni_runtime.kv.connector``, loaded with ``--kv-transfer-config``), which puts it in
+    the step's connector metadata;
+  * the connector's workers answer per attempt (worker metadata); an answer about another
+    attempt resolves nothing;
+  * a finished request with an unresolved transfer keeps its blocks (held, through the
+    connector's delayed free) until the transfer is acked, failed or expired; an aborted
+    request's pending transfer is cancelled;
+  * a preempted request's unresolved transfer keeps its blocks pinned (one extra reference,
+    out of the free pool) until it resolves: vLLM's preemption frees them inside schedule(),
+    and the same step could otherwise give them to another request while the transfer is
+    still to be read.
 
 All the bookkeeping lives in :class:`~omni_runtime.transfers.ledger.TransferLedger`; this class only
 wires it into vLLM's hooks. Plug it in with
@@ -22,8 +29,9 @@ async scheduling).
 
 Invariant: a marked transfer only names blocks whose KV is already computed (seq_len <= the
 request's computed tokens at marking), so the runner may copy them at any point after
-hand-off, and the blocks are allocated until the transfer resolves or the request is
-preempted (then the transfer is resolved first and replayed on the recomputed blocks).
+hand-off, and the blocks stay allocated and unchanged until the transfer resolves (finished:
+held; preempted: pinned). Shutdown and prefix-cache resets resolve what stands in their way
+as failed and give the blocks back.
 """
 
 from __future__ import annotations

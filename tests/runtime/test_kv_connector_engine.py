@@ -7,6 +7,7 @@ import gc
 
 import numpy as np
 import pytest
+import torch
 from omni_runtime.kv.transport import KVInbox, KVReceiver
 from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
@@ -38,8 +39,8 @@ def receiver():
 def llm_factory(in_process):
     made = []
 
-    def make(omni_kv_config=PREFILL, endpoints=None, **engine_args):
-        llm = omni_llm(str(ensure_tiny_model()), omni_kv_config, endpoints=endpoints,
+    def make(omni_kv_config=PREFILL, endpoints=None, model=None, **engine_args):
+        llm = omni_llm(model or str(ensure_tiny_model()), omni_kv_config, endpoints=endpoints,
                        pipeline="p", **{**ENGINE_ARGS, **engine_args})
         made.append(llm)
         resolved = []
@@ -90,3 +91,34 @@ def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_
     (t,) = resolved
     assert t.outcome is Outcome.FAILED
     assert "no downstream endpoint" in t.reason
+
+
+@pytest.mark.parametrize("recipe", ["tiny", "kv7b"])
+def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(llm_factory, receiver, recipe):
+    """The oracle at both scales: the 7B KV shape (28 layers, 4 KV heads, head size 128) too.
+    The payload the receiver stores is exactly transformers' past_key_values
+    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from omni_runtime.devtools.tiny_model import ensure_tiny_model as ensure
+
+    model_dir = str(ensure(recipe=recipe))
+    llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=256 << 20,
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+    drain_transfers(llm, timeout_s=60)
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for out in outs:
+        ids = list(out.prompt_token_ids)
+        (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
+        kv = receiver.inbox.get(t.request_id).kv
+        with torch.no_grad():
+            pkv = hf(torch.tensor([ids]), use_cache=True).past_key_values
+        reference = [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
+        assert kv.shape == (len(reference), 2, *reference[0][0].shape)
+        for layer, (k, v) in enumerate(reference):
+            np.testing.assert_allclose(kv[layer, 0], k.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"K{layer}")
+            np.testing.assert_allclose(kv[layer, 1], v.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"V{layer}")

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
-from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index
+from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index, gather_rows
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
 if TYPE_CHECKING:
@@ -222,7 +222,8 @@ class _Job:
     seq_len: int
     deadline_in_s: float
     trace_headers: dict[str, str] | None
-    index: torch.Tensor | None  # flat gather offsets, one layer's [2, H, seq_len, D]
+    index: torch.Tensor | None  # rows of `run` elements of one layer's cache, in payload order
+    run: int
     buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
     copied: list[bool]
 
@@ -299,23 +300,23 @@ class _WorkerState:
             try:
                 layout = self._layout
                 seq_len = int(info["seq_len"])
-                index = gather_index(layout, info["block_ids"], seq_len, self._caches[0].device)
+                index, run = gather_rows(
+                    gather_index(layout, info["block_ids"], seq_len, self._caches[0].device),
+                    layout.head_size,
+                )
                 shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
                 buffer = self._buffer(shape, self._caches[0].dtype)
             except Exception as exc:
                 self._local[rid] = (attempt, f"extraction failed: {type(exc).__name__}: {exc}")
                 continue
             self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
-                                  info.get("trace_headers"), index, buffer,
+                                  info.get("trace_headers"), index, run, buffer,
                                   [False] * len(self._caches)))
 
     def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
-        flat = cache.view(-1)
         for job in self.jobs:
             if not job.copied[layer]:
-                # One gather per layer, straight into the payload's slot.
-                torch.index_select(flat, 0, job.index, out=job.buffer[layer].view(-1))
-                job.copied[layer] = True
+                _gather(cache, job, layer)
 
     def finish_step(self) -> None:
         from omni_runtime.kv.transport import KVPayload
@@ -360,9 +361,7 @@ class _WorkerState:
             self._sender.submit(payload, timeout_s=max(0.05, 0.95 * job.deadline_in_s))
 
     def copy_layer_of(self, job: _Job, layer: int) -> None:
-        flat = self._caches[layer].view(-1)
-        torch.index_select(flat, 0, job.index, out=job.buffer[layer].view(-1))
-        job.copied[layer] = True
+        _gather(self._caches[layer], job, layer)
 
     def idle_wait(self) -> None:
         if self._sender is not None and self._sender.pending():
@@ -413,6 +412,13 @@ class _WorkerState:
             return
         self._pool.setdefault((buffer.dtype, buffer.numel()), []).append(buffer.view(-1))
         self._pool_bytes += nbytes
+
+
+def _gather(cache: torch.Tensor, job: _Job, layer: int) -> None:
+    """One gather per layer, straight into the payload's slot (rows of ``job.run``)."""
+    torch.index_select(cache.view(-1, job.run), 0, job.index,
+                       out=job.buffer[layer].view(-1, job.run))
+    job.copied[layer] = True
 
 
 def _attention_layer(vllm_config: Any) -> Any:

@@ -116,6 +116,25 @@ def gather_index(layout: ProbedBlockLayout, block_ids: Sequence[int], seq_len: i
     return (inner[:, :, tokens % B, :] + base).reshape(-1)
 
 
+def gather_rows(index: torch.Tensor, head_size: int) -> tuple[torch.Tensor, int]:
+    """``index`` (flat offsets, from :func:`gather_index`) as runs: the largest ``run``
+    dividing ``head_size`` such that the offsets come in aligned runs of ``run`` consecutive
+    elements, and the row of each run in ``cache.view(-1, run)``. Gathering rows of
+    ``run`` elements is a memcpy per row instead of an indexed load per element (about 20x
+    faster at run 128 than at run 1 on the CPU here)."""
+    run = head_size
+    while run > 1:
+        if head_size % run == 0 and index.numel() % run == 0:
+            rows = index.view(-1, run)
+            first = rows[:, :1]
+            if bool((first % run == 0).all()) and bool(
+                (rows - first == torch.arange(run, device=index.device)).all()
+            ):
+                return (first.view(-1) // run).contiguous(), run
+        run //= 2
+    return index, 1
+
+
 def extract(
     caches: Sequence[torch.Tensor], layout: BlockLayout, block_ids: Sequence[int], seq_len: int
 ) -> torch.Tensor:

@@ -173,6 +173,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     return {"step_ratio": mean_on / mean_off,
             "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
+            "steps_on": sum(map(len, on)), "steps_off": sum(map(len, off)),
             "bytes_per_round": nbytes, "handoff_to_ack_s": statistics.median(spans),
             "rss_growth_mb": rss1 - rss0}
 
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         "raw_zmq_s_7b": round(raw_s, 4),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),
         "mean_step_off_s_7b": round(big["mean_step_off_s"], 4),
+        "steps_on_off_7b": [big["steps_on"], big["steps_off"]],
         "step_ratio_tiny": round(small["step_ratio"], 4),
         "handoff_step_ratio_tiny": round(small["handoff_step_ratio"], 4),
         "ar_rss_growth_mb": round(big["rss_growth_mb"] + small["rss_growth_mb"], 1),

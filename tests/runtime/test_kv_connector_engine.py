@@ -122,3 +122,34 @@ def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(llm_fac
         for layer, (k, v) in enumerate(reference):
             np.testing.assert_allclose(kv[layer, 0], k.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"K{layer}")
             np.testing.assert_allclose(kv[layer, 1], v.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"V{layer}")
+
+
+def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(llm_factory, receiver):
+    """A KV cache too small for the load (the real engine preempts): every request's prompt KV
+    still arrives whole (its blocks were pinned while the transfer was in flight), and every
+    block comes back."""
+    from vllm import SamplingParams
+
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=1 << 20,
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+    scheduler = engine_core_of(llm).scheduler
+    start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    preempted = []
+    original = scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting
+    prompts = [{"prompt_token_ids": [3 + (i + j) % 400 for j in range(90 + i)]} for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    drain_transfers(llm, timeout_s=60)
+    assert preempted, "the KV cache must be small enough to force preemptions"
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * len(prompts)
+    for out in outs:
+        (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
+        payload = receiver.inbox.get(t.request_id)
+        assert payload.seq_len == len(out.prompt_token_ids) and np.isfinite(payload.kv).all()
+    assert not scheduler._pinned and not scheduler.has_requests()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start

@@ -172,3 +172,112 @@ def test_the_receiver_thread_reports_itself_up_then_down(make_receiver, registry
     assert sample(registry, "omni_kv_transport_thread_up", thread="receiver") == 1
     receiver.close()
     assert sample(registry, "omni_kv_transport_thread_up", thread="receiver") == 0
+
+
+# ---------------------------------------------------------------------- the sender's thread
+def break_the_io_thread(sender: KVSender) -> None:
+    """Make the next loop iteration raise on the I/O thread (a stand-in for a bug there)."""
+    def boom(*_a, **_k):
+        raise RuntimeError("bug in the I/O thread")
+
+    sender._next_timeout_ms = boom  # called once per loop iteration, on the I/O thread
+    sender._kick()
+
+
+def test_close_returns_normally_after_the_io_thread_died(make_sender):
+    states: list[bool] = []
+    ctx_port = "tcp://127.0.0.1:1"  # nothing listens: the transfer stays queued
+    sender = make_sender({STAGE: ctx_port}, on_thread_state=states.append)
+    sender.submit(payload("queued"))
+    break_the_io_thread(sender)
+    sender._thread.join(WAIT)
+    assert not sender.alive and "bug in the I/O thread" in sender.died
+    acked, failed = collect(sender, 1)
+    assert "bug in the I/O thread" in failed["queued"]
+    sender.close()  # raised zmq.Again before: the thread's end of the wake pipe was gone
+    sender.close()
+    sender.submit(payload("later"))
+    assert "bug in the I/O thread" in sender.poll()[1]["later"]
+    assert states == [True, False]
+
+
+def test_the_sender_thread_state_feeds_the_thread_up_gauge(make_sender, registry):
+    set_up = thread_up_setter(stage=STAGE, model_name="", thread="sender", registry=registry)
+    sender = make_sender({STAGE: "tcp://127.0.0.1:1"}, on_thread_state=set_up)
+    deadline = time.monotonic() + WAIT
+    while sample(registry, "omni_kv_transport_thread_up", thread="sender") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # polling the gauge the I/O thread sets as it starts
+    break_the_io_thread(sender)
+    sender._thread.join(WAIT)
+    assert sample(registry, "omni_kv_transport_thread_up", thread="sender") == 0
+
+
+def test_close_returns_when_the_io_thread_died_while_cleaning_up(make_sender):
+    sender = make_sender({STAGE: "tcp://127.0.0.1:1"})
+    sender.submit(payload("queued"))
+
+    def broken_report(*_a, **_k):
+        raise RuntimeError("bug while resolving")
+
+    sender._report = broken_report  # the thread's exit path breaks too
+    break_the_io_thread(sender)
+    sender._thread.join(WAIT)
+    closer = threading.Thread(target=sender.close)
+    closer.start()
+    closer.join(WAIT)  # before: ctx.term() waited forever for the sockets the thread left open
+    assert not closer.is_alive(), "close() hung after the I/O thread died"
+
+
+# ---------------------------------------------------------------------- receiver restart
+def test_a_restarted_receiver_gets_the_in_flight_and_the_queued_transfers_at_once(
+        make_receiver, make_sender):
+    """Two transfers in flight to a receiver that dies without answering (a raw ROUTER that
+    takes them and closes), a third queued behind the window; a new receiver on the same
+    port gets all three long before their deadline (before: the window stayed full of the
+    lost transfers until they expired)."""
+    ctx = zmq.Context()
+    dying = ctx.socket(zmq.ROUTER)
+    dying.setsockopt(zmq.LINGER, 0)
+    port = dying.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        sender = make_sender({STAGE: endpoint}, max_in_flight=2, send_timeout_s=30.0)
+        for rid in ("a", "b", "c"):
+            sender.submit(payload(rid))
+        taken = []
+        for _ in range(2):
+            assert dying.poll(int(WAIT * 1000)), "nothing arrived"
+            taken.append(json.loads(dying.recv_multipart()[1])["request_id"])
+        assert taken == ["a", "b"]
+        assert dying.poll(300) == 0  # "c" waits for a free slot
+        dying.close(linger=0)  # the receiver's process ends: the connection drops
+        started = time.monotonic()
+        second = make_receiver(endpoint)
+        acked, failed = collect(sender, 3, timeout=5.0)
+        assert sorted(acked) == ["a", "b", "c"] and not failed
+        assert time.monotonic() - started < 5.0
+        assert all(rid in second.inbox for rid in ("a", "b", "c"))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_transfers_in_flight_to_a_receiver_that_dies_resolve_once(make_receiver,
+                                                                  make_sender):
+    """A disconnect with nothing to reconnect to: the re-queued transfers fail once, at
+    their deadline, as unreachable, and nothing is reported twice."""
+    ctx = zmq.Context()
+    dying = ctx.socket(zmq.ROUTER)
+    dying.setsockopt(zmq.LINGER, 0)
+    port = dying.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        sender = make_sender({STAGE: f"tcp://127.0.0.1:{port}"}, send_timeout_s=1.0)
+        sender.submit(payload("lost"))
+        assert dying.poll(int(WAIT * 1000))
+        dying.close(linger=0)
+        acked, failed = collect(sender, 1)
+        assert not acked and ("unreachable" in failed["lost"] or "no ack" in failed["lost"])
+        assert sender.pending() == 0
+        assert sender.wait(0.5) is False  # no second report
+    finally:
+        ctx.destroy(linger=0)

@@ -261,16 +261,17 @@ class KVReceiver:
                            self.stage, rid, r.code, reason)
             if span is None and header is not None:
                 span = self._start_span(header, received)
+            # Spans end before the answer (a reader of the answer sees them); never raises.
+            self._end_span(span, "rejected", f"{r.code}: {reason}", r.code)
             reply(encode_reply(
                 transfer_id=_int_field(header, "transfer_id"), request_id=rid, ok=False,
                 code=r.code, reason=reason))
-            self._end_span(span, "rejected", f"{r.code}: {reason}", r.code)
             return
         self.num_delivered += 1
         self.metrics.delivered(payload.nbytes)
+        self._end_span(span, "delivered")
         reply(encode_reply(transfer_id=header["transfer_id"], request_id=payload.request_id,
                            ok=True))
-        self._end_span(span, "delivered")
 
     def _reply(self, router: zmq.Socket, identity: bytes, reply: bytes) -> None:
         try:

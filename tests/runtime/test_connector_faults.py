@@ -252,6 +252,7 @@ def test_a_restarted_receiver_gets_the_in_flight_and_the_queued_transfers_at_onc
         assert taken == ["a", "b"]
         assert dying.poll(300) == 0  # "c" waits for a free slot
         dying.close(linger=0)  # the receiver's process ends: the connection drops
+        ctx.term()  # returns once ZeroMQ really closed the socket and its listening port
         started = time.monotonic()
         second = make_receiver(endpoint)
         acked, failed = collect(sender, 3, timeout=5.0)
@@ -259,7 +260,8 @@ def test_a_restarted_receiver_gets_the_in_flight_and_the_queued_transfers_at_onc
         assert time.monotonic() - started < 5.0
         assert all(rid in second.inbox for rid in ("a", "b", "c"))
     finally:
-        ctx.destroy(linger=0)
+        if not ctx.closed:
+            ctx.destroy(linger=0)
 
 
 def test_transfers_in_flight_to_a_receiver_that_dies_resolve_once(make_receiver,

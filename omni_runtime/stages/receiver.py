@@ -6,7 +6,9 @@ HTTP (the stage's ``http`` port):
     ``omni_kv_transport_thread_up{thread="receiver"}`` is 0);
   * ``GET /metrics``: Prometheus text (the receiver families, ``omni_kv_receiver_*``);
   * ``GET /v1/kv``: JSON list of the payloads that arrived and are still in the inbox;
-  * ``GET /v1/kv/<request id>?wait=SECONDS``: the payload's K and V as a NumPy ``.npy``
+  * ``GET /v1/kv/<request id>?wait=SECONDS``: the payload (found by vLLM's internal request
+    id or by the client-facing one the sender named, e.g. ``cmpl-<X-Request-Id>-0``; header
+    ``X-Omni-Request-Id`` gives the internal one) with its K and V as a NumPy ``.npy``
     array ``[layers, 2, kv_heads, seq_len, head_size]`` (header ``X-Omni-Seq-Len`` etc.),
     waiting up to ``wait`` seconds for it to arrive; 404 if it does not. It stays in the
     inbox (the inbox's TTL bounds its life), so several readers may fetch it.
@@ -125,6 +127,7 @@ class ReceiverStage:
                 buf = io.BytesIO()
                 np.save(buf, payload.kv, allow_pickle=False)
                 headers = {
+                    "X-Omni-Request-Id": payload.request_id,
                     "X-Omni-Seq-Len": str(payload.seq_len),
                     "X-Omni-From-Stage": payload.from_stage,
                     # bfloat16 travels as uint16 bits: the array's dtype alone would mislead.

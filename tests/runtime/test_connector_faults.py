@@ -283,3 +283,58 @@ def test_transfers_in_flight_to_a_receiver_that_dies_resolve_once(make_receiver,
         assert sender.wait(0.5) is False  # no second report
     finally:
         ctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------- request ids
+def test_a_payload_is_found_by_the_internal_and_by_the_client_request_id(receiver,
+                                                                         make_sender):
+    from omni_runtime.kv.transport.wire import vllm_external_request_id
+
+    internal = "cmpl-my-client-id-0-1a2b3c4d"  # what vLLM's scheduler sees
+    external = vllm_external_request_id(internal)
+    assert external == "cmpl-my-client-id-0"
+    sender = make_sender({STAGE: receiver.endpoint})
+    sender.submit(payload(internal, external_request_id=external))
+    assert collect(sender, 1) == ([internal], {})
+    inbox = receiver.inbox
+    assert internal in inbox and external in inbox
+    assert inbox.list()[0]["external_request_id"] == external
+    got = inbox.get(external, remove=False)
+    assert got is not None and got.request_id == internal
+    assert inbox.get(internal) is got  # consumed by either id: both are gone
+    assert external not in inbox and internal not in inbox and inbox.bytes == 0
+
+
+def test_a_newer_request_with_the_same_client_id_takes_the_alias(make_receiver, make_sender):
+    receiver = make_receiver()
+    sender = make_sender({STAGE: receiver.endpoint})
+    sender.submit(payload("x-0-aaaaaaaa", external_request_id="x-0"))
+    sender.submit(payload("x-0-bbbbbbbb", external_request_id="x-0"))
+    assert sorted(collect(sender, 2)[0]) == ["x-0-aaaaaaaa", "x-0-bbbbbbbb"]
+    assert receiver.inbox.get("x-0", remove=False).request_id == "x-0-bbbbbbbb"
+    receiver.inbox.get("x-0-aaaaaaaa")  # consuming the older one leaves the alias alone
+    assert receiver.inbox.get("x-0").request_id == "x-0-bbbbbbbb"
+    assert len(receiver.inbox) == 0
+
+
+def test_the_external_id_is_optional_on_the_wire_and_type_checked(receiver, dealer):
+    plain = frames_of(payload("old-sender"), tid=3)
+    assert "external_request_id" not in json.loads(plain[0])  # a v1 header as before
+    dealer.send_multipart(plain)
+    assert reply_of(dealer)["status"] == "ok"
+    dealer.send_multipart(frames_of(payload("typed"), tid=4, external_request_id=5))
+    answer = reply_of(dealer)
+    assert (answer["status"], answer["code"]) == ("rejected", "malformed_header")
+    assert "external_request_id" in answer["reason"]
+
+
+@pytest.mark.parametrize("internal, randomized, external", [
+    ("cmpl-abc-0-0f1e2d3c", True, "cmpl-abc-0"),
+    ("chatcmpl-abc-12345678", True, "chatcmpl-abc"),
+    ("no-suffix", True, "no-suffix"),
+    ("cmpl-abc-0", False, "cmpl-abc-0"),
+])
+def test_vllms_external_id_from_its_internal_id(internal, randomized, external):
+    from omni_runtime.kv.transport.wire import vllm_external_request_id
+
+    assert vllm_external_request_id(internal, randomized=randomized) == external

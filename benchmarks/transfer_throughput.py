@@ -192,8 +192,8 @@ def measure_throughput(args: argparse.Namespace) -> dict:
 
 #: name -> measurement; each returns keys merged into the final JSON line.
 def measure_step_ratio(args: argparse.Namespace) -> dict:
-    """The AR stage's engine step time with KV transfers on (OmniARScheduler, the extraction
-    worker, a receiver in this process) against off (OmniARScheduler, stock worker), on the
+    """The AR stage's engine step time with KV transfers on (OmniARScheduler, the omni KV
+    connector, a receiver in this process) against off (OmniARScheduler, stock worker), on the
     tiny model with the in-process engine core; the same prompts, rounds interleaved."""
     import os
 
@@ -209,8 +209,7 @@ def measure_step_ratio(args: argparse.Namespace) -> dict:
     receiver = KVReceiver("tcp://127.0.0.1:0", KVInbox(), stage="next").start()
     on = omni_llm(model, {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"},
                           "timeout_seconds": 60},
-                  additional_config={"omni_kv_connector": {"endpoints": {"next": receiver.endpoint}}},
-                  worker_cls="omni_runtime.kv.worker.OmniCPUWorker", **engine)
+                  endpoints={"next": receiver.endpoint}, **engine)
     off = omni_llm(model, None, **engine)
     timings = {"on": [], "off": []}
 

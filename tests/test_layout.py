@@ -197,7 +197,7 @@ def _documented_paths() -> list[tuple[str, str]]:
 
 def _resolve(dotted: str) -> object:
     """A module, or an attribute of the longest importable module prefix (how vLLM resolves
-    --scheduler-cls and --worker-cls)."""
+    --scheduler-cls and kv_connector_module_path)."""
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -221,11 +221,11 @@ def test_every_documented_module_or_class_path_imports(dotted, where):
 
 
 def test_the_public_class_paths_and_console_scripts_resolve():
-    from omni_runtime.kv.worker import OmniCPUWorker
+    from omni_runtime.kv.connector import OmniKVConnector
     from omni_runtime.sched import OmniARScheduler
 
     assert _resolve("omni_runtime.sched.OmniARScheduler") is OmniARScheduler
-    assert _resolve("omni_runtime.kv.worker.OmniCPUWorker") is OmniCPUWorker
+    assert _resolve("omni_runtime.kv.connector.OmniKVConnector") is OmniKVConnector
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == {"omni-stage", "omni-pipeline", "omni-operator"}
     for target in scripts.values():

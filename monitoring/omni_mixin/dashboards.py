@@ -252,10 +252,11 @@ def pipelines(cfg: Config = Config()) -> dict[str, Any]:
                 ),
                 Panel(
                     "Reconcile errors",
-                    "Failed reconciles per second; OmniOperatorReconcileErrors fires when "
-                    "this stays above zero.",
+                    "Reconciles per second that failed (API errors, retried) or whose child the "
+                    "API server refused (reported once per resync until the spec changes); "
+                    "OmniOperatorReconcileErrors fires when this stays above zero.",
                     [(
-                        f'sum by (namespace, pod) (rate({m.OPERATOR_RECONCILES}{{result="error"}}[{RATE}]))',
+                        f'sum by (namespace, pod) (rate({m.OPERATOR_RECONCILES}{{result=~"error|rejected"}}[{RATE}]))',
                         "{{namespace}}/{{pod}}",
                     )],
                     unit="ops",

@@ -15,13 +15,26 @@ from typing import Any
 SCHEDULER_CLS = "omni_runtime.sched.OmniARScheduler"
 
 
-def omni_llm(model: str, omni_kv_config: Mapping[str, Any] | None = None, **engine_args: Any):
-    """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`."""
+def omni_llm(
+    model: str,
+    omni_kv_config: Mapping[str, Any] | None = None,
+    *,
+    endpoints: Mapping[str, str] | None = None,
+    pipeline: str = "",
+    **engine_args: Any,
+):
+    """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`; with
+    transfers on, the omni KV connector ships to ``endpoints`` ({stage: zmq address}; none:
+    every transfer fails with that reason)."""
     from vllm import LLM
+
+    from omni_runtime.kv.connector import kv_transfer_config
 
     additional = dict(engine_args.pop("additional_config", None) or {})
     if omni_kv_config is not None:
         additional["omni_kv_config"] = dict(omni_kv_config)
+        if omni_kv_config.get("need_send_cache"):
+            engine_args["kv_transfer_config"] = kv_transfer_config(endpoints or {}, pipeline)
     return LLM(model=model, scheduler_cls=SCHEDULER_CLS, additional_config=additional, **engine_args)
 
 

@@ -52,11 +52,20 @@ def make_vllm_config(
     )
     cache_config.num_gpu_blocks = num_blocks
     additional = {"omni_kv_config": dict(omni_kv_config)} if omni_kv_config is not None else {}
+    kv_transfer = None
+    if omni_kv_config and omni_kv_config.get("need_send_cache"):
+        # The omni KV connector's scheduler side (its worker side never runs here).
+        from vllm.config import KVTransferConfig
+
+        from omni_runtime.kv.connector import kv_transfer_config
+
+        kv_transfer = KVTransferConfig(**kv_transfer_config({"next": "tcp://127.0.0.1:9"}))
     return VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         additional_config=additional,
+        kv_transfer_config=kv_transfer,
     )
 
 
@@ -122,12 +131,16 @@ def runner_output(
     *,
     scheduler: Scheduler | None = None,
     default_token: int = 5,
-    acked: Iterable[str] = (),
-    failed: Mapping[str, str] | None = None,
+    acked: Iterable[Any] = (),
+    failed: Mapping[Any, str] | None = None,
 ) -> ModelRunnerOutput:
     """What a runner returns for ``scheduler_output``: ``tokens[req_id]`` where given, else
     one ``default_token`` per request — none for a partial prefill chunk, which needs the
-    ``scheduler`` (after its schedule()) to tell."""
+    ``scheduler`` (after its schedule()) to tell.
+
+    ``acked`` / ``failed`` are the KV connector workers' answers: a request id answers the
+    attempt last handed off for it (found in the ``scheduler``'s ledger), a
+    ``(request id, attempt)`` pair names its attempt."""
     tokens = dict(tokens or {})
     req_ids = list(scheduler_output.num_scheduled_tokens)
     sampled = []
@@ -143,9 +156,35 @@ def runner_output(
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
-    out.kv_extracted_req_ids = list(acked)
-    out.kv_extraction_failures = dict(failed or {})
+    answers = {}
+    for key in acked:
+        rid, attempt = _attempt_of(key, scheduler)
+        answers[rid] = (attempt, None)
+    for key, reason in (failed or {}).items():
+        rid, attempt = _attempt_of(key, scheduler)
+        answers[rid] = (attempt, reason)
+    if answers:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from omni_runtime.kv.connector import OmniKVWorkerMetadata
+
+        out.kv_connector_output = KVConnectorOutput(
+            kv_connector_worker_meta=OmniKVWorkerMetadata(answers)
+        )
     return out
+
+
+def _attempt_of(key: Any, scheduler: Scheduler | None) -> tuple[str, int]:
+    if isinstance(key, tuple):
+        return key
+    transfer = scheduler.transfer_ledger.get(key) if scheduler is not None else None
+    return key, transfer.attempt if transfer is not None else -1
+
+
+def handed_off(scheduler_output: SchedulerOutput) -> dict[str, dict[str, Any]]:
+    """The transfers a step hands to the KV connector's workers: ``{request id: info}``."""
+    meta = scheduler_output.kv_connector_metadata
+    return dict(getattr(meta, "transfers", None) or {})
 
 
 def _is_partial_prefill(scheduler: Scheduler, req_id: str) -> bool:

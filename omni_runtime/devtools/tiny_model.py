@@ -6,7 +6,11 @@ respects vLLM's CPU constraints (attention head size >= 32). The weights are see
 same files come out on every machine; the directory is keyed by a hash of the recipe, so a
 change to the recipe builds a new one instead of reusing a stale cache.
 
-    python -m omni_runtime.devtools.tiny_model [PATH]   # prints the path, building it if needed
+    python -m omni_runtime.devtools.tiny_model [--recipe kv7b] [PATH]   # prints the path
+
+A second recipe, ``kv7b`` (:func:`ensure_kv7b_model`), has the KV shape of a 7B-class thinker
+(28 layers, 4 KV heads, head size 128: 112 KiB of float32 KV per token) on a small hidden
+size, so that the KV data path is measured at real sizes while the model still runs here.
 """
 
 from __future__ import annotations
@@ -33,6 +37,20 @@ TINY_QWEN2 = {
     "seed": 1234,
 }
 
+#: The 7B KV shape: hidden 512 over 4 heads (head size 128), 4 KV heads, 28 layers.
+KV7B_QWEN2 = {
+    **TINY_QWEN2,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+    # A 28-layer random model needs the usual scale to stay finite in float32.
+    "initializer_range": 0.02,
+}
+RECIPES = {"tiny": TINY_QWEN2, "kv7b": KV7B_QWEN2}
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "An omni pipeline runs an autoregressive stage and hands its KV cache to the next stage.",
@@ -52,12 +70,19 @@ def default_cache_dir() -> Path:
     return Path(xdg) / "omni-pipeline"
 
 
-def _recipe_key() -> str:
-    blob = json.dumps({"model": TINY_QWEN2, "corpus": _CORPUS, "special": _SPECIAL_TOKENS})
+def _recipe_key(recipe: str = "tiny") -> str:
+    blob = json.dumps({"model": RECIPES[recipe], "corpus": _CORPUS, "special": _SPECIAL_TOKENS})
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def ensure_tiny_model(cache_dir: Path | None = None, *, path: Path | None = None) -> Path:
+def ensure_kv7b_model(cache_dir: Path | None = None, *, path: Path | None = None) -> Path:
+    """The 7B-KV-shaped random model (``KV7B_QWEN2``), built and cached like the tiny one."""
+    return ensure_tiny_model(cache_dir, path=path, recipe="kv7b")
+
+
+def ensure_tiny_model(
+    cache_dir: Path | None = None, *, path: Path | None = None, recipe: str = "tiny"
+) -> Path:
     """Return the directory of the tiny model, building it once if it is not there.
 
     By default it lives in ``cache_dir`` (:func:`default_cache_dir`) under a name keyed by the
@@ -68,18 +93,19 @@ def ensure_tiny_model(cache_dir: Path | None = None, *, path: Path | None = None
         root = target.parent
     else:
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        target = root / f"tiny-qwen2-{_recipe_key()}"
+        target = root / f"{recipe}-qwen2-{_recipe_key(recipe)}"
+    key = _recipe_key(recipe)
     marker = target / ".complete"
-    if marker.exists() and marker.read_text().strip() == _recipe_key():
+    if marker.exists() and marker.read_text().strip() == key:
         return target
     root.mkdir(parents=True, exist_ok=True)
     # Build in a temporary sibling and rename, so concurrent callers (pytest workers, the
     # demo) never see a half-written model.
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen2-", dir=root))
     try:
-        _build(tmp)
-        (tmp / ".complete").write_text(_recipe_key() + "\n")
-        if marker.exists() and marker.read_text().strip() == _recipe_key():
+        _build(tmp, RECIPES[recipe])
+        (tmp / ".complete").write_text(key + "\n")
+        if marker.exists() and marker.read_text().strip() == key:
             return target  # a concurrent caller finished first
         if target.exists():
             shutil.rmtree(target)  # an older recipe's model
@@ -93,12 +119,11 @@ def ensure_tiny_model(cache_dir: Path | None = None, *, path: Path | None = None
     return target
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, spec: dict) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    spec = TINY_QWEN2
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -146,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Build (once) and print the tiny model's path.")
     parser.add_argument("path", nargs="?", type=Path, help="exact directory (default: the cache)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="tiny")
     args = parser.parse_args(argv)
-    print(ensure_tiny_model(path=args.path))
+    print(ensure_tiny_model(path=args.path, recipe=args.recipe))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ class ProbedBlockLayout(BlockLayout):
     def __init__(self, layer: torch.nn.Module, cache: torch.Tensor, num_kv_heads: int, head_size: int):
         self.num_kv_heads, self.head_size = num_kv_heads, head_size
         self.block_size = cache.shape[2]
+        self.block_numel = cache[0].numel()
         self._k_index, self._v_index = self._probe(layer, cache)
 
     def _probe(self, layer: torch.nn.Module, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,10 +98,48 @@ class ProbedBlockLayout(BlockLayout):
         return torch.stack((k[:, :seq_len], v[:, :seq_len]))
 
 
+def gather_index(layout: ProbedBlockLayout, block_ids: Sequence[int], seq_len: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Flat offsets into one layer's cache (``cache.view(-1)``) of the elements of
+    ``[2, H, seq_len, D]``, so that one ``index_select`` per layer gathers a transfer's K and V
+    in the payload's order. Every layer's cache has the same shape (one KV cache group), so
+    one index serves all layers."""
+    B = layout.block_size
+    if seq_len > len(block_ids) * B:
+        raise ValueError(f"seq_len {seq_len} exceeds the {len(block_ids)} blocks of {B} tokens")
+    H, D = layout.num_kv_heads, layout.head_size
+    inner = torch.stack((layout._k_index, layout._v_index)).to(device)  # [2, H, B, D]
+    block_numel = layout.block_numel
+    tokens = torch.arange(seq_len, device=device)
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.int64, device=device)
+    base = (blocks[tokens // B] * block_numel).view(1, 1, seq_len, 1)
+    return (inner[:, :, tokens % B, :] + base).reshape(-1)
+
+
+def gather_rows(index: torch.Tensor, head_size: int) -> tuple[torch.Tensor, int]:
+    """``index`` (flat offsets, from :func:`gather_index`) as runs: the largest ``run``
+    dividing ``head_size`` such that the offsets come in aligned runs of ``run`` consecutive
+    elements, and the row of each run in ``cache.view(-1, run)``. Gathering rows of
+    ``run`` elements is a memcpy per row instead of an indexed load per element (about 20x
+    faster at run 128 than at run 1 on the CPU here)."""
+    run = head_size
+    while run > 1:
+        if head_size % run == 0 and index.numel() % run == 0:
+            rows = index.view(-1, run)
+            first = rows[:, :1]
+            if bool((first % run == 0).all()) and bool(
+                (rows - first == torch.arange(run, device=index.device)).all()
+            ):
+                return (first.view(-1) // run).contiguous(), run
+        run //= 2
+    return index, 1
+
+
 def extract(
     caches: Sequence[torch.Tensor], layout: BlockLayout, block_ids: Sequence[int], seq_len: int
 ) -> torch.Tensor:
-    """The request's KV as one host tensor ``[L, 2, H, seq_len, D]``."""
+    """The request's KV as one host tensor ``[L, 2, H, seq_len, D]`` (the reference the
+    connector's per-layer gather is tested against)."""
     if seq_len > len(block_ids) * layout.block_size:
         raise ValueError(
             f"seq_len {seq_len} exceeds the {len(block_ids)} blocks of {layout.block_size} tokens"

@@ -1,31 +1,15 @@
-"""The fields omni_runtime adds to vLLM's scheduler and model-runner outputs.
+"""What omni_runtime adds to vLLM's scheduler output: vllm-omni's request-level payload.
 
-Names follow vllm-omni's model runners, so their runners understand our scheduler:
-  * ``SchedulerOutput.finished_requests_needing_kv_transfer``:
-    ``{request_id: {"seq_len": int, "block_ids": list[int]}}``: transfers handed to the runner
-    in this step (the blocks of KV cache group 0, cut to ceil(seq_len / block_size));
-  * ``ModelRunnerOutput.kv_extracted_req_ids``: requests whose transfer was delivered;
-  * ``ModelRunnerOutput.kv_extraction_failures``: ``{request_id: reason}`` for transfers the
-    runner or the receiver failed (our addition; vllm-omni's runners never fail one).
+The KV transfers themselves travel in the step's KV connector metadata (``kv/connector.py``),
+not in fields of our own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-
-TRANSFERS_FIELD = "finished_requests_needing_kv_transfer"
-ACKS_FIELD = "kv_extracted_req_ids"
-FAILURES_FIELD = "kv_extraction_failures"
-
-
-@dataclass
-class OmniSchedulerOutput(SchedulerOutput):
-    finished_requests_needing_kv_transfer: dict[str, dict[str, Any]] = field(
-        default_factory=dict
-    )
+from vllm.v1.core.sched.output import NewRequestData
 
 
 @dataclass

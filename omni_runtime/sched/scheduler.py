@@ -9,11 +9,18 @@ to the model runner, and keeps the blocks allocated until the transfer resolves:
         first sentinel (the KV that exists when it is sampled);
       - otherwise when the request finishes (stopped or length-capped; never on abort):
         ``seq_len`` = its computed tokens;
-  * ``schedule()`` hands every pending transfer to the runner in
-    ``finished_requests_needing_kv_transfer``;
-  * the runner answers in ``kv_extracted_req_ids`` / ``kv_extraction_failures``;
-  * a finished request with an unresolved transfer keeps its blocks (held) until the
-    transfer is acked, failed or expired; an aborted request's pending transfer is cancelled.
+  * ``schedule()`` hands every pending transfer to the omni KV connector
+    (``omni_runtime.kv.connector``, loaded with ``--kv-transfer-config``), which puts it in
+    the step's connector metadata;
+  * the connector's workers answer per attempt (worker metadata); an answer about another
+    attempt resolves nothing;
+  * a finished request with an unresolved transfer keeps its blocks (held, through the
+    connector's delayed free) until the transfer is acked, failed or expired; an aborted
+    request's pending transfer is cancelled;
+  * a preempted request's unresolved transfer keeps its blocks pinned (one extra reference,
+    out of the free pool) until it resolves: vLLM's preemption frees them inside schedule(),
+    and the same step could otherwise give them to another request while the transfer is
+    still to be read.
 
 All the bookkeeping lives in :class:`~omni_runtime.transfers.ledger.TransferLedger`; this class only
 wires it into vLLM's hooks. Plug it in with
@@ -22,8 +29,9 @@ async scheduling).
 
 Invariant: a marked transfer only names blocks whose KV is already computed (seq_len <= the
 request's computed tokens at marking), so the runner may copy them at any point after
-hand-off, and the blocks are allocated until the transfer resolves or the request is
-preempted (then the transfer is resolved first and replayed on the recomputed blocks).
+hand-off, and the blocks stay allocated and unchanged until the transfer resolves (finished:
+held; preempted: pinned). Shutdown and prefix-cache resets resolve what stands in their way
+as failed and give the blocks back.
 """
 
 from __future__ import annotations
@@ -40,12 +48,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
 from omni_runtime.observability.observers import build_observers
-from omni_runtime.sched.outputs import (
-    ACKS_FIELD,
-    FAILURES_FIELD,
-    OmniNewRequestData,
-    OmniSchedulerOutput,
-)
+from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.transfers.ledger import Outcome, Transfer, TransferLedger, Trigger
 
 logger = logging.getLogger(__name__)
@@ -78,11 +81,16 @@ class OmniKVTransferMixin:
             )
         except OmniKVConfigError as exc:
             raise OmniKVConfigError(f"OmniARScheduler: {exc}") from None
-        if cfg.need_send_cache and self.connector is not None:
+        # The omni KV connector (kv/connector.py) moves the bytes: found by its marker, so that
+        # scheduling imports nothing of the data path.
+        self._omni = _find_omni_connector(self.connector)
+        if cfg.need_send_cache and self._omni is None:
             raise OmniKVConfigError(
-                "OmniARScheduler: omni_kv_config.need_send_cache cannot be combined with "
-                "--kv-transfer-config: both would own the lifetime of finished requests' "
-                "blocks; use one of them"
+                "OmniARScheduler: omni_kv_config.need_send_cache needs the omni KV connector: "
+                "add --kv-transfer-config '{\"kv_connector\": \"OmniKVConnector\", "
+                "\"kv_connector_module_path\": \"omni_runtime.kv.connector\", "
+                "\"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": "
+                "{\"endpoints\": {...}}}'"
             )
         self.omni_kv_config = cfg
         self._send = cfg.need_send_cache
@@ -111,6 +119,9 @@ class OmniKVTransferMixin:
         self._replay: dict[str, tuple[Trigger, int]] = {}
         # Requests carrying vllm-omni's additional_information (none on plain vLLM).
         self._payload_requests: set[str] = set()
+        # Preempted requests whose unresolved transfer's blocks we keep out of the free pool
+        # (one extra reference each) until it resolves: request id -> the pinned blocks.
+        self._pinned: dict[str, list[Any]] = {}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -124,19 +135,18 @@ class OmniKVTransferMixin:
             self._payload_requests.add(request.request_id)
 
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kw: Any) -> None:
+        if self._send:
+            transfer = self.transfer_ledger.get(request.request_id)
+            if transfer is not None and request.request_id not in self._pinned:
+                # vLLM frees the preempted request's blocks below, and the same schedule()
+                # may give them to another request. The transfer may still be handed off (or
+                # its hand-off step still in flight): keep its blocks allocated, unchanged,
+                # until it resolves.
+                pool = self.kv_cache_manager.block_pool
+                blocks = [pool.blocks[i] for i in transfer.block_ids]
+                pool.touch(blocks)
+                self._pinned[request.request_id] = blocks
         super()._preempt_request(request, timestamp, *args, **kw)
-        if not self._send:
-            return
-        dropped = self.transfer_ledger.request_preempted(request.request_id)
-        if dropped is not None:
-            logger.info(
-                "KV transfer of request %s %s on preemption; it restarts once %d tokens "
-                "are recomputed",
-                request.request_id,
-                dropped.outcome.value,
-                dropped.seq_len,
-            )
-            self._replay[request.request_id] = (dropped.trigger, dropped.seq_len)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         request_id = request.request_id
@@ -148,21 +158,31 @@ class OmniKVTransferMixin:
         replay = self._replay.pop(request_id, None)
         completed = request.status in _COMPLETED
         if completed and not ledger.has_triggered(request_id):
-            if replay is not None:
-                # Preempted after its trigger, finished as soon as it was recomputed: ship
-                # the snapshot it was going to ship.
-                self._mark(request, *replay)
+            frontier = request.num_computed_tokens - request.num_output_placeholders
+            trigger, seq_len = replay or (Trigger.REQUEST_FINISHED, frontier)
+            if request.status is not RequestStatus.PREEMPTED and 0 < seq_len <= frontier:
+                # A replay: preempted after its trigger, finished as soon as it was
+                # recomputed; ship the snapshot it was going to ship.
+                self._mark(request, trigger, seq_len)
             else:
-                frontier = request.num_computed_tokens - request.num_output_placeholders
-                # Zero when nothing is computed: a request preempted by the step scheduled
-                # while this one ran (async scheduling) has no KV left to ship.
-                if frontier > 0:
-                    self._mark(request, Trigger.REQUEST_FINISHED, frontier)
-        num_blocks = 0
-        if ledger.get(request_id) is not None:
+                # Async scheduling: the request finished while preempted (the step scheduled
+                # meanwhile freed its KV). Nothing is left to ship: say so.
+                self._mark_failed(
+                    request, trigger, max(seq_len, 0),
+                    "request finished while preempted: vLLM freed its KV before it was sent",
+                )
+        num_blocks, pinned = 0, self._pinned.get(request_id)
+        if pinned is not None:
+            num_blocks = len(pinned)  # its transfer's blocks are pinned, not the request's
+        elif ledger.get(request_id) is not None:
             num_blocks = sum(len(g) for g in self.kv_cache_manager.get_block_ids(request_id))
         hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
-        kv_params, ec_params = super()._free_request(request, delay_free_blocks or hold)
+        if pinned is not None and ledger.get(request_id) is None:
+            self._unpin(request_id)  # cancelled just now
+        if hold and pinned is None and self._omni is not None:
+            # The interface's delayed free: vLLM keeps the blocks until we free them.
+            self._omni.hold_on_finish(request_id)
+        kv_params, ec_params = super()._free_request(request, delay_free_blocks)
         transfer = getattr(request, _TRANSFER_ATTR, None)
         if transfer is not None:
             kv_params = {**(kv_params or {}), **_transfer_params(transfer)}
@@ -179,17 +199,18 @@ class OmniKVTransferMixin:
                 )
                 self._release(transfer)
         output = super().schedule(*args, **kwargs)
-        # Same fields, one more: re-class instead of copying every field each step.
-        output.__class__ = OmniSchedulerOutput
-        if ledger.num_pending:
-            output.finished_requests_needing_kv_transfer = {
-                t.request_id: _hand_off_info(t) for t in ledger.hand_off_pending()
-            }
-        else:
-            output.finished_requests_needing_kv_transfer = {}
         if self._payload_requests and output.scheduled_new_reqs:
             self._attach_payloads(output)
         return output
+
+    def _build_kv_connector_meta(self, connector: Any, scheduler_output: SchedulerOutput) -> Any:
+        # Called inside schedule(), after its preemptions: a pending transfer of a request
+        # preempted in this step has its blocks pinned, so handing it off is still exact.
+        if self._send and self.transfer_ledger.num_pending:
+            self._omni.hand_off(
+                {t.request_id: _hand_off_info(t) for t in self.transfer_ledger.hand_off_pending()}
+            )
+        return super()._build_kv_connector_meta(connector, scheduler_output)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -199,10 +220,9 @@ class OmniKVTransferMixin:
         # The runner's answers concern transfers handed off in this or earlier steps: resolve them
         # first, so that a request finishing in this step sees its transfer resolved and
         # frees its blocks at once instead of holding them.
-        acked = getattr(model_runner_output, ACKS_FIELD, None)
-        failed = getattr(model_runner_output, FAILURES_FIELD, None)
-        if acked or failed:
-            self._resolve_from_runner(acked or (), failed or {})
+        answers = self._omni.take_answers(model_runner_output.kv_connector_output)
+        if answers:
+            self._resolve_from_runner(answers)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         # Requests that finished in this step were marked (request_finished) and dropped
         # from the sets below by _free_request; what remains is still running.
@@ -217,12 +237,24 @@ class OmniKVTransferMixin:
         return super().has_unfinished_requests() or self.transfer_ledger.has_unresolved()
 
     def shutdown(self) -> None:
-        # Resolve what is left, so that spans end and blocks are accounted for.
-        for transfer in self.transfer_ledger.unresolved():
-            self.transfer_ledger.resolve(
-                transfer.request_id, Outcome.FAILED, "scheduler shut down"
-            )
+        # Resolve what is left, so that spans end, and give held blocks and their finished
+        # requests back.
+        self._fail_unresolved("scheduler shut down", lambda t: True)
         super().shutdown()
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        # Held and pinned blocks are neither running nor free, so vLLM's reset would fail (and
+        # raise with reset_running_requests). vLLM calls this for sleep mode and weight
+        # updates: the transfers whose blocks stand in the way fail, with the reason.
+        if self._send and (reset_running_requests or not self.running):
+            running = {r.request_id for r in self.running} if reset_running_requests else set()
+            self._fail_unresolved(
+                "KV cache reset (sleep or weight update) while the transfer was in flight",
+                lambda t: t.held or t.request_id in self._pinned or t.request_id in running,
+            )
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
 
     # ------------------------------------------------------------------ helpers
     def _fire_step_triggers(
@@ -245,6 +277,10 @@ class OmniKVTransferMixin:
         for index, new_tokens in enumerate(sampled):
             if sentinel in new_tokens and (request_id := req_ids[index]) in awaiting:
                 request = requests[request_id]
+                if request.status is RequestStatus.PREEMPTED and request.drop_stale_output:
+                    # vLLM drops this stale output (the connector requires KV delivery):
+                    # the sentinel was never sampled as far as the request is concerned.
+                    continue
                 # num_tokens already counts this step's tokens; cut at the first sentinel.
                 before = request.num_tokens - len(new_tokens) + list(new_tokens).index(sentinel)
                 self._mark(request, Trigger.SPECIAL_TOKEN, before)
@@ -288,30 +324,52 @@ class OmniKVTransferMixin:
             self.transfer_ledger.resolve(request_id, Outcome.FAILED, error)
         return transfer
 
-    def _resolve_from_runner(self, acked: Any, failed: dict[str, str]) -> None:
+    def _resolve_from_runner(self, answers: dict[str, tuple[int, str | None]]) -> None:
+        """The workers' answers, each naming the attempt it answers: one about an earlier
+        attempt (or a transfer already resolved) resolves nothing."""
         ledger = self.transfer_ledger
-        for request_id in acked:
-            transfer = ledger.resolve(request_id, Outcome.ACKED, only_active=True)
+        for request_id, (attempt, reason) in answers.items():
+            outcome = Outcome.ACKED if reason is None else Outcome.FAILED
+            transfer = ledger.resolve(
+                request_id, outcome, reason, only_active=True, attempt=attempt
+            )
             if transfer is None:
-                logger.debug("ignoring ack for request %s: no active transfer", request_id)
-            else:
-                self._release(transfer)
-        for request_id, reason in failed.items():
-            transfer = ledger.resolve(request_id, Outcome.FAILED, str(reason), only_active=True)
-            if transfer is None:
-                logger.debug("ignoring failure for request %s: no active transfer", request_id)
+                logger.debug("ignoring an answer for request %s (attempt %s): not its active "
+                             "transfer", request_id, attempt)
                 continue
-            logger.warning("KV transfer of request %s failed: %s", request_id, reason)
+            if reason is not None:
+                logger.warning("KV transfer of request %s failed: %s", request_id, reason)
             self._release(transfer)
 
+    def _fail_unresolved(self, reason: str, which: Any) -> None:
+        for transfer in self.transfer_ledger.unresolved():
+            if which(transfer):
+                self.transfer_ledger.resolve(transfer.request_id, Outcome.FAILED, reason)
+                self._release(transfer)
+
     def _release(self, transfer: Transfer) -> None:
-        """Free the blocks of a held transfer that has just resolved (exactly once: the
-        ledger returns a transfer from resolve only once)."""
+        """Give back the blocks a transfer that has just resolved kept (exactly once: the
+        ledger returns a transfer from resolve only once): its pinned blocks, and a finished
+        request's held blocks (then vLLM forgets the request)."""
+        self._unpin(transfer.request_id)
         if not transfer.held:
             return
         request = self.requests.get(transfer.request_id)
         if request is not None and request.is_finished():
             self._free_blocks(request)
+
+    def _unpin(self, request_id: str) -> None:
+        blocks = self._pinned.pop(request_id, None)
+        if blocks:
+            self.kv_cache_manager.block_pool.free_blocks(blocks)
+
+    def _mark_failed(self, request: Request, trigger: Trigger, seq_len: int, reason: str) -> None:
+        transfer = self.transfer_ledger.mark(
+            request.request_id, trigger, seq_len, [], trace_headers=request.trace_headers
+        )
+        setattr(request, _TRANSFER_ATTR, transfer)
+        logger.warning("KV transfer of request %s failed: %s", request.request_id, reason)
+        self.transfer_ledger.resolve(request.request_id, Outcome.FAILED, reason)
 
     def _attach_payloads(self, output: SchedulerOutput) -> None:
         for new_request in output.scheduled_new_reqs:
@@ -321,6 +379,14 @@ class OmniKVTransferMixin:
                 new_request.additional_information = request.additional_information
 
 
+def _find_omni_connector(connector: Any) -> Any:
+    """The omni KV connector among the scheduler's (itself, or a MultiConnector's child)."""
+    for candidate in (connector, *(getattr(connector, "_connectors", None) or ())):
+        if getattr(candidate, "omni_kv_connector", False):
+            return candidate
+    return None
+
+
 def _hand_off_info(transfer: Transfer) -> dict[str, Any]:
     """What the runner gets per transfer: vllm-omni's two keys, the time left before the
     deadline, and the request's W3C trace headers when it has some (our worker puts them in
@@ -328,6 +394,7 @@ def _hand_off_info(transfer: Transfer) -> dict[str, Any]:
     info: dict[str, Any] = {
         "seq_len": transfer.seq_len,
         "block_ids": list(transfer.block_ids),
+        "attempt": transfer.attempt,
         # Time left before the scheduler expires it: the connector gives up before that, so
         # its failure (with a reason) arrives first.
         "deadline_in_s": max(0.0, transfer.deadline - transfer.handed_off_at),

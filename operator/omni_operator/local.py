@@ -1,19 +1,16 @@
-"""``omni-pipeline``: run or check an ``OmniPipeline`` file without a cluster.
+"""The local supervisor behind ``omni-pipeline up``: a pipeline's stages as processes on
+127.0.0.1 (the command line itself is ``cli.py``).
 
-    omni-pipeline validate FILE...   the CRD's schema and CEL rules, then the graph rules
-    omni-pipeline up FILE            every stage as a local process on 127.0.0.1
-
-``up`` takes the same file ``kubectl apply`` takes. Each stage gets the stage config the
-operator would put in its ConfigMap (the same renderer), with 127.0.0.1 ports instead of
-Service addresses, and runs as ``omni-stage --config`` (the runtime is started as a process,
-never imported: this package stays free of vLLM). Stages start downstream first, so receivers
-listen before senders ship; a live table shows each stage until Ctrl-C, which stops them
-upstream first, so that in-flight transfers can still land.
+Each stage gets the stage config the operator would put in its ConfigMap (the same
+renderer), with 127.0.0.1 ports instead of Service addresses, and runs as ``omni-stage
+--config`` (the runtime is started as a process, never imported: this package stays free of
+vLLM). Stages start downstream first, so receivers listen before senders ship; a live table
+shows each stage until Ctrl-C, which stops them upstream first, so that in-flight transfers
+can still land.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,65 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
-from .errors import SpecError
-from .model import Pipeline, find_cycle, parse_pipeline
+from .model import Pipeline, find_cycle
 from .stage_config import dump_stage_config, render_stage_config
 
 STARTUP_TIMEOUT_S = 600.0
-
-
-# ---------------------------------------------------------------------------- validate
-
-
-class FileError(Exception):
-    """A file that cannot be read as YAML."""
-
-
-def load_documents(path: Path) -> list[dict[str, Any]]:
-    try:
-        return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except OSError as exc:
-        raise FileError(f"cannot read it: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise FileError(f"not valid YAML: {exc}") from None
-
-
-def check_resource(obj: Any) -> tuple[Pipeline | None, list[str]]:
-    """(the parsed pipeline, []) or (None, every problem, each naming its field)."""
-    from .validation import validate_resource
-
-    if not isinstance(obj, dict) or obj.get("kind") != "OmniPipeline":
-        return None, ["kind: this is not an OmniPipeline"]
-    errors = validate_resource(obj)
-    if errors:
-        return None, errors
-    try:
-        return parse_pipeline(obj), []
-    except SpecError as exc:
-        return None, [str(p) for p in exc.problems]
-
-
-def cmd_validate(args: argparse.Namespace, out: TextIO) -> int:
-    status = 0
-    for path in args.files:
-        try:
-            docs = load_documents(path)
-        except FileError as exc:
-            print(f"{path}: {exc}", file=out)
-            status = 1
-            continue
-        for doc in docs:
-            name = (doc.get("metadata") or {}).get("name", "?") if isinstance(doc, dict) else "?"
-            pipeline, errors = check_resource(doc)
-            if errors:
-                status = 1
-                for error in errors:
-                    print(f"{path}: {name}: {error}", file=out)
-            else:
-                print(f"{path}: {name}: valid ({len(pipeline.stages)} stages)", file=out)
-    return status
 
 
 # ---------------------------------------------------------------------------- up
@@ -317,20 +259,17 @@ def show_arrivals(local: LocalPipeline, expected: int, stop: threading.Event, ou
                   f"{p['bytes']} bytes from {p['from_stage']}", file=out)
 
 
-def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
-    try:
-        docs = load_documents(args.file)
-    except FileError as exc:
-        print(f"{args.file}: {exc}", file=out)
-        return 2
-    if len(docs) != 1:
-        print(f"{args.file}: expected one OmniPipeline, found {len(docs)} documents", file=out)
-        return 2
-    pipeline, errors = check_resource(docs[0])
-    if errors:
-        for error in errors:
-            print(f"{args.file}: {error}", file=out)
-        return 2
+@dataclass(frozen=True)
+class UpOptions:
+    host: str = "127.0.0.1"
+    workdir: str | None = None  # None: a temporary directory, removed at exit unless keep
+    keep: bool = False
+    demo: int = 0  # requests to send to the AR stage once every stage is ready
+    exit_after: float | None = None  # seconds; None: until Ctrl-C
+
+
+def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
+    """Run every stage until Ctrl-C (or exit_after); 0 on a clean stop, 1 if a stage failed."""
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"omni-{pipeline.name}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     local = LocalPipeline(pipeline, workdir, args.host)
@@ -392,21 +331,10 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="omni-pipeline", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validate", help="check OmniPipeline files against the CRD and the graph rules")
-    v.add_argument("files", nargs="+", type=Path)
-    u = sub.add_parser("up", help="run an OmniPipeline's stages as local processes")
-    u.add_argument("file", type=Path)
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--workdir", help="where stage configs and logs go (default: a temporary directory)")
-    u.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    u.add_argument("--demo", type=int, default=0, metavar="N", help="send N requests to the AR stage once all stages are ready")
-    u.add_argument("--exit-after", type=float, metavar="SECONDS", help="stop the pipeline after this long (unattended runs)")
-    args = parser.parse_args(argv)
-    if args.command == "validate":
-        return cmd_validate(args, sys.stdout)
-    return cmd_up(args, sys.stdout)
+    """``python -m omni_operator.local`` still runs the ``omni-pipeline`` command line."""
+    from .cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from . import crd
 from .errors import Problem, SpecError
 from .quantities import is_quantity
 
-DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Services are named after the pipeline and its stages, and a Service name is a DNS-1035
+# label: lower case letters, digits and '-', starting with a letter (no dots).
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 ROLES = ("ar", "generation")
 CRITERIA = ("prefill_finished", "special_token", "request_finished")
@@ -29,6 +31,7 @@ RESERVED_ENGINE_ARGS = {
     "scheduler_cls": "the runtime installs omni_runtime.sched.OmniARScheduler itself",
 }
 RESERVED_ENV_PREFIXES = ("OMNI_",)
+RESERVED_MOUNT_PATHS = ("/tmp", "/dev/shm", "/etc/omni")  # the volumes every stage pod mounts (render.py)
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -103,13 +106,16 @@ class Pipeline:
 
 def parse_pipeline(body: Mapping[str, Any]) -> Pipeline:
     """Validate an OmniPipeline object and return its typed spec; SpecError names each bad field."""
-    meta = body.get("metadata") or {}
+    meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     raw_spec = body.get("spec")
     if not isinstance(raw_spec, dict):
         raise SpecError([Problem("spec", "is required and must be an object")])
     spec = crd.apply_defaults(crd.openapi_schema()["properties"]["spec"], raw_spec)
     problems: list[Problem] = []
-    name = str(meta.get("name") or "")
+    name = meta.get("name") if isinstance(meta.get("name"), str) else ""
+    if not DNS1035_LABEL.match(name) or len(name) > MAX_CHILD_NAME:
+        problems.append(Problem("metadata.name", "must be a DNS-1035 label of at most 63 characters (lower case letters, "
+                                "digits and '-', starting with a letter, no dots): it names the stage Services, e.g. qwen-omni"))
 
     image = spec.get("image")
     if not isinstance(image, str) or not image.strip():
@@ -184,6 +190,8 @@ def _model(raw: Any, problems: list[Problem]) -> Model:
         if not (isinstance(mount_path, str) and mount_path.startswith("/")):
             problems.append(Problem("spec.model.cache.mountPath", "must be an absolute path, e.g. /models"))
             mount_path = "/models"
+        elif mount_path.rstrip("/") in RESERVED_MOUNT_PATHS:
+            problems.append(Problem("spec.model.cache.mountPath", f"the stage pods already mount {', '.join(RESERVED_MOUNT_PATHS)}; choose another path, e.g. /models"))
     secret = raw.get("hubTokenSecretRef")
     secret_name, secret_key = None, "token"
     if secret is not None:
@@ -252,8 +260,8 @@ def _stages(pipeline: str, raw: Any, default_image: str, problems: list[Problem]
 
 def _stage(pipeline: str, where: str, raw: dict, default_image: str, problems: list[Problem]) -> Stage:
     name = raw.get("name")
-    if not isinstance(name, str) or not DNS1123_LABEL.match(name) or len(name) > 50:
-        problems.append(Problem(f"{where}.name", "must be a DNS-1123 label of at most 50 characters: lower case letters, digits and '-', starting and ending with a letter or digit"))
+    if not isinstance(name, str) or not DNS1035_LABEL.match(name) or len(name) > 50:
+        problems.append(Problem(f"{where}.name", "must be a DNS-1035 label of at most 50 characters: lower case letters, digits and '-', starting with a letter and ending with a letter or digit"))
         name = name if isinstance(name, str) else ""
     elif len(pipeline) + 1 + len(name) > MAX_CHILD_NAME:
         problems.append(Problem(f"{where}.name", f"metadata.name + '-' + the stage name ({pipeline}-{name}) is longer than {MAX_CHILD_NAME} characters; it names the stage's Service: shorten one"))

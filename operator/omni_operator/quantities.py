@@ -2,11 +2,16 @@
 
 The API server stores quantities in canonical form; comparing them as numbers keeps the
 apply path from rewriting an object whose quantity only changed spelling.
+
+Parsing is as strict as the Kubernetes CEL library's `isQuantity()` (and so the CRD): no
+surrounding whitespace, and a magnitude Kubernetes can represent (at most 2^63-1 of the
+base unit; it caps larger values). A huge exponent ("1e999999999") is refused without ever
+building the number.
 """
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 
 _SUFFIXES = {
     "": Decimal(1),
@@ -17,27 +22,37 @@ _SUFFIXES = {
     "Pi": Decimal(2**50), "Ei": Decimal(2**60),
 }
 _QUANTITY = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$")
+MAX_QUANTITY = Decimal(2**63 - 1)
+_MAX_DIGITS = 64  # of the mantissa, and of the exponent's magnitude: far beyond any real value
 
 
 def parse_quantity(value: object) -> Decimal:
     """Parse a quantity ("2Gi", "500m", 4) into a Decimal; ValueError when it is not one."""
     if isinstance(value, bool):
         raise ValueError(f"not a quantity: {value!r}")
-    if isinstance(value, (int, float)):
-        return Decimal(str(value))
+    if isinstance(value, int):
+        if abs(value) > MAX_QUANTITY:
+            raise ValueError("larger than Kubernetes can represent (2^63-1)")
+        return Decimal(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"not a quantity: {value!r}")
+        value = repr(value)
     if not isinstance(value, str):
         raise ValueError(f"not a quantity: {value!r}")
-    match = _QUANTITY.match(value.strip())
+    match = _QUANTITY.match(value) if len(value) <= 2 * _MAX_DIGITS else None
     if not match:
         raise ValueError(f"not a quantity: {value!r}")
     number, exponent, suffix = match.groups()
+    if exponent and abs(int(exponent[1:])) > _MAX_DIGITS:
+        raise ValueError(f"exponent out of range in {value!r}")
     try:
-        result = Decimal(number)
-        if exponent:
-            result = result * (Decimal(10) ** int(exponent[1:]))
-        return result * _SUFFIXES[suffix or ""]
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
+        result = Decimal(number).scaleb(int(exponent[1:]) if exponent else 0) * _SUFFIXES[suffix or ""]
+    except DecimalException as exc:  # pragma: no cover - the regex admits only decimals
         raise ValueError(f"not a quantity: {value!r}") from exc
+    if abs(result) > MAX_QUANTITY:
+        raise ValueError(f"{value!r} is larger than Kubernetes can represent (2^63-1)")
+    return result
 
 
 def is_quantity(value: object) -> bool:

@@ -1,28 +1,40 @@
 """One reconcile path for create, update, resume, child events and the resync timer.
 
-Reads the OmniPipeline, validates it (nothing is written for an invalid spec but its
-status and one Warning event), renders the desired children, applies the differences
-(create, patch, delete), and writes the status computed from the children, each write only
-when something differs. Calls for one pipeline are serialised by a lock, since kopf's
-handlers, child events and the resync thread may reconcile it at once.
+Reads the OmniPipeline, checks it (`admission.admit`, the check `omni-pipeline validate`
+runs; nothing is written for an invalid spec but its status and one Warning event), renders
+the desired children, applies the differences (create, patch, delete), and writes the status
+computed from the children, each write only when something differs. Calls for one pipeline
+are serialised by a lock, since kopf's handlers, child events and the resync thread may
+reconcile it at once.
+
+Errors from the API server on a child write fall in two classes:
+- refusals (400 Bad Request, 403 Forbidden, 422 Invalid): the same request would be refused
+  again, so they are permanent for the pipeline's generation: the status says
+  `Ready=False`, reason `ChildRejected`, with the child's kind, name and the server's
+  message, one Warning event is posted, and that generation is not applied again (no retry
+  loop; a new generation, or an operator restart, tries again);
+- anything else (5xx, 429, timeouts, connection errors) is transient: it propagates and kopf
+  retries the handler with backoff.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from . import API_VERSION, KIND, naming
+from .admission import admit
 from .diff import merge_patch
 from .errors import SpecError
 from .kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, PODMONITOR, Kind
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
-from .model import Pipeline, parse_pipeline
+from .model import Pipeline
 from .render import render_children
 from .status import compute_status, invalid_status, status_patch
 
@@ -33,12 +45,51 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+# API server answers that mean "this request will never succeed as it is".
+PERMANENT_STATUSES = frozenset({400, 403, 422})
+
+
+class ChildRejected(Exception):
+    """The API server refused a write of a child for good (PERMANENT_STATUSES)."""
+
+    def __init__(self, verb: str, kind: str, name: str, exc: ApiException):
+        self.verb, self.kind, self.name, self.status = verb, kind, name, exc.status
+        self.server_message = server_message(exc)
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        return (f"the API server refused to {self.verb} {self.kind} {self.name} "
+                f"({self.status}): {self.server_message}")
+
+
+def server_message(exc: ApiException) -> str:
+    """The message of the Status object the API server answered with (else its reason)."""
+    try:
+        body = json.loads(exc.body) if exc.body else {}
+    except (TypeError, ValueError):
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return str(message or exc.reason or "no message")[:900]
+
+
 @dataclass
 class Outcome:
-    result: str  # applied, unchanged, invalid, conflict, gone
+    result: str  # applied, unchanged, invalid, conflict, rejected, gone
     writes: int = 0
     phase: str | None = None
     changed: list[str] = field(default_factory=list)  # "verb Kind/name" of each child write
+
+
+@contextlib.contextmanager
+def _refusals(verb: str, kind: str, name: str) -> Iterator[None]:
+    """Turn a permanent API refusal of a child write into ChildRejected; others propagate."""
+    try:
+        yield
+    except ApiException as exc:
+        if exc.status in PERMANENT_STATUSES:
+            raise ChildRejected(verb, kind, name, exc) from None
+        raise
 
 
 def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -80,6 +131,9 @@ class Reconciler:
         # What each pipeline's children should look like, as last rendered: lets a child
         # event be ignored cheaply when the child is still as desired.
         self._desired: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
+        # Generations whose child the API server refused: (uid, generation) -> the report.
+        # Such a generation is not applied again (it would be refused again).
+        self._rejected: dict[tuple[str, str], tuple[str, int, str]] = {}
 
     # -- entry points ------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str) -> Outcome:
@@ -108,6 +162,7 @@ class Reconciler:
         Under the pipeline's lock: a reconcile running meanwhile reads what it stored."""
         with self._lock_for(namespace, name):
             self._desired.pop((namespace, name), None)
+            self._rejected.pop((namespace, name), None)
             self.metrics.set_phase(namespace, name, None)
 
     def child_needs_reconcile(self, child: Mapping[str, Any], deleted: bool) -> bool:
@@ -140,9 +195,24 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
-            pipeline = parse_pipeline(body)
+            pipeline = admit(body)
         except SpecError as exc:
             return self._refuse(body, "InvalidSpec", str(exc))
+        rejected = self._rejected.get((namespace, name))
+        if rejected is not None and rejected[:2] == (pipeline.uid, pipeline.generation):
+            # Refused before for this very generation: report it (a no-op when the status
+            # already says so) and do not ask the server again.
+            return self._refuse(body, "ChildRejected", rejected[2], pipeline.generation)
+        self._rejected.pop((namespace, name), None)
+        try:
+            return self._apply(body, pipeline)
+        except ChildRejected as exc:
+            self._rejected[(namespace, name)] = (pipeline.uid, pipeline.generation, exc.message)
+            log.warning("%s/%s: %s", namespace, name, exc.message)
+            return self._refuse(body, "ChildRejected", exc.message, pipeline.generation)
+
+    def _apply(self, body: dict[str, Any], pipeline: Pipeline) -> Outcome:
+        namespace, name = pipeline.namespace, pipeline.name
         podmonitors = self._podmonitors_served()
         desired = [with_last_applied(child) for child in render_children(pipeline, podmonitor_available=podmonitors)]
         self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
@@ -160,7 +230,8 @@ class Reconciler:
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
         for key, obj in live.items():
             if key not in wanted:
-                self.kube.delete(BY_KIND[key[0]], namespace, key[1])
+                with _refusals("delete", key[0], key[1]):
+                    self.kube.delete(BY_KIND[key[0]], namespace, key[1])
                 outcome.changed.append(f"delete {key[0]}/{key[1]}")
         outcome.writes = len(outcome.changed)
         if outcome.changed:
@@ -203,6 +274,8 @@ class Reconciler:
                 outcome.changed.append(f"create {kind.kind}/{name}")
                 return created
             except ApiException as exc:
+                if exc.status in PERMANENT_STATUSES:
+                    raise ChildRejected("create", kind.kind, name, exc) from None
                 if exc.status != 409:
                     raise
             # It exists after all: created concurrently, or someone else's object.
@@ -212,8 +285,10 @@ class Reconciler:
         patch = merge_patch(desired, live, last_applied(live))
         if not patch:
             return live
+        with _refusals("patch", kind.kind, name):
+            patched = self.kube.patch(kind, pipeline.namespace, name, patch)
         outcome.changed.append(f"patch {kind.kind}/{name}")
-        return self.kube.patch(kind, pipeline.namespace, name, patch)
+        return patched
 
     def _write_status(self, body: Mapping[str, Any], status: dict[str, Any]) -> bool:
         patch = status_patch(body.get("status"), status)
@@ -234,7 +309,8 @@ class Reconciler:
         gen = int(meta.get("generation") or 0) if generation is None else generation
         previous = body.get("status") or {}
         ready = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
-        outcome = Outcome("invalid" if reason == "InvalidSpec" else "conflict", phase="Failed")
+        result = {"InvalidSpec": "invalid", "ChildRejected": "rejected"}.get(reason, "conflict")
+        outcome = Outcome(result, phase="Failed")
         if ready.get("reason") != reason or ready.get("message") != message:
             log.warning("%s/%s: %s: %s", meta.get("namespace"), meta["name"], reason, message)
             self._post_warning(body, reason, message)

@@ -94,13 +94,21 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
     }
 
 
+NOT_PROGRESSING = {
+    "ChildRejected": "this generation is not applied again; fix what the API server refused, then change the spec "
+                     "(or restart the operator) to retry",
+    "ChildConflict": "the stage's children cannot be applied until the conflicting objects are deleted or renamed",
+}
+
+
 def invalid_status(generation: int, message: str, previous: Mapping[str, Any] | None, now: str,
                    reason: str = "InvalidSpec") -> dict[str, Any]:
     """Status of a resource that cannot be applied: Ready=False with the reason; nothing changed."""
     previous = previous or {}
     conditions = [
         _condition(READY, False, reason, message, generation),
-        _condition(PROGRESSING, False, reason, "nothing is applied until the spec is fixed", generation),
+        _condition(PROGRESSING, False, reason, NOT_PROGRESSING.get(reason, "nothing is applied until the spec is fixed"),
+                   generation),
         _condition(DEGRADED, True, reason, message, generation),
     ]
     return {

@@ -17,7 +17,7 @@ from .chart import NAMESPACE, RELEASE, by_kind, crds, notes, one, render
 from .conftest import CHART, ROOT, RULES_FILE
 
 # Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schemas known.
-KUBE_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+KUBE_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 # Kinds from CRDs that kubernetes-validate has no schema for; checked separately below.
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 

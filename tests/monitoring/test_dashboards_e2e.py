@@ -194,7 +194,7 @@ def traffic(stages, operator, prometheus):
     create_pipeline(user, pipeline_body(RESTRICTED))
     op = operator["op"]
     wait_for(lambda: op.metrics.reconciles.labels("applied")._value.get() >= 1, 30, "a reconcile applied")
-    wait_for(lambda: op.metrics.reconciles.labels("error")._value.get() >= 1, 30, "a reconcile refused")
+    wait_for(lambda: op.metrics.reconciles.labels("rejected")._value.get() >= 1, 30, "a reconcile refused")
 
     def delivered():
         text = ar.metrics()

@@ -14,7 +14,8 @@ subclass of `kmock.KubernetesEmulator`:
 - creates with generateName, refuses duplicates with 409, deletes with finalizers;
 - records every request as an authorizer sees it (`calls`: user = bearer token, verb, API
   group, resource/subresource, namespace), and refuses with 403 what an optional
-  `authorize` hook does not allow (the chart's RBAC test runs the operator under its rules).
+  `authorize` hook does not allow (the chart's RBAC test runs the operator under its rules),
+  and with any status an optional `refuse` hook returns (a 422 of schema validation, a 500).
 
 It does not do schema validation, server-side apply, defaulting or garbage collection; the
 tests cover those with pure functions, kubernetes-validate and the CRD's own schema.
@@ -55,6 +56,10 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 
 _kmock_parse_path = parsing.parse_path
 parsing.parse_path = _parse_path  # rendering.Request._parse looks it up on the module
+
+
+REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 422: "Invalid",
+           429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}
 
 
 def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
@@ -142,6 +147,10 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
         # an optional authorizer: a call it refuses is answered 403 Forbidden, as RBAC would.
         self.calls: list[ApiCall] = []
         self.authorize: Callable[[ApiCall], bool] | None = None
+        # An optional stand-in for the server's refusals beyond RBAC (schema validation,
+        # admission webhooks, quotas, overload): (status, message) answers the call with that
+        # error, None lets it through. Set by tests that need the server to say no.
+        self.refuse: Callable[[ApiCall], tuple[int, str] | None] | None = None
         self.resources.load_bundled()
         self.resources[CRD_PLURAL] = kmock.ResourceInfo(
             kind="OmniPipeline", singular="omnipipeline", namespaced=True, shortnames={"omnip"},
@@ -193,6 +202,10 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
             raise _error(403, "Forbidden", f"{call.user} cannot {call.verb} resource {call.resource!r} in API group "
                                            f"{call.group!r}" + (f" in the namespace {call.namespace!r}" if call.namespace else ""))
         self.calls.append(call)
+        refusal = self.refuse(call) if self.refuse is not None else None
+        if refusal is not None:
+            status, message = refusal
+            raise _error(status, REASONS.get(status, "InternalError"), message)
         # Object requests are served here directly: kmock's DSL matches each request against
         # every past request (quadratic), which a benchmark of thousands of calls cannot afford.
         # Discovery and anything else still goes through kmock's DSL.

@@ -54,6 +54,14 @@ BOTH_REJECT = [
     ("no-model-name", mutate(_set("model", {"path": "/models/x"})), "spec.model.name", "'name' is a required property"),
     ("names-too-long", mutate(lambda s: None, name="p" * 40, stages=[{"name": "s" * 30, "role": "ar"}]),
      "spec.stages[0].name", "at most 63 characters"),
+    ("reserved-env", mutate(_set("stages.0.env", [{"name": "OMNI_STAGE", "value": "x"}])), "spec.stages[0].env[0].name", "OMNI_"),
+    ("gpu-in-resources", mutate(_set("stages.0.resources", {"limits": {"nvidia.com/gpu": 2}})),
+     "spec.stages[0].resources.limits.nvidia.com/gpu", "set gpus instead"),
+    ("bad-quantity", mutate(_set("stages.0.resources", {"requests": {"memory": "lots"}})),
+     "spec.stages[0].resources.requests.memory", "non-negative quantity"),
+    ("bad-shm-size", mutate(_set("stages.0.shmSize", "big")), "spec.stages[0].shmSize", "positive quantity"),
+    ("bad-otlp-endpoint", mutate(_set("observability", {"tracing": {"otlpEndpoint": "collector:4318"}})),
+     "spec.observability.tracing.otlpEndpoint", "does not match"),
 ]
 
 # Rules the schema cannot state: only the operator catches these.
@@ -62,12 +70,4 @@ OPERATOR_REJECTS = [
     ("send-with-no-receiver", mutate(_set("stages.2", {"name": "code2wav", "role": "ar", "inputs": ["talker"], "kvTransfer": {"send": True}})),
      "spec.stages[2].kvTransfer.send", "no stage lists 'code2wav'"),
     ("reserved-engine-arg", mutate(_set("stages.0.engineArgs", {"port": 9000})), "spec.stages[0].engineArgs.port", "fixed at 8000"),
-    ("reserved-env", mutate(_set("stages.0.env", [{"name": "OMNI_STAGE", "value": "x"}])), "spec.stages[0].env[0].name", "OMNI_"),
-    ("gpu-in-resources", mutate(_set("stages.0.resources", {"limits": {"nvidia.com/gpu": 2}})),
-     "spec.stages[0].resources.limits.nvidia.com/gpu", "set gpus instead"),
-    ("bad-quantity", mutate(_set("stages.0.resources", {"requests": {"memory": "lots"}})),
-     "spec.stages[0].resources.requests.memory", "must be a quantity"),
-    ("bad-shm-size", mutate(_set("stages.0.shmSize", "big")), "spec.stages[0].shmSize", "must be a quantity"),
-    ("bad-otlp-endpoint", mutate(_set("observability", {"tracing": {"otlpEndpoint": "collector:4318"}})),
-     "spec.observability.tracing.otlpEndpoint", "http(s) URL"),
 ]

@@ -118,3 +118,81 @@ def test_operator_catches_what_the_schema_cannot(schema, case_id, body, field, t
         parse_pipeline(body)
     assert field in info.value.fields, str(info.value)
     assert text in str(info.value)
+
+
+# -- the CRD's pass-through fields against Kubernetes' own schema -------------------------------
+
+def _upstream(name: str) -> dict:
+    from omni_operator.kube_schema import definition
+    return definition(name)
+
+
+def _resolve(node: dict) -> dict:
+    ref = node.get("$ref")
+    return _upstream(ref.rsplit("/", 1)[1]) if ref else node
+
+
+def _types(node: dict) -> set[str]:
+    node = _resolve(node)
+    if "oneOf" in node:  # Quantity: string or number
+        return {"int-or-string"}
+    types = node.get("type")
+    return {t for t in (types if isinstance(types, list) else [types]) if t != "null"}
+
+
+def _crd_types(node: dict) -> set[str]:
+    return {"int-or-string"} if node.get("x-kubernetes-int-or-string") else {node["type"]}
+
+
+def _same_shape(crd_node: dict, upstream: dict, path: str) -> None:
+    """Every field the CRD lets through exists upstream with the same type, and whatever
+    upstream requires the CRD requires too: the CRD is a checked subset, never a variant."""
+    upstream = _resolve(upstream)
+    assert set(upstream.get("required") or []) <= set(crd_node.get("required") or []), path
+    for name, sub in (crd_node.get("properties") or {}).items():
+        assert name in upstream["properties"], f"{path}.{name} is not a Kubernetes field"
+        theirs = upstream["properties"][name]
+        assert _crd_types(sub) == _types(theirs) or (_crd_types(sub) == {"integer"} and _types(theirs) == {"integer"}), \
+            f"{path}.{name}: {_crd_types(sub)} vs {_types(theirs)}"
+        if sub.get("properties"):
+            _same_shape(sub, theirs, f"{path}.{name}")
+    extra = crd_node.get("additionalProperties")
+    if isinstance(extra, dict):
+        theirs = _resolve(upstream)["additionalProperties"] if "additionalProperties" in upstream else upstream
+        assert _crd_types(extra) == _types(theirs), path
+
+
+def test_pass_through_fields_are_a_subset_of_kubernetes_types(schema):
+    stage = schema["properties"]["spec"]["properties"]["stages"]["items"]["properties"]
+    _same_shape(stage["tolerations"]["items"], _upstream("io.k8s.api.core.v1.Toleration"), "tolerations[]")
+    _same_shape(stage["env"]["items"], _upstream("io.k8s.api.core.v1.EnvVar"), "env[]")
+    _same_shape(stage["resources"], _upstream("io.k8s.api.core.v1.ResourceRequirements"), "resources")
+    _same_shape(stage["nodeSelector"], _upstream("io.k8s.api.core.v1.PodSpec")["properties"]["nodeSelector"], "nodeSelector")
+    value_from = stage["env"]["items"]["properties"]["valueFrom"]
+    # EnvVarSource of the minimum server version, field for field (newer ones add fileKeyRef).
+    assert set(value_from["properties"]) == set(_upstream("io.k8s.api.core.v1.EnvVarSource")["properties"])
+
+
+def test_the_subset_check_has_teeth(schema):
+    stage = copy.deepcopy(schema["properties"]["spec"]["properties"]["stages"]["items"]["properties"])
+    stage["tolerations"]["items"]["properties"]["tolerationSecond"] = {"type": "integer"}
+    with pytest.raises(AssertionError, match="not a Kubernetes field"):
+        _same_shape(stage["tolerations"]["items"], _upstream("io.k8s.api.core.v1.Toleration"), "tolerations[]")
+    stage["env"]["items"]["properties"]["value"] = {"type": "integer"}
+    with pytest.raises(AssertionError):
+        _same_shape(stage["env"]["items"], _upstream("io.k8s.api.core.v1.EnvVar"), "env[]")
+
+
+def test_the_crd_rules_evaluate_in_every_example(schema):
+    # Every CEL rule compiles (cel-python parses the expression) and none errors on a valid spec.
+    from omni_operator.validation import _program
+    for _, node in _walk(schema):
+        for rule in node.get("x-kubernetes-validations", []):
+            _program(rule["rule"])
+            assert "\\." not in rule["rule"], f"CEL string literals take no '\\.': {rule['rule']}"
+
+
+def test_integer_fields_are_bounded(schema):
+    for path, node in _walk(schema):
+        if node.get("type") == "integer" and ".status" not in path:
+            assert "maximum" in node and "minimum" in node, path

@@ -45,7 +45,8 @@ def make_llm():
 
             llm = LLM(model=str(ensure_tiny_model()), **ENGINE_ARGS)
         else:
-            llm = omni_llm(str(ensure_tiny_model()), kw.pop("omni_kv_config", None), **ENGINE_ARGS)
+            llm = omni_llm(str(ensure_tiny_model()), kw.pop("omni_kv_config", None),
+                           endpoints=kw.pop("endpoints", None), **ENGINE_ARGS)
         made.append(llm)
         return llm
 
@@ -63,13 +64,27 @@ def test_with_transfers_off_greedy_outputs_equal_the_stock_scheduler(make_llm):
     assert len({tuple(t) for t in stock}) == len(PROMPTS), "the oracle must discriminate"
 
 
-def test_unacked_transfers_expire_and_generation_still_finishes(make_llm):
+@pytest.fixture
+def silent_endpoint():
+    """A ZeroMQ ROUTER that takes every transfer and never answers (a receiver that hangs)."""
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}"
+    router.close(linger=0)
+    ctx.term()
+
+
+def test_unacked_transfers_resolve_by_their_deadline_and_generation_still_finishes(make_llm, silent_endpoint):
     llm = make_llm(
         omni_kv_config={
             "need_send_cache": True,
             "kv_transfer_criteria": {"type": "prefill_finished"},
             "timeout_seconds": 0.5,
-        }
+        },
+        endpoints={"next": silent_endpoint},
     )
     scheduler = engine_core_of(llm).scheduler
     assert type(scheduler).__name__ == "OmniARScheduler"
@@ -90,6 +105,10 @@ def test_unacked_transfers_expire_and_generation_still_finishes(make_llm):
     drain_transfers(llm, timeout_s=30)
     # The engine core knows requests by internal ids: "<external id>-<suffix>".
     assert sorted(t.request_id.split("-")[0] for t in resolved) == sorted(o.request_id for o in outs)
-    assert {(t.trigger, t.outcome) for t in resolved} == {(Trigger.PREFILL_FINISHED, Outcome.EXPIRED)}
+    # The sender gives up just before the deadline (failed, "no ack"); an answer that comes
+    # too late is overtaken by the scheduler's expiry. Either way by the deadline.
+    assert {t.trigger for t in resolved} == {Trigger.PREFILL_FINISHED}
+    assert {t.outcome for t in resolved} <= {Outcome.FAILED, Outcome.EXPIRED}
+    assert all("no ack" in t.reason or t.outcome is Outcome.EXPIRED for t in resolved)
     assert not scheduler.has_requests()
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_at_start

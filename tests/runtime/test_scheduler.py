@@ -16,9 +16,10 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError
-from omni_runtime.sched.outputs import OmniNewRequestData, OmniSchedulerOutput
+from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.devtools.sched_harness import (
     free_blocks,
+    handed_off,
     make_request,
     make_scheduler,
     make_vllm_config,
@@ -81,7 +82,7 @@ def test_prefill_finished_marks_the_prompt_and_decoding_goes_on():
     r = make_request(40, max_tokens=4)
     s.add_request(r)
     so, _ = step(s)
-    assert isinstance(so, OmniSchedulerOutput) and so.finished_requests_needing_kv_transfer == {}
+    assert handed_off(so) == {}
     t = s.transfer_ledger.get(r.request_id)
     assert (t.trigger, t.seq_len, list(t.block_ids), t.phase) == (
         Trigger.PREFILL_FINISHED,
@@ -90,8 +91,8 @@ def test_prefill_finished_marks_the_prompt_and_decoding_goes_on():
         Phase.PENDING,
     )
     so, _ = step(s)
-    info = so.finished_requests_needing_kv_transfer[r.request_id]
-    assert list(so.finished_requests_needing_kv_transfer) == [r.request_id]
+    info = handed_off(so)[r.request_id]
+    assert list(handed_off(so)) == [r.request_id]
     assert (info["seq_len"], info["block_ids"]) == (40, list(t.block_ids))
     assert 0 < info["deadline_in_s"] <= s.omni_kv_config.timeout_seconds
     assert r.request_id in so.num_scheduled_tokens, "the request keeps decoding"
@@ -100,7 +101,7 @@ def test_prefill_finished_marks_the_prompt_and_decoding_goes_on():
     assert t.outcome is Outcome.ACKED
     while s.has_requests():
         so, _ = step(s)
-        assert so.finished_requests_needing_kv_transfer == {}, "at most one transfer"
+        assert handed_off(so) == {}, "at most one transfer"
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
     assert len(s.recorder.marked) == 1
     assert_quiescent(s, start)
@@ -131,7 +132,7 @@ def test_special_token_cuts_the_snapshot_at_the_first_sentinel():
     assert (t.trigger, t.seq_len) == (Trigger.SPECIAL_TOKEN, 22)
     assert t.seq_len <= r.num_computed_tokens, "only KV that exists is shipped"
     so, _ = step(s, {r.request_id: [SENTINEL]})  # a second sentinel starts nothing new
-    assert list(so.finished_requests_needing_kv_transfer) == [r.request_id]
+    assert list(handed_off(so)) == [r.request_id]
     step(s, acked=[r.request_id])
     while s.has_requests():
         step(s)
@@ -190,7 +191,7 @@ def test_request_finished_trigger_holds_blocks_until_the_ack():
     assert free_blocks(s) == start - 3, "held: the finished request's blocks stay allocated"
     assert s.has_requests() and s.has_unfinished_requests()
     so, _ = step(s)
-    assert list(so.finished_requests_needing_kv_transfer) == [r.request_id]
+    assert list(handed_off(so)) == [r.request_id]
     assert free_blocks(s) == start - 3
     step(s, acked=[r.request_id])
     assert t.outcome is Outcome.ACKED
@@ -272,7 +273,7 @@ def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatc
     assert t.outcome is Outcome.FAILED and t.reason.startswith("marking failed: KeyError")
     assert len([m for m in caplog.messages if "marking failed" in m]) == 1
     so, _ = step(s)
-    assert so.finished_requests_needing_kv_transfer == {}, "a failed marking ships nothing"
+    assert handed_off(so) == {}, "a failed marking ships nothing"
 
 
 # ---------------------------------------------------------------------------- aborts
@@ -288,7 +289,7 @@ def test_abort_before_hand_off_cancels_and_ships_no_freed_blocks():
     s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
     assert free_blocks(s) == start, "an aborted request's blocks are freed at once"
     so, _ = step(s)
-    assert so.finished_requests_needing_kv_transfer == {}
+    assert handed_off(so) == {}
     (t,) = s.recorder.resolved
     assert t.outcome is Outcome.CANCELLED
     assert_quiescent(s, start)
@@ -325,10 +326,16 @@ def test_an_aborted_request_starts_no_transfer():
 # ---------------------------------------------------------------------------- preemption
 
 
-def test_preemption_after_a_trigger_drops_the_transfer_and_replays_it():
+def _blocks_of_others(s, rid):
+    return {b for r in s.requests.values() if r.request_id != rid
+            for b in (s.kv_cache_manager.get_block_ids(r.request_id)[0]
+                      if r.status is RequestStatus.RUNNING else ())}
+
+
+def test_preemption_of_a_pending_transfer_pins_its_blocks_and_still_hands_it_off():
     """Two requests fill the KV cache; when the first needs a new block, vLLM preempts the
-    second and frees its blocks. Its pending transfer must not reach the runner with those
-    blocks; once recomputed, the transfer starts again and completes."""
+    second and frees its blocks. Its pending transfer is handed off in that same step, so
+    its blocks stay out of the free pool until it resolves; then everything completes."""
     s = omni(PREFILL, num_blocks=9, max_num_seqs=4)  # 8 usable blocks of 16 tokens
     start = free_blocks(s)
     a = make_request(64, max_tokens=6, request_id="a")  # 4 blocks, the 5th on its 1st decode
@@ -336,22 +343,18 @@ def test_preemption_after_a_trigger_drops_the_transfer_and_replays_it():
     s.add_request(a)
     s.add_request(b)
     step(s)  # prefill both; both transfers pending
-    first_b = s.transfer_ledger.get("b")
+    b_blocks = list(s.kv_cache_manager.get_block_ids("b")[0])
     so, _ = step(s)  # a needs a 5th block: b is preempted
     assert b.status is RequestStatus.PREEMPTED
-    assert "b" not in so.finished_requests_needing_kv_transfer
-    assert first_b.outcome is Outcome.CANCELLED and "preempted" in first_b.reason
-    assert list(so.finished_requests_needing_kv_transfer) == ["a"]
-    step(s, acked=["a"])
-    handed = {}
+    handed = handed_off(so)
+    assert handed["b"]["block_ids"] == b_blocks and handed["b"]["seq_len"] == 60
+    assert not set(b_blocks) & _blocks_of_others(s, "b"), "pinned blocks given to another"
     while s.has_requests():
         so, _ = step(s, acked=list(handed))
-        handed = so.finished_requests_needing_kv_transfer
-        for rid, info in handed.items():
-            assert rid == "b" and info["seq_len"] == 60
-            assert info["block_ids"] == s.kv_cache_manager.get_block_ids("b")[0][:4]
-    outcomes = [(t.request_id, t.outcome) for t in s.recorder.resolved]
-    assert outcomes == [("b", Outcome.CANCELLED), ("a", Outcome.ACKED), ("b", Outcome.ACKED)]
+        assert not s._pinned.get("b") or not set(b_blocks) & _blocks_of_others(s, "b")
+        handed = handed_off(so)
+    outcomes = sorted((t.request_id, t.outcome) for t in s.recorder.resolved)
+    assert outcomes == [("a", Outcome.ACKED), ("b", Outcome.ACKED)]
     assert_quiescent(s, start)
 
 
@@ -373,7 +376,7 @@ def test_hundreds_of_concurrent_requests_leave_nothing_behind():
         failed = {r: "receiver busy" for r in in_flight - acked if rng.random() < 0.1}
         in_flight -= acked | set(failed)
         so, _ = step(s, acked=acked, failed=failed)
-        in_flight |= set(so.finished_requests_needing_kv_transfer)
+        in_flight |= set(handed_off(so))
         live = [r for r in s.requests.values() if not r.is_finished()]
         if live and rng.random() < 0.05:
             s.finish_requests(rng.choice(live).request_id, RequestStatus.FINISHED_ABORTED)
@@ -403,7 +406,7 @@ def test_transfers_off_behaves_like_the_stock_scheduler():
         assert {k: (o.new_token_ids, o.finish_reason) for k, o in outputs_by_id(out_a).items()} == {
             k: (o.new_token_ids, o.finish_reason) for k, o in outputs_by_id(out_b).items()
         }
-        assert so_a.finished_requests_needing_kv_transfer == {}
+        assert handed_off(so_a) == {}
     assert not ours.has_requests()
 
 
@@ -467,7 +470,7 @@ def test_the_async_variant_marks_the_same_snapshots_with_a_step_in_flight():
     # The rest one step at a time; the runner acks in the output of the hand-off step.
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, acked=list(so.finished_requests_needing_kv_transfer)))
+        s.update_from_output(so, runner_output(so, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
     assert t.outcome is Outcome.ACKED
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
     assert_quiescent(s, start)
@@ -494,26 +497,89 @@ def test_a_request_stopped_by_the_repetition_detector_ships_its_kv():
     assert_quiescent(s, start)
 
 
-def test_preemption_of_an_active_transfer_fails_it_and_replays_the_snapshot():
-    s = omni(PREFILL, num_blocks=9, max_num_seqs=4)
+def test_preemption_of_an_active_transfer_never_gives_its_blocks_to_another_request():
+    """The hole vLLM's own preemption opens: _preempt_request frees an active transfer's blocks
+    and the same schedule() may give them to another request while the runner still reads
+    them. With the transfer in flight, its blocks stay allocated and unchanged (no other
+    request holds them) until it resolves; the transfer then completes as acked."""
+    s = omni(PREFILL, num_blocks=10, max_num_seqs=4)  # 9 usable blocks
     start = free_blocks(s)
-    a = make_request(64, max_tokens=6, request_id="a")
-    b = make_request(60, max_tokens=4, request_id="b")
+    a = make_request(63, max_tokens=6, request_id="a")  # 4 blocks; a 5th at token 65
+    b = make_request(60, max_tokens=6, request_id="b")  # 4 blocks
     s.add_request(a)
     s.add_request(b)
-    step(s)  # both prefilled and marked
-    s.transfer_ledger.hand_off_pending()  # as if a schedule() had handed both off
-    first_b = s.transfer_ledger.get("b")
-    so, _ = step(s, acked=["a"])  # a needs a 5th block: b is preempted while active
-    assert b.status is RequestStatus.PREEMPTED
-    assert first_b.outcome is Outcome.FAILED and "reclaimed" in first_b.reason
-    handed: dict = {}
+    step(s)  # prefill both, both marked
+    b_blocks = set(s.kv_cache_manager.get_block_ids("b")[0])
+    so, _ = step(s)  # hand-off of both
+    assert set(handed_off(so)) == {"a", "b"}
+    c = make_request(16, max_tokens=2, request_id="c")  # would take b's blocks
+    s.add_request(c)
+    preempted_at = None
+    for i in range(6):
+        step(s, acked=["a"] if i == 0 else ())
+        if b.status is RequestStatus.PREEMPTED and preempted_at is None:
+            preempted_at = i
+        assert not b_blocks & _blocks_of_others(s, "b"), "an in-flight transfer's block reused"
+    assert preempted_at is not None, "the scenario must preempt b during its transfer"
+    assert s.transfer_ledger.get("b").phase is Phase.ACTIVE, "still in flight, not failed"
+    step(s, acked=["b"])
+    assert not s._pinned
     while s.has_requests():
-        so, _ = step(s, acked=list(handed))
-        handed = so.finished_requests_needing_kv_transfer
+        step(s)
     b_transfers = [t for t in s.recorder.marked if t.request_id == "b"]
-    assert [(t.seq_len, t.outcome) for t in b_transfers] == [(60, Outcome.FAILED), (60, Outcome.ACKED)]
+    assert [(t.seq_len, t.outcome) for t in b_transfers] == [(60, Outcome.ACKED)]
     assert_quiescent(s, start)
+
+
+def test_a_late_answer_of_an_earlier_attempt_resolves_nothing():
+    s = omni(PREFILL)
+    r = make_request(20, max_tokens=8, request_id="r")
+    s.add_request(r)
+    step(s)
+    so, _ = step(s)
+    attempt = handed_off(so)["r"]["attempt"]
+    step(s, failed={("r", attempt - 1): "stale"}, acked=[("r", attempt + 1)])
+    assert s.transfer_ledger.get("r").phase is Phase.ACTIVE, "a stale answer resolved it"
+    step(s, acked=[("r", attempt)])
+    assert s.transfer_ledger.get("r") is None
+    assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
+
+
+def test_reset_prefix_cache_succeeds_with_held_transfers_and_frees_them():
+    s = omni(ON_FINISH, enable_prefix_caching=True)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=2, request_id="r", block_size=16)
+    s.add_request(r)
+    while r.request_id in s.requests and not r.is_finished():
+        step(s)
+    assert s.transfer_ledger.num_held == 1
+    assert s.reset_prefix_cache() is True
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.FAILED and "reset" in t.reason
+    assert free_blocks(s) == start and not s.requests
+
+
+def test_reset_prefix_cache_with_running_requests_does_not_raise_with_transfers_in_flight():
+    s = omni(PREFILL, enable_prefix_caching=True)
+    a = make_request(40, max_tokens=20, request_id="a", block_size=16)
+    s.add_request(a)
+    step(s)
+    step(s)  # handed off, active
+    assert s.reset_prefix_cache(reset_running_requests=True) is True
+    assert not s._pinned and not s.transfer_ledger.has_unresolved()
+
+
+def test_shutdown_frees_held_blocks_and_forgets_their_requests():
+    s = omni(ON_FINISH)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=2, request_id="r")
+    s.add_request(r)
+    while not r.is_finished():
+        step(s)
+    assert s.transfer_ledger.num_held == 1 and "r" in s.requests
+    s.shutdown()
+    assert free_blocks(s) == start and not s.requests
+    assert [t.outcome for t in s.recorder.resolved] == [Outcome.FAILED]
 
 
 def test_with_prefix_caching_a_cached_prompt_still_ships_its_whole_snapshot():
@@ -572,11 +638,47 @@ def test_async_a_trigger_of_a_request_preempted_by_the_step_in_flight_is_replaye
     # `prev` was computed with b still running; its output carries b's sentinel. (Then
     # `nxt`, which no longer has b, is processed by the loop below.)
     s.update_from_output(prev, runner_output(prev, {"b": [SENTINEL]}))
-    assert not rec.marked and s._replay == {"b": (Trigger.SPECIAL_TOKEN, 61)}, "not on freed blocks"
+    # vLLM drops a preempted request's stale output (the connector requires KV delivery),
+    # so the sentinel never happened for b: nothing is marked on freed blocks, b awaits on.
+    assert not rec.marked and not s._replay and "b" in s._awaiting_trigger
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=list(so.finished_requests_needing_kv_transfer)))
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
     (t,) = [t for t in rec.marked if t.request_id == "b"]
-    assert (t.seq_len, len(t.block_ids), t.outcome) == (61, 4, Outcome.ACKED)
+    assert (t.trigger, t.outcome) == (Trigger.REQUEST_FINISHED, Outcome.ACKED)
+    assert free_blocks(s) == start
+
+
+def test_async_a_request_finishing_while_preempted_ships_its_kv_or_fails_with_a_reason(caplog):
+    """Async scheduling: b's stop token is in the output of the step in flight when the next
+    schedule() preempts b. Its KV is shipped once recomputed, or its transfer fails with a
+    reason; never a transfer marked on 0 blocks (an ERROR), never nothing."""
+    from omni_runtime.devtools.sched_harness import EOS
+    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
+
+    s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(ON_FINISH, num_blocks=9, max_num_seqs=4))
+    s.transfer_ledger.add_observer(rec := Recorder())
+    start = free_blocks(s)
+    a = make_request(63, max_tokens=8, request_id="a")
+    b = make_request(60, max_tokens=8, request_id="b", ignore_eos=False)
+    s.add_request(a)
+    s.add_request(b)
+    prev = s.schedule()
+    while True:
+        nxt = s.schedule()
+        if b.status is RequestStatus.PREEMPTED:
+            break
+        s.update_from_output(prev, runner_output(prev))
+        prev = nxt
+    s.update_from_output(prev, runner_output(prev, {"b": [EOS]}))
+    s.update_from_output(nxt, runner_output(nxt))
+    while s.has_requests():
+        so = s.schedule()
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
+    b_transfers = [t for t in rec.resolved if t.request_id == "b"]
+    assert len(b_transfers) == 1
+    (t,) = b_transfers
+    assert t.outcome is Outcome.ACKED or (t.outcome is Outcome.FAILED and t.reason)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert free_blocks(s) == start

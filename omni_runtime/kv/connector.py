@@ -1,0 +1,431 @@
+"""``OmniKVConnector``: the AR stage's KV data path on vLLM's own KV connector interface.
+
+Loaded by vLLM, no worker class of ours::
+
+    --kv-transfer-config '{"kv_connector": "OmniKVConnector",
+        "kv_connector_module_path": "omni_runtime.kv.connector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"endpoints": {"next": "tcp://host:9600"},
+                                      "pipeline": "demo"}}'
+
+next to ``--scheduler-cls omni_runtime.sched.OmniARScheduler``. The scheduler decides *when*
+(triggers, deadlines, the ledger); this connector decides *how* the bytes move:
+
+scheduler side (in the engine core, next to the scheduler)
+  * :meth:`build_connector_meta` puts the transfers the scheduler handed off in this step into
+    the step's connector metadata (``{request id: seq_len, block_ids, attempt, deadline}``);
+  * :meth:`request_finished` answers "delay the free" for a finished request whose transfer is
+    unresolved (the "held" state); the scheduler frees the blocks when the transfer resolves
+    (acked, failed, expired, or at shutdown / a prefix-cache reset);
+  * :meth:`take_answers` hands the workers' answers (per attempt) to the scheduler.
+
+worker side (in each worker process)
+  * :meth:`register_kv_caches` keeps the per-layer cache tensors;
+  * :meth:`save_kv_layer` gathers, for every transfer handed off in this step, that layer's K
+    and V (one ``index_select`` into the transfer's reused host buffer) right after the layer
+    wrote its own KV; :meth:`wait_for_save` gathers any layer the forward did not visit (a step
+    with nothing scheduled) and hands the payload to the ZeroMQ sender, whose I/O thread sends
+    it without a copy;
+  * :meth:`build_connector_worker_meta` reports, asynchronously, the sender's answers:
+    ``{request id: (attempt, None | failure reason)}``.
+
+Invariant (the block guarantee's worker half): the worker reads a transfer's blocks only
+during the step whose metadata hands it off. So once that step has run, the scheduler may
+free or re-use the blocks whatever the transfer's fate; before it has run, the blocks are
+allocated (a finished request's are held, a preempted one's are pinned by the scheduler).
+
+vLLM's ``finished_sending`` path is not used: a held transfer may also resolve on the
+scheduler side (expiry, shutdown, reset), after which vLLM's ``_free_blocks`` of a request
+reported by ``get_finished`` would find no request. The answers travel as worker metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
+from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index, gather_rows
+from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: How long a step with nothing scheduled (transfers in flight) waits for an answer: the engine
+#: loop does not spin, and a request arriving meanwhile waits at most this long.
+IDLE_WAIT_S = 0.005
+#: Host buffers kept for re-use after their transfer was acked (bounded: payloads of one size
+#: repeat, e.g. the same prompt length; others are dropped to the allocator).
+POOL_BYTES = 1 << 30
+
+
+@dataclass
+class OmniKVConnectorMetadata(KVConnectorMetadata):
+    #: request id -> {"seq_len", "block_ids", "attempt", "deadline_in_s", "trace_headers"?}
+    transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Nothing is scheduled in this step: the worker may wait briefly for answers.
+    idle: bool = False
+
+
+@dataclass
+class OmniKVWorkerMetadata(KVConnectorWorkerMetadata):
+    #: request id -> (attempt, None when delivered else the failure reason)
+    answers: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # One worker per engine here (tensor_parallel_size 1): a merge, failures winning.
+        merged = dict(self.answers)
+        for rid, (attempt, reason) in getattr(other, "answers", {}).items():
+            if rid not in merged or reason is not None:
+                merged[rid] = (attempt, reason)
+        return OmniKVWorkerMetadata(merged)
+
+
+def find_omni_connector(connector: Any) -> OmniKVConnector | None:
+    """Our connector in the scheduler's (possibly a MultiConnector's children)."""
+    if isinstance(connector, OmniKVConnector):
+        return connector
+    for child in getattr(connector, "_connectors", None) or ():
+        if isinstance(child, OmniKVConnector):
+            return child
+    return None
+
+
+class OmniKVConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    #: Marks the connector for OmniARScheduler, which finds it without importing this module.
+    omni_kv_connector = True
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise UnsupportedKVCache(
+                f"{CONNECTOR_NAME} supports tensor_parallel_size 1 and pipeline_parallel_size 1 "
+                f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            )
+        # Scheduler side.
+        self._hand_offs: dict[str, dict[str, Any]] = {}
+        self._hold: set[str] = set()
+        # Worker side (set up lazily, on the first hand-off: the caches exist by then).
+        self._caches: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._worker: _WorkerState | None = None
+
+    # ================================================================ scheduler side
+    def hand_off(self, transfers: dict[str, dict[str, Any]]) -> None:
+        """The scheduler's hand-offs for the step being scheduled."""
+        self._hand_offs.update(transfers)
+
+    def hold_on_finish(self, request_id: str) -> None:
+        """The next request_finished() of this request keeps its blocks (held)."""
+        self._hold.add(request_id)
+
+    def take_answers(self, output: KVConnectorOutput | None) -> dict[str, tuple[int, str | None]]:
+        meta = getattr(output, "kv_connector_worker_meta", None) if output else None
+        if meta is not None and not isinstance(meta, OmniKVWorkerMetadata):
+            # A MultiConnector's: ours is the one of our type.
+            meta = next((m for m in getattr(meta, "metadata", ())
+                         if isinstance(m, OmniKVWorkerMetadata)), None)
+        return meta.answers if meta is not None else {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        return 0, False  # a producer: nothing to load
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
+        transfers, self._hand_offs = self._hand_offs, {}
+        return OmniKVConnectorMetadata(
+            transfers=transfers, idle=scheduler_output.total_num_scheduled_tokens == 0
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]):
+        rid = request.request_id
+        if rid in self._hold:
+            self._hold.discard(rid)
+            return True, None
+        return False, None
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        self._caches = [tensor for _, tensor in ordered]
+        self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        transfers = getattr(connector_metadata, "transfers", None)
+        if transfers:
+            if self._worker is None:
+                self._worker = _WorkerState(self._vllm_config, self._caches)
+            self._worker.start_step(transfers)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        worker = self._worker
+        if worker is not None and worker.jobs:
+            index = self._layer_index.get(layer_name)
+            if index is not None:
+                worker.copy_layer(index, kv_layer)
+
+    def wait_for_save(self) -> None:
+        worker = self._worker
+        if worker is None:
+            return
+        if worker.jobs:
+            worker.finish_step()
+        meta = self._connector_metadata
+        if getattr(meta, "idle", False):
+            worker.idle_wait()
+
+    def build_connector_worker_meta(self) -> OmniKVWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        answers = self._worker.poll()
+        return OmniKVWorkerMetadata(answers) if answers else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+@dataclass(eq=False)
+class _Job:
+    request_id: str
+    attempt: int
+    seq_len: int
+    deadline_in_s: float
+    trace_headers: dict[str, str] | None
+    index: torch.Tensor | None  # rows of `run` elements of one layer's cache, in payload order
+    run: int
+    buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
+    copied: list[bool]
+
+
+class _WorkerState:
+    """The worker half: layout, buffers, sender, and the answers not yet reported."""
+
+    def __init__(self, vllm_config: Any, caches: list[torch.Tensor]) -> None:
+        self.jobs: list[_Job] = []
+        self._caches = caches
+        self._sender = None
+        self._layout: ProbedBlockLayout | None = None
+        self._error: str | None = None
+        self._local: dict[str, tuple[int, str | None]] = {}
+        self._in_flight: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (attempt, buffer)
+        self._pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._pool_bytes = 0
+        try:
+            self._setup(vllm_config)
+        except Exception as exc:
+            # Every transfer then fails with this reason (the scheduler frees its blocks);
+            # the stage keeps serving requests.
+            self._error = f"KV connector unavailable: {exc}"
+            logger.error("%s", self._error)
+
+    def _setup(self, vllm_config: Any) -> None:
+        kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
+        extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+                     or {})
+        endpoints = dict(extra.get("endpoints") or {})
+        if not endpoints:
+            raise UnsupportedKVCache(
+                "no downstream endpoint: set kv_transfer_config.kv_connector_extra_config."
+                "endpoints"
+            )
+        if not self._caches:
+            raise UnsupportedKVCache("no KV cache tensors were registered")
+        if getattr(vllm_config.cache_config, "cache_dtype", "auto") not in ("auto", None):
+            raise UnsupportedKVCache("quantized KV caches cannot be extracted")
+        cache = self._caches[0]
+        spec_block = vllm_config.cache_config.block_size
+        if cache.dim() != 4 or cache.shape[2] != spec_block or not cache.is_contiguous():
+            raise UnsupportedKVCache(
+                f"unexpected KV cache view {tuple(cache.shape)} for blocks of {spec_block} tokens"
+            )
+        model_config = vllm_config.model_config
+        num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+        self._layout = ProbedBlockLayout(
+            _attention_layer(vllm_config), cache, num_kv_heads, model_config.get_head_size()
+        )
+        from omni_runtime.kv.transport import KVSender
+        from omni_runtime.observability.metrics import transfer_bytes_observer
+
+        self._pipeline = str(extra.get("pipeline", ""))
+        self._stage = kv_cfg.stage_name
+        self._sender = KVSender(
+            endpoints=endpoints,
+            pipeline=self._pipeline,
+            stage=kv_cfg.stage_name,
+            send_timeout_s=max(0.1, 0.95 * kv_cfg.timeout_seconds),
+            observe_bytes=transfer_bytes_observer(
+                stage=kv_cfg.stage_name,
+                model_name=model_config.served_model_name or model_config.model,
+            ),
+        )
+
+    # -------------------------------------------------------------- a step
+    def start_step(self, transfers: dict[str, dict[str, Any]]) -> None:
+        for rid, info in transfers.items():
+            attempt = int(info.get("attempt", 0))
+            if self._error is not None:
+                self._local[rid] = (attempt, self._error)
+                continue
+            try:
+                layout = self._layout
+                seq_len = int(info["seq_len"])
+                index, run = gather_rows(
+                    gather_index(layout, info["block_ids"], seq_len, self._caches[0].device),
+                    layout.head_size,
+                )
+                shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
+                buffer = self._buffer(shape, self._caches[0].dtype)
+            except Exception as exc:
+                self._local[rid] = (attempt, f"extraction failed: {type(exc).__name__}: {exc}")
+                continue
+            self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
+                                  info.get("trace_headers"), index, run, buffer,
+                                  [False] * len(self._caches)))
+
+    def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
+        for job in self.jobs:
+            if not job.copied[layer]:
+                _gather(cache, job, layer)
+
+    def finish_step(self) -> None:
+        from omni_runtime.kv.transport import KVPayload
+
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            try:
+                for layer, done in enumerate(job.copied):
+                    if not done:
+                        self.copy_layer_of(job, layer)
+                job.index = None
+                kv = job.buffer if job.buffer.device.type == "cpu" else job.buffer.cpu()
+                dtype = None
+                if kv.dtype == torch.bfloat16:
+                    # NumPy has no bfloat16: ship the bits, named in the header.
+                    array, dtype = kv.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+                else:
+                    array = kv.numpy()
+                payload = KVPayload(
+                    request_id=job.request_id,
+                    seq_len=job.seq_len,
+                    kv=array,
+                    dtype=dtype,
+                    pipeline=self._pipeline,
+                    from_stage=self._stage,
+                    trace_context=job.trace_headers,
+                    extra={"block_size": self._layout.block_size, "attempt": job.attempt},
+                )
+            except Exception as exc:
+                self._local[job.request_id] = (
+                    job.attempt, f"extraction failed: {type(exc).__name__}: {exc}")
+                continue
+            if job.deadline_in_s <= 0.0:
+                # The scheduler's deadline has already passed: sending would only keep trying
+                # a transfer the scheduler expires on its next step.
+                self._local[job.request_id] = (
+                    job.attempt, "deadline passed before the send started")
+                continue
+            self._in_flight[job.request_id] = (job.attempt, job.buffer)
+            # Give up just before the scheduler would expire it, so the failure (with its
+            # reason) reaches the scheduler first.
+            self._sender.submit(payload, timeout_s=max(0.05, 0.95 * job.deadline_in_s))
+
+    def copy_layer_of(self, job: _Job, layer: int) -> None:
+        _gather(self._caches[layer], job, layer)
+
+    def idle_wait(self) -> None:
+        if self._sender is not None and self._sender.pending():
+            self._sender.wait(IDLE_WAIT_S)
+
+    def poll(self) -> dict[str, tuple[int, str | None]]:
+        answers, self._local = self._local, {}
+        if self._sender is None:
+            return answers
+        acked, failed = self._sender.poll()
+        for rid in acked:
+            attempt, buffer = self._in_flight.pop(rid, (0, None))
+            answers[rid] = (attempt, None)
+            if buffer is not None:
+                # Acked by every receiver: ZeroMQ has sent (and let go of) the bytes.
+                self._recycle(buffer)
+        for rid, reason in failed.items():
+            # A failed send may still be in ZeroMQ's hands: its buffer is not re-used.
+            attempt, _ = self._in_flight.pop(rid, (0, None))
+            answers[rid] = (attempt, str(reason))
+        return answers
+
+    def close(self) -> None:
+        if self._sender is not None:
+            try:
+                self._sender.close(linger_s=1.0)
+            except Exception:  # never block vLLM's own shutdown
+                logger.exception("closing the KV sender failed")
+
+    # -------------------------------------------------------------- buffers
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = int(np.prod(shape))
+        free = self._pool.get((dtype, numel))
+        if free:
+            buffer = free.pop()
+            self._pool_bytes -= buffer.numel() * buffer.element_size()
+            return buffer.view(shape)
+        device = self._caches[0].device
+        pin = device.type == "cuda"
+        # On a GPU the gather runs on the device into a device buffer copied to pinned host
+        # memory at the end of the step (untested here: no GPU in this project's CI).
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin) if not pin else \
+            torch.empty(shape, dtype=dtype, device=device)
+
+    def _recycle(self, buffer: torch.Tensor) -> None:
+        nbytes = buffer.numel() * buffer.element_size()
+        if self._pool_bytes + nbytes > POOL_BYTES:
+            return
+        self._pool.setdefault((buffer.dtype, buffer.numel()), []).append(buffer.view(-1))
+        self._pool_bytes += nbytes
+
+
+def _gather(cache: torch.Tensor, job: _Job, layer: int) -> None:
+    """One gather per layer, straight into the payload's slot (rows of ``job.run``)."""
+    torch.index_select(cache.view(-1, job.run), 0, job.index,
+                       out=job.buffer[layer].view(-1, job.run))
+    job.copied[layer] = True
+
+
+def _attention_layer(vllm_config: Any) -> Any:
+    """An attention layer of the model: its backend writes the cache the probe decodes (one KV
+    cache group, so all layers share the backend and the layout)."""
+    forward_context = vllm_config.compilation_config.static_forward_context
+    for layer in forward_context.values():
+        if hasattr(getattr(layer, "impl", None), "do_kv_cache_update"):
+            return layer
+    raise UnsupportedKVCache("no attention layer with a KV cache write to probe")

@@ -1,0 +1,117 @@
+"""``omni-pipeline``: check or run an ``OmniPipeline`` file without a cluster.
+
+    omni-pipeline validate PATH...   each document of each file (a directory: its YAML files)
+    omni-pipeline up FILE            every stage as a local process on 127.0.0.1
+
+``validate`` runs the operator's own check (``admission.admit``: the CRD's schema and CEL
+rules, the graph rules, Kubernetes' schemas for the pod fields and the rendered objects) and
+prints one line per problem, ``FILE: document N (NAME): FIELD: MESSAGE``, or one line per
+valid document. Exit code 0 when every document is a valid OmniPipeline; 1 otherwise,
+including an empty file, a file with no document, and a document of another kind. No input,
+however malformed, ends in a traceback.
+
+``up`` takes the same file ``kubectl apply`` takes and hands it to the local supervisor
+(``local.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from .admission import problems_of
+from .documents import Document, DocumentError, iter_files, load_documents, read_text
+from .errors import Problem
+from .model import parse_pipeline
+
+
+def check_document(doc: Document) -> list[Problem]:
+    """The problems of one document (empty: a valid OmniPipeline)."""
+    if doc.error is not None:
+        return [Problem("<document>", doc.error)]
+    return problems_of(doc.value)
+
+
+def validate_file(path: Path, out: TextIO) -> bool:
+    """Report every document of one file; True when all are valid OmniPipelines."""
+    try:
+        documents = load_documents(read_text(path))
+    except DocumentError as exc:
+        print(f"{path}: {exc}", file=out)
+        return False
+    documents = [d for d in documents if d.error is not None or d.value is not None]
+    if not documents:
+        print(f"{path}: holds no document; an OmniPipeline file needs apiVersion, kind, metadata and spec", file=out)
+        return False
+    ok = True
+    for doc in documents:
+        try:
+            problems = check_document(doc)
+        except Exception as exc:  # noqa: BLE001 - a bug must still not become a traceback for the user
+            problems = [Problem("<document>", f"internal error while checking it ({type(exc).__name__}: {exc}); "
+                                              "please report this with the file")]
+        if problems:
+            ok = False
+            for problem in problems:
+                print(f"{path}: {doc.label}: {problem.field}: {_one_line(problem.message)}", file=out)
+        else:
+            stages = len(doc.value["spec"]["stages"])
+            print(f"{path}: {doc.label}: valid ({stages} stage{'s' if stages != 1 else ''})", file=out)
+    return ok
+
+
+def cmd_validate(paths: list[Path], out: TextIO) -> int:
+    results = [validate_file(path, out) for path in iter_files(paths)]
+    return 0 if all(results) else 1
+
+
+def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
+    from .local import UpOptions, run_pipeline
+
+    try:
+        documents = [d for d in load_documents(read_text(args.file)) if d.error is not None or d.value is not None]
+    except DocumentError as exc:
+        print(f"{args.file}: {exc}", file=out)
+        return 2
+    if len(documents) != 1:
+        print(f"{args.file}: expected one OmniPipeline, found {len(documents)} documents", file=out)
+        return 2
+    problems = check_document(documents[0])
+    if problems:
+        for problem in problems:
+            print(f"{args.file}: {problem}", file=out)
+        return 2
+    pipeline = parse_pipeline(documents[0].value)
+    options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after)
+    return run_pipeline(pipeline, options, out)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-pipeline", description=__doc__.splitlines()[0].strip("`: "))
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check OmniPipeline files as the API server and the operator would")
+    v.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a YAML file (any number of documents) or a directory")
+    u = sub.add_parser("up", help="run an OmniPipeline's stages as local processes")
+    u.add_argument("file", type=Path)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--workdir", help="where stage configs and logs go (default: a temporary directory)")
+    u.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    u.add_argument("--demo", type=int, default=0, metavar="N", help="send N requests to the AR stage once all stages are ready")
+    u.add_argument("--exit-after", type=float, metavar="SECONDS", help="stop the pipeline after this long (unattended runs)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "validate":
+        return cmd_validate(args.paths, sys.stdout)
+    return cmd_up(args, sys.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

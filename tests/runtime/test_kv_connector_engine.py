@@ -1,0 +1,155 @@
+"""The omni KV connector in a real vLLM engine (in-process engine core, CPU worker), with a
+real connector receiver in the test process."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from omni_runtime.kv.transport import KVInbox, KVReceiver
+from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
+from omni_runtime.transfers.ledger import Outcome, TransferObserver
+
+ENGINE_ARGS = dict(
+    kv_cache_memory_bytes=64 << 20,
+    max_model_len=512,
+    dtype="float32",
+    enforce_eager=True,
+)
+PREFILL = {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"}}
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@pytest.fixture
+def receiver():
+    inbox = KVInbox()
+    rx = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="p", stage="next").start()
+    yield rx
+    rx.close()
+
+
+@pytest.fixture
+def llm_factory(in_process):
+    made = []
+
+    def make(omni_kv_config=PREFILL, endpoints=None, model=None, **engine_args):
+        llm = omni_llm(model or str(ensure_tiny_model()), omni_kv_config, endpoints=endpoints,
+                       pipeline="p", **{**ENGINE_ARGS, **engine_args})
+        made.append(llm)
+        resolved = []
+
+        class Keep(TransferObserver):
+            def on_resolved(self, ledger, transfer):
+                resolved.append(transfer)
+
+        engine_core_of(llm).scheduler.transfer_ledger.add_observer(Keep())
+        return llm, resolved
+
+    yield make
+    for llm in made:
+        llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def test_acks_come_back_on_steps_with_nothing_scheduled(llm_factory, receiver):
+    """max_tokens=1: each request finishes in its prefill step, so its transfer is handed off
+    on a step with nothing to run, where vLLM's runner returns its shared empty output; the
+    ack must still reach the scheduler (the reference project lost it and let it expire)."""
+    from vllm import SamplingParams
+
+    llm, resolved = llm_factory(
+        omni_kv_config={**PREFILL, "timeout_seconds": 60},
+        endpoints={"next": receiver.endpoint},
+    )
+    outs = llm.generate(["Hello world", "The quick brown fox"], SamplingParams(max_tokens=1))
+    drain_transfers(llm, timeout_s=30)  # well inside the 60 s deadline: acked, not expired
+    assert [t.outcome for t in resolved] == [Outcome.ACKED, Outcome.ACKED]
+    for out in outs:
+        payload = next(
+            receiver.inbox.get(t.request_id) for t in resolved if t.request_id.startswith(out.request_id + "-")
+        )
+        assert payload.seq_len == len(out.prompt_token_ids)
+        assert payload.kv.shape[:4] == (2, 2, 2, payload.seq_len)
+        assert np.isfinite(payload.kv).all() and np.abs(payload.kv).sum() > 0
+    scheduler = engine_core_of(llm).scheduler
+    assert not scheduler.has_requests()
+
+
+def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_factory):
+    from vllm import SamplingParams
+
+    llm, resolved = llm_factory()
+    llm.generate(["Hello world"], SamplingParams(max_tokens=3))
+    drain_transfers(llm, timeout_s=30)
+    (t,) = resolved
+    assert t.outcome is Outcome.FAILED
+    assert "no downstream endpoint" in t.reason
+
+
+@pytest.mark.parametrize("recipe", ["tiny", "kv7b"])
+def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(llm_factory, receiver, recipe):
+    """The oracle at both scales: the 7B KV shape (28 layers, 4 KV heads, head size 128) too.
+    The payload the receiver stores is exactly transformers' past_key_values
+    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from omni_runtime.devtools.tiny_model import ensure_tiny_model as ensure
+
+    model_dir = str(ensure(recipe=recipe))
+    llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=256 << 20,
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+    drain_transfers(llm, timeout_s=60)
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for out in outs:
+        ids = list(out.prompt_token_ids)
+        (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
+        kv = receiver.inbox.get(t.request_id).kv
+        with torch.no_grad():
+            pkv = hf(torch.tensor([ids]), use_cache=True).past_key_values
+        reference = [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
+        assert kv.shape == (len(reference), 2, *reference[0][0].shape)
+        for layer, (k, v) in enumerate(reference):
+            np.testing.assert_allclose(kv[layer, 0], k.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"K{layer}")
+            np.testing.assert_allclose(kv[layer, 1], v.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"V{layer}")
+
+
+def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(llm_factory, receiver):
+    """A KV cache too small for the load (the real engine preempts): every request's prompt KV
+    still arrives whole (its blocks were pinned while the transfer was in flight), and every
+    block comes back."""
+    from vllm import SamplingParams
+
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=1 << 20,
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+    scheduler = engine_core_of(llm).scheduler
+    start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    preempted = []
+    original = scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting
+    prompts = [{"prompt_token_ids": [3 + (i + j) % 400 for j in range(90 + i)]} for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    drain_transfers(llm, timeout_s=60)
+    assert preempted, "the KV cache must be small enough to force preemptions"
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * len(prompts)
+    for out in outs:
+        (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
+        payload = receiver.inbox.get(t.request_id)
+        assert payload.seq_len == len(out.prompt_token_ids) and np.isfinite(payload.kv).all()
+    assert not scheduler._pinned and not scheduler.has_requests()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start

@@ -11,13 +11,20 @@ then, idle and under full load (CLIENTS streaming completions back to back), mea
   PROMETHEUS_MULTIPROC_DIR, in this process: the metrics work itself, without the server.
 
 So ``scrape ~ health`` means the time is spent waiting for the server (event loop, CPU),
-``scrape ~ collect`` means it is the collection. Samples interleave the three.
+``scrape ~ collect`` means it is the collection. ``run_queue_wait_fraction``: how much of the
+window the API server's threads were runnable but waiting for a CPU (/proc schedstat).
 
-    python benchmarks/metrics_scrape.py [--clients 8] [--samples 12]
+Two loaded legs on the same server, side by side: ``load_engine_nice0`` with vLLM's
+engine-core processes at the API server's priority (vLLM's default), and ``load`` with them
+reniced to ENGINE_NICE as the stage's supervisor does (the stage is started with
+OMNI_ENGINE_NICE=0 and this benchmark applies the supervisor's own renice between the legs).
+``requests_per_s`` per leg shows what the renice costs the engine.
 
-The last line is one JSON object: medians and maxima in seconds, ``load_over_idle`` (median
-scrape ratio) and ``target_met`` (max scrape under load < 1 s). Takes about a minute, most of
-it vLLM's start-up.
+    python benchmarks/metrics_scrape.py [--clients 16] [--samples 12] [--prompt-words 100]
+
+The last line is one JSON object: medians and maxima in seconds per leg, ``load_over_idle``
+(median scrape ratio, reniced leg) and ``target_met`` (max scrape under load < 1 s, reniced
+leg). Takes one to two minutes, most of it vLLM's start-up.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "operator"))
+
+from omni_runtime.stages.ar import ENGINE_NICE, ENGINE_NICE_ENV, _descendants, _tasks  # noqa: E402
 
 
 def free_port() -> int:
@@ -130,25 +139,35 @@ class Stage:
         self.proc.wait()
 
 
-def load(url: str, stop: threading.Event, done: list[int]) -> None:
+def load(url: str, stop: threading.Event, done: list[int], prompt_words: int) -> None:
     import http.client
 
     port = int(url.rsplit(":", 1)[1])
     while not stop.is_set():
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        body = json.dumps({"model": "tiny-qwen2", "prompt": "full load " * 16,
-                           "max_tokens": 128, "ignore_eos": True, "stream": True})
+        body = json.dumps({"model": "tiny-qwen2", "prompt": "full load " * prompt_words,
+                           "max_tokens": 64, "ignore_eos": True, "stream": True})
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"load request answered {resp.status}: {resp.read()[:300]!r}")
             while resp.fp.readline():
                 if stop.is_set():
                     break
             done.append(1)
-        except OSError:
-            pass
         finally:
             conn.close()
+
+
+def renice_engine(api_server: int, nice: int) -> None:
+    """The supervisor's renice (omni_runtime.stages.ar), applied once to every thread."""
+    for pid in _descendants(api_server):
+        for tid in _tasks(pid):
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:
+                pass
 
 
 def collect_time(multiproc_dir: str) -> float:
@@ -162,13 +181,49 @@ def collect_time(multiproc_dir: str) -> float:
     return time.perf_counter() - start
 
 
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def run_delay_s(pid: int) -> float:
+    """Seconds the process's threads have waited on a CPU run queue (runnable, not running)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
 def sample(ar: Stage, multiproc_dir: str, n: int) -> dict[str, list[float]]:
+    """``scrape``; ``health``: the slowest /health answer polled every 20 ms by another
+    client while that scrape ran (the API server's event loop at that moment); ``collect``."""
     out: dict[str, list[float]] = {"scrape": [], "health": [], "collect": []}
     for _ in range(n):
+        during: list[float] = []
+        scraping = threading.Event()
+        scraping.set()
+
+        def poll_health() -> None:
+            while scraping.is_set():
+                during.append(get(ar.url + "/health")[2])
+                time.sleep(0.02)  # probe interval
+
+        prober = threading.Thread(target=poll_health)
+        prober.start()
         status, body, seconds = get(ar.url + "/metrics")
+        scraping.clear()
+        prober.join()
         assert status == 200 and b"omni_kv_transfers" in body
         out["scrape"].append(seconds)
-        out["health"].append(get(ar.url + "/health")[2])
+        out["health"].append(max(during))
         out["collect"].append(collect_time(multiproc_dir))
         time.sleep(0.25)  # spacing between samples, as a scraper's interval would
     return out
@@ -184,8 +239,10 @@ def summary(samples: dict[str, list[float]]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--samples", type=int, default=12)
+    parser.add_argument("--prompt-words", type=int, default=100,
+                        help="words per prompt (long prompts: prefill-heavy steps)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="omni-scrape-bench-"))
     multiproc = workdir / "prometheus-multiproc"
@@ -193,7 +250,8 @@ def main() -> None:
     env.update(VLLM_TARGET_DEVICE="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "operator")]))
     configs = stage_configs(workdir)
     receiver = Stage(configs["receiver"], workdir, env)
-    ar = Stage(configs["ar"], workdir, {**env, "PROMETHEUS_MULTIPROC_DIR": str(multiproc)})
+    ar = Stage(configs["ar"], workdir, {**env, "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+                                        ENGINE_NICE_ENV: "0"})
     try:
         receiver.wait_healthy(60)
         t0 = time.monotonic()
@@ -202,20 +260,38 @@ def main() -> None:
         get(ar.url + "/metrics")  # warm-up
         idle = sample(ar, str(multiproc), args.samples)
         stop, done = threading.Event(), []
-        threads = [threading.Thread(target=load, args=(ar.url, stop, done), daemon=True)
+        threads = [threading.Thread(target=load, args=(ar.url, stop, done, args.prompt_words), daemon=True)
                    for _ in range(args.clients)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 120
         while len(done) < args.clients:  # every client has finished one request: full load
+            if time.monotonic() > deadline or not all(t.is_alive() for t in threads):
+                raise RuntimeError(f"the load did not run (see {workdir}/ar.log)")
             time.sleep(0.1)  # poll interval
-        loaded = sample(ar, str(multiproc), args.samples)
+        api = children(ar.proc.pid)[0]
+        legs: dict[str, dict] = {}
+        for leg in ("load_engine_nice0", "load"):
+            if leg == "load":
+                renice_engine(api, ENGINE_NICE)
+            engines = _descendants(api)
+            delay0 = {p: run_delay_s(p) for p in [api, *engines]}
+            done0, t_leg = len(done), time.monotonic()
+            samples = sample(ar, str(multiproc), args.samples)
+            window = time.monotonic() - t_leg
+            legs[leg] = {
+                **summary(samples),
+                "requests_per_s": round((len(done) - done0) / window, 2),
+                "api_server_run_queue_wait_fraction": round((run_delay_s(api) - delay0[api]) / window, 3),
+                "engine_nice": os.getpriority(os.PRIO_PROCESS, engines[0]) if engines else None,
+            }
         stop.set()
         for t in threads:
             t.join(120)
     finally:
         ar.stop()
         receiver.stop()
-    idle_s, load_s = summary(idle), summary(loaded)
+    idle_s, load_s = summary(idle), legs["load"]
     result = {
         "benchmark": "metrics_scrape",
         "clients": args.clients,
@@ -223,7 +299,7 @@ def main() -> None:
         "startup_s": round(startup_s, 1),
         "requests_done_under_load": len(done),
         "idle": idle_s,
-        "load": load_s,
+        **legs,
         "load_over_idle": round(load_s["scrape_median_s"] / idle_s["scrape_median_s"], 2),
         "target_met": load_s["scrape_max_s"] < 1.0,
     }

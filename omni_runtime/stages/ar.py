@@ -48,6 +48,12 @@ STOP_TIMEOUT_S = 30
 HEALTH_CHECK_PERIOD_S = 10.0
 #: Exit status when the KV sender's thread died (the stage could not move KV any more).
 EXIT_TRANSPORT_DEAD = 3
+#: Niceness given to vLLM's engine-core processes (every thread), so that the API server,
+#: which answers /health and /metrics, is never starved of CPU by the engine's busy loop and
+#: its compute threads (benchmarks/metrics_scrape.py). OMNI_ENGINE_NICE overrides; 0 leaves
+#: the engine alone. Raising niceness needs no privilege.
+ENGINE_NICE = 10
+ENGINE_NICE_ENV = "OMNI_ENGINE_NICE"
 #: engineArgs the stage sets itself; a user value would break the stage contract.
 RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "served-model-name",
                            "shutdown-timeout"})
@@ -183,6 +189,7 @@ class ARStage:
                 if (code := self._child.poll()) is not None:
                     logger.error("vLLM exited with %s", code)
                     return code or 1
+                self._deprioritize_engine()
                 if time.monotonic() >= next_check:
                     if down := self._transport_threads_down():
                         logger.error("KV %s thread of the engine died: the stage cannot ship KV; "
@@ -197,6 +204,21 @@ class ARStage:
                 os.killpg(self._child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _deprioritize_engine(self) -> None:
+        """Renice every thread of vLLM's engine-core processes (the API server's descendants)
+        not yet reniced: threads start after the process does (the model's compute pool), so
+        this runs on every supervision tick; a /proc scan of a few dozen entries."""
+        nice = _engine_nice()
+        if nice <= 0:
+            return
+        for pid in _descendants(self._child.pid):
+            for tid in _tasks(pid):
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                        os.setpriority(os.PRIO_PROCESS, tid, nice)  # Linux: per thread
+                except OSError:
+                    pass  # the thread ended meanwhile
 
     def _metrics_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
@@ -227,6 +249,45 @@ class ARStage:
                 child.wait()
                 return 1
         return 0
+
+
+def _engine_nice() -> int:
+    try:
+        return int(os.environ.get(ENGINE_NICE_ENV, ENGINE_NICE))
+    except ValueError:
+        return ENGINE_NICE
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (not ``pid`` itself: the API server keeps its priority)."""
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
 
 
 def _terminate_with_parent() -> None:

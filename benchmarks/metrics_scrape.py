@@ -18,7 +18,7 @@ Two loaded legs on the same server, side by side: ``load_engine_nice0`` with vLL
 engine-core processes at the API server's priority (vLLM's default), and ``load`` with them
 reniced to ENGINE_NICE as the stage's supervisor does (the stage is started with
 OMNI_ENGINE_NICE=0 and this benchmark applies the supervisor's own renice between the legs).
-``requests_per_s`` per leg shows what the renice costs the engine.
+``tokens_per_s`` (streamed) per leg shows what the renice costs the engine.
 
     python benchmarks/metrics_scrape.py [--clients 16] [--samples 12] [--prompt-words 100]
 
@@ -139,7 +139,8 @@ class Stage:
         self.proc.wait()
 
 
-def load(url: str, stop: threading.Event, done: list[int], prompt_words: int) -> None:
+def load(url: str, stop: threading.Event, done: list[int], prompt_words: int,
+         tokens: list[int]) -> None:
     import http.client
 
     port = int(url.rsplit(":", 1)[1])
@@ -152,7 +153,9 @@ def load(url: str, stop: threading.Event, done: list[int], prompt_words: int) ->
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"load request answered {resp.status}: {resp.read()[:300]!r}")
-            while resp.fp.readline():
+            while line := resp.fp.readline():
+                if line.startswith(b"data: {"):
+                    tokens.append(1)  # one streamed chunk per generated token
                 if stop.is_set():
                     break
             done.append(1)
@@ -259,8 +262,8 @@ def main() -> None:
         startup_s = time.monotonic() - t0
         get(ar.url + "/metrics")  # warm-up
         idle = sample(ar, str(multiproc), args.samples)
-        stop, done = threading.Event(), []
-        threads = [threading.Thread(target=load, args=(ar.url, stop, done, args.prompt_words), daemon=True)
+        stop, done, tokens = threading.Event(), [], []
+        threads = [threading.Thread(target=load, args=(ar.url, stop, done, args.prompt_words, tokens), daemon=True)
                    for _ in range(args.clients)]
         for t in threads:
             t.start()
@@ -276,12 +279,12 @@ def main() -> None:
                 renice_engine(api, ENGINE_NICE)
             engines = _descendants(api)
             delay0 = {p: run_delay_s(p) for p in [api, *engines]}
-            done0, t_leg = len(done), time.monotonic()
+            tokens0, t_leg = len(tokens), time.monotonic()
             samples = sample(ar, str(multiproc), args.samples)
             window = time.monotonic() - t_leg
             legs[leg] = {
                 **summary(samples),
-                "requests_per_s": round((len(done) - done0) / window, 2),
+                "tokens_per_s": round((len(tokens) - tokens0) / window, 1),
                 "api_server_run_queue_wait_fraction": round((run_delay_s(api) - delay0[api]) / window, 3),
                 "engine_nice": os.getpriority(os.PRIO_PROCESS, engines[0]) if engines else None,
             }

@@ -16,6 +16,9 @@ process group, and supervises it:
   in the engine process reports itself dead (``omni_kv_transport_thread_up == 0``), the
   stage cannot move KV any more while looking healthy, so it stops vLLM and exits with
   EXIT_TRANSPORT_DEAD: the pod restarts, and ``omni-pipeline up`` reports the stage's exit.
+* Priority: vLLM's engine-core processes (every thread) run reniced to ENGINE_NICE, so the
+  API server that answers /health and /metrics gets a CPU when it needs one under full load
+  (benchmarks/metrics_scrape.py; docs/metrics.md, "Scrape time under load").
 """
 
 from __future__ import annotations

@@ -153,6 +153,20 @@ def restart_receiver(pipeline) -> StageProcess:
     return new
 
 
+def test_the_engine_yields_the_cpu_to_the_api_server(pipeline):
+    """The supervisor renices vLLM's engine-core processes, every thread, and leaves the API
+    server (which answers /health and /metrics) at normal priority."""
+    from omni_runtime.stages.ar import ENGINE_NICE, _children, _descendants, _tasks
+
+    (api,) = _children(pipeline["ar"].proc.pid)
+    engine_threads = [t for p in _descendants(api) for t in _tasks(p)]
+    assert engine_threads
+    wait_until(lambda: all(os.getpriority(os.PRIO_PROCESS, t) >= ENGINE_NICE
+                           for t in engine_threads if os.path.exists(f"/proc/{t}")),
+               10, "every engine thread reniced")
+    assert os.getpriority(os.PRIO_PROCESS, api) == 0
+
+
 def test_soak_faults_leave_every_transfer_resolved_once_and_nothing_held(pipeline):
     ar = pipeline["ar"]
     before = counts(ar)

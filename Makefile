@@ -12,7 +12,7 @@ TORCH_VERSION := 2.13.0
 DEBIAN_PACKAGES := prometheus prometheus-alertmanager
 PYTEST_ARGS ?=
 
-.PHONY: all setup test demo demo-scheduler bench dashboards check-generated clean
+.PHONY: all setup test fuzz demo demo-scheduler bench dashboards check-generated clean
 
 all: test
 
@@ -46,6 +46,17 @@ $(STAMP)/python: $(VENV)/bin/python pyproject.toml
 test: setup
 	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest $(PYTEST_ARGS)
 
+# Coverage-guided fuzzing of the KV receiver's handling path (atheris) for FUZZ_SECONDS, with
+# a corpus kept in .fuzz-corpus/ between runs; `make test` runs the same harness for 20 s.
+# A crash leaves the input as crash-* in .fuzz-corpus/ (reproduce: pass that file alone).
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	@mkdir -p .fuzz-corpus/receiver
+	$(PY) tests/fuzz/receiver_fuzz.py --write-seeds .fuzz-corpus/seeds
+	cd .fuzz-corpus && PYTHONPATH=$(CURDIR) ../$(PY) ../tests/fuzz/receiver_fuzz.py \
+	  -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -rss_limit_mb=1024 -timeout=15 \
+	  -print_final_stats=1 receiver seeds
+
 # The tiny pipeline of examples/tiny-pipeline.yaml as local processes: an AR stage (vLLM on
 # the tiny CPU model) shipping each request's KV cache to a receiving stage. Runs until
 # Ctrl-C; DEMO_ARGS="--exit-after 20" stops it by itself.
@@ -69,4 +80,4 @@ check-generated: setup
 	$(PY) monitoring/generate.py --check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .fuzz-corpus

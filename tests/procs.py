@@ -130,7 +130,9 @@ class VllmServer:
 class StageProcess:
     """One ``omni-stage`` process with its config file and log."""
 
-    def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None,
+                 grace_seconds: float = 5):
+        self.grace_seconds = grace_seconds
         self.config = config
         self.name = config["stage"]
         self.http_port = config["ports"]["http"]
@@ -149,7 +151,7 @@ class StageProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_runtime.stages.main", "--config", str(self.config_path),
-             "--host", "127.0.0.1", "--grace-seconds", "5"],
+             "--host", "127.0.0.1", "--grace-seconds", str(self.grace_seconds)],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )
         log.close()

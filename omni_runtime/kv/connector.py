@@ -58,6 +58,13 @@ from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config 
 from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index, gather_rows
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
+
+def _ids_not_randomized() -> bool:
+    """vLLM keeps the client's request id as its internal id (no random suffix)."""
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -276,18 +283,20 @@ class _WorkerState:
         )
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.observability.metrics import transfer_bytes_observer
+        from omni_runtime.observability.transport_metrics import thread_up_setter
 
         self._pipeline = str(extra.get("pipeline", ""))
         self._stage = kv_cfg.stage_name
+        model_name = model_config.served_model_name or model_config.model
         self._sender = KVSender(
             endpoints=endpoints,
             pipeline=self._pipeline,
             stage=kv_cfg.stage_name,
             send_timeout_s=max(0.1, 0.95 * kv_cfg.timeout_seconds),
-            observe_bytes=transfer_bytes_observer(
-                stage=kv_cfg.stage_name,
-                model_name=model_config.served_model_name or model_config.model,
-            ),
+            observe_bytes=transfer_bytes_observer(stage=kv_cfg.stage_name, model_name=model_name),
+            # omni_kv_transport_thread_up{thread="sender"}: the AR supervisor's health check.
+            on_thread_state=thread_up_setter(stage=kv_cfg.stage_name, model_name=model_name,
+                                             thread="sender"),
         )
 
     # -------------------------------------------------------------- a step
@@ -320,6 +329,7 @@ class _WorkerState:
 
     def finish_step(self) -> None:
         from omni_runtime.kv.transport import KVPayload
+        from omni_runtime.kv.transport.wire import vllm_external_request_id
 
         jobs, self.jobs = self.jobs, []
         for job in jobs:
@@ -337,6 +347,9 @@ class _WorkerState:
                     array = kv.numpy()
                 payload = KVPayload(
                     request_id=job.request_id,
+                    # The receiver also files it under the client-facing id.
+                    external_request_id=vllm_external_request_id(
+                        job.request_id, randomized=not _ids_not_randomized()),
                     seq_len=job.seq_len,
                     kv=array,
                     dtype=dtype,

@@ -607,7 +607,7 @@ def test_metric_labels_are_bounded_and_never_carry_request_ids(receiver, dealer,
     dealer.send([b"junk"])
     dealer.reply()
     receiver.inbox.get("nope", timeout_s=0)
-    allowed = {"stage", "model_name", "outcome", "reason", "le"}
+    allowed = {"stage", "model_name", "outcome", "reason", "thread", "le"}
     for family in registry.collect():
         for s in family.samples:
             assert set(s.labels) <= allowed, s

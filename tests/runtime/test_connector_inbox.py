@@ -108,7 +108,7 @@ def test_list_summaries_have_the_documented_fields(setup):
     inbox, _, _ = setup
     inbox.put(payload("a", 2))
     (s,) = inbox.list()
-    assert s == {"request_id": "a", "seq_len": 2, "bytes": 256, "dtype": "float32",
+    assert s == {"request_id": "a", "external_request_id": None, "seq_len": 2, "bytes": 256, "dtype": "float32",
                  "shape": [2, 2, 1, 2, 8], "received_at": s["received_at"], "from_stage": "ar",
                  "pipeline": ""}
     assert abs(s["received_at"] - time.time()) < 60

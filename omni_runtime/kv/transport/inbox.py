@@ -9,8 +9,14 @@ blocks and nothing could resend it. Stored payloads leave only by being consumed
 newer payload of the same request id (a re-sent transfer after a preemption); expiries and
 replacements are counted and logged, never silent.
 
+Two ids find a payload: the request id it was sent under (vLLM's internal id,
+``<id>-<8 random chars>``) and, when the sender named it, the client-facing
+``external_request_id`` (an alias). Two requests may share an external id (vLLM allows
+duplicate client ids): the alias names the newest; the older stays reachable by its own id.
+
 Invariants (under the lock): ``bytes == sum of stored payload sizes <= max_bytes``; entries
-are in store order, which is expiry order (one TTL for all), so expiry is O(expired).
+are in store order, which is expiry order (one TTL for all), so expiry is O(expired); every
+alias names a stored entry, so aliases never outnumber entries (the memory bound holds).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class KVInbox:
         self.ttl_s = float(ttl_s)
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._aliases: dict[str, str] = {}  # external request id -> stored request id
         self._bytes = 0
         self._cond = threading.Condition(threading.Lock())
         self._metrics: ReceiverObserver | None = None
@@ -85,6 +92,9 @@ class KVInbox:
             if payload.received_at is None:
                 payload.received_at = time.time()
             self._entries[payload.request_id] = _Entry(payload, nbytes, self._clock())
+            alias = payload.external_request_id
+            if alias and alias != payload.request_id:
+                self._aliases[alias] = payload.request_id
             self._bytes += nbytes
             self._update_gauges()
             self._cond.notify_all()
@@ -106,17 +116,19 @@ class KVInbox:
     # ------------------------------------------------------------------ consumer side
     def get(self, request_id: str, timeout_s: float = 0.0, *, remove: bool = True
             ) -> KVPayload | None:
-        """The payload of ``request_id``, waiting up to ``timeout_s`` for it to arrive; None
-        on timeout. ``remove`` (default) consumes it, freeing its bytes."""
+        """The payload of ``request_id`` (the id it was sent under, or its external request
+        id), waiting up to ``timeout_s`` for it to arrive; None on timeout. ``remove``
+        (default) consumes it, freeing its bytes."""
         start = time.monotonic()
         deadline = start + max(0.0, timeout_s)
         with self._cond:
             while True:
                 self._expire_locked(self._clock())
-                entry = self._entries.get(request_id)
+                key = self._key_locked(request_id)
+                entry = self._entries.get(key) if key is not None else None
                 if entry is not None:
                     if remove:
-                        self._remove_locked(request_id, None)
+                        self._remove_locked(key, None)
                     self._observe_wait(time.monotonic() - start, True)
                     return entry.payload
                 left = deadline - time.monotonic()
@@ -132,6 +144,7 @@ class KVInbox:
             self._expire_locked(self._clock())
             return [{
                 "request_id": e.payload.request_id,
+                "external_request_id": e.payload.external_request_id or None,
                 "seq_len": e.payload.seq_len,
                 "bytes": e.nbytes,
                 "dtype": e.payload.dtype_name,
@@ -147,7 +160,7 @@ class KVInbox:
 
     def __contains__(self, request_id: str) -> bool:
         with self._cond:
-            return request_id in self._entries
+            return self._key_locked(request_id) is not None
 
     @property
     def bytes(self) -> int:
@@ -155,6 +168,12 @@ class KVInbox:
             return self._bytes
 
     # ------------------------------------------------------------------ internals
+    def _key_locked(self, request_id: str) -> str | None:
+        """The stored entry's key for an id or an external id, or None."""
+        if request_id in self._entries:
+            return request_id
+        return self._aliases.get(request_id)
+
     def _expire_locked(self, now: float) -> int:
         evicted = 0
         while self._entries:
@@ -167,6 +186,9 @@ class KVInbox:
 
     def _remove_locked(self, request_id: str, eviction: str | None) -> None:
         entry = self._entries.pop(request_id)
+        alias = entry.payload.external_request_id
+        if alias and self._aliases.get(alias) == request_id:
+            del self._aliases[alias]
         self._bytes -= entry.nbytes
         if eviction is not None:
             logger.warning("KV inbox: evicted payload of request %s (%d bytes): %s",

@@ -92,6 +92,10 @@ class KVPayload:
     to_stage: str = ""
     sent_at: float | None = None
     received_at: float | None = None
+    #: The request id the client knows (vLLM's ``external_req_id``: ``request_id`` without
+    #: the ``-<8 random chars>`` vLLM appends), when the producer knows it; "" if not. The
+    #: receiver's inbox finds the payload by either id. See vllm_external_request_id().
+    external_request_id: str = ""
 
     @property
     def dtype_name(self) -> str:
@@ -132,7 +136,7 @@ def validate_payload(p: Any) -> str | None:
     for key, value in (("trace_context", p.trace_context), ("extra", p.extra)):
         if value is not None and not isinstance(value, dict):
             return f"{key} must be a dict or None"
-    for key in ("pipeline", "from_stage"):
+    for key in ("pipeline", "from_stage", "external_request_id"):
         if not isinstance(getattr(p, key), str):
             return f"{key} must be a string"
     if p.extra:
@@ -161,6 +165,23 @@ def data_view(kv: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(kv).reshape(-1).view(np.uint8))
 
 
+def vllm_external_request_id(request_id: str, *, randomized: bool = True) -> str:
+    """The client-facing id of a vLLM request from the engine's internal id.
+
+    vLLM 0.32 makes the internal id ``f"{external_req_id}-{random_uuid():.8}"``
+    (``InputProcessor.assign_request_id``, vllm/v1/engine/input_processor.py) unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set (pass ``randomized=False``). The
+    engine-core ``Request`` the scheduler sees keeps only the internal id (the
+    ``EngineCoreRequest.external_req_id`` field is not copied into it), so a producer derives
+    the external one here. The external id is what the OpenAI server built from the client's
+    ``X-Request-Id`` (or a random id): ``cmpl-<X-Request-Id>-<prompt index>`` for
+    /v1/completions, ``chatcmpl-<X-Request-Id>`` for /v1/chat/completions."""
+    if not randomized:
+        return request_id
+    base, sep, suffix = request_id.rpartition("-")
+    return base if sep and base and len(suffix) == 8 else request_id
+
+
 # ---------------------------------------------------------------------- header
 #: Field -> accepted JSON types. All are required (None where the type allows it).
 HEADER_FIELDS: dict[str, tuple[type, ...]] = {
@@ -178,6 +199,11 @@ HEADER_FIELDS: dict[str, tuple[type, ...]] = {
     "trace_context": (dict, type(None)),
     "sent_at": (int, float),
     "extra": (dict, type(None)),
+}
+#: Fields a header may carry (added after WIRE_VERSION 1 without changing it: receivers
+#: ignore fields they do not know, and a header without these is still valid).
+OPTIONAL_HEADER_FIELDS: dict[str, tuple[type, ...]] = {
+    "external_request_id": (str, type(None)),
 }
 
 
@@ -202,6 +228,8 @@ def encode_header(payload: KVPayload, *, transfer_id: int, to_stage: str, digest
         "sent_at": time.time() if sent_at is None else sent_at,
         "extra": payload.extra or None,
     }
+    if payload.external_request_id and payload.external_request_id != payload.request_id:
+        header["external_request_id"] = payload.external_request_id
     return json.dumps(header, separators=(",", ":")).encode()
 
 
@@ -252,6 +280,11 @@ def parse_header(raw: bytes | memoryview) -> dict:
         if name not in header:
             raise Rejected("malformed_header", f"header field {name!r} missing", header)
         value = header[name]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise Rejected("malformed_header",
+                           f"header field {name!r} is {type(value).__name__}", header)
+    for name, types in OPTIONAL_HEADER_FIELDS.items():
+        value = header.get(name)
         if not isinstance(value, types) or isinstance(value, bool):
             raise Rejected("malformed_header",
                            f"header field {name!r} is {type(value).__name__}", header)
@@ -323,6 +356,7 @@ def decode_transfer(frames: list[Any], limits: Limits) -> tuple[KVPayload, dict]
         from_stage=header["from_stage"], trace_context=header["trace_context"],
         extra=header["extra"], dtype=header["dtype"], to_stage=header["to_stage"],
         sent_at=float(header["sent_at"]),
+        external_request_id=header.get("external_request_id") or "",
     )
     return payload, header
 

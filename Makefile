@@ -12,7 +12,7 @@ TORCH_VERSION := 2.13.0
 DEBIAN_PACKAGES := prometheus prometheus-alertmanager
 PYTEST_ARGS ?=
 
-.PHONY: all setup test demo demo-scheduler bench dashboards check-generated clean images image-base
+.PHONY: all setup test demo demo-scheduler bench dashboards check-generated clean images image-base runtime-image operator-image
 
 all: test
 
@@ -102,12 +102,23 @@ $(STAMP)/image-tools:
 image-base: $(STAMP)/image-tools
 	@podman image exists $(BASE_IMAGE) || { echo "making $(BASE_IMAGE) (debootstrap)"; images/debian-python-base.sh $(BASE_IMAGE); }
 
-images: image-base
+# BUILD_CONTEXT: the directory the images are built from (the tests build from a changed copy).
+BUILD_CONTEXT ?= .
+
+runtime-image: image-base
 	$(PODMAN_BUILD) -f omni_runtime/Dockerfile --build-arg TARGET_DEVICE=cpu \
 	  --build-arg VLLM_VERSION=$(VLLM_VERSION) --build-arg TORCH_VERSION=$(TORCH_VERSION) \
-	  --build-context wheels=$(WHEELS_DIR) -t $(RUNTIME_IMAGE) .
-	$(PODMAN_BUILD) -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
+	  --build-context wheels=$(WHEELS_DIR) -t $(RUNTIME_IMAGE) $(BUILD_CONTEXT)
+
+operator-image: image-base
+	$(PODMAN_BUILD) -f operator/Dockerfile -t $(OPERATOR_IMAGE) $(BUILD_CONTEXT)
+
+images: runtime-image operator-image
 	@podman images --filter reference='ghcr.io/omni-pipeline/*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# `make print-VAR`: a variable's value (the tests read the image tags this way).
+print-%:
+	@echo $($*)

@@ -1,7 +1,7 @@
 """The tiny pipeline as two containers of the runtime image, each started as the operator's
 pod would start it: the pod spec and the stage ConfigMap the operator renders for
 examples/tiny-pipeline.yaml (translated to `podman run` by pods.py), plus a read-only root
-file system. The tiny model stands in for the model cache PVC, mounted read-only.
+file system. A directory holding the tiny model stands in for the model cache PVC, mounted read-only.
 
 A real OpenAI client (the `openai` SDK) talks to the AR container; every request's KV arrives
 in the receiving container; SIGTERM drains the AR container, which exits 0 within its grace.
@@ -9,6 +9,7 @@ in the receiving container; SIGTERM drains the AR container, which exits 0 withi
 from __future__ import annotations
 
 import copy
+import shutil
 
 import openai
 import pytest
@@ -27,7 +28,8 @@ MODELS_CLAIM = "models"
 PROMPTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog.",
-    " ".join(["Kubernetes reconciles the desired state of every pipeline."] * 12),
+    # More than one KV block (128 tokens on the CPU backend), within the example's max-model-len.
+    " ".join(["Kubernetes reconciles the desired state of every pipeline."] * 14),
 ]
 
 
@@ -62,8 +64,13 @@ def received(receiver: PodContainer) -> list[dict]:
 @pytest.fixture(scope="module")
 def pipeline(images, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("containers")
-    model = ensure_tiny_model()
-    body = tiny_pipeline(model.name)
+    # The model cache volume: a copy of the tiny model readable by the pods' user (the build
+    # cache's directories are private to root).
+    models = workdir / "models"
+    shutil.copytree(ensure_tiny_model(), models / "tiny-qwen2")
+    for path in [models, *models.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    body = tiny_pipeline("tiny-qwen2")
     assert body["spec"]["image"] == RUNTIME_IMAGE
     children = render_children(parse_pipeline(copy.deepcopy(body)), podmonitor_available=False)
     config_maps = {o["metadata"]["name"]: o["data"] for o in children if o["kind"] == "ConfigMap"}
@@ -74,22 +81,25 @@ def pipeline(images, tmp_path_factory):
         name = naming.stage_name("tiny", stage)
         started[stage] = start_pod(
             deployments[name]["spec"]["template"]["spec"], pod_name=f"{name}-0", namespace=NAMESPACE,
-            config_maps=config_maps, claims={MODELS_CLAIM: model}, hosts=hosts, read_only_root=True,
+            config_maps=config_maps, claims={MODELS_CLAIM: models}, hosts=hosts, read_only_root=True,
             workdir=workdir)
         return started[stage]
 
-    def healthy(container: PodContainer) -> bool:
-        if not container.running():
-            raise AssertionError(f"{container.name} exited:\n{container.logs()[-4000:]}")
-        return http_get(container.url("http") + "/health", timeout=2)[0] == 200
+    def wait_healthy(container: PodContainer, timeout: float, what: str) -> None:
+        def state():
+            if not container.running():
+                return "exited"
+            return http_get(container.url("http") + "/health", timeout=2)[0] == 200 and "healthy"
+
+        assert wait_until(state, timeout, what) == "healthy", f"{what}: it exited\n{container.logs()[-4000:]}"
 
     try:
         receiver = start("receiver")
-        wait_until(lambda: healthy(receiver), 120, "the receiver container to be healthy")
+        wait_healthy(receiver, 120, "the receiver container to be healthy")
         # The AR stage reaches the receiver by its Service's DNS name, as in the cluster.
         service = naming.kv_endpoint("tiny", "receiver", NAMESPACE).rsplit(":", 1)[0]
         ar = start("ar", hosts={service: receiver.ip()})
-        wait_until(lambda: healthy(ar), 420, "the AR container (vLLM) to be healthy")
+        wait_healthy(ar, 420, "the AR container (vLLM) to be healthy")
         yield {"ar": ar, "receiver": receiver, "deployments": deployments}
     finally:
         for container in started.values():

@@ -6,9 +6,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import helm_python as helm
+import yaml
+
 from pods import podman
 
 ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "omni-pipeline"
 
 
 def makefile_variable(name: str) -> str:
@@ -24,3 +28,16 @@ OPERATOR_IMAGE = makefile_variable("OPERATOR_IMAGE")
 
 def image_config(image: str) -> dict:
     return json.loads(podman("image", "inspect", image).stdout)[0]
+
+
+def chart_objects(values: dict | None = None) -> list[dict]:
+    """The objects the chart renders with these values (the real Helm engine)."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values or {}, name="omni-pipeline", namespace="omni-system", is_install=True)
+    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def chart_operator_deployment(values: dict | None = None) -> dict:
+    (deployment,) = [o for o in chart_objects(values) if o["kind"] == "Deployment"]
+    return deployment

@@ -8,30 +8,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import helm_python as helm
 import pytest
 import yaml
-from imagesupport import OPERATOR_IMAGE, ROOT, RUNTIME_IMAGE, image_config
+from imagesupport import CHART, OPERATOR_IMAGE, ROOT, RUNTIME_IMAGE, chart_operator_deployment, image_config
 from pods import podman
 
 from omni_operator import naming
 from omni_operator.model import parse_pipeline
 from omni_operator.render import RUN_AS_USER, render_children
 
-CHART = ROOT / "charts" / "omni-pipeline"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-
-
-def chart_objects(values: dict | None = None) -> list[dict]:
-    with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name="omni-pipeline", namespace="omni-system", is_install=True)
-    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
-
-
-def chart_operator_deployment(values: dict | None = None) -> dict:
-    (deployment,) = [o for o in chart_objects(values) if o["kind"] == "Deployment"]
-    return deployment
 
 
 def run_in(image: str, *argv: str, entrypoint: str) -> subprocess.CompletedProcess:

@@ -113,7 +113,9 @@ runtime-image: image-base
 operator-image: image-base
 	$(PODMAN_BUILD) -f operator/Dockerfile -t $(OPERATOR_IMAGE) $(BUILD_CONTEXT)
 
+# Superseded builds' images go (the layers the current ones use, and so the cache, stay).
 images: runtime-image operator-image
+	@podman image prune --force >/dev/null
 	@podman images --filter reference='ghcr.io/omni-pipeline/*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
 
 clean:

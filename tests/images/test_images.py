@@ -126,6 +126,10 @@ def test_operator_image_is_small_and_carries_no_vllm_torch_or_runtime(images):
     assert {"kopf", "kubernetes", "jsonschema", "cel-python", "omni-pipeline"} <= set(packages)
     assert not {p for p in packages if p.startswith(("vllm", "torch", "nvidia-", "triton"))}
     assert not {"opentelemetry-sdk", "pyzmq", "numpy"} & set(packages), "the runtime's dependencies stay out"
+    schema = run_in(OPERATOR_IMAGE, "-c", "import importlib.resources as r, omni_operator.kube_schema as k; "
+                    "assert r.files('kubernetes_validate').joinpath(k._SCHEMA_DIR).is_dir(), k._SCHEMA_DIR",
+                    entrypoint="python3")
+    assert schema.returncode == 0, "the Kubernetes schemas the operator reads stay in the image: " + schema.stderr
     absent = run_in(OPERATOR_IMAGE, "-c", "import omni_runtime", entrypoint="python3")
     assert absent.returncode != 0 and "ModuleNotFoundError" in absent.stderr
     size = image_config(OPERATOR_IMAGE)["Size"]

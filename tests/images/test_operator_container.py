@@ -48,7 +48,8 @@ def test_every_example_validates_in_the_operator_image(images):
     assert code == 0, out
     for example in EXAMPLES:
         name = yaml.safe_load(example.read_text())["metadata"]["name"]
-        assert f"/pipelines/{example.name}: {name}: valid" in out, out
+        (line,) = [line for line in out.splitlines() if line.startswith(f"/pipelines/{example.name}:")]
+        assert name in line and "valid (" in line, out
 
 
 def test_an_invalid_pipeline_fails_validation_in_the_image_naming_the_field(images, tmp_path):
@@ -59,7 +60,8 @@ def test_an_invalid_pipeline_fails_validation_in_the_image_naming_the_field(imag
     bad.chmod(0o644)
     code, out = validate_in_image({"bad.yaml": bad})
     assert code != 0
-    assert "bad.yaml: tiny: spec: 'image' is a required property" in out, out
+    (line,) = [line for line in out.splitlines() if line.startswith("/pipelines/bad.yaml:")]
+    assert "tiny" in line and "spec: 'image' is a required property" in line, out
 
 
 @pytest.fixture

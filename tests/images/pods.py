@@ -42,8 +42,10 @@ _CONTAINER_KEYS = {"name", "image", "imagePullPolicy", "command", "args", "ports
 
 def podman(*args: str, check: bool = True, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess:
     env = {**os.environ, **PODMAN_ENV}
-    return subprocess.run(["podman", *args], env=env, check=check, timeout=timeout,
-                          capture_output=True, text=True, **kwargs)
+    result = subprocess.run(["podman", *args], env=env, timeout=timeout, capture_output=True, text=True, **kwargs)
+    if check and result.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args[:2])} ... exited {result.returncode}: {result.stderr[-3000:]}")
+    return result
 
 
 def _memory(quantity: str) -> str:

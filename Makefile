@@ -130,4 +130,8 @@ images: runtime-image operator-image
 	@podman images --filter reference='ghcr.io/omni-pipeline/*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
 
 clean:
-.PHONY: all setup test fuzz demo demo-scheduler bench dashboards check-generated clean images image-base runtime-image operator-image
+	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# `make print-VAR`: a variable's value (the tests read the image tags this way).
+print-%:
+	@echo $($*)

@@ -106,13 +106,12 @@ class PodContainer:
 
 def start_pod(pod_spec: dict[str, Any], *, pod_name: str, namespace: str, config_maps: dict[str, dict[str, str]],
               claims: dict[str, Path] | None = None, hosts: dict[str, str] | None = None,
-              host_network: bool = False, read_only_root: bool = False, workdir: Path) -> PodContainer:
+              host_network: bool = False, workdir: Path) -> PodContainer:
     """Start the pod's one container. `config_maps`: ConfigMap name -> its data; `claims`:
     PersistentVolumeClaim name -> host directory; `hosts`: extra name -> IP (the cluster DNS
     of the Services the pod talks to). With host_network the container shares the machine's
     network (its declared ports must then be free there); else each declared port is
-    published on a free port of 127.0.0.1. read_only_root: a read-only root file system even
-    where the spec does not ask for one (what the restricted profile's users expect)."""
+    published on a free port of 127.0.0.1."""
     unknown = set(pod_spec) - _POD_KEYS
     assert not unknown, f"pod spec fields this translation does not handle: {sorted(unknown)}"
     (container,) = pod_spec["containers"]
@@ -134,7 +133,7 @@ def start_pod(pod_spec: dict[str, Any], *, pod_name: str, namespace: str, config
         argv.append("--cap-drop=all")
     if sc.get("allowPrivilegeEscalation") is False:
         argv.append("--security-opt=no-new-privileges")
-    if sc.get("readOnlyRootFilesystem") or read_only_root:
+    if sc.get("readOnlyRootFilesystem"):
         argv.append("--read-only")
     if "memory" in container.get("resources", {}).get("limits", {}):
         argv += ["--memory", _memory(container["resources"]["limits"]["memory"])]

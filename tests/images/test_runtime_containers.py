@@ -81,7 +81,7 @@ def pipeline(images, tmp_path_factory):
         name = naming.stage_name("tiny", stage)
         started[stage] = start_pod(
             deployments[name]["spec"]["template"]["spec"], pod_name=f"{name}-0", namespace=NAMESPACE,
-            config_maps=config_maps, claims={MODELS_CLAIM: models}, hosts=hosts, read_only_root=True,
+            config_maps=config_maps, claims={MODELS_CLAIM: models}, hosts=hosts,
             workdir=workdir)
         return started[stage]
 

@@ -13,7 +13,8 @@ Tensor parallelism: a payload that is one KV-head shard of a transfer (``num_sha
 goes into that transfer's :class:`~.shards.ShardAssembly`; the assembled payload is stored
 (and visible to consumers) only when every shard is in. An assembly reserves the whole
 payload's bytes when its first shard arrives (``inbox_full`` refuses that shard when they do
-not fit), and expires ``ttl_s`` after it started if a shard never comes.
+not fit), and expires ``ttl_s`` after it started if a shard never comes. A newer attempt of
+the same request (a re-sent snapshot) supersedes an unfinished older one.
 
 Invariants (under the lock): ``bytes == sum of stored payload sizes + sum of assemblies'
 reserved sizes <= max_bytes``; entries (and assemblies) are in store (start) order, which is
@@ -118,6 +119,13 @@ class KVInbox:
             key = assembly_key(shard)
             assembly = self._assemblies.get(key)
             if assembly is None:
+                # Attempts supersede each other (as the sender's do): an older attempt's
+                # unfinished assembly goes, a shard of an older attempt is refused.
+                for other in [k for k in self._assemblies if k[0] == key[0]]:
+                    if other[1] > key[1]:
+                        raise Rejected("shard_mismatch", f"shard of attempt {key[1]} of "
+                                       f"request {key[0]}: attempt {other[1]} supersedes it")
+                    self._drop_assembly_locked(other, "replaced")
                 nbytes = assembled_nbytes(shard)
                 if self._bytes + nbytes > self.max_bytes:
                     raise InboxFull(
@@ -132,12 +140,9 @@ class KVInbox:
                 self._update_gauges()
                 return
             # Every shard is in: its reservation becomes the stored payload (which fits, as
-            # the reservation did). Unfinished assemblies of other attempts of the request
-            # are stale now.
+            # the reservation did).
             del self._assemblies[key]
             self._bytes -= assembly.nbytes
-            for other in [k for k in self._assemblies if k[0] == key[0]]:
-                self._drop_assembly_locked(other, "replaced")
             self._store_locked(assembly.payload())
 
     def _drop_assembly_locked(self, key: tuple[str, int, int], eviction: str) -> None:

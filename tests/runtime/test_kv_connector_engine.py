@@ -190,6 +190,7 @@ def test_tensor_parallel_2_ships_shards_that_assemble_to_the_tensor_parallel_1_p
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, omni_kv_config=kv_config,
                                 tensor_parallel_size=2, distributed_executor_backend="mp")
     scheduler = engine_core_of(llm).scheduler
+    assert scheduler._omni._shard_answers.world_size == 2
     start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     outs = llm.generate(prompts, params)
     drain_transfers(llm, timeout_s=60)
@@ -251,3 +252,29 @@ def test_composed_with_vllms_example_connector_through_multi_connector(
     assert list(storage.rglob("*.safetensors")), "the ExampleConnector saved KV too"
     assert not scheduler._pinned and not scheduler.has_requests()
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start
+
+
+def test_a_hand_off_whose_deadline_already_passed_fails_at_once_and_sends_nothing(
+        llm_factory, receiver, monkeypatch):
+    """Issue 15: a hand-off with ``deadline_in_s == 0`` (its deadline passed before the step
+    that hands it off) was taken by the worker as "no deadline" and sent anyway. The worker
+    must answer failed in that very step, with the reason, and send nothing (the receiver here
+    is up and would have acked it)."""
+    from vllm import SamplingParams
+
+    import omni_runtime.sched.scheduler as scheduler_module
+
+    original = scheduler_module._hand_off_info
+
+    def deadline_passed(transfer):
+        return {**original(transfer), "deadline_in_s": 0.0}
+
+    monkeypatch.setattr(scheduler_module, "_hand_off_info", deadline_passed)
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint},
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+    llm.generate(["Hello world"], SamplingParams(max_tokens=3))
+    drain_transfers(llm, timeout_s=30)  # far inside the 60 s deadline: not an expiry
+    (t,) = resolved
+    assert t.outcome is Outcome.FAILED
+    assert t.reason == "deadline passed before the send started"
+    assert receiver.num_delivered == 0 and len(receiver.inbox) == 0

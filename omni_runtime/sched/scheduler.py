@@ -20,7 +20,10 @@ to the model runner, and keeps the blocks allocated until the transfer resolves:
   * a preempted request's unresolved transfer keeps its blocks pinned (one extra reference,
     out of the free pool) until it resolves: vLLM's preemption frees them inside schedule(),
     and the same step could otherwise give them to another request while the transfer is
-    still to be read.
+    still to be read;
+  * composed with other connectors (vLLM's MultiConnector, the omni connector one of its
+    children), a finished request's unresolved transfer is pinned the same way instead of
+    held through the delayed free, which the MultiConnector shares with the other children.
 
 All the bookkeeping lives in :class:`~omni_runtime.transfers.ledger.TransferLedger`; this class only
 wires it into vLLM's hooks. Plug it in with

@@ -768,3 +768,63 @@ def test_tp2_answers_of_a_superseded_attempt_resolve_nothing_and_are_not_kept():
     assert answers.combine({0: {"f": (3, "boom")}}) == {"f": (3, "tensor-parallel rank 0: boom")}
     assert answers.combine({1: {"f": (3, "again")}}) == {}, "a failure is reported once"
     assert not answers
+
+
+# ---------------------------------------------------------------------------- composed (MultiConnector)
+
+DELAYING = {"kv_connector": "DelayingConnector", "kv_role": "kv_producer",
+            "kv_connector_module_path": "delaying_connector"}
+
+
+def composed_step(s, *, acked=(), finished_sending=()):
+    """One step whose workers answered under vLLM's MultiConnector: ours acks ``acked``, the
+    other child (an asynchronous saver) reports ``finished_sending``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from omni_runtime.kv.connector import OmniKVWorkerMetadata
+
+    so = s.schedule()
+    out = runner_output(so, scheduler=s)
+    answers = {rid: (s.transfer_ledger.get(rid).attempt, None) for rid in acked}
+    meta = (MultiKVConnectorWorkerMetadata((None, OmniKVWorkerMetadata(answers)))
+            if answers else None)
+    out.kv_connector_output = KVConnectorOutput(
+        finished_sending=set(finished_sending) or None, kv_connector_worker_meta=meta)
+    return so, s.update_from_output(so, out)
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_composed_with_a_connector_that_delays_frees_each_keeps_the_blocks_it_needs(ours_first):
+    """Under vLLM's MultiConnector with a connector that saves asynchronously (it delays the
+    free of every finished request until its finished_sending): a finished request's transfer
+    pins its own blocks rather than joining the shared delayed free, so whichever of the two
+    finishes first, the request's blocks are freed exactly once, by vLLM, when the other
+    connector is done, and the transfer's stay out of the free pool until it is acked."""
+    s = omni(ON_FINISH, compose_with=DELAYING)
+    assert type(s.connector).__name__ == "MultiConnector" and s._omni is s.connector._connectors[1]
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=2, request_id="r")
+    s.add_request(r)
+    while not r.is_finished():
+        step(s)
+    so, _ = step(s)  # hand-off
+    assert "r" in handed_off(so)
+    pinned = {b.block_id for b in s._pinned["r"]}
+    assert len(pinned) == 3 and "r" in s.requests, "the other connector delays the free"
+    assert s.transfer_ledger.num_held == 1
+    if ours_first:
+        composed_step(s, acked=["r"])
+        assert s.transfer_ledger.get("r") is None and not s._pinned
+        assert "r" in s.requests, "still the other connector's: not freed under it"
+        composed_step(s, finished_sending=["r"])
+    else:
+        composed_step(s, finished_sending=["r"])
+        assert "r" not in s.requests
+        in_free_pool = {b.block_id for b in s.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()}
+        assert not pinned & in_free_pool, "the transfer's blocks stay pinned until its ack"
+        composed_step(s, acked=["r"])
+    assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
+    assert_quiescent(s, start)

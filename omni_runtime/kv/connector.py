@@ -28,6 +28,13 @@ worker side (in each worker process)
   * :meth:`build_connector_worker_meta` reports, asynchronously, the sender's answers:
     ``{request id: (attempt, None | failure reason)}``.
 
+Tensor parallelism: each rank's worker-side connector holds only its own KV heads and ships
+them as shard ``rank`` of ``tensor_parallel_size`` (the receiver assembles the payload); its
+worker metadata names its rank, vLLM's KVOutputAggregator folds the ranks' metadata of a step
+together (:meth:`OmniKVWorkerMetadata.aggregate`), and the scheduler side
+(:class:`ShardAnswers`) acks a transfer once every rank's shard was acked. All ranks run a
+step together, so the invariant below holds for each of them.
+
 Invariant (the block guarantee's worker half): the worker reads a transfer's blocks only
 during the step whose metadata hands it off. So once that step has run, the scheduler may
 free or re-use the blocks whatever the transfer's fate; before it has run, the blocks are

@@ -278,3 +278,27 @@ def test_a_hand_off_whose_deadline_already_passed_fails_at_once_and_sends_nothin
     assert t.outcome is Outcome.FAILED
     assert t.reason == "deadline passed before the send started"
     assert receiver.num_delivered == 0 and len(receiver.inbox) == 0
+
+
+@pytest.mark.parametrize(
+    "tp, pp, message",
+    [(3, 1, "KV-head count divisible by it .* this model has 2"),
+     (1, 2, "pipeline_parallel_size 1 \\(got 2\\)")],
+)
+def test_parallelism_the_payload_cannot_describe_is_refused_at_start_up(tp, pp, message):
+    """Pipeline parallelism (a rank holds some layers only) and a KV-head count the ranks do
+    not split evenly (vLLM then replicates heads) are refused, saying what to change."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from omni_runtime.kv.connector import _check_parallelism
+    from omni_runtime.kv.layout import UnsupportedKVCache
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=ModelConfig(model=str(ensure_tiny_model()), dtype="float32"))
+    with pytest.raises(UnsupportedKVCache, match=message):
+        _check_parallelism(config)
+    config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size = 2, 1
+    assert _check_parallelism(config) == 2

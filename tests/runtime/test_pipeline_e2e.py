@@ -35,7 +35,7 @@ PROMPTS = {
 RECIPES = {"tiny": ("tiny-qwen2", 64 << 20), "kv7b": ("kv7b-qwen2", 256 << 20)}
 
 
-def stage_configs(tmp_path, *, timeout_seconds=8, recipe="tiny"):
+def stage_configs(tmp_path, *, timeout_seconds=8, recipe="tiny", engine_args=None):
     """Stage configs as the operator renders them, with local ports (as omni-pipeline up)."""
     from omni_operator.local import local_stage_configs
     from omni_operator.model import parse_pipeline
@@ -59,6 +59,7 @@ def stage_configs(tmp_path, *, timeout_seconds=8, recipe="tiny"):
                         "max-model-len": 1024,
                         "kv-cache-memory-bytes": kv_cache_bytes,
                         "enforce-eager": True,
+                        **(engine_args or {}),
                     },
                     "kvTransfer": {
                         "send": True,
@@ -74,11 +75,12 @@ def stage_configs(tmp_path, *, timeout_seconds=8, recipe="tiny"):
 
 
 @contextlib.contextmanager
-def start_pipeline(workdir, recipe="tiny"):
+def start_pipeline(workdir, recipe="tiny", engine_args=None, env=None):
     """The two stages, started: {"ar", "receiver"}; both stopped on leaving."""
-    configs = stage_configs(workdir, recipe=recipe)
+    configs = stage_configs(workdir, recipe=recipe, engine_args=engine_args)
     receiver = StageProcess(configs["receiver"], workdir)
-    ar = StageProcess(configs["ar"], workdir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    ar = StageProcess(configs["ar"], workdir,
+                      env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
     stages = {"ar": ar, "receiver": receiver}
     try:
         receiver.start(timeout=60)
@@ -138,6 +140,20 @@ def test_at_the_7b_kv_shape_every_request_kv_arrives_and_equals_transformers(tmp
     the module's tiny pipeline starts (two AR stages at once would share the 2 cores)."""
     with start_pipeline(tmp_path, recipe="kv7b") as stages:
         assert_oracle(stages, "kv7b")
+
+
+def test_at_tensor_parallel_size_2_the_assembled_shards_equal_transformers(tmp_path):
+    """The AR stage at tensor-parallel-size 2 (vLLM's CPU backend, two worker processes, one
+    core each; without the binding it refuses to start for lack of NUMA nodes): each rank
+    ships its KV heads, the receiving stage assembles them, and the payloads pass the same
+    oracle as at TP 1 (the ranks' all-reduce sums in another order, inside its tolerance)."""
+    tp2 = {"tensor-parallel-size": 2, "distributed-executor-backend": "mp"}
+    with start_pipeline(tmp_path, engine_args=tp2,
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as stages:
+        assert_oracle(stages, "tiny")
+        text = stages["receiver"].metrics()
+        delivered = metric_value(text, "omni_kv_received_total", outcome="delivered")
+        assert delivered == 2 * len(PROMPTS), "one shard per rank and transfer"
 
 
 def test_every_request_kv_arrives_and_equals_transformers(pipeline):

@@ -38,7 +38,11 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from omni_runtime.kv.connector_config import kv_transfer_config
+from omni_runtime.kv.connector_config import (
+    ConnectorConfigError,
+    composed_kv_transfer_config,
+    kv_transfer_config,
+)
 from omni_runtime.stages.config import StageConfig, StageConfigError
 
 logger = logging.getLogger(__name__)
@@ -72,7 +76,9 @@ def _flag(key: str) -> str:
 
 def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """``engineArgs`` as vLLM flags (keys in kebab, snake or camel case; ``true`` is a bare
-    flag, ``false`` is left out); returns (flags, the user's additional-config to merge)."""
+    flag, ``false`` is left out); returns (flags, the user's additional-config to merge).
+    A ``kv-transfer-config`` is left to :func:`vllm_command`, which composes it with the
+    omni KV connector (:func:`user_kv_connector`)."""
     argv: list[str] = []
     additional: dict[str, Any] = {}
     for key, value in engine_args.items():
@@ -83,13 +89,7 @@ def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[
                 "the omni scheduler come from the pipeline spec)"
             )
         if flag == "kv-transfer-config":
-            # Composing with another connector (MultiConnector) is not supported yet: both
-            # would own the lifetime of finished requests' blocks.
-            raise StageConfigError(
-                f"engineArgs.{key} names a KV connector, but the AR stage's KV transfers use "
-                "the omni KV connector (set from kvTransfer and the pipeline graph); remove "
-                f"engineArgs.{key}, or set kvTransfer.send to false to run your own connector"
-            )
+            continue  # vllm_command composes it with the omni connector (user_kv_connector)
         if flag == "additional-config":
             if not isinstance(value, Mapping):
                 raise StageConfigError(f"engineArgs.{key} must be a mapping")
@@ -111,6 +111,25 @@ def shutdown_timeout_flag(grace_seconds: float) -> list[str]:
     return ["--shutdown-timeout", str(max(1, math.ceil(grace_seconds)))]
 
 
+def user_kv_connector(engine_args: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The user's own KV connector in ``engineArgs`` (key, config), if any: a mapping, or
+    its JSON text as vLLM's flag takes it."""
+    for key, value in engine_args.items():
+        if _flag(key) != "kv-transfer-config" or value is None:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise StageConfigError(f"engineArgs.{key} is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise StageConfigError(
+                f"engineArgs.{key} must be a mapping (a vLLM KVTransferConfig), "
+                f"got {type(value).__name__}")
+        return key, dict(value)
+    return None
+
+
 def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *,
                  grace_seconds: float | None = None) -> list[str]:
     flags, additional = engine_args_to_cli(config.engine_args)
@@ -130,12 +149,20 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
         "--scheduler-cls", SCHEDULER_CLS,
         "--additional-config", json.dumps(additional, sort_keys=True),
     ]
+    user = user_kv_connector(config.engine_args)
+    connector = user[1] if user else None
     if additional["omni_kv_config"].get("need_send_cache"):
         # The omni KV connector moves the bytes (vLLM's KV connector interface; no worker
-        # class of ours).
+        # class of ours), composed with the user's own through vLLM's MultiConnector.
         connector = kv_transfer_config(
             {d.stage: d.zmq_address for d in config.downstream}, config.pipeline
         )
+        if user is not None:
+            try:
+                connector = composed_kv_transfer_config(connector, user[1])
+            except ConnectorConfigError as exc:
+                raise StageConfigError(f"engineArgs.{user[0]}: {exc}") from None
+    if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector, sort_keys=True)]
     if config.model_dir:
         argv += ["--download-dir", config.model_dir]

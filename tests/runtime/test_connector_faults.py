@@ -20,8 +20,7 @@ from omni_runtime.kv.transport.wire import checksum, data_view, encode_header
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 from omni_runtime.observability.transport_metrics import thread_up_setter
 
-STAGE = "talker"
-WAIT = 10.0  # upper bound of every wait; the events themselves come in milliseconds
+from transport_fixtures import STAGE, WAIT, make_receiver, make_sender, receiver, registry  # noqa: F401 (fixtures)
 
 
 def payload(rid: str, seq_len: int = 4, **kw) -> KVPayload:
@@ -54,47 +53,6 @@ def collect(sender: KVSender, n: int, timeout: float = WAIT):
 
 def sample(registry, name, **labels):
     return registry.get_sample_value(name, {"stage": STAGE, "model_name": "", **labels})
-
-
-@pytest.fixture
-def registry():
-    return CollectorRegistry()
-
-
-@pytest.fixture
-def make_receiver(registry):
-    made: list[KVReceiver] = []
-
-    def make(bind: str = "tcp://127.0.0.1:0", *, inbox: KVInbox | None = None, **kw):
-        kw.setdefault("metrics", ReceiverMetrics(stage=STAGE, registry=registry))
-        r = KVReceiver(bind, inbox if inbox is not None else KVInbox(max_bytes=16 << 20),
-                       stage=STAGE, pipeline="p", **kw)
-        made.append(r)
-        return r.start()
-
-    yield make
-    for r in made:
-        r.close()
-
-
-@pytest.fixture
-def receiver(make_receiver):
-    return make_receiver()
-
-
-@pytest.fixture
-def make_sender():
-    made: list[KVSender] = []
-
-    def make(endpoints, **kw) -> KVSender:
-        kw.setdefault("send_timeout_s", WAIT)
-        s = KVSender(endpoints, pipeline="p", stage="ar", **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 @pytest.fixture

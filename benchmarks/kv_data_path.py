@@ -6,6 +6,14 @@ one) the same concurrent prompts run in rounds interleaved with transfers on and
 (``prefill_finished``), in one engine (in-process engine core, so its steps can be timed; the
 receiver is a separate process, as a receiving stage is). Transfers are switched off for a
 round by turning the scheduler's ``need_send_cache`` off, so both sides share one engine.
+Prefix caching is off: the same prompts run twice per pair, and the second run of a pair
+would otherwise skip its prefill.
+
+CPUs are split the same way for both sides, as vLLM's CPU binding does on a real host: the
+engine's OpenMP threads on ``--engine-cpus`` (``OMP_PLACES``/``OMP_PROC_BIND``, set before
+torch loads, one OpenMP thread per CPU), the transport's threads (the connector's
+``io_cpus``), the receiving process and the raw-ZeroMQ reference on ``--io-cpus``. Default:
+the last CPU for I/O, the others for the engine (on one CPU both share it).
 
     python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 1]
 
@@ -50,8 +58,30 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _cpu_split(engine: str | None, io: str | None) -> tuple[list[int], list[int]]:
+    from omni_runtime.kv.cpu_affinity import available_cpus, parse_cpu_list
+
+    cpus = sorted(os.sched_getaffinity(0) & available_cpus())
+    io_cpus = sorted(parse_cpu_list(io)) if io else cpus[-1:]
+    engine_cpus = (sorted(parse_cpu_list(engine)) if engine
+                   else [c for c in cpus if c not in io_cpus] or cpus)
+    return engine_cpus, io_cpus
+
+
+def _bind_engine_openmp(engine_cpus: list[int]) -> None:
+    """What vLLM's CPU executor sets for a worker it binds: one OpenMP thread per CPU, bound.
+    Must run before torch (libgomp) loads."""
+    if "torch" in sys.modules:
+        raise RuntimeError("bind the engine's OpenMP threads before importing torch")
+    os.environ["OMP_NUM_THREADS"] = str(len(engine_cpus))
+    os.environ["OMP_PLACES"] = "{" + ",".join(map(str, engine_cpus)) + "}"
+    os.environ["OMP_PROC_BIND"] = "true"
+    os.sched_setaffinity(0, engine_cpus)  # the main thread is OpenMP's master
+
+
 # ---------------------------------------------------------------------- the receiving process
-def _serve(conn) -> None:
+def _serve(conn, io_cpus: list[int]) -> None:
+    os.sched_setaffinity(0, io_cpus)  # before any thread starts: all of them inherit it
     from omni_runtime.kv.transport import KVInbox, KVReceiver
 
     inbox = KVInbox(max_bytes=4 << 30)
@@ -92,13 +122,15 @@ def _serve(conn) -> None:
 
 
 # ---------------------------------------------------------------------- the AR side
-def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_bytes: int):
+def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_bytes: int,
+            io_cpus: list[int]):
     from omni_runtime.devtools.offline import engine_core_of, omni_llm
 
     llm = omni_llm(model, {"need_send_cache": True, "timeout_seconds": 60,
                            "kv_transfer_criteria": {"type": "prefill_finished"}},
-                   endpoints={"next": endpoint}, kv_cache_memory_bytes=kv_bytes,
+                   endpoints={"next": endpoint}, io_cpus=io_cpus, kv_cache_memory_bytes=kv_bytes,
                    max_model_len=prompt_tokens + 64, dtype="float32", enforce_eager=True,
+                   enable_prefix_caching=False,
                    max_num_batched_tokens=prompt_tokens * requests, max_num_seqs=requests)
     return llm, engine_core_of(llm)
 
@@ -133,7 +165,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             kv_bytes: int) -> dict:
     from omni_runtime.transfers.ledger import TransferObserver
 
-    llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes)
+    llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes, args.io_cpus)
     resolved: list = []
 
     class Keep(TransferObserver):
@@ -152,7 +184,10 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
-            (on if transfers_on else off).append(_round(llm, core, prompts, transfers_on, resolved))
+            times = _round(llm, core, prompts, transfers_on, resolved)
+            (on if transfers_on else off).append(times)
+            print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
+                  f"{[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
     bad = [t for t in resolved if t.outcome.value != "acked"]
     if bad:
@@ -178,10 +213,22 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "rss_growth_mb": rss1 - rss0}
 
 
-def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int) -> float:
+def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> float:
     """Raw ZeroMQ: ``count`` messages of ``nbytes / count`` bytes, each answered, as the
-    connector's transfers are."""
+    connector's transfers are; from a thread on the transport's CPUs, as the sender's is."""
+    result: list[float] = []
+    thread = threading.Thread(target=lambda: result.append(
+        _raw_zmq(raw_endpoint, nbytes, count, io_cpus)))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> float:
+    os.sched_setaffinity(0, io_cpus)
     ctx = zmq.Context()
+    for cpu in io_cpus:
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(raw_endpoint)
     data = np.random.default_rng(0).standard_normal(nbytes // count // 4, np.float32)
@@ -206,14 +253,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=1, help="on/off pairs at the 7B shape")
     parser.add_argument("--tiny-rounds", type=int, default=2)
+    parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
+    parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")
     args = parser.parse_args(argv)
+    engine_cpus, args.io_cpus = _cpu_split(args.engine_cpus, args.io_cpus)
+    _bind_engine_openmp(engine_cpus)
 
     from omni_runtime.devtools.tiny_model import ensure_kv7b_model, ensure_tiny_model
 
     kv7b, tiny = str(ensure_kv7b_model()), str(ensure_tiny_model())
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, args.io_cpus), daemon=True)
     proc.start()
     endpoint, raw_endpoint = parent.recv()
     try:
@@ -221,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                       kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5))
         small = measure(tiny, endpoint, args, prompt_tokens=256, rounds=args.tiny_rounds,
                         kv_bytes=64 << 20)
-        raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests)
+        raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests,
+                                args.io_cpus)
     finally:
         parent.send("stop")
         receiver_peak = parent.recv() if parent.poll(15) else float("nan")
@@ -242,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         "handoff_step_ratio_tiny": round(small["handoff_step_ratio"], 4),
         "ar_rss_growth_mb": round(big["rss_growth_mb"] + small["rss_growth_mb"], 1),
         "receiver_rss_peak_mb": round(receiver_peak, 1),
+        "engine_cpus": engine_cpus,
+        "io_cpus": args.io_cpus,
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
     }
     print(json.dumps(result))

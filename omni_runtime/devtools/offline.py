@@ -21,11 +21,13 @@ def omni_llm(
     *,
     endpoints: Mapping[str, str] | None = None,
     pipeline: str = "",
+    io_cpus: str | list[int] | None = None,
     **engine_args: Any,
 ):
     """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`; with
     transfers on, the omni KV connector ships to ``endpoints`` ({stage: zmq address}; none:
-    every transfer fails with that reason)."""
+    every transfer fails with that reason); ``io_cpus``: the transport threads' CPUs (the
+    connector's ``io_cpus`` setting)."""
     from vllm import LLM
 
     from omni_runtime.kv.connector import kv_transfer_config
@@ -34,7 +36,7 @@ def omni_llm(
     if omni_kv_config is not None:
         additional["omni_kv_config"] = dict(omni_kv_config)
         if omni_kv_config.get("need_send_cache"):
-            engine_args["kv_transfer_config"] = kv_transfer_config(endpoints or {}, pipeline)
+            engine_args["kv_transfer_config"] = kv_transfer_config(endpoints or {}, pipeline, io_cpus)
     return LLM(model=model, scheduler_cls=SCHEDULER_CLS, additional_config=additional, **engine_args)
 
 

@@ -55,7 +55,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
-from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index, gather_rows
+from omni_runtime.kv.cpu_affinity import transport_cpus
+from omni_runtime.kv.layout import (
+    ProbedBlockLayout,
+    UnsupportedKVCache,
+    affine_strides,
+    block_runs,
+    copy_blocks,
+    gather_index,
+    gather_rows,
+)
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
 if TYPE_CHECKING:
@@ -120,6 +129,8 @@ class OmniKVConnector(KVConnectorBase_V1):
                 f"{CONNECTOR_NAME} supports tensor_parallel_size 1 and pipeline_parallel_size 1 "
                 f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
             )
+        # A bad io_cpus refuses the engine at start-up (not at the first transfer).
+        transport_cpus(_extra_config(vllm_config).get("io_cpus"))
         # Scheduler side.
         self._hand_offs: dict[str, dict[str, Any]] = {}
         self._hold: set[str] = set()
@@ -222,8 +233,13 @@ class _Job:
     seq_len: int
     deadline_in_s: float
     trace_headers: dict[str, str] | None
-    index: torch.Tensor | None  # rows of `run` elements of one layer's cache, in payload order
+    #: Runs of consecutive blocks (affine layouts: strided copies), else None and ...
+    runs: list[tuple[int, int, int]] | None
+    #: ... rows of `run` elements of one layer's cache, in payload order (an index gather).
+    index: torch.Tensor | None
     run: int
+    strides: tuple[tuple[int, int, int, int], ...] | None  # affine_strides() of the layout
+    block_size: int
     buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
     copied: list[bool]
 
@@ -251,8 +267,7 @@ class _WorkerState:
 
     def _setup(self, vllm_config: Any) -> None:
         kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
-        extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
-                     or {})
+        extra = _extra_config(vllm_config)
         endpoints = dict(extra.get("endpoints") or {})
         if not endpoints:
             raise UnsupportedKVCache(
@@ -274,6 +289,7 @@ class _WorkerState:
         self._layout = ProbedBlockLayout(
             _attention_layer(vllm_config), cache, num_kv_heads, model_config.get_head_size()
         )
+        self._strides = affine_strides(self._layout)
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.observability.metrics import transfer_bytes_observer
 
@@ -288,6 +304,9 @@ class _WorkerState:
                 stage=kv_cfg.stage_name,
                 model_name=model_config.served_model_name or model_config.model,
             ),
+            # Off the engine's OpenMP cores: a core the transport takes from OpenMP stalls
+            # every parallel region of every step (docs/connector.md, "Measured").
+            io_cpus=transport_cpus(extra.get("io_cpus")),
         )
 
     # -------------------------------------------------------------- a step
@@ -300,17 +319,26 @@ class _WorkerState:
             try:
                 layout = self._layout
                 seq_len = int(info["seq_len"])
-                index, run = gather_rows(
-                    gather_index(layout, info["block_ids"], seq_len, self._caches[0].device),
-                    layout.head_size,
-                )
+                block_ids = info["block_ids"]
+                if seq_len > len(block_ids) * layout.block_size:
+                    raise ValueError(f"seq_len {seq_len} exceeds the {len(block_ids)} blocks "
+                                     f"of {layout.block_size} tokens")
+                runs, index, run = None, None, 1
+                if self._strides is not None:
+                    runs = block_runs(block_ids, -(-seq_len // layout.block_size))
+                else:
+                    index, run = gather_rows(
+                        gather_index(layout, block_ids, seq_len, self._caches[0].device),
+                        layout.head_size,
+                    )
                 shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
                 buffer = self._buffer(shape, self._caches[0].dtype)
             except Exception as exc:
                 self._local[rid] = (attempt, f"extraction failed: {type(exc).__name__}: {exc}")
                 continue
             self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
-                                  info.get("trace_headers"), index, run, buffer,
+                                  info.get("trace_headers"), runs, index, run,
+                                  self._strides, layout.block_size, buffer,
                                   [False] * len(self._caches)))
 
     def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
@@ -327,7 +355,7 @@ class _WorkerState:
                 for layer, done in enumerate(job.copied):
                     if not done:
                         self.copy_layer_of(job, layer)
-                job.index = None
+                job.index = job.runs = None
                 kv = job.buffer if job.buffer.device.type == "cpu" else job.buffer.cpu()
                 dtype = None
                 if kv.dtype == torch.bfloat16:
@@ -415,10 +443,18 @@ class _WorkerState:
 
 
 def _gather(cache: torch.Tensor, job: _Job, layer: int) -> None:
-    """One gather per layer, straight into the payload's slot (rows of ``job.run``)."""
-    torch.index_select(cache.view(-1, job.run), 0, job.index,
-                       out=job.buffer[layer].view(-1, job.run))
+    """One layer of a transfer straight into the payload's slot: strided copies of runs of
+    consecutive blocks when the layout is affine, else one gather of rows of ``job.run``."""
+    if job.runs is not None:
+        copy_blocks(cache, job.strides, job.runs, job.block_size, job.buffer[layer])
+    else:
+        torch.index_select(cache.view(-1, job.run), 0, job.index,
+                           out=job.buffer[layer].view(-1, job.run))
     job.copied[layer] = True
+
+
+def _extra_config(vllm_config: Any) -> dict[str, Any]:
+    return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
 
 
 def _attention_layer(vllm_config: Any) -> Any:

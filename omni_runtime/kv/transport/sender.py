@@ -25,11 +25,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import zmq
 
@@ -86,7 +87,9 @@ class KVSender:
     ``max_in_flight``: unacked transfers per endpoint; more wait in the sender's queue (their
     deadline runs). ``observe_bytes``: called with the payload size of each delivered
     transfer, from the I/O thread (pass ``TransferMetrics.observe_transfer_bytes`` to feed
-    the contract's ``omni_kv_transfer_bytes``).
+    the contract's ``omni_kv_transfer_bytes``). ``io_cpus``: the CPUs the sender's I/O thread
+    and ZeroMQ's I/O thread run on (None: inherited from the creating thread); keep them off
+    the engine's OpenMP cores (``omni_runtime.kv.cpu_affinity``).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class KVSender:
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         checksum_algo: str = DEFAULT_CHECKSUM,
         observe_bytes: Callable[[int], None] | None = None,
+        io_cpus: Collection[int] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("KVSender needs at least one endpoint")
@@ -127,6 +131,12 @@ class KVSender:
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         # The I/O thread and its wake-up pipe.
         self._ctx = zmq.Context(io_threads=1)
+        self.io_cpus = sorted(io_cpus) if io_cpus else None
+        if self.io_cpus:
+            # Before the first socket: ZeroMQ starts its I/O thread (which does the TCP
+            # sends) with the first socket, bound to these CPUs.
+            for cpu in self.io_cpus:
+                self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._wake_addr = f"inproc://omni-kv-sender-wake-{id(self)}"
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.setsockopt(zmq.SNDHWM, 0)  # wake-ups never block or drop
@@ -259,6 +269,12 @@ class KVSender:
 
     # ------------------------------------------------------------------ the I/O thread
     def _run(self) -> None:
+        if self.io_cpus:
+            try:
+                os.sched_setaffinity(0, self.io_cpus)  # this thread only (Linux)
+            except (OSError, AttributeError) as e:
+                logger.warning("KV sender: cannot bind the I/O thread to CPUs %s: %s",
+                               self.io_cpus, e)
         eps: list[_Endpoint] = []
         wake = self._ctx.socket(zmq.PAIR)
         wake.connect(self._wake_addr)

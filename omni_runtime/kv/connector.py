@@ -55,7 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
-from omni_runtime.kv.cpu_affinity import transport_cpus
+from omni_runtime.kv.copier import BlockCopier
+from omni_runtime.kv.cpu_affinity import disjoint_from_engine, transport_cpus
 from omni_runtime.kv.layout import (
     ProbedBlockLayout,
     UnsupportedKVCache,
@@ -200,7 +201,7 @@ class OmniKVConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         worker = self._worker
-        if worker is not None and worker.jobs:
+        if worker is not None and worker.jobs and not worker.copying:
             index = self._layer_index.get(layer_name)
             if index is not None:
                 worker.copy_layer(index, kv_layer)
@@ -242,6 +243,7 @@ class _Job:
     block_size: int
     buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
     copied: list[bool]
+    error: str | None = None  # the copier's failure
 
 
 class _WorkerState:
@@ -249,8 +251,12 @@ class _WorkerState:
 
     def __init__(self, vllm_config: Any, caches: list[torch.Tensor]) -> None:
         self.jobs: list[_Job] = []
+        #: The step's jobs are being copied by the copier thread (not by save_kv_layer).
+        self.copying = False
         self._caches = caches
         self._sender = None
+        self._copier: BlockCopier | None = None
+        self._strides = None
         self._layout: ProbedBlockLayout | None = None
         self._error: str | None = None
         self._local: dict[str, tuple[int, str | None]] = {}
@@ -293,6 +299,8 @@ class _WorkerState:
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.observability.metrics import transfer_bytes_observer
 
+        io_cpus = transport_cpus(extra.get("io_cpus"))
+
         self._pipeline = str(extra.get("pipeline", ""))
         self._stage = kv_cfg.stage_name
         self._sender = KVSender(
@@ -306,8 +314,12 @@ class _WorkerState:
             ),
             # Off the engine's OpenMP cores: a core the transport takes from OpenMP stalls
             # every parallel region of every step (docs/connector.md, "Measured").
-            io_cpus=transport_cpus(extra.get("io_cpus")),
+            io_cpus=io_cpus,
         )
+        if disjoint_from_engine(io_cpus):
+            # The copy runs there too, concurrently with the forward (kv/copier.py says why
+            # that is exact); on a core shared with OpenMP it stays inline, per layer.
+            self._copier = BlockCopier(io_cpus)
 
     # -------------------------------------------------------------- a step
     def start_step(self, transfers: dict[str, dict[str, Any]]) -> None:
@@ -340,6 +352,21 @@ class _WorkerState:
                                   info.get("trace_headers"), runs, index, run,
                                   self._strides, layout.block_size, buffer,
                                   [False] * len(self._caches)))
+        if self._copier is not None and self.jobs:
+            jobs = list(self.jobs)
+            self._copier.start(lambda: self._copy_all(jobs))
+            self.copying = True
+
+    def _copy_all(self, jobs: list[_Job]) -> None:
+        """On the copier thread: every layer of every job of the step. Inference mode is
+        per thread: the buffers and caches are the worker's inference tensors."""
+        with torch.inference_mode():
+            for job in jobs:
+                try:
+                    for layer, cache in enumerate(self._caches):
+                        _gather(cache, job, layer)
+                except Exception as exc:
+                    job.error = f"extraction failed: {type(exc).__name__}: {exc}"
 
     def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
         for job in self.jobs:
@@ -350,7 +377,17 @@ class _WorkerState:
         from omni_runtime.kv.transport import KVPayload
 
         jobs, self.jobs = self.jobs, []
+        if self.copying:
+            # The blocks are read only during this step: the copy ends before it does.
+            self.copying = False
+            error = self._copier.wait()
+            if error is not None:
+                for job in jobs:
+                    job.error = job.error or f"extraction failed: {type(error).__name__}: {error}"
         for job in jobs:
+            if job.error is not None:
+                self._local[job.request_id] = (job.attempt, job.error)
+                continue
             try:
                 for layer, done in enumerate(job.copied):
                     if not done:
@@ -413,6 +450,8 @@ class _WorkerState:
         return answers
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
         if self._sender is not None:
             try:
                 self._sender.close(linger_s=1.0)

@@ -121,3 +121,9 @@ def transport_cpus(setting: object, environ: Mapping[str, str] | None = None,
             f"{sorted(allowed)}): pick from those, or \"auto\""
         )
     return cpus
+
+
+def disjoint_from_engine(cpus: Iterable[int], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``cpus`` share no CPU with the engine's OpenMP binding (False when unknown)."""
+    engine = omp_bound_cpus(os.environ if environ is None else environ)
+    return engine is not None and not (set(cpus) & engine)

@@ -37,8 +37,6 @@ as failed and give the blocks back.
 from __future__ import annotations
 
 import logging
-from itertools import compress, repeat
-from operator import contains
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -275,12 +273,9 @@ class OmniKVTransferMixin:
         sentinel = self._sentinel
         sampled = model_runner_output.sampled_token_ids
         req_ids = model_runner_output.req_ids
-        # The rows holding the sentinel, found without Python bytecode per row: map, compress
-        # and operator.contains iterate in C. Python runs only for the hits.
-        hits = compress(range(len(sampled)), map(contains, sampled, repeat(sentinel)))
-        for index in hits:
-            new_tokens = sampled[index]
-            if (request_id := req_ids[index]) in awaiting:
+        # One C-level containment test per sampled row; dict lookups only for the hits.
+        for index, new_tokens in enumerate(sampled):
+            if sentinel in new_tokens and (request_id := req_ids[index]) in awaiting:
                 request = requests[request_id]
                 if request.status is RequestStatus.PREEMPTED and request.drop_stale_output:
                     # vLLM drops this stale output (the connector requires KV delivery):

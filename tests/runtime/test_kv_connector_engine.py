@@ -93,23 +93,40 @@ def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_
     assert "no downstream endpoint" in t.reason
 
 
+@pytest.mark.parametrize("copy", ["inline", "copier"])
 @pytest.mark.parametrize("recipe", ["tiny", "kv7b"])
-def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(llm_factory, receiver, recipe):
+def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
+        llm_factory, receiver, recipe, copy, monkeypatch):
     """The oracle at both scales: the 7B KV shape (28 layers, 4 KV heads, head size 128) too.
     The payload the receiver stores is exactly transformers' past_key_values
-    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt."""
+    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt, whether the worker copies
+    each layer inline (save_kv_layer) or on the copier thread during the forward (when the
+    transport's CPUs are disjoint from the engine's OpenMP binding)."""
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from omni_runtime.devtools.tiny_model import ensure_tiny_model as ensure
+    from omni_runtime.kv.cpu_affinity import available_cpus
 
+    io_cpus = None
+    if copy == "copier":
+        # The binding vLLM's CPU executor would write for its worker; read by the connector
+        # at set-up (libgomp has long loaded: the engine itself is not re-bound). On a
+        # one-CPU machine a CPU that does not exist: it only has to be disjoint.
+        cpus = sorted(available_cpus())
+        io_cpus = cpus[-1:]
+        engine = cpus[:-1] or [cpus[-1] + 1]
+        monkeypatch.setenv("OMP_PLACES", "{" + ",".join(map(str, engine)) + "}")
+        monkeypatch.setenv("OMP_PROC_BIND", "true")
     model_dir = str(ensure(recipe=recipe))
     llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=256 << 20,
-                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60}, io_cpus=io_cpus)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
     drain_transfers(llm, timeout_s=60)
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
+    assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for out in outs:
         ids = list(out.prompt_token_ids)

@@ -12,7 +12,7 @@ TORCH_VERSION := 2.13.0
 DEBIAN_PACKAGES := prometheus prometheus-alertmanager
 PYTEST_ARGS ?=
 
-.PHONY: all setup test demo demo-scheduler bench dashboards check-generated clean
+.PHONY: all setup test fuzz demo demo-scheduler bench dashboards check-generated clean images image-base runtime-image operator-image
 
 all: test
 
@@ -43,8 +43,19 @@ $(STAMP)/python: $(VENV)/bin/python pyproject.toml
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	@touch $@
 
-test: setup
+test: setup images
 	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest $(PYTEST_ARGS)
+
+# Coverage-guided fuzzing of the KV receiver's handling path (atheris) for FUZZ_SECONDS, with
+# a corpus kept in .fuzz-corpus/ between runs; `make test` runs the same harness for 20 s.
+# A crash leaves the input as crash-* in .fuzz-corpus/ (reproduce: pass that file alone).
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	@mkdir -p .fuzz-corpus/receiver
+	$(PY) tests/fuzz/receiver_fuzz.py --write-seeds .fuzz-corpus/seeds
+	cd .fuzz-corpus && PYTHONPATH=$(CURDIR) ../$(PY) ../tests/fuzz/receiver_fuzz.py \
+	  -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -rss_limit_mb=1024 -timeout=15 \
+	  -print_final_stats=1 receiver seeds
 
 # The tiny pipeline of examples/tiny-pipeline.yaml as local processes: an AR stage (vLLM on
 # the tiny CPU model) shipping each request's KV cache to a receiving stage. Runs until
@@ -68,5 +79,59 @@ dashboards: setup
 check-generated: setup
 	$(PY) monitoring/generate.py --check
 
+# ---------------------------------------------------------------------------- images
+# The stage runtime (CPU build) and the operator as OCI images, built with podman (no Docker
+# daemon needed), tagged as the chart and the examples name them. The container storage and
+# its layer cache live outside the clone (images/storage.conf), so every clone on a machine
+# shares them; the project's containers.conf/storage.conf leave the machine's /etc alone.
+IMAGE_TOOLS := podman runc debootstrap
+IMAGE_TAG := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' charts/omni-pipeline/Chart.yaml)
+RUNTIME_IMAGE := ghcr.io/omni-pipeline/omni-stage:$(IMAGE_TAG)
+OPERATOR_IMAGE := ghcr.io/omni-pipeline/omni-operator:$(IMAGE_TAG)
+# The Debian/Python base both images are built on here, made from Debian packages.
+BASE_IMAGE := localhost/omni-pipeline/debian-python:bookworm
+export CONTAINERS_CONF := $(CURDIR)/images/containers.conf
+export CONTAINERS_STORAGE_CONF := $(CURDIR)/images/storage.conf
+# pip inside a build trusts this CA bundle (a build secret, never a layer), as pip here does.
+CA_BUNDLE ?= $(firstword $(wildcard $(PIP_CERT) /etc/ssl/certs/ca-certificates.crt))
+# The first local wheel directory pip is configured with (find-links: here the CPU torch
+# wheel), mounted into the build as its `wheels` context; none: images/no-wheels.
+WHEELS_DIR ?= $(firstword $(wildcard $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)) images/no-wheels)
+comma := ,
+CA_SECRET = $(if $(CA_BUNDLE),--secret id=ca-bundle$(comma)src=$(CA_BUNDLE))
+PODMAN_BUILD = podman build --layers $(CA_SECRET) --build-arg BASE=$(BASE_IMAGE)
+
+$(STAMP)/image-tools:
+	@mkdir -p $(STAMP)
+	@missing=""; for p in $(IMAGE_TOOLS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	@touch $@
+
+image-base: $(STAMP)/image-tools
+	@podman image exists $(BASE_IMAGE) || { echo "making $(BASE_IMAGE) (debootstrap)"; images/debian-python-base.sh $(BASE_IMAGE); }
+
+# BUILD_CONTEXT: the directory the images are built from (the tests build from a changed copy).
+BUILD_CONTEXT ?= .
+
+runtime-image: image-base
+	$(PODMAN_BUILD) -f omni_runtime/Dockerfile --build-arg TARGET_DEVICE=cpu \
+	  --build-arg VLLM_VERSION=$(VLLM_VERSION) --build-arg TORCH_VERSION=$(TORCH_VERSION) \
+	  --build-context wheels=$(WHEELS_DIR) -t $(RUNTIME_IMAGE) $(BUILD_CONTEXT)
+
+operator-image: image-base
+	$(PODMAN_BUILD) -f operator/Dockerfile -t $(OPERATOR_IMAGE) $(BUILD_CONTEXT)
+
+# Superseded builds' images go (the layers the current ones use, and so the cache, stay).
+images: runtime-image operator-image
+	@podman image prune --force >/dev/null
+	@podman images --filter reference='ghcr.io/omni-pipeline/*' --format '{{.Repository}}:{{.Tag}} {{.Size}}'
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# `make print-VAR`: a variable's value (the tests read the image tags this way).
+print-%:
+	@echo $($*)

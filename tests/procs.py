@@ -73,8 +73,9 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` on the tiny model with OmniARScheduler
-    and no KV extraction worker: transfers are marked and handed off but nobody acknowledges
-    them (the tests of stuck, held and expiring transfers). Multi-process engine core, a
+    and a KV connector whose worker side never answers (tests/silent_kv_connector.py):
+    transfers are marked and handed off but nobody acknowledges them (the tests of stuck,
+    held and expiring transfers). Multi-process engine core, a
     fresh ``PROMETHEUS_MULTIPROC_DIR``, as a stage launcher sets them up."""
 
     def __init__(self, workdir: Path, *, omni_kv_config: dict[str, Any], served_model_name: str,
@@ -90,12 +91,20 @@ class VllmServer:
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("OTEL_", "PROMETHEUS_")) and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         self.env.update(PROMETHEUS_MULTIPROC_DIR=str(multiproc), VLLM_TARGET_DEVICE="cpu", **(env or {}))
+        # The silent connector's module lives next to this file.
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parent), self.env.get("PYTHONPATH")) if p)
+        silent_connector = {
+            "kv_connector": "SilentOmniKVConnector", "kv_connector_module_path": "silent_kv_connector",
+            "kv_role": "kv_producer", "kv_connector_extra_config": {"endpoints": {}},
+        }
         self.cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(ensure_tiny_model()), "--served-model-name", served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--scheduler-cls", "omni_runtime.sched.OmniARScheduler",
             "--additional-config", json.dumps({"omni_kv_config": omni_kv_config}),
+            "--kv-transfer-config", json.dumps(silent_connector),
             "--kv-cache-memory-bytes", "67108864", "--max-model-len", "512",
             "--block-size", str(block_size), "--enforce-eager", *extra_args,
         ]
@@ -121,7 +130,9 @@ class VllmServer:
 class StageProcess:
     """One ``omni-stage`` process with its config file and log."""
 
-    def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None,
+                 grace_seconds: float = 5):
+        self.grace_seconds = grace_seconds
         self.config = config
         self.name = config["stage"]
         self.http_port = config["ports"]["http"]
@@ -140,7 +151,7 @@ class StageProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_runtime.stages.main", "--config", str(self.config_path),
-             "--host", "127.0.0.1", "--grace-seconds", "5"],
+             "--host", "127.0.0.1", "--grace-seconds", str(self.grace_seconds)],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )
         log.close()

@@ -120,6 +120,16 @@ count by (namespace, pipeline) ({m.KV_TRANSFERS})
         ),
         _alert(
             cfg,
+            "OmniKVTransportThreadDown",
+            f"{m.KV_TRANSPORT_THREAD_UP} == 0",
+            cfg.transport_thread_down_for,
+            "critical",
+            "A stage's KV transport thread died: it cannot send or receive KV.",
+            f"The KV {{{{ $labels.thread }}}} thread of {WHERE} (pod {{{{ $labels.pod }}}}) "
+            "has stopped; every transfer through it fails until the stage restarts.",
+        ),
+        _alert(
+            cfg,
             "OmniKVMetricsAbsent",
             absent_expr,
             cfg.metrics_absent_for,

@@ -29,6 +29,9 @@ class Config:
     failure_rate_window: str = "10m"
     failure_rate_for: str = "10m"
     stage_down_for: str = "5m"
+    # A KV transport thread that ended: a stage stopping on purpose exits within seconds of
+    # it (its series then disappears), so one still at 0 after this long died.
+    transport_thread_down_for: str = "1m"
     metrics_absent_for: str = "10m"
     reconcile_error_window: str = "10m"
     reconcile_error_for: str = "15m"

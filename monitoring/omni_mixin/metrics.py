@@ -17,6 +17,8 @@ KV_HOLD_DURATION = "omni_kv_hold_duration_seconds"  # histogram
 KV_BYTES = "omni_kv_transfer_bytes"  # histogram (worker side)
 # Receiving stage: transfers it refused (bad payload, unknown request, full), label reason.
 KV_RECEIVER_REJECTED = "omni_kv_receiver_rejected_total"
+# Either stage: 1 while the KV transport's thread runs, label thread = sender, receiver.
+KV_TRANSPORT_THREAD_UP = "omni_kv_transport_thread_up"
 
 # Operator metrics.
 OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result

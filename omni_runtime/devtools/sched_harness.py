@@ -36,6 +36,7 @@ def make_vllm_config(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = False,
     num_blocks: int = 10_000,
+    compose_with: Mapping[str, Any] | None = None,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(ensure_tiny_model()), dtype="float32", seed=0, max_model_len=max_model_len
@@ -57,9 +58,12 @@ def make_vllm_config(
         # The omni KV connector's scheduler side (its worker side never runs here).
         from vllm.config import KVTransferConfig
 
-        from omni_runtime.kv.connector import kv_transfer_config
+        from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
 
-        kv_transfer = KVTransferConfig(**kv_transfer_config({"next": "tcp://127.0.0.1:9"}))
+        connector = kv_transfer_config({"next": "tcp://127.0.0.1:9"})
+        if compose_with is not None:  # under vLLM's MultiConnector, as omni-stage composes it
+            connector = composed_kv_transfer_config(connector, compose_with)
+        kv_transfer = KVTransferConfig(**connector)
     return VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
@@ -184,6 +188,9 @@ def _attempt_of(key: Any, scheduler: Scheduler | None) -> tuple[str, int]:
 def handed_off(scheduler_output: SchedulerOutput) -> dict[str, dict[str, Any]]:
     """The transfers a step hands to the KV connector's workers: ``{request id: info}``."""
     meta = scheduler_output.kv_connector_metadata
+    for child in getattr(meta, "metadata", None) or ():  # a MultiConnector's: ours is a child
+        if hasattr(child, "transfers"):
+            meta = child
     return dict(getattr(meta, "transfers", None) or {})
 
 

@@ -28,6 +28,13 @@ worker side (in each worker process)
   * :meth:`build_connector_worker_meta` reports, asynchronously, the sender's answers:
     ``{request id: (attempt, None | failure reason)}``.
 
+Tensor parallelism: each rank's worker-side connector holds only its own KV heads and ships
+them as shard ``rank`` of ``tensor_parallel_size`` (the receiver assembles the payload); its
+worker metadata names its rank, vLLM's KVOutputAggregator folds the ranks' metadata of a step
+together (:meth:`OmniKVWorkerMetadata.aggregate`), and the scheduler side
+(:class:`ShardAnswers`) acks a transfer once every rank's shard was acked. All ranks run a
+step together, so the invariant below holds for each of them.
+
 Invariant (the block guarantee's worker half): the worker reads a transfer's blocks only
 during the step whose metadata hands it off. So once that step has run, the scheduler may
 free or re-use the blocks whatever the transfer's fate; before it has run, the blocks are
@@ -68,6 +75,13 @@ from omni_runtime.kv.layout import (
 )
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
+
+def _ids_not_randomized() -> bool:
+    """vLLM keeps the client's request id as its internal id (no random suffix)."""
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -93,16 +107,70 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class OmniKVWorkerMetadata(KVConnectorWorkerMetadata):
-    #: request id -> (attempt, None when delivered else the failure reason)
+    #: One worker's answers: request id -> (attempt, None when delivered else the reason).
     answers: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    #: Its tensor-parallel rank (it shipped that rank's KV-head shard).
+    rank: int = 0
+    #: The other ranks' answers, folded in by :meth:`aggregate` (vLLM's KVOutputAggregator
+    #: merges the workers' metadata of one step this way before the scheduler sees it).
+    other_ranks: dict[int, dict[str, tuple[int, str | None]]] = field(default_factory=dict)
+
+    def by_rank(self) -> dict[int, dict[str, tuple[int, str | None]]]:
+        return {**self.other_ranks, self.rank: self.answers}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # One worker per engine here (tensor_parallel_size 1): a merge, failures winning.
-        merged = dict(self.answers)
-        for rid, (attempt, reason) in getattr(other, "answers", {}).items():
-            if rid not in merged or reason is not None:
-                merged[rid] = (attempt, reason)
-        return OmniKVWorkerMetadata(merged)
+        merged = {rank: dict(answers) for rank, answers in self.other_ranks.items()}
+        if isinstance(other, OmniKVWorkerMetadata):
+            for rank, answers in other.by_rank().items():
+                merged.setdefault(rank, {}).update(answers)
+        return OmniKVWorkerMetadata(dict(self.answers), self.rank, merged)
+
+
+class ShardAnswers:
+    """The scheduler side's view of the ranks' answers (tensor parallelism).
+
+    Each rank ships its own KV-head shard and answers for it, in whatever step its sender
+    resolves it, so the answers of one transfer arrive over several steps. A transfer is
+    delivered when every rank's shard was acked; it failed as soon as any rank's shard
+    failed (reported once, the remaining answers of that attempt are then only counted).
+    State per request: the attempt being answered and the ranks' answers so far; an answer
+    for a newer attempt starts over, one for an older attempt is ignored. An entry leaves
+    when every rank answered, so the state is bounded by the transfers in flight (each rank
+    answers every attempt it was handed, or a newer one supersedes it).
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        #: request id -> (attempt, {rank: reason}, failure already reported)
+        self._partial: dict[str, tuple[int, dict[int, str | None], bool]] = {}
+
+    def combine(self, by_rank: Mapping[int, Mapping[str, tuple[int, str | None]]]
+                ) -> dict[str, tuple[int, str | None]]:
+        if self.world_size == 1:
+            return dict(by_rank.get(0, {}))
+        result: dict[str, tuple[int, str | None]] = {}
+        for rank, answers in sorted(by_rank.items()):
+            for rid, (attempt, reason) in answers.items():
+                current = self._partial.get(rid)
+                if current is None or attempt > current[0]:
+                    current = (attempt, {}, False)
+                elif attempt < current[0]:
+                    continue  # a superseded attempt: resolves nothing
+                seen, reported = current[1], current[2]
+                seen[rank] = reason
+                if reason is not None and not reported:
+                    result[rid] = (attempt, f"tensor-parallel rank {rank}: {reason}")
+                    reported = True
+                if len(seen) < self.world_size:
+                    self._partial[rid] = (attempt, seen, reported)
+                    continue
+                self._partial.pop(rid, None)
+                if not reported:
+                    result[rid] = (attempt, None)  # every rank's shard was acked
+        return result
+
+    def __len__(self) -> int:
+        return len(self._partial)
 
 
 def find_omni_connector(connector: Any) -> OmniKVConnector | None:
@@ -124,17 +192,13 @@ class OmniKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise UnsupportedKVCache(
-                f"{CONNECTOR_NAME} supports tensor_parallel_size 1 and pipeline_parallel_size 1 "
-                f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
-            )
+        world_size = _check_parallelism(vllm_config)
         # A bad io_cpus refuses the engine at start-up (not at the first transfer).
         transport_cpus(_extra_config(vllm_config).get("io_cpus"))
         # Scheduler side.
         self._hand_offs: dict[str, dict[str, Any]] = {}
         self._hold: set[str] = set()
+        self._shard_answers = ShardAnswers(world_size)
         # Worker side (set up lazily, on the first hand-off: the caches exist by then).
         self._caches: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -150,12 +214,17 @@ class OmniKVConnector(KVConnectorBase_V1):
         self._hold.add(request_id)
 
     def take_answers(self, output: KVConnectorOutput | None) -> dict[str, tuple[int, str | None]]:
+        """The transfers the workers' answers of this step resolve: ``{request id: (attempt,
+        None | reason)}``; with tensor parallelism a transfer is acked once every rank's
+        shard was (:class:`ShardAnswers`)."""
         meta = getattr(output, "kv_connector_worker_meta", None) if output else None
         if meta is not None and not isinstance(meta, OmniKVWorkerMetadata):
             # A MultiConnector's: ours is the one of our type.
             meta = next((m for m in getattr(meta, "metadata", ())
                          if isinstance(m, OmniKVWorkerMetadata)), None)
-        return meta.answers if meta is not None else {}
+        if meta is None:
+            return {}
+        return self._shard_answers.combine(meta.by_rank())
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         return 0, False  # a producer: nothing to load
@@ -220,7 +289,7 @@ class OmniKVConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         answers = self._worker.poll()
-        return OmniKVWorkerMetadata(answers) if answers else None
+        return OmniKVWorkerMetadata(answers, self._worker.shard) if answers else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -263,6 +332,8 @@ class _WorkerState:
         self._in_flight: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (attempt, buffer)
         self._pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._pool_bytes = 0
+        # This worker's KV-head shard: its tensor-parallel rank of the world.
+        self.shard, self.num_shards = _tensor_parallel_shard(vllm_config)
         try:
             self._setup(vllm_config)
         except Exception as exc:
@@ -298,20 +369,22 @@ class _WorkerState:
         self._strides = affine_strides(self._layout)
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.observability.metrics import transfer_bytes_observer
+        from omni_runtime.observability.transport_metrics import thread_up_setter
 
         io_cpus = transport_cpus(extra.get("io_cpus"))
 
         self._pipeline = str(extra.get("pipeline", ""))
         self._stage = kv_cfg.stage_name
+        model_name = model_config.served_model_name or model_config.model
         self._sender = KVSender(
             endpoints=endpoints,
             pipeline=self._pipeline,
             stage=kv_cfg.stage_name,
             send_timeout_s=max(0.1, 0.95 * kv_cfg.timeout_seconds),
-            observe_bytes=transfer_bytes_observer(
-                stage=kv_cfg.stage_name,
-                model_name=model_config.served_model_name or model_config.model,
-            ),
+            observe_bytes=transfer_bytes_observer(stage=kv_cfg.stage_name, model_name=model_name),
+            # omni_kv_transport_thread_up{thread="sender"}: the AR supervisor's health check.
+            on_thread_state=thread_up_setter(stage=kv_cfg.stage_name, model_name=model_name,
+                                             thread="sender"),
             # Off the engine's OpenMP cores: a core the transport takes from OpenMP stalls
             # every parallel region of every step (docs/connector.md, "Measured").
             io_cpus=io_cpus,
@@ -375,6 +448,7 @@ class _WorkerState:
 
     def finish_step(self) -> None:
         from omni_runtime.kv.transport import KVPayload
+        from omni_runtime.kv.transport.wire import vllm_external_request_id
 
         jobs, self.jobs = self.jobs, []
         if self.copying:
@@ -402,6 +476,9 @@ class _WorkerState:
                     array = kv.numpy()
                 payload = KVPayload(
                     request_id=job.request_id,
+                    # The receiver also files it under the client-facing id.
+                    external_request_id=vllm_external_request_id(
+                        job.request_id, randomized=not _ids_not_randomized()),
                     seq_len=job.seq_len,
                     kv=array,
                     dtype=dtype,
@@ -409,6 +486,8 @@ class _WorkerState:
                     from_stage=self._stage,
                     trace_context=job.trace_headers,
                     extra={"block_size": self._layout.block_size, "attempt": job.attempt},
+                    shard=self.shard,
+                    num_shards=self.num_shards,
                 )
             except Exception as exc:
                 self._local[job.request_id] = (
@@ -494,6 +573,39 @@ def _gather(cache: torch.Tensor, job: _Job, layer: int) -> None:
 
 def _extra_config(vllm_config: Any) -> dict[str, Any]:
     return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+
+
+def _check_parallelism(vllm_config: Any) -> int:
+    """The tensor-parallel world size, after refusing what the payload cannot describe:
+    pipeline parallelism (a rank holds only some layers), and a KV-head count the ranks do not
+    split evenly (vLLM then replicates heads across ranks)."""
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if pp != 1:
+        raise UnsupportedKVCache(
+            f"{CONNECTOR_NAME} supports pipeline_parallel_size 1 (got {pp}); set "
+            "pipeline_parallel_size to 1 or kvTransfer.send to false"
+        )
+    model_config = vllm_config.model_config
+    if tp > 1 and model_config is not None:
+        heads = model_config.get_total_num_kv_heads()
+        if heads % tp:
+            raise UnsupportedKVCache(
+                f"{CONNECTOR_NAME} with tensor_parallel_size {tp} needs a KV-head count "
+                f"divisible by it (each rank ships its own heads); this model has {heads}: "
+                "choose a tensor_parallel_size that divides it"
+            )
+    return tp
+
+
+def _tensor_parallel_shard(vllm_config: Any) -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the world size): its KV-head shard."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), tp
 
 
 def _attention_layer(vllm_config: Any) -> Any:

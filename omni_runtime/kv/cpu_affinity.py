@@ -61,7 +61,22 @@ def available_cpus() -> set[int]:
 
 def omp_bound_cpus(environ: Mapping[str, str]) -> set[int] | None:
     """The CPUs the engine's OpenMP threads are bound to, from the variables vLLM's CPU
-    executor sets for its workers; None when unbound or unknown."""
+    executor sets for its workers; None when unbound or unknown. With an explicit
+    ``VLLM_CPU_OMP_THREADS_BIND`` ("0-3|4-7", one list per rank) every rank's CPUs count: a
+    tensor-parallel worker's transport must not land on another rank's cores either."""
+    own = _own_omp_cpus(environ)
+    ranks = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if ranks not in ("", "auto", "nobind"):
+        try:
+            every = set().union(*(parse_cpu_list(r) for r in ranks.split("|")))
+        except ValueError:
+            every = set()
+        if every:
+            return every | (own or set())
+    return own
+
+
+def _own_omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
     places = environ.get("OMP_PLACES", "")
     if places and environ.get("OMP_PROC_BIND", "").lower() not in ("", "false"):
         # vLLM writes "{0,1,2}"; also accept "{0},{1}" and "{0:4}" (4 CPUs from 0).

@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from omni_runtime.kv.transport.wire import REJECT_CODES
 from omni_runtime.observability.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE_MODE, Family
+from omni_runtime.observability.transport_metrics import thread_up_setter
 
 RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
 EVICTION_REASONS: tuple[str, ...] = ("expired", "replaced")
@@ -107,6 +108,8 @@ class ReceiverMetrics:
         self._buffered = fams.bytes.labels(*base)
         self._evicted = {r: fams.evicted.labels(*base, r) for r in EVICTION_REASONS}
         self._wait = {o: fams.wait.labels(*base, o) for o in WAIT_OUTCOMES}
+        self._thread_up = thread_up_setter(stage=stage, model_name=model_name,
+                                           thread="receiver", registry=registry)
         self.set_inbox(0, 0)  # also supersedes a dead process's gauge values
 
     def delivered(self, nbytes: int) -> None:
@@ -127,10 +130,15 @@ class ReceiverMetrics:
     def observe_wait(self, seconds: float, found: bool) -> None:
         self._wait["found" if found else "timeout"].observe(seconds)
 
+    def thread_up(self, up: bool) -> None:
+        self._thread_up(up)
+
 
 def build_registry(*, stage: str = "stage", model_name: str = "model"
                    ) -> tuple[CollectorRegistry, ReceiverMetrics]:
     """A private registry with every receiver family (series at zero), for tools that check
     dashboard and alert queries against the real names."""
     registry = CollectorRegistry()
-    return registry, ReceiverMetrics(stage=stage, model_name=model_name, registry=registry)
+    metrics = ReceiverMetrics(stage=stage, model_name=model_name, registry=registry)
+    metrics.thread_up(True)  # the thread-state series exists once a receiver thread runs
+    return registry, metrics

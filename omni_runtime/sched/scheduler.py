@@ -20,7 +20,10 @@ to the model runner, and keeps the blocks allocated until the transfer resolves:
   * a preempted request's unresolved transfer keeps its blocks pinned (one extra reference,
     out of the free pool) until it resolves: vLLM's preemption frees them inside schedule(),
     and the same step could otherwise give them to another request while the transfer is
-    still to be read.
+    still to be read;
+  * composed with other connectors (vLLM's MultiConnector, the omni connector one of its
+    children), a finished request's unresolved transfer is pinned the same way instead of
+    held through the delayed free, which the MultiConnector shares with the other children.
 
 All the bookkeeping lives in :class:`~omni_runtime.transfers.ledger.TransferLedger`; this class only
 wires it into vLLM's hooks. Plug it in with
@@ -84,6 +87,11 @@ class OmniKVTransferMixin:
         # The omni KV connector (kv/connector.py) moves the bytes: found by its marker, so that
         # scheduling imports nothing of the data path.
         self._omni = _find_omni_connector(self.connector)
+        # Composed with other connectors (vLLM's MultiConnector): vLLM's delayed free is then
+        # shared, counted per connector and ended by finished_sending reports, which ours
+        # never sends. A finished request's unresolved transfer keeps its blocks pinned
+        # instead (as a preempted one's), and vLLM frees the request as the others decide.
+        self._composed = self._omni is not None and self._omni is not self.connector
         if cfg.need_send_cache and self._omni is None:
             raise OmniKVConfigError(
                 "OmniARScheduler: omni_kv_config.need_send_cache needs the omni KV connector: "
@@ -142,10 +150,7 @@ class OmniKVTransferMixin:
                 # may give them to another request. The transfer may still be handed off (or
                 # its hand-off step still in flight): keep its blocks allocated, unchanged,
                 # until it resolves.
-                pool = self.kv_cache_manager.block_pool
-                blocks = [pool.blocks[i] for i in transfer.block_ids]
-                pool.touch(blocks)
-                self._pinned[request.request_id] = blocks
+                self._pin(transfer)
         super()._preempt_request(request, timestamp, *args, **kw)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
@@ -172,6 +177,8 @@ class OmniKVTransferMixin:
                     "request finished while preempted: vLLM freed its KV before it was sent",
                 )
         num_blocks, pinned = 0, self._pinned.get(request_id)
+        if pinned is None and self._composed and (transfer := ledger.get(request_id)):
+            pinned = self._pin(transfer)  # see _composed: vLLM frees the request itself
         if pinned is not None:
             num_blocks = len(pinned)  # its transfer's blocks are pinned, not the request's
         elif ledger.get(request_id) is not None:
@@ -351,17 +358,28 @@ class OmniKVTransferMixin:
         """Give back the blocks a transfer that has just resolved kept (exactly once: the
         ledger returns a transfer from resolve only once): its pinned blocks, and a finished
         request's held blocks (then vLLM forgets the request)."""
-        self._unpin(transfer.request_id)
-        if not transfer.held:
-            return
+        if self._unpin(transfer.request_id) or not transfer.held:
+            return  # pinned: vLLM freed (or frees) the request's own blocks itself
         request = self.requests.get(transfer.request_id)
         if request is not None and request.is_finished():
             self._free_blocks(request)
 
-    def _unpin(self, request_id: str) -> None:
+    def _pin(self, transfer: Transfer) -> list[Any]:
+        """One extra reference on each of the transfer's blocks: out of the free pool until
+        :meth:`_unpin`, whatever vLLM does with the request's own."""
+        pool = self.kv_cache_manager.block_pool
+        blocks = [pool.blocks[i] for i in transfer.block_ids]
+        pool.touch(blocks)
+        self._pinned[transfer.request_id] = blocks
+        return blocks
+
+    def _unpin(self, request_id: str) -> bool:
+        """Drop the transfer's pin, if it had one (then True)."""
         blocks = self._pinned.pop(request_id, None)
-        if blocks:
-            self.kv_cache_manager.block_pool.free_blocks(blocks)
+        if blocks is None:
+            return False
+        self.kv_cache_manager.block_pool.free_blocks(blocks)
+        return True
 
     def _mark_failed(self, request: Request, trigger: Trigger, seq_len: int, reason: str) -> None:
         transfer = self.transfer_ledger.mark(

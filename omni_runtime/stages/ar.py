@@ -3,16 +3,29 @@
 This process does not import vLLM or prometheus_client. It prepares the environment (an
 empty ``PROMETHEUS_MULTIPROC_DIR`` shared by the API server and the engine-core process, the
 stage's name), starts ``python -m vllm.entrypoints.openai.api_server`` as a child in its own
-process group, and turns SIGTERM/SIGINT into a drain: wait until the stage's pending and active
-transfers (read from its own ``/metrics``) are zero or the grace period ends, then stop vLLM.
-On Kubernetes the pod leaves its Service's endpoints when it starts terminating, so no new
-requests arrive while it drains; vLLM itself finishes in-flight requests on SIGTERM.
+process group, and supervises it:
+
+* Stop (SIGTERM/SIGINT) drains requests and transfers within the grace period: vLLM runs
+  with ``--shutdown-timeout`` = the grace period (vLLM 0.32's default, 0, aborts every request
+  in flight), so on the SIGTERM passed on to it the engine refuses new requests, keeps
+  stepping until its in-flight requests have finished and every KV transfer has resolved
+  (the omni scheduler reports unresolved transfers as unfinished work), then exits; the
+  supervisor waits that long plus STOP_TIMEOUT_S, then kills what is left. On Kubernetes the
+  pod also leaves its Service's endpoints when it starts terminating.
+* Health: every HEALTH_CHECK_PERIOD_S it reads its own ``/metrics``; if the KV sender's thread
+  in the engine process reports itself dead (``omni_kv_transport_thread_up == 0``), the
+  stage cannot move KV any more while looking healthy, so it stops vLLM and exits with
+  EXIT_TRANSPORT_DEAD: the pod restarts, and ``omni-pipeline up`` reports the stage's exit.
+* Priority: vLLM's engine-core processes (every thread) run reniced to ENGINE_NICE, so the
+  API server that answers /health and /metrics gets a CPU when it needs one under full load
+  (benchmarks/metrics_scrape.py; docs/metrics.md, "Scrape time under load").
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -25,17 +38,35 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from omni_runtime.kv.connector_config import kv_transfer_config
+from omni_runtime.kv.connector_config import (
+    ConnectorConfigError,
+    composed_kv_transfer_config,
+    kv_transfer_config,
+)
 from omni_runtime.stages.config import StageConfig, StageConfigError
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_CLS = "omni_runtime.sched.OmniARScheduler"
-#: How long vLLM gets to stop on SIGTERM (finishing in-flight requests) before SIGKILL.
+#: How long vLLM gets, beyond the grace period its engine drains for, to tear down before
+#: SIGKILL.
 STOP_TIMEOUT_S = 30
+#: How often the supervisor reads its own /metrics for the KV transport's thread state.
+HEALTH_CHECK_PERIOD_S = 10.0
+#: Exit status when the KV sender's thread died (the stage could not move KV any more).
+EXIT_TRANSPORT_DEAD = 3
+#: Niceness given to vLLM's engine-core processes (every thread), so that the API server,
+#: which answers /health and /metrics, is never starved of CPU by the engine's busy loop and
+#: its compute threads (benchmarks/metrics_scrape.py). OMNI_ENGINE_NICE overrides; 0 leaves
+#: the engine alone. Raising niceness needs no privilege.
+ENGINE_NICE = 10
+ENGINE_NICE_ENV = "OMNI_ENGINE_NICE"
 #: engineArgs the stage sets itself; a user value would break the stage contract.
-RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "served-model-name"})
+RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "served-model-name",
+                           "shutdown-timeout"})
 _IN_FLIGHT = re.compile(r'^omni_kv_transfers\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
+_THREAD_UP = re.compile(
+    r'^omni_kv_transport_thread_up\{[^}]*thread="(sender|receiver)"[^}]*\}\s+(\S+)', re.M)
 
 
 def _flag(key: str) -> str:
@@ -45,7 +76,9 @@ def _flag(key: str) -> str:
 
 def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """``engineArgs`` as vLLM flags (keys in kebab, snake or camel case; ``true`` is a bare
-    flag, ``false`` is left out); returns (flags, the user's additional-config to merge)."""
+    flag, ``false`` is left out); returns (flags, the user's additional-config to merge).
+    A ``kv-transfer-config`` is left to :func:`vllm_command`, which composes it with the
+    omni KV connector (:func:`user_kv_connector`)."""
     argv: list[str] = []
     additional: dict[str, Any] = {}
     for key, value in engine_args.items():
@@ -56,13 +89,7 @@ def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[
                 "the omni scheduler come from the pipeline spec)"
             )
         if flag == "kv-transfer-config":
-            # Composing with another connector (MultiConnector) is not supported yet: both
-            # would own the lifetime of finished requests' blocks.
-            raise StageConfigError(
-                f"engineArgs.{key} names a KV connector, but the AR stage's KV transfers use "
-                "the omni KV connector (set from kvTransfer and the pipeline graph); remove "
-                f"engineArgs.{key}, or set kvTransfer.send to false to run your own connector"
-            )
+            continue  # vllm_command composes it with the omni connector (user_kv_connector)
         if flag == "additional-config":
             if not isinstance(value, Mapping):
                 raise StageConfigError(f"engineArgs.{key} must be a mapping")
@@ -78,7 +105,33 @@ def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[
     return argv, additional
 
 
-def vllm_command(config: StageConfig, host: str, python: str = sys.executable) -> list[str]:
+def shutdown_timeout_flag(grace_seconds: float) -> list[str]:
+    """vLLM's ``--shutdown-timeout`` (whole seconds, 0 would mean abort) from the grace
+    period: the engine drains in-flight requests that long before it stops."""
+    return ["--shutdown-timeout", str(max(1, math.ceil(grace_seconds)))]
+
+
+def user_kv_connector(engine_args: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The user's own KV connector in ``engineArgs`` (key, config), if any: a mapping, or
+    its JSON text as vLLM's flag takes it."""
+    for key, value in engine_args.items():
+        if _flag(key) != "kv-transfer-config" or value is None:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise StageConfigError(f"engineArgs.{key} is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise StageConfigError(
+                f"engineArgs.{key} must be a mapping (a vLLM KVTransferConfig), "
+                f"got {type(value).__name__}")
+        return key, dict(value)
+    return None
+
+
+def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *,
+                 grace_seconds: float | None = None) -> list[str]:
     flags, additional = engine_args_to_cli(config.engine_args)
     for key in ("omni_kv_config",):
         if key in additional:
@@ -96,23 +149,38 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable) -
         "--scheduler-cls", SCHEDULER_CLS,
         "--additional-config", json.dumps(additional, sort_keys=True),
     ]
+    user = user_kv_connector(config.engine_args)
+    connector = user[1] if user else None
     if additional["omni_kv_config"].get("need_send_cache"):
         # The omni KV connector moves the bytes (vLLM's KV connector interface; no worker
-        # class of ours).
+        # class of ours), composed with the user's own through vLLM's MultiConnector.
         connector = kv_transfer_config(
             {d.stage: d.zmq_address for d in config.downstream}, config.pipeline
         )
+        if user is not None:
+            try:
+                connector = composed_kv_transfer_config(connector, user[1])
+            except ConnectorConfigError as exc:
+                raise StageConfigError(f"engineArgs.{user[0]}: {exc}") from None
+    if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector, sort_keys=True)]
     if config.model_dir:
         argv += ["--download-dir", config.model_dir]
     if config.otlp_endpoint:
         argv += ["--otlp-traces-endpoint", config.otlp_endpoint]
+    if grace_seconds is not None:
+        argv += shutdown_timeout_flag(grace_seconds)
     return argv + flags
 
 
 def in_flight_transfers(metrics_text: str) -> float:
     """Pending + active transfers on a stage's /metrics page."""
     return sum(float(v) for _, v in _IN_FLIGHT.findall(metrics_text))
+
+
+def transport_threads_down(metrics_text: str) -> list[str]:
+    """The KV transport threads (``sender``, ``receiver``) a /metrics page reports dead."""
+    return sorted({t for t, v in _THREAD_UP.findall(metrics_text) if float(v) == 0})
 
 
 class ARStage:
@@ -135,7 +203,7 @@ class ARStage:
         return env
 
     def run(self) -> int:
-        argv = vllm_command(self.config, self.host)
+        argv = vllm_command(self.config, self.host, grace_seconds=self.grace_seconds)
         env = self._environment()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
@@ -146,11 +214,19 @@ class ARStage:
             argv, env=env, start_new_session=True, preexec_fn=_terminate_with_parent
         )
         try:
+            next_check = time.monotonic() + HEALTH_CHECK_PERIOD_S
             while not self._stop.wait(0.5):
                 if (code := self._child.poll()) is not None:
                     logger.error("vLLM exited with %s", code)
                     return code or 1
-            self._drain()
+                self._deprioritize_engine()
+                if time.monotonic() >= next_check:
+                    if down := self._transport_threads_down():
+                        logger.error("KV %s thread of the engine died: the stage cannot ship KV; "
+                                     "stopping it so that it is restarted", " and ".join(down))
+                        self._stop_child()
+                        return EXIT_TRANSPORT_DEAD
+                    next_check = time.monotonic() + HEALTH_CHECK_PERIOD_S
             return self._stop_child()
         finally:
             # Whatever is left of vLLM's group (its engine-core process) goes with us.
@@ -159,38 +235,89 @@ class ARStage:
             except ProcessLookupError:
                 pass
 
+    def _deprioritize_engine(self) -> None:
+        """Renice every thread of vLLM's engine-core processes (the API server's descendants)
+        not yet reniced: threads start after the process does (the model's compute pool), so
+        this runs on every supervision tick; a /proc scan of a few dozen entries."""
+        nice = _engine_nice()
+        if nice <= 0:
+            return
+        for pid in _descendants(self._child.pid):
+            for tid in _tasks(pid):
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                        os.setpriority(os.PRIO_PROCESS, tid, nice)  # Linux: per thread
+                except OSError:
+                    pass  # the thread ended meanwhile
+
     def _metrics_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.config.http_port}/metrics"
 
-    def _drain(self) -> None:
-        deadline = time.monotonic() + self.grace_seconds
-        while time.monotonic() < deadline and self._child.poll() is None:
-            try:
-                with urllib.request.urlopen(self._metrics_url(), timeout=2) as resp:
-                    left = in_flight_transfers(resp.read().decode())
-            except OSError:
-                return  # the server is not answering: nothing to wait for
-            if left == 0:
-                logger.info("drained: no transfer in flight")
-                return
-            logger.info("draining: %d transfers in flight", left)
-            time.sleep(0.5)  # production wait between polls of our own /metrics, not a test
-        logger.warning("grace period over with transfers in flight; they will fail")
+    def _transport_threads_down(self) -> list[str]:
+        try:
+            with urllib.request.urlopen(self._metrics_url(), timeout=5) as resp:
+                return transport_threads_down(resp.read().decode())
+        except OSError:
+            return []  # not serving yet, or too busy to answer: the next check tries again
 
     def _stop_child(self) -> int:
-        """0 if vLLM stopped on SIGTERM within STOP_TIMEOUT_S, 1 if it had to be killed."""
+        """Stop vLLM: SIGTERM, which its --shutdown-timeout turns into a drain of requests and
+        transfers of up to the grace period; SIGKILL after that plus STOP_TIMEOUT_S. 0 if it
+        stopped by itself, 1 if it had to be killed."""
         child = self._child
         if child.poll() is None:
+            logger.info("stopping vLLM: it drains requests and KV transfers for up to %.0fs",
+                        self.grace_seconds)
             child.send_signal(signal.SIGTERM)
+            limit = math.ceil(self.grace_seconds) + STOP_TIMEOUT_S
             try:
-                child.wait(timeout=STOP_TIMEOUT_S)
+                child.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                logger.error("vLLM did not stop within %ds; killing it", STOP_TIMEOUT_S)
+                logger.error("vLLM did not stop within %ds; killing it", limit)
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 return 1
         return 0
+
+
+def _engine_nice() -> int:
+    try:
+        return int(os.environ.get(ENGINE_NICE_ENV, ENGINE_NICE))
+    except ValueError:
+        return ENGINE_NICE
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (not ``pid`` itself: the API server keeps its priority)."""
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
 
 
 def _terminate_with_parent() -> None:

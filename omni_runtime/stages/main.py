@@ -11,7 +11,8 @@ docs/operator.md; ``omni-pipeline up`` writes the same file for local runs). Two
   :mod:`omni_runtime.stages.receiver`).
 
 Ports: ``http`` (default 8000) and ``kv`` (default 9600), from the config's ``ports``.
-SIGTERM drains: stop taking work, wait for active transfers up to a grace period, then exit.
+SIGTERM drains: stop taking work, let in-flight requests and transfers finish within a grace
+period, then exit.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         "--grace-seconds",
         type=float,
         default=None,
-        help="on SIGTERM, how long to wait for transfers in flight before exiting "
-        "(default: the stage's kvTransfer.timeoutSeconds, after which none can be active)",
+        help="on SIGTERM, how long in-flight requests and KV transfers get to finish before "
+        "the stage exits (an AR stage passes it to vLLM as --shutdown-timeout; default: the "
+        "stage's kvTransfer.timeoutSeconds, else 30)",
     )
     parser.add_argument("--print-command", action="store_true", help="print the vLLM command of an AR stage and exit")
     args = parser.parse_args(argv)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         from omni_runtime.stages.ar import ARStage, vllm_command
 
         if args.print_command:
-            print(" ".join(vllm_command(config, args.host)))
+            print(" ".join(vllm_command(config, args.host, grace_seconds=grace)))
             return 0
         return ARStage(config, host=args.host, grace_seconds=grace).run()
     # One process serves a receiving stage's /metrics: prometheus_client's single-process

@@ -1,10 +1,14 @@
 """A receiving stage: the KV receiver and its inbox, behind a small HTTP server.
 
 HTTP (the stage's ``http`` port):
-  * ``GET /health``: 200 while the KV receiver serves, 503 once it stopped or drains;
+  * ``GET /health``: 200 while the KV receiver serves; 503 once it stopped, drains, or its
+    thread died (the body says which: Kubernetes' liveness probe then restarts the pod, and
+    ``omni_kv_transport_thread_up{thread="receiver"}`` is 0);
   * ``GET /metrics``: Prometheus text (the receiver families, ``omni_kv_receiver_*``);
   * ``GET /v1/kv``: JSON list of the payloads that arrived and are still in the inbox;
-  * ``GET /v1/kv/<request id>?wait=SECONDS``: the payload's K and V as a NumPy ``.npy``
+  * ``GET /v1/kv/<request id>?wait=SECONDS``: the payload (found by vLLM's internal request
+    id or by the client-facing one the sender named, e.g. ``cmpl-<X-Request-Id>-0``; header
+    ``X-Omni-Request-Id`` gives the internal one) with its K and V as a NumPy ``.npy``
     array ``[layers, 2, kv_heads, seq_len, head_size]`` (header ``X-Omni-Seq-Len`` etc.),
     waiting up to ``wait`` seconds for it to arrive; 404 if it does not. It stays in the
     inbox (the inbox's TTL bounds its life), so several readers may fetch it.
@@ -67,6 +71,15 @@ class ReceiverStage:
             self._http.server_close()
         return 0
 
+    def health_problem(self) -> str | None:
+        """Why the stage is not healthy, or None."""
+        if self._stopping.is_set():
+            return "stopping"
+        if not self.receiver.running:
+            died = self.receiver.died
+            return f"KV receiver thread died: {died}" if died else "KV receiver stopped"
+        return None
+
     def _begin_stop(self) -> None:
         # A receiver has no transfers of its own in flight: stop taking new ones (health
         # turns 503 first, so a load balancer stops routing), then stop the HTTP loop from
@@ -87,8 +100,9 @@ class ReceiverStage:
             def do_GET(self):
                 url = urlparse(self.path)
                 if url.path == "/health":
-                    ok = stage.receiver.running and not stage._stopping.is_set()
-                    return self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, b"ok" if ok else b"stopping", "text/plain")
+                    problem = stage.health_problem()
+                    return self._send(HTTPStatus.SERVICE_UNAVAILABLE if problem else HTTPStatus.OK,
+                                      (problem or "ok").encode(), "text/plain")
                 if url.path == "/metrics":
                     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -113,6 +127,7 @@ class ReceiverStage:
                 buf = io.BytesIO()
                 np.save(buf, payload.kv, allow_pickle=False)
                 headers = {
+                    "X-Omni-Request-Id": payload.request_id,
                     "X-Omni-Seq-Len": str(payload.seq_len),
                     "X-Omni-From-Stage": payload.from_stage,
                     # bfloat16 travels as uint16 bits: the array's dtype alone would mislead.

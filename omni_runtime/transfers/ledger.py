@@ -333,25 +333,6 @@ class TransferLedger:
             observer.on_held(self, transfer)
         return True
 
-    def request_preempted(self, request_id: str) -> Transfer | None:
-        """The request was preempted: vLLM has freed its blocks and will recompute them.
-
-        An unresolved transfer can no longer be served from those blocks: a pending one is
-        cancelled, an active one fails. Its trigger state is dropped, so the caller can start
-        the transfer again once the recomputed KV reaches the same length. A transfer that
-        already resolved is left as it is (its data reached the runner). Returns the transfer
-        resolved here, if any.
-        """
-        transfer = self._by_deadline.get(request_id)
-        if transfer is None:
-            return None
-        self._triggered.discard(request_id)
-        if transfer.phase is Phase.PENDING:
-            return self.resolve(request_id, Outcome.CANCELLED, "request preempted before hand-off")
-        return self.resolve(
-            request_id, Outcome.FAILED, "request preempted: vLLM reclaimed the blocks in flight"
-        )
-
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:
         """Assert the documented invariants. O(n): for tests and debugging only."""

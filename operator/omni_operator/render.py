@@ -16,6 +16,11 @@ from .stage_config import config_hash, dump_stage_config, render_stage_config
 
 RUN_AS_USER = 1000  # the restricted Pod Security profile asks for a non-root user
 STARTUP_BUDGET_SECONDS = 1800  # loading a large model from a cold cache can take many minutes
+#: On SIGTERM omni-stage drains for the transfer deadline (its grace period), then gives vLLM
+#: this long to tear down before it kills it (omni_runtime/stages/ar.py STOP_TIMEOUT_S) ...
+STOP_BEYOND_GRACE_SECONDS = 30
+#: ... and the kubelet's SIGKILL comes this much later still, so it never cuts that short.
+KILL_MARGIN_SECONDS = 15
 
 
 def owner_reference(pipeline: Pipeline) -> dict[str, Any]:
@@ -230,6 +235,9 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
+            # Everything the stage writes goes to /tmp and /dev/shm (emptyDirs above); the
+            # image keeps every cache there (tests/images runs it exactly so).
+            "readOnlyRootFilesystem": True,
         },
     }
     volumes: list[dict[str, Any]] = [
@@ -254,7 +262,8 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
         # injected for Services break vLLM's own environment parsing).
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": stage.kv.timeout_seconds + 30,
+        "terminationGracePeriodSeconds": stage.kv.timeout_seconds + STOP_BEYOND_GRACE_SECONDS
+        + KILL_MARGIN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,

@@ -21,6 +21,7 @@ EXPECTED = {
     "OmniKVTransferFailureRateHigh",
     "OmniStageDown",
     "OmniKVMetricsAbsent",
+    "OmniKVTransportThreadDown",
     "OmniOperatorReconcileErrors",
 }
 
@@ -104,7 +105,8 @@ def test_alerts_query_only_the_contract_state_and_outcome_values():
     for rule in ALERTS:
         for name, _labels in selectors(rule["expr"]):
             assert name in {
-                "up", m.KV_TRANSFERS, m.KV_OLDEST_START, m.KV_RESOLVED, m.OPERATOR_RECONCILES
+                "up", m.KV_TRANSFERS, m.KV_OLDEST_START, m.KV_RESOLVED, m.OPERATOR_RECONCILES,
+                m.KV_TRANSPORT_THREAD_UP,
             }, (rule["alert"], name)
     stuck = next(r for r in ALERTS if r["alert"] == "OmniKVTransferStuck")["expr"]
     assert 'state="active"' in stuck and "> 0" in stuck

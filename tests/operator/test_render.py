@@ -217,9 +217,18 @@ def test_restricted_security_context():
     pod = children(pipeline_body())[("Deployment", "tiny-thinker")]["spec"]["template"]["spec"]
     sc = pod["containers"][0]["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True  # the stage writes only to its emptyDirs
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["automountServiceAccountToken"] is False
+
+
+def test_the_kubelet_kills_only_after_the_stage_s_own_drain_and_stop():
+    body = pipeline_body()
+    body["spec"]["stages"][0]["kvTransfer"]["timeoutSeconds"] = 42
+    pod = children(body)[("Deployment", "tiny-thinker")]["spec"]["template"]["spec"]
+    # omni-stage drains for the transfer timeout, then gives vLLM 30 s before killing it.
+    assert pod["terminationGracePeriodSeconds"] > 42 + 30
 
 
 def test_env_names_pipeline_stage_and_downstream():

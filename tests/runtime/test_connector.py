@@ -31,8 +31,7 @@ from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 from omni_runtime.kv.transport.wire import checksum, data_view, encode_header, encode_reply
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE = "talker"
-WAIT = 10.0  # upper bound of every wait; the events themselves come in milliseconds
+from transport_fixtures import STAGE, WAIT, make_receiver, make_sender, receiver, registry  # noqa: F401 (fixtures)
 
 
 def kv(seq_len: int = 8, seed: int = 0, dtype=np.float32) -> np.ndarray:
@@ -74,49 +73,6 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------- fixtures
-@pytest.fixture
-def registry():
-    return CollectorRegistry()
-
-
-@pytest.fixture
-def make_receiver(registry):
-    made: list[KVReceiver] = []
-
-    def make(bind: str = "tcp://127.0.0.1:0", *, inbox: KVInbox | None = None,
-             **kw) -> KVReceiver:
-        stage = kw.pop("stage", STAGE)
-        kw.setdefault("metrics", ReceiverMetrics(stage=stage, registry=registry))
-        r = KVReceiver(bind, inbox if inbox is not None else KVInbox(max_bytes=64 << 20),
-                       stage=stage, pipeline=kw.pop("pipeline", "p"), **kw)
-        made.append(r)
-        return r.start()
-
-    yield make
-    for r in made:
-        r.close()
-
-
-@pytest.fixture
-def receiver(make_receiver):
-    return make_receiver()
-
-
-@pytest.fixture
-def make_sender():
-    made: list[KVSender] = []
-
-    def make(endpoints, **kw) -> KVSender:
-        kw.setdefault("send_timeout_s", WAIT)
-        s = KVSender(endpoints, pipeline="p", stage="ar", **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
 @pytest.fixture
 def zctx():
     ctx = zmq.Context()
@@ -607,7 +563,7 @@ def test_metric_labels_are_bounded_and_never_carry_request_ids(receiver, dealer,
     dealer.send([b"junk"])
     dealer.reply()
     receiver.inbox.get("nope", timeout_s=0)
-    allowed = {"stage", "model_name", "outcome", "reason", "le"}
+    allowed = {"stage", "model_name", "outcome", "reason", "thread", "le"}
     for family in registry.collect():
         for s in family.samples:
             assert set(s.labels) <= allowed, s

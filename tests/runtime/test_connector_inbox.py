@@ -108,7 +108,7 @@ def test_list_summaries_have_the_documented_fields(setup):
     inbox, _, _ = setup
     inbox.put(payload("a", 2))
     (s,) = inbox.list()
-    assert s == {"request_id": "a", "seq_len": 2, "bytes": 256, "dtype": "float32",
+    assert s == {"request_id": "a", "external_request_id": None, "seq_len": 2, "bytes": 256, "dtype": "float32",
                  "shape": [2, 2, 1, 2, 8], "received_at": s["received_at"], "from_stage": "ar",
                  "pipeline": ""}
     assert abs(s["received_at"] - time.time()) < 60
@@ -150,3 +150,92 @@ def test_bad_bounds_are_refused():
         KVInbox(max_bytes=0)
     with pytest.raises(ValueError):
         KVInbox(ttl_s=0)
+
+
+# ---------------------------------------------------------------------- tensor-parallel shards
+
+
+def shards(rid: str, num_shards: int = 2, *, seq_len: int = 4, attempt: int = 0,
+           heads_per_shard: int = 1) -> tuple[np.ndarray, list[KVPayload]]:
+    """A whole KV array and its KV-head shards, as the ranks ship them."""
+    heads = heads_per_shard * num_shards
+    whole = np.arange(2 * 2 * heads * seq_len * 8, dtype=np.float32).reshape(2, 2, heads, seq_len, 8)
+    parts = [KVPayload(rid, seq_len, np.ascontiguousarray(
+                 whole[:, :, i * heads_per_shard:(i + 1) * heads_per_shard]),
+                 from_stage="ar", extra={"attempt": attempt}, shard=i, num_shards=num_shards)
+             for i in range(num_shards)]
+    return whole, parts
+
+
+def test_shards_are_assembled_and_delivered_only_when_every_one_is_stored(setup):
+    inbox, _, registry = setup
+    whole, (s0, s1) = shards("t")
+    inbox.put(s1)  # ranks answer in any order
+    assert "t" not in inbox and inbox.get("t") is None, "a partial transfer is never seen"
+    assert inbox.bytes == whole.nbytes, "the first shard reserves the whole payload"
+    assert sample(registry, "omni_kv_receiver_buffered_payloads") == 0
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(inbox.get("t", timeout_s=10)))
+    waiter.start()
+    inbox.put(s0)
+    waiter.join(10)
+    (payload,) = got
+    assert (payload.shard, payload.num_shards, payload.seq_len) == (0, 1, 4)
+    np.testing.assert_array_equal(payload.kv, whole)
+    assert payload.extra == {"attempt": 0} and payload.from_stage == "ar"
+    assert inbox.bytes == 0 and len(inbox) == 0
+
+
+def test_a_resent_shard_overwrites_its_slice_and_a_mismatched_one_is_refused(setup):
+    from omni_runtime.kv.transport.wire import Rejected
+
+    inbox, _, _ = setup
+    whole, (s0, s1) = shards("t")
+    inbox.put(s0)
+    inbox.put(s0)  # a resend (a reconnect): still one shard of two
+    assert "t" not in inbox
+    _, (other0, _) = shards("t", seq_len=3)
+    wrong = KVPayload("t", 3, other0.kv, from_stage="ar", extra={"attempt": 0}, shard=1,
+                      num_shards=2)
+    with pytest.raises(Rejected) as e:
+        inbox.put(wrong)
+    assert e.value.code == "shard_mismatch" and "shape (2, 2, 1, 3, 8)" in e.value.reason
+    inbox.put(s1)
+    np.testing.assert_array_equal(inbox.get("t").kv, whole)
+
+
+def test_a_newer_attempt_supersedes_an_unfinished_older_one(setup):
+    from omni_runtime.kv.transport.wire import Rejected
+
+    inbox, _, registry = setup
+    _, (old0, old1) = shards("t", attempt=1)
+    newer, (new0, new1) = shards("t", attempt=2)
+    inbox.put(old0)
+    inbox.put(new1)  # the older attempt's assembly goes: it fits again
+    with pytest.raises(Rejected, match="attempt 2 supersedes it") as e:
+        inbox.put(old1)  # a late shard of the older attempt
+    assert e.value.code == "shard_mismatch"
+    inbox.put(new0)
+    np.testing.assert_array_equal(inbox.get("t", remove=False).kv, newer)
+    assert inbox.bytes == newer.nbytes, "the older attempt's reservation is released"
+    assert sample(registry, "omni_kv_receiver_evicted_total", reason="replaced") == 1
+
+
+def test_the_first_shard_is_refused_when_the_whole_payload_does_not_fit(setup):
+    inbox, _, _ = setup  # 1024 bytes
+    whole, (s0, _) = shards("big", seq_len=4, heads_per_shard=2)  # 1024 bytes assembled
+    inbox.put(payload("a", seq_len=1))  # 128 bytes
+    with pytest.raises(InboxFull):
+        inbox.put(s0)
+    assert inbox.bytes == 128
+
+
+def test_an_assembly_whose_shards_never_all_come_expires_and_is_counted(setup):
+    inbox, clock, registry = setup
+    whole, (s0, _) = shards("t")
+    inbox.put(s0)
+    assert inbox.next_expiry_in() == 10
+    clock.t += 10
+    assert inbox.expire() == 1
+    assert inbox.bytes == 0
+    assert sample(registry, "omni_kv_receiver_evicted_total", reason="expired") == 1

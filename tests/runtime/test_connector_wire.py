@@ -261,3 +261,33 @@ def test_default_checksum_is_the_fast_one():
     from omni_runtime.kv.transport.wire import DEFAULT_CHECKSUM
 
     assert DEFAULT_CHECKSUM == "xxh3_64"
+
+
+# ---------------------------------------------------------------------- tensor-parallel shards
+
+
+def test_an_unsharded_header_is_as_before_and_a_shard_round_trips():
+    whole = KVPayload("r", 5, kv(), pipeline="p", from_stage="ar")
+    assert "shard" not in header_of(frames_for(whole)), "unsharded headers carry no shard fields"
+    payload, header = decode_transfer(frames_for(whole), LIMITS)
+    assert (payload.shard, payload.num_shards) == (0, 1)
+    shard = KVPayload("r", 5, kv(heads=1), pipeline="p", from_stage="ar", shard=1, num_shards=3)
+    assert (header_of(frames_for(shard))["shard"], header_of(frames_for(shard))["num_shards"]) == (1, 3)
+    payload, _ = decode_transfer(frames_for(shard), LIMITS)
+    assert (payload.shard, payload.num_shards) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"shard": 2, "num_shards": 2}, {"shard": -1, "num_shards": 2}, {"num_shards": 0},
+     {"num_shards": 65}, {"shard": "0"}, {"num_shards": True}, {"num_shards": 2.0}],
+)
+def test_bad_shard_fields_are_malformed_headers(changes):
+    frames = with_header(frames_for(KVPayload("r", 5, kv(), pipeline="p")), **changes)
+    r = rejected(frames)
+    assert r.code == "malformed_header" and ("shard" in r.reason)
+
+
+def test_the_sender_refuses_a_payload_with_a_bad_shard():
+    assert "shard must be in" in validate_payload(KVPayload("r", 5, kv(), shard=2, num_shards=2))
+    assert "num_shards" in validate_payload(KVPayload("r", 5, kv(), num_shards=0))

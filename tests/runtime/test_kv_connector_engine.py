@@ -39,9 +39,9 @@ def receiver():
 def llm_factory(in_process):
     made = []
 
-    def make(omni_kv_config=PREFILL, endpoints=None, model=None, **engine_args):
+    def make(omni_kv_config=PREFILL, endpoints=None, model=None, compose_with=None, **engine_args):
         llm = omni_llm(model or str(ensure_tiny_model()), omni_kv_config, endpoints=endpoints,
-                       pipeline="p", **{**ENGINE_ARGS, **engine_args})
+                       pipeline="p", compose_with=compose_with, **{**ENGINE_ARGS, **engine_args})
         made.append(llm)
         resolved = []
 
@@ -170,3 +170,152 @@ def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(llm_f
         assert payload.seq_len == len(out.prompt_token_ids) and np.isfinite(payload.kv).all()
     assert not scheduler._pinned and not scheduler.has_requests()
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start
+
+
+def _payloads_by_prompt_len(llm, resolved, outs, receiver):
+    """{prompt length: the stored payload's KV (a copy)} of every request of ``outs``."""
+    by_len = {}
+    for out in outs:
+        (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
+        by_len[len(out.prompt_token_ids)] = np.array(receiver.inbox.get(t.request_id).kv)
+    return by_len
+
+
+def test_tensor_parallel_2_ships_shards_that_assemble_to_the_tensor_parallel_1_payloads(
+        llm_factory, receiver, monkeypatch):
+    """vLLM's CPU backend at tensor_parallel_size 2 (two worker processes, one core each):
+    each rank ships its own KV heads as one shard, the receiver assembles them, and the
+    assembled payloads equal the TP 1 ones for the same prompts (within the oracle test's
+    tolerance: the ranks' all-reduce sums in another order)."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    kv_config = {**PREFILL, "timeout_seconds": 60}
+
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, omni_kv_config=kv_config)
+    outs = llm.generate(prompts, params)
+    drain_transfers(llm, timeout_s=60)
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
+    tp1 = _payloads_by_prompt_len(llm, resolved, outs, receiver)
+    tp1_tokens = [list(o.outputs[0].token_ids) for o in outs]
+    llm.llm_engine.engine_core.shutdown()
+    messages_tp1 = receiver.num_delivered
+
+    # Without the binding the CPU backend refuses TP 2 here (no NUMA nodes to split).
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, omni_kv_config=kv_config,
+                                tensor_parallel_size=2, distributed_executor_backend="mp")
+    scheduler = engine_core_of(llm).scheduler
+    assert scheduler._omni._shard_answers.world_size == 2
+    start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    outs = llm.generate(prompts, params)
+    drain_transfers(llm, timeout_s=60)
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
+    assert receiver.num_delivered - messages_tp1 == 2 * 3, "one shard per rank and transfer"
+    tp2 = _payloads_by_prompt_len(llm, resolved, outs, receiver)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tp1_tokens
+    assert len(receiver.inbox) == 0 and receiver.inbox.bytes == 0, "no shard left behind"
+    for n, kv in tp1.items():
+        assert tp2[n].shape == kv.shape == (2, 2, 2, n, 32)  # all 2 KV heads, assembled
+        np.testing.assert_allclose(tp2[n], kv, atol=2e-4, rtol=1e-4, err_msg=f"{n} tokens")
+    assert not scheduler.has_requests() and not scheduler._omni._shard_answers
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start
+
+
+def test_composed_with_vllms_example_connector_through_multi_connector(
+        llm_factory, receiver, tmp_path):
+    """A user's connector (vLLM's ExampleConnector, saving KV to disk) and ours under vLLM's
+    MultiConnector: both run; the scheduler finds ours among the children; a finished
+    request's transfer keeps its blocks pinned (not through vLLM's delayed free, which the
+    MultiConnector shares) until it is acked, and every block comes back."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    storage = tmp_path / "example-connector"
+    storage.mkdir()
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+               "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, compose_with=example,
+                                omni_kv_config={"need_send_cache": True, "timeout_seconds": 60})
+    scheduler = engine_core_of(llm).scheduler
+    assert type(scheduler.connector).__name__ == "MultiConnector"
+    assert scheduler._omni in scheduler.connector._connectors and scheduler._composed
+    start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    held = []
+    original = scheduler._pin
+
+    def recording(transfer):
+        held.append(transfer.request_id)
+        return original(transfer)
+
+    scheduler._pin = recording
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    drain_transfers(llm, timeout_s=60)
+    assert [t.outcome for t in resolved] == [Outcome.ACKED] * 2
+    assert sorted(held) == sorted(t.request_id for t in resolved), "held by pins"
+    hf = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32).eval()
+    for out in outs:
+        (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
+        ids = (list(out.prompt_token_ids) + list(out.outputs[0].token_ids))[:t.seq_len]
+        assert t.seq_len == len(out.prompt_token_ids) + 3  # request finished: computed tokens
+        kv = receiver.inbox.get(t.request_id).kv
+        with torch.no_grad():
+            pkv = hf(torch.tensor([ids]), use_cache=True).past_key_values
+        for layer, cache in enumerate(pkv.layers):
+            np.testing.assert_allclose(kv[layer, 0], cache.keys[0].numpy(), atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(kv[layer, 1], cache.values[0].numpy(), atol=2e-4, rtol=1e-4)
+    assert list(storage.rglob("*.safetensors")), "the ExampleConnector saved KV too"
+    assert not scheduler._pinned and not scheduler.has_requests()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start
+
+
+def test_a_hand_off_whose_deadline_already_passed_fails_at_once_and_sends_nothing(
+        llm_factory, receiver, monkeypatch):
+    """Issue 15: a hand-off with ``deadline_in_s == 0`` (its deadline passed before the step
+    that hands it off) was taken by the worker as "no deadline" and sent anyway. The worker
+    must answer failed in that very step, with the reason, and send nothing (the receiver here
+    is up and would have acked it)."""
+    from vllm import SamplingParams
+
+    import omni_runtime.sched.scheduler as scheduler_module
+
+    original = scheduler_module._hand_off_info
+
+    def deadline_passed(transfer):
+        return {**original(transfer), "deadline_in_s": 0.0}
+
+    monkeypatch.setattr(scheduler_module, "_hand_off_info", deadline_passed)
+    llm, resolved = llm_factory(endpoints={"next": receiver.endpoint},
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+    llm.generate(["Hello world"], SamplingParams(max_tokens=3))
+    drain_transfers(llm, timeout_s=30)  # far inside the 60 s deadline: not an expiry
+    (t,) = resolved
+    assert t.outcome is Outcome.FAILED
+    assert t.reason == "deadline passed before the send started"
+    assert receiver.num_delivered == 0 and len(receiver.inbox) == 0
+
+
+@pytest.mark.parametrize(
+    "tp, pp, message",
+    [(3, 1, "KV-head count divisible by it .* this model has 2"),
+     (1, 2, "pipeline_parallel_size 1 \\(got 2\\)")],
+)
+def test_parallelism_the_payload_cannot_describe_is_refused_at_start_up(tp, pp, message):
+    """Pipeline parallelism (a rank holds some layers only) and a KV-head count the ranks do
+    not split evenly (vLLM then replicates heads) are refused, saying what to change."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from omni_runtime.kv.connector import _check_parallelism
+    from omni_runtime.kv.layout import UnsupportedKVCache
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=ModelConfig(model=str(ensure_tiny_model()), dtype="float32"))
+    with pytest.raises(UnsupportedKVCache, match=message):
+        _check_parallelism(config)
+    config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size = 2, 1
+    assert _check_parallelism(config) == 2

@@ -34,6 +34,10 @@ def test_cpu_lists_parse_like_linux_writes_them():
     ({"GOMP_CPU_AFFINITY": "0 1"}, {0, 1}),
     ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1,2]"}, {0, 1, 2}),
     ({}, None),
+    # Tensor parallel: every rank's CPUs, not only this worker's.
+    ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true", "VLLM_CPU_OMP_THREADS_BIND": "0-1|2"},
+     {0, 1, 2}),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, None),
 ])
 def test_the_engines_openmp_binding_is_read_from_the_variables_vllm_sets(environ, expected):
     assert omp_bound_cpus(environ) == expected

@@ -145,21 +145,6 @@ def test_expiry_is_in_deadline_order_and_costs_only_the_expired(ledger, clock):
     ledger.check_invariants()
 
 
-def test_preemption_resolves_the_unresolved_transfer_and_rearms(ledger):
-    ledger.mark("p", Trigger.PREFILL_FINISHED, 16, [1])
-    t = ledger.request_preempted("p")
-    assert t.outcome is Outcome.CANCELLED and not ledger.has_triggered("p")
-    ledger.mark("p", Trigger.PREFILL_FINISHED, 16, [7])
-    ledger.hand_off_pending()
-    t = ledger.request_preempted("p")
-    assert t.outcome is Outcome.FAILED and "preempted" in t.reason
-    # Preempted after its transfer resolved: nothing to do, and it does not trigger again.
-    ledger.mark("p", Trigger.PREFILL_FINISHED, 16, [8])
-    ledger.hand_off_pending()
-    ledger.resolve("p", Outcome.ACKED)
-    assert ledger.request_preempted("p") is None and ledger.has_triggered("p")
-
-
 def test_invalid_timeout_is_rejected():
     with pytest.raises(ValueError, match="timeout_seconds"):
         TransferLedger(0)
@@ -252,12 +237,6 @@ class LedgerMachine(RuleBasedStateMachine):
             assert not hold and before.outcome is Outcome.CANCELLED
         else:
             assert hold and before.held
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def preempt(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.ledger.request_preempted(rid)
 
     @rule(dt=st.floats(0, 8))
     def tick(self, dt):

@@ -8,6 +8,7 @@ Correctness oracle that owes nothing to our code: the received K and V equal the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import signal
 import json
@@ -28,11 +29,18 @@ PROMPTS = {
 }
 
 
-def stage_configs(tmp_path, *, timeout_seconds=8):
+#: The local model recipes (omni_runtime.devtools.tiny_model): {recipe: (served name, KV cache
+#: bytes)}. kv7b has the KV shape of a 7B-class thinker (28 layers, 4 KV heads, head size 128,
+#: 112 KiB per token): its cache needs more room for max-model-len 1024.
+RECIPES = {"tiny": ("tiny-qwen2", 64 << 20), "kv7b": ("kv7b-qwen2", 256 << 20)}
+
+
+def stage_configs(tmp_path, *, timeout_seconds=8, recipe="tiny", engine_args=None):
     """Stage configs as the operator renders them, with local ports (as omni-pipeline up)."""
     from omni_operator.local import local_stage_configs
     from omni_operator.model import parse_pipeline
 
+    name, kv_cache_bytes = RECIPES[recipe]
     ports = {name: {"http": free_port(), "kv": free_port()} for name in ("ar", "receiver")}
     body = {
         "apiVersion": "omnipipeline.dev/v1alpha1",
@@ -40,7 +48,7 @@ def stage_configs(tmp_path, *, timeout_seconds=8):
         "metadata": {"name": "e2e", "namespace": "test"},
         "spec": {
             "image": "omni-stage:test",
-            "model": {"name": "tiny-qwen2", "path": str(ensure_tiny_model())},
+            "model": {"name": name, "path": str(ensure_tiny_model(recipe=recipe))},
             "stages": [
                 {
                     "name": "ar",
@@ -49,8 +57,9 @@ def stage_configs(tmp_path, *, timeout_seconds=8):
                     "engineArgs": {
                         "dtype": "float32",
                         "max-model-len": 1024,
-                        "kv-cache-memory-bytes": 64 << 20,
+                        "kv-cache-memory-bytes": kv_cache_bytes,
                         "enforce-eager": True,
+                        **(engine_args or {}),
                     },
                     "kvTransfer": {
                         "send": True,
@@ -65,12 +74,13 @@ def stage_configs(tmp_path, *, timeout_seconds=8):
     return local_stage_configs(parse_pipeline(body), ports)
 
 
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("pipeline")
-    configs = stage_configs(workdir)
+@contextlib.contextmanager
+def start_pipeline(workdir, recipe="tiny", engine_args=None, env=None):
+    """The two stages, started: {"ar", "receiver"}; both stopped on leaving."""
+    configs = stage_configs(workdir, recipe=recipe, engine_args=engine_args)
     receiver = StageProcess(configs["receiver"], workdir)
-    ar = StageProcess(configs["ar"], workdir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    ar = StageProcess(configs["ar"], workdir,
+                      env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
     stages = {"ar": ar, "receiver": receiver}
     try:
         receiver.start(timeout=60)
@@ -83,9 +93,16 @@ def pipeline(tmp_path_factory):
             stage.stop()
 
 
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    with start_pipeline(tmp_path_factory.mktemp("pipeline")) as stages:
+        yield stages
+
+
 def complete(ar: StageProcess, prompt: str, max_tokens: int = 4) -> dict:
     body = json.dumps(
-        {"model": "tiny-qwen2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        {"model": ar.config["model"]["name"], "prompt": prompt, "max_tokens": max_tokens,
+         "temperature": 0}
     ).encode()
     req = urllib.request.Request(
         ar.url + "/v1/completions", body, {"Content-Type": "application/json"}
@@ -106,20 +123,48 @@ def fetch_kv(receiver: StageProcess, request_id: str) -> np.ndarray:
     return np.load(io.BytesIO(body), allow_pickle=False)
 
 
-def hf_past_key_values(token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def hf_past_key_values(token_ids: list[int], recipe: str = "tiny"
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model(recipe=recipe)),
+                                                 dtype=torch.float32)
     with torch.no_grad():
         pkv = model.eval()(torch.tensor([token_ids]), use_cache=True).past_key_values
     return [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
 
 
+def test_at_the_7b_kv_shape_every_request_kv_arrives_and_equals_transformers(tmp_path):
+    """The oracle below through real processes with the kv7b model (28 layers, 4 KV heads,
+    head size 128: 112 KiB of KV per token). First in the module, so that it runs before
+    the module's tiny pipeline starts (two AR stages at once would share the 2 cores)."""
+    with start_pipeline(tmp_path, recipe="kv7b") as stages:
+        assert_oracle(stages, "kv7b")
+
+
+def test_at_tensor_parallel_size_2_the_assembled_shards_equal_transformers(tmp_path):
+    """The AR stage at tensor-parallel-size 2 (vLLM's CPU backend, two worker processes, one
+    core each; without the binding it refuses to start for lack of NUMA nodes): each rank
+    ships its KV heads, the receiving stage assembles them, and the payloads pass the same
+    oracle as at TP 1 (the ranks' all-reduce sums in another order, inside its tolerance)."""
+    tp2 = {"tensor-parallel-size": 2, "distributed-executor-backend": "mp"}
+    with start_pipeline(tmp_path, engine_args=tp2,
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as stages:
+        assert_oracle(stages, "tiny")
+        text = stages["receiver"].metrics()
+        delivered = metric_value(text, "omni_kv_received_total", outcome="delivered")
+        assert delivered == 2 * len(PROMPTS), "one shard per rank and transfer"
+
+
 def test_every_request_kv_arrives_and_equals_transformers(pipeline):
+    assert_oracle(pipeline, "tiny")
+
+
+def assert_oracle(pipeline, recipe: str) -> None:
     from transformers import AutoTokenizer
 
     ar, receiver = pipeline["ar"], pipeline["receiver"]
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model(recipe=recipe)))
     before = {p["request_id"] for p in received(receiver)}
     for prompt in PROMPTS.values():
         out = complete(ar, prompt)
@@ -134,7 +179,7 @@ def test_every_request_kv_arrives_and_equals_transformers(pipeline):
         ids = tokenizer(prompt).input_ids
         assert len(ids) in by_len, f"{name}: no payload of {len(ids)} tokens in {sorted(by_len)}"
         kv = fetch_kv(receiver, by_len[len(ids)]["request_id"])
-        reference = hf_past_key_values(ids)
+        reference = hf_past_key_values(ids, recipe)
         assert kv.shape == (len(reference), 2, *reference[0][0].shape)
         for layer, (k, v) in enumerate(reference):
             np.testing.assert_allclose(kv[layer, 0], k.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"{name} K{layer}")
@@ -225,7 +270,7 @@ def test_a_request_aborted_during_its_transfer_leaves_nothing_held(pipeline, sil
     ar = pipeline["ar"]
     before = _transfer_counts(ar)
     conn = http.client.HTTPConnection("127.0.0.1", ar.http_port, timeout=60)
-    body = json.dumps({"model": "tiny-qwen2", "prompt": "abort me " * 30, "max_tokens": 400,
+    body = json.dumps({"model": ar.config["model"]["name"], "prompt": "abort me " * 30, "max_tokens": 400,
                        "stream": True, "ignore_eos": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -248,8 +293,9 @@ def test_a_request_aborted_during_its_transfer_leaves_nothing_held(pipeline, sil
 
 
 def test_sigterm_drains_transfers_in_flight_then_exits(pipeline, silent_downstream):
-    """A transfer stays active (nobody answers); SIGTERM makes the AR stage wait for it (up to
-    the grace period the fixture gives, 5 s), then stop vLLM and exit cleanly. Runs last in
+    """A transfer stays active (nobody answers); SIGTERM makes the AR stage's vLLM drain (its
+    --shutdown-timeout is the grace period the fixture gives, 5 s: the engine keeps stepping
+    while the transfer is unresolved), then stop and the stage exit cleanly. Runs last in
     this module: it stops the AR stage."""
     ar = pipeline["ar"]
     complete(ar, "a transfer nobody will answer")
@@ -257,5 +303,5 @@ def test_sigterm_drains_transfers_in_flight_then_exits(pipeline, silent_downstre
     ar.proc.send_signal(signal.SIGTERM)
     assert ar.proc.wait(timeout=120) == 0
     log = ar.log_tail(200_000)
-    assert "draining: 1 transfers in flight" in log
-    assert "grace period over with transfers in flight" in log
+    assert "stopping vLLM: it drains requests and KV transfers for up to 5s" in log
+    assert "start mode=drain timeout=5s" in log

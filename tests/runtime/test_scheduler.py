@@ -682,3 +682,149 @@ def test_async_a_request_finishing_while_preempted_ships_its_kv_or_fails_with_a_
     assert t.outcome is Outcome.ACKED or (t.outcome is Outcome.FAILED and t.reason)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert free_blocks(s) == start
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+def tp2(kv_config=PREFILL, **kw):
+    """The scheduler of a tensor_parallel_size 2 engine: its connector's scheduler side
+    combines two ranks' answers (no second rank runs here: the outputs are hand-made)."""
+    from omni_runtime.kv.connector import ShardAnswers
+
+    s = omni(kv_config, **kw)
+    s._omni._shard_answers = ShardAnswers(2)
+    return s
+
+
+def ranks_step(s, answers_by_rank):
+    """One step whose workers answered ``{rank: {request id: (attempt, reason)}}``, merged
+    by vLLM's own KVOutputAggregator as the multiprocess executor does."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from omni_runtime.kv.connector import OmniKVWorkerMetadata
+
+    so = s.schedule()
+    outputs = []
+    for rank in (0, 1):
+        out = runner_output(so, scheduler=s)
+        answers = answers_by_rank.get(rank)
+        if answers:
+            out.kv_connector_output = KVConnectorOutput(
+                kv_connector_worker_meta=OmniKVWorkerMetadata(answers, rank))
+        outputs.append(out)
+    merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
+    return so, s.update_from_output(so, merged)
+
+
+def test_tp2_a_transfer_is_acked_only_when_every_rank_acked_its_shard():
+    s = tp2()
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=6, request_id="r")
+    s.add_request(r)
+    step(s)
+    so, _ = step(s)
+    attempt = handed_off(so)["r"]["attempt"]
+    ranks_step(s, {0: {"r": (attempt, None)}})
+    assert s.transfer_ledger.get("r").phase is Phase.ACTIVE, "one shard of two is not delivered"
+    ranks_step(s, {})
+    assert s.transfer_ledger.get("r") is not None
+    ranks_step(s, {1: {"r": (attempt, None)}})
+    assert s.transfer_ledger.get("r") is None
+    assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
+    while s.has_requests():
+        step(s)
+    assert not s._omni._shard_answers
+    assert_quiescent(s, start)
+
+
+def test_tp2_one_failed_shard_fails_the_transfer_at_once_and_frees_held_blocks():
+    s = tp2(ON_FINISH)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=2, request_id="r")
+    s.add_request(r)
+    while not r.is_finished():
+        so, _ = step(s)
+    so, _ = step(s)
+    attempt = handed_off(so)["r"]["attempt"]
+    assert s.transfer_ledger.num_held == 1
+    ranks_step(s, {0: {"r": (attempt, None)}, 1: {"r": (attempt, "stage next rejected: x")}})
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.FAILED and t.reason == "tensor-parallel rank 1: stage next rejected: x"
+    assert not s._omni._shard_answers, "every rank answered: nothing kept"
+    assert_quiescent(s, start)
+
+
+def test_tp2_answers_of_a_superseded_attempt_resolve_nothing_and_are_not_kept():
+    from omni_runtime.kv.connector import ShardAnswers
+
+    answers = ShardAnswers(2)
+    assert answers.combine({0: {"r": (1, None)}}) == {}
+    assert answers.combine({0: {"r": (2, None)}}) == {}, "attempt 2 starts over"
+    assert answers.combine({1: {"r": (1, None)}}) == {}, "a late answer of attempt 1"
+    assert answers.combine({1: {"r": (2, None)}}) == {"r": (2, None)}
+    assert not answers
+    assert answers.combine({0: {"f": (3, "boom")}}) == {"f": (3, "tensor-parallel rank 0: boom")}
+    assert answers.combine({1: {"f": (3, "again")}}) == {}, "a failure is reported once"
+    assert not answers
+
+
+# ---------------------------------------------------------------------------- composed (MultiConnector)
+
+DELAYING = {"kv_connector": "DelayingConnector", "kv_role": "kv_producer",
+            "kv_connector_module_path": "delaying_connector"}
+
+
+def composed_step(s, *, acked=(), finished_sending=()):
+    """One step whose workers answered under vLLM's MultiConnector: ours acks ``acked``, the
+    other child (an asynchronous saver) reports ``finished_sending``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from omni_runtime.kv.connector import OmniKVWorkerMetadata
+
+    so = s.schedule()
+    out = runner_output(so, scheduler=s)
+    answers = {rid: (s.transfer_ledger.get(rid).attempt, None) for rid in acked}
+    meta = (MultiKVConnectorWorkerMetadata((None, OmniKVWorkerMetadata(answers)))
+            if answers else None)
+    out.kv_connector_output = KVConnectorOutput(
+        finished_sending=set(finished_sending) or None, kv_connector_worker_meta=meta)
+    return so, s.update_from_output(so, out)
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_composed_with_a_connector_that_delays_frees_each_keeps_the_blocks_it_needs(ours_first):
+    """Under vLLM's MultiConnector with a connector that saves asynchronously (it delays the
+    free of every finished request until its finished_sending): a finished request's transfer
+    pins its own blocks rather than joining the shared delayed free, so whichever of the two
+    finishes first, the request's blocks are freed exactly once, by vLLM, when the other
+    connector is done, and the transfer's stay out of the free pool until it is acked."""
+    s = omni(ON_FINISH, compose_with=DELAYING)
+    assert type(s.connector).__name__ == "MultiConnector" and s._omni is s.connector._connectors[1]
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=2, request_id="r")
+    s.add_request(r)
+    while not r.is_finished():
+        step(s)
+    so, _ = step(s)  # hand-off
+    assert "r" in handed_off(so)
+    pinned = {b.block_id for b in s._pinned["r"]}
+    assert len(pinned) == 3 and "r" in s.requests, "the other connector delays the free"
+    assert s.transfer_ledger.num_held == 1
+    if ours_first:
+        composed_step(s, acked=["r"])
+        assert s.transfer_ledger.get("r") is None and not s._pinned
+        assert "r" in s.requests, "still the other connector's: not freed under it"
+        composed_step(s, finished_sending=["r"])
+    else:
+        composed_step(s, finished_sending=["r"])
+        assert "r" not in s.requests
+        in_free_pool = {b.block_id for b in s.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()}
+        assert not pinned & in_free_pool, "the transfer's blocks stay pinned until its ack"
+        composed_step(s, acked=["r"])
+    assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
+    assert_quiescent(s, start)

@@ -66,11 +66,69 @@ def test_user_additional_config_is_merged_and_reserved_args_are_refused():
         vllm_command(cfg, "0.0.0.0")
 
 
-def test_another_kv_connector_in_engine_args_is_refused_naming_the_key():
-    other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
-    cfg = parse_stage_config({**BASE, "engineArgs": {"kvTransferConfig": other}})
-    with pytest.raises(StageConfigError, match="engineArgs.kvTransferConfig names a KV connector"):
+OMNI_CONNECTOR = {
+    "kv_connector": "OmniKVConnector",
+    "kv_connector_module_path": "omni_runtime.kv.connector",
+    "kv_role": "kv_producer",
+    "kv_connector_extra_config": {"pipeline": "p", "endpoints": {"talker": "tcp://p-talker.ns.svc:9600"}},
+}
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_another_kv_connector_in_engine_args_is_composed_with_ours(as_json):
+    other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "engine_id": "e1",
+             "kv_connector_extra_config": {"shared_storage_path": "/kv"}}
+    value = json.dumps(other) if as_json else other
+    cfg = parse_stage_config({**BASE, "engineArgs": {"kvTransferConfig": value}})
+    argv = vllm_command(cfg, "0.0.0.0")
+    assert argv.count("--kv-transfer-config") == 1
+    composed = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    child = {k: v for k, v in other.items() if k != "engine_id"}
+    assert composed == {
+        "kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "e1",
+        "kv_connector_extra_config": {"connectors": [child, OMNI_CONNECTOR]},
+    }
+
+
+def test_a_multi_connector_in_engine_args_gets_ours_as_one_more_child():
+    children = [{"kv_connector": "ExampleConnector", "kv_role": "kv_producer"},
+                {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_producer"}]
+    other = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": children}}
+    cfg = parse_stage_config({**BASE, "engineArgs": {"kv-transfer-config": other}})
+    argv = vllm_command(cfg, "0.0.0.0")
+    composed = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert composed["kv_connector"] == "MultiConnector"
+    assert composed["kv_role"] == "kv_producer", "every child only produces"
+    assert composed["kv_connector_extra_config"]["connectors"] == [*children, OMNI_CONNECTOR]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("not json", "engineArgs.kvTransferConfig is not valid JSON"),
+        (["ExampleConnector"], "engineArgs.kvTransferConfig must be a mapping"),
+        ({"kv_role": "kv_both"}, "engineArgs.kvTransferConfig: connector 0 .* naming kv_connector"),
+        ({"kv_connector": "ExampleConnector"}, "engineArgs.kvTransferConfig: .*needs a kv_role"),
+        ({"kv_connector": "OmniKVConnector", "kv_role": "kv_producer"},
+         "engineArgs.kvTransferConfig: .*the omni KV connector is added by the stage"),
+        ({"kv_connector": "MultiConnector", "kv_role": "kv_both"},
+         "engineArgs.kvTransferConfig: .*connectors must be a non-empty list"),
+    ],
+)
+def test_a_kv_connector_that_cannot_be_composed_is_refused_naming_the_key(value, message):
+    cfg = parse_stage_config({**BASE, "engineArgs": {"kvTransferConfig": value}})
+    with pytest.raises(StageConfigError, match=message):
         vllm_command(cfg, "0.0.0.0")
+
+
+def test_without_transfers_a_users_connector_is_passed_through_as_it_is():
+    other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    cfg = parse_stage_config({**BASE, "kvTransfer": {"send": False},
+                              "engineArgs": {"kv_transfer_config": other}})
+    argv = vllm_command(cfg, "0.0.0.0")
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == other
+    assert argv.count("--kv-transfer-config") == 1
 
 
 def test_without_transfers_no_connector_is_loaded():

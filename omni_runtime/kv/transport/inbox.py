@@ -9,12 +9,27 @@ blocks and nothing could resend it. Stored payloads leave only by being consumed
 newer payload of the same request id (a re-sent transfer after a preemption); expiries and
 replacements are counted and logged, never silent.
 
-Invariants (under the lock): ``bytes == sum of stored payload sizes <= max_bytes``; entries
-are in store order, which is expiry order (one TTL for all), so expiry is O(expired).
+Two ids find a payload: the request id it was sent under (vLLM's internal id,
+``<id>-<8 random chars>``) and, when the sender named it, the client-facing
+``external_request_id`` (an alias). Two requests may share an external id (vLLM allows
+duplicate client ids): the alias names the newest; the older stays reachable by its own id.
+
+Tensor parallelism: a payload that is one KV-head shard of a transfer (``num_shards`` > 1)
+goes into that transfer's :class:`~.shards.ShardAssembly`; the assembled payload is stored
+(and visible to consumers) only when every shard is in. An assembly reserves the whole
+payload's bytes when its first shard arrives (``inbox_full`` refuses that shard when they do
+not fit), and expires ``ttl_s`` after it started if a shard never comes. A newer attempt of
+the same request (a re-sent snapshot) supersedes an unfinished older one.
+
+Invariants (under the lock): ``bytes == sum of stored payload sizes + sum of assemblies'
+reserved sizes <= max_bytes``; entries (and assemblies) are in store (start) order, which is
+expiry order (one TTL for all), so expiry is O(expired); every alias names a stored entry, so
+aliases never outnumber entries (the memory bound holds).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,7 +38,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from omni_runtime.kv.transport.observer import ReceiverObserver
-from omni_runtime.kv.transport.wire import KVPayload
+from omni_runtime.kv.transport.shards import ShardAssembly, assembled_nbytes, assembly_key
+from omni_runtime.kv.transport.wire import KVPayload, Rejected
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +73,9 @@ class KVInbox:
         self.ttl_s = float(ttl_s)
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._aliases: dict[str, str] = {}  # external request id -> stored request id
+        #: Tensor-parallel transfers with shards still to come, oldest first.
+        self._assemblies: OrderedDict[tuple[str, int, int], ShardAssembly] = OrderedDict()
         self._bytes = 0
         self._cond = threading.Condition(threading.Lock())
         self._metrics: ReceiverObserver | None = None
@@ -71,23 +90,79 @@ class KVInbox:
     # ------------------------------------------------------------------ producer side
     def put(self, payload: KVPayload) -> None:
         """Store ``payload`` (replacing one of the same request id) or raise InboxFull.
-        Wakes every get() waiting for it."""
-        nbytes = payload.nbytes
+        Wakes every get() waiting for it. A shard (``num_shards`` > 1) is stored into its
+        transfer's assembly instead (:meth:`_put_shard`)."""
+        if payload.num_shards > 1:
+            self._put_shard(payload)
+            return
         with self._cond:
             self._expire_locked(self._clock())
-            old = self._entries.get(payload.request_id)
-            freed = old.nbytes if old is not None else 0
-            if self._bytes - freed + nbytes > self.max_bytes:
-                raise InboxFull(f"{nbytes} bytes do not fit: {self._bytes} of {self.max_bytes} "
-                                f"bytes used by {len(self._entries)} payloads")
-            if old is not None:
-                self._remove_locked(payload.request_id, "replaced")
-            if payload.received_at is None:
-                payload.received_at = time.time()
-            self._entries[payload.request_id] = _Entry(payload, nbytes, self._clock())
-            self._bytes += nbytes
-            self._update_gauges()
-            self._cond.notify_all()
+            self._store_locked(payload)
+
+    def _store_locked(self, payload: KVPayload) -> None:
+        """Store a whole payload (the caller holds the lock)."""
+        nbytes = payload.nbytes
+        old = self._entries.get(payload.request_id)
+        freed = old.nbytes if old is not None else 0
+        if self._bytes - freed + nbytes > self.max_bytes:
+            raise InboxFull(f"{nbytes} bytes do not fit: {self._bytes} of {self.max_bytes} "
+                            f"bytes used by {len(self._entries)} payloads")
+        if old is not None:
+            self._remove_locked(payload.request_id, "replaced")
+        if payload.received_at is None:
+            payload.received_at = time.time()
+        self._entries[payload.request_id] = _Entry(payload, nbytes, self._clock())
+        alias = payload.external_request_id
+        if alias and alias != payload.request_id:
+            self._aliases[alias] = payload.request_id
+        self._bytes += nbytes
+        self._update_gauges()
+        self._cond.notify_all()
+
+    def _put_shard(self, shard: KVPayload) -> None:
+        """Store one KV-head shard of a tensor-parallel transfer; the last one stores the
+        assembled payload. Raises InboxFull (the first shard's reservation does not fit) or
+        Rejected ``shard_mismatch``."""
+        with self._cond:
+            now = self._clock()
+            self._expire_locked(now)
+            key = assembly_key(shard)
+            assembly = self._assemblies.get(key)
+            if assembly is None:
+                # Attempts supersede each other (as the sender's do): an older attempt's
+                # unfinished assembly goes, a shard of an older attempt is refused.
+                for other in [k for k in self._assemblies if k[0] == key[0]]:
+                    if other[1] > key[1]:
+                        raise Rejected("shard_mismatch", f"shard of attempt {key[1]} of "
+                                       f"request {key[0]}: attempt {other[1]} supersedes it")
+                    self._drop_assembly_locked(other, "replaced")
+                nbytes = assembled_nbytes(shard)
+                if self._bytes + nbytes > self.max_bytes:
+                    raise InboxFull(
+                        f"{nbytes} bytes (shard {shard.shard} of {shard.num_shards}) do not "
+                        f"fit: {self._bytes} of {self.max_bytes} bytes used")
+                assembly = self._assemblies[key] = ShardAssembly(shard, now)
+                self._bytes += assembly.nbytes
+            elif (problem := assembly.mismatch(shard)) is not None:
+                raise Rejected("shard_mismatch", problem)
+            assembly.add(shard)
+            if not assembly.complete:
+                self._update_gauges()
+                return
+            # Every shard is in: its reservation becomes the stored payload (which fits, as
+            # the reservation did).
+            del self._assemblies[key]
+            self._bytes -= assembly.nbytes
+            self._store_locked(assembly.payload())
+
+    def _drop_assembly_locked(self, key: tuple[str, int, int], eviction: str) -> None:
+        assembly = self._assemblies.pop(key)
+        self._bytes -= assembly.nbytes
+        logger.warning("KV inbox: dropped %d of %d shards of request %s (attempt %d): %s",
+                       len(assembly.received), assembly.num_shards, key[0], key[1], eviction)
+        if self._metrics is not None:
+            self._metrics.evicted(eviction)
+        self._update_gauges()
 
     def expire(self) -> int:
         """Evict payloads older than the TTL now; the number evicted."""
@@ -98,25 +173,28 @@ class KVInbox:
         """Seconds until the oldest payload expires (None when empty), for the receiver's
         wake-up timer."""
         with self._cond:
-            if not self._entries:
+            starts = [e.stored_at for e in itertools.islice(self._entries.values(), 1)]
+            starts += [a.started_at for a in itertools.islice(self._assemblies.values(), 1)]
+            if not starts:
                 return None
-            first = next(iter(self._entries.values()))
-            return max(0.0, first.stored_at + self.ttl_s - self._clock())
+            return max(0.0, min(starts) + self.ttl_s - self._clock())
 
     # ------------------------------------------------------------------ consumer side
     def get(self, request_id: str, timeout_s: float = 0.0, *, remove: bool = True
             ) -> KVPayload | None:
-        """The payload of ``request_id``, waiting up to ``timeout_s`` for it to arrive; None
-        on timeout. ``remove`` (default) consumes it, freeing its bytes."""
+        """The payload of ``request_id`` (the id it was sent under, or its external request
+        id), waiting up to ``timeout_s`` for it to arrive; None on timeout. ``remove``
+        (default) consumes it, freeing its bytes."""
         start = time.monotonic()
         deadline = start + max(0.0, timeout_s)
         with self._cond:
             while True:
                 self._expire_locked(self._clock())
-                entry = self._entries.get(request_id)
+                key = self._key_locked(request_id)
+                entry = self._entries.get(key) if key is not None else None
                 if entry is not None:
                     if remove:
-                        self._remove_locked(request_id, None)
+                        self._remove_locked(key, None)
                     self._observe_wait(time.monotonic() - start, True)
                     return entry.payload
                 left = deadline - time.monotonic()
@@ -132,6 +210,7 @@ class KVInbox:
             self._expire_locked(self._clock())
             return [{
                 "request_id": e.payload.request_id,
+                "external_request_id": e.payload.external_request_id or None,
                 "seq_len": e.payload.seq_len,
                 "bytes": e.nbytes,
                 "dtype": e.payload.dtype_name,
@@ -147,7 +226,7 @@ class KVInbox:
 
     def __contains__(self, request_id: str) -> bool:
         with self._cond:
-            return request_id in self._entries
+            return self._key_locked(request_id) is not None
 
     @property
     def bytes(self) -> int:
@@ -155,6 +234,12 @@ class KVInbox:
             return self._bytes
 
     # ------------------------------------------------------------------ internals
+    def _key_locked(self, request_id: str) -> str | None:
+        """The stored entry's key for an id or an external id, or None."""
+        if request_id in self._entries:
+            return request_id
+        return self._aliases.get(request_id)
+
     def _expire_locked(self, now: float) -> int:
         evicted = 0
         while self._entries:
@@ -163,10 +248,19 @@ class KVInbox:
                 break  # store order is expiry order
             self._remove_locked(rid, "expired")
             evicted += 1
+        while self._assemblies:
+            key, assembly = next(iter(self._assemblies.items()))
+            if now - assembly.started_at < self.ttl_s:
+                break  # start order is expiry order
+            self._drop_assembly_locked(key, "expired")
+            evicted += 1
         return evicted
 
     def _remove_locked(self, request_id: str, eviction: str | None) -> None:
         entry = self._entries.pop(request_id)
+        alias = entry.payload.external_request_id
+        if alias and self._aliases.get(alias) == request_id:
+            del self._aliases[alias]
         self._bytes -= entry.nbytes
         if eviction is not None:
             logger.warning("KV inbox: evicted payload of request %s (%d bytes): %s",

@@ -21,6 +21,9 @@ class ReceiverObserver(Protocol):
 
     def observe_wait(self, seconds: float, found: bool) -> None: ...
 
+    def thread_up(self, up: bool) -> None:
+        """The receiver thread started (True) or ended (False, also when it died)."""
+
 
 class NullReceiverObserver:
     """Reports nothing (tools and tests that do not read receiver metrics)."""
@@ -38,4 +41,7 @@ class NullReceiverObserver:
         pass
 
     def observe_wait(self, seconds: float, found: bool) -> None:
+        pass
+
+    def thread_up(self, up: bool) -> None:
         pass

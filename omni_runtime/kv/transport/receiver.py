@@ -88,6 +88,9 @@ class KVReceiver:
         self.num_delivered = 0
         self.num_rejected = 0
         self.num_replies_lost = 0
+        self.num_internal_errors = 0
+        #: Why the thread died (None while it runs or after a normal close()).
+        self.died: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -164,6 +167,7 @@ class KVReceiver:
             return
         self._ready.set()
         logger.info("KV receiver of stage %r serving %s", self.stage, self._endpoint)
+        self._report_thread(True)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(ctrl, zmq.POLLIN)
@@ -180,22 +184,59 @@ class KVReceiver:
                             frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._handle(router, frames)
+                        self._handle(router, frames)  # never raises
                 self.inbox.expire()  # TTL evictions happen even without consumer calls
-        except BaseException:  # pragma: no cover - a bug; make it loud, keep the process up
+        except BaseException as e:
+            # Not a message's fault (those are answered in _handle): the socket or the inbox
+            # broke. Say so loudly; /health and omni_kv_transport_thread_up report it.
+            self.died = f"{type(e).__name__}: {e}"
             logger.exception("KV receiver thread of stage %r died", self.stage)
         finally:
             router.close(linger=0)
             ctrl.close(linger=0)
+            self._report_thread(False)
+
+    def _report_thread(self, up: bool) -> None:
+        try:
+            self.metrics.thread_up(up)
+        except Exception:  # an observer must not decide whether the thread runs
+            logger.exception("KV receiver: reporting the thread state failed")
 
     def _handle(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        """Answer one message, whatever it holds, exactly once, and never raise: a bug while
+        handling one message is answered ``internal_error``, counted, and serving goes on."""
         received = time.time()
         identity = frames[0].bytes
+        replied = [False]
+
+        def reply(raw: bytes) -> None:
+            if not replied[0]:
+                replied[0] = True
+                self._reply(router, identity, raw)
+
+        try:
+            self._handle_message(frames[1:], received, reply)
+        except Exception as e:  # a bug outside the decode/store step (rejection path, span)
+            self.num_internal_errors += 1
+            logger.exception("KV receiver of stage %r: error handling a message", self.stage)
+            if replied[0]:
+                return  # answered already; the error came after (tracing): nothing to redo
+            try:
+                self.num_rejected += 1
+                self.metrics.rejected("internal_error")
+            except Exception:
+                logger.exception("KV receiver: counting an internal error failed")
+            # Nothing of the message is trusted here: it may be what broke the first answer.
+            reply(encode_reply(transfer_id=None, request_id=None, ok=False,
+                               code="internal_error",
+                               reason=f"{type(e).__name__}: {e}"[:MAX_REASON_CHARS]))
+
+    def _handle_message(self, frames: list[zmq.Frame], received: float, reply) -> None:
         header: dict | None = None
         span = None
         try:
             try:
-                payload, header = decode_transfer(frames[1:], self.limits)
+                payload, header = decode_transfer(frames, self.limits)
                 span = self._start_span(header, received)
                 payload.received_at = received
                 try:
@@ -205,9 +246,12 @@ class KVReceiver:
             except Rejected:
                 raise
             except Exception as e:  # a bug: still answer, count, keep serving
+                self.num_internal_errors += 1
                 logger.exception("KV receiver: error handling a transfer")
                 raise Rejected("internal_error", f"{type(e).__name__}: {e}", header) from None
         except Rejected as r:
+            # The header here may be one that failed its checks: only fields read through
+            # _str_field/_int_field/_trace_carrier (type-checked) are used from it.
             header = r.header if r.header is not None else header
             reason = r.reason[:MAX_REASON_CHARS]
             self.num_rejected += 1
@@ -217,21 +261,17 @@ class KVReceiver:
                            self.stage, rid, r.code, reason)
             if span is None and header is not None:
                 span = self._start_span(header, received)
-            if span is not None:
-                span.set_attribute("omni.kv_receive.outcome", "rejected")
-                span.set_attribute("omni.kv_receive.reason", r.code)
-                span.set_status(Status(StatusCode.ERROR, f"{r.code}: {reason}"))
-                span.end()
-            self._reply(router, identity, encode_reply(
+            # Spans end before the answer (a reader of the answer sees them); never raises.
+            self._end_span(span, "rejected", f"{r.code}: {reason}", r.code)
+            reply(encode_reply(
                 transfer_id=_int_field(header, "transfer_id"), request_id=rid, ok=False,
                 code=r.code, reason=reason))
             return
         self.num_delivered += 1
         self.metrics.delivered(payload.nbytes)
-        span.set_attribute("omni.kv_receive.outcome", "delivered")
-        span.end()
-        self._reply(router, identity, encode_reply(
-            transfer_id=header["transfer_id"], request_id=payload.request_id, ok=True))
+        self._end_span(span, "delivered")
+        reply(encode_reply(transfer_id=header["transfer_id"], request_id=payload.request_id,
+                           ok=True))
 
     def _reply(self, router: zmq.Socket, identity: bytes, reply: bytes) -> None:
         try:
@@ -241,28 +281,57 @@ class KVReceiver:
             logger.warning("KV receiver: reply to a sender lost: %s", e)
 
     def _start_span(self, header: dict, received: float):
-        ctx = header.get("trace_context")
-        parent = _propagator.extract(ctx) if isinstance(ctx, dict) and ctx else None
-        links = []
-        if parent is not None:
-            sc = trace.get_current_span(parent).get_span_context()
-            if sc.is_valid:
-                links.append(Link(sc))
-        attrs = {
-            "gen_ai.request.id": _str_field(header, "request_id") or "",
-            "omni.stage": self.stage,
-            "omni.kv_receive.from_stage": _str_field(header, "from_stage") or "",
-            "omni.kv_receive.pipeline": _str_field(header, "pipeline") or "",
-        }
-        for key in ("seq_len", "nbytes"):
-            v = _int_field(header, key)
-            if v is not None:
-                attrs[f"omni.kv_receive.{key}"] = v
-        # A child of the sender's transfer span (same trace) and linked to it, as messaging
-        # consumers do, so either view finds the sender.
-        return self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.CONSUMER,
-                                       links=links, start_time=int(received * 1e9),
-                                       attributes=attrs)
+        """The receive span, or None if tracing fails: tracing never decides an answer."""
+        try:
+            carrier = _trace_carrier(header)
+            parent = _propagator.extract(carrier) if carrier else None
+            links = []
+            if parent is not None:
+                sc = trace.get_current_span(parent).get_span_context()
+                if sc.is_valid:
+                    links.append(Link(sc))
+            attrs = {
+                "gen_ai.request.id": _str_field(header, "request_id") or "",
+                "omni.stage": self.stage,
+                "omni.kv_receive.from_stage": _str_field(header, "from_stage") or "",
+                "omni.kv_receive.pipeline": _str_field(header, "pipeline") or "",
+            }
+            for key in ("seq_len", "nbytes"):
+                v = _int_field(header, key)
+                if v is not None:
+                    attrs[f"omni.kv_receive.{key}"] = v
+            # A child of the sender's transfer span (same trace) and linked to it, as messaging
+            # consumers do, so either view finds the sender.
+            return self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.CONSUMER,
+                                           links=links, start_time=int(received * 1e9),
+                                           attributes=attrs)
+        except Exception:
+            logger.exception("KV receiver: starting the receive span failed")
+            return None
+
+    @staticmethod
+    def _end_span(span, outcome: str, error: str | None = None, code: str | None = None) -> None:
+        if span is None:
+            return
+        try:
+            span.set_attribute("omni.kv_receive.outcome", outcome)
+            if code is not None:
+                span.set_attribute("omni.kv_receive.reason", code)
+            if error is not None:
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end()
+        except Exception:
+            logger.exception("KV receiver: ending the receive span failed")
+
+
+def _trace_carrier(header: dict | None) -> dict[str, str] | None:
+    """The header's W3C trace context as str -> str entries only (an unchecked header may
+    carry anything there: a rejected one is exactly such a header)."""
+    ctx = header.get("trace_context") if isinstance(header, dict) else None
+    if not isinstance(ctx, dict):
+        return None
+    carrier = {k: v for k, v in ctx.items() if isinstance(k, str) and isinstance(v, str)}
+    return carrier or None
 
 
 def _str_field(header: dict | None, key: str) -> str | None:

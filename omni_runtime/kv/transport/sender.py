@@ -18,6 +18,16 @@ Threads: submit/poll/wait/pending/close may be called from any thread. Only the 
 touches the DEALER sockets; submit() hands it work through a deque and wakes it over an
 inproc PAIR socket. Reconnection after a receiver restart is ZeroMQ's own (every
 RECONNECT_IVL_MS); with ZMQ_IMMEDIATE a send waits for the new connection, up to its deadline.
+
+A lost connection (the receiver exited, or missed heartbeats) loses whatever was in flight
+on it: the socket monitor reports the disconnect, and the endpoint's in-flight transfers go
+back to the front of its queue at once, to be re-sent (same transfer id) on the next
+connection, so neither they nor the transfers queued behind them wait for their deadline
+to free the in-flight window. A re-sent payload the old receiver had stored before it lost
+the connection replaces itself in the inbox (counted there as ``replaced``).
+
+If the I/O thread dies (a bug), every unresolved transfer fails with the reason, submit()
+fails at once, ``on_thread_state(False)`` is called and close() still returns normally.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from omni_runtime.kv.transport.wire import (
     CHECKSUMS,
@@ -54,6 +65,11 @@ RECONNECT_IVL_MS = 100
 # sends stop waiting for it: ZMTP heartbeats every second, dead after three missed.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+#: How long close() waits for the I/O thread beyond the linger time (it stops within one
+#: loop iteration, at most a second).
+CLOSE_JOIN_S = 10.0
+#: Connection events the I/O thread follows (socket monitor).
+_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 @dataclass(eq=False)
@@ -77,8 +93,10 @@ class _Endpoint:
     stage: str
     address: str
     socket: zmq.Socket
+    monitor: zmq.Socket | None = None  # the socket's connection events
     queue: deque[_Transfer] = field(default_factory=deque)  # not yet sent, submit order
     in_flight: dict[int, _Transfer] = field(default_factory=dict)  # sent, awaiting a reply
+    connections: int = 0  # handshakes so far (a restarted receiver makes a new one)
 
 
 class KVSender:
@@ -87,9 +105,12 @@ class KVSender:
     ``max_in_flight``: unacked transfers per endpoint; more wait in the sender's queue (their
     deadline runs). ``observe_bytes``: called with the payload size of each delivered
     transfer, from the I/O thread (pass ``TransferMetrics.observe_transfer_bytes`` to feed
-    the contract's ``omni_kv_transfer_bytes``). ``io_cpus``: the CPUs the sender's I/O thread
-    and ZeroMQ's I/O thread run on (None: inherited from the creating thread); keep them off
-    the engine's OpenMP cores (``omni_runtime.kv.cpu_affinity``).
+    the contract's ``omni_kv_transfer_bytes``). ``on_thread_state``: called with True when
+    the I/O thread starts and False when it ends (died or closed), from that thread (pass
+    ``omni_runtime.observability.transport_metrics.thread_up_setter(thread="sender", ...)``
+    to feed ``omni_kv_transport_thread_up``). ``io_cpus``: the CPUs the sender's I/O thread and
+    ZeroMQ's I/O thread run on (None: inherited from the creating thread); keep them off the
+    engine's OpenMP cores (``omni_runtime.kv.cpu_affinity``).
     """
 
     def __init__(
@@ -102,6 +123,7 @@ class KVSender:
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         checksum_algo: str = DEFAULT_CHECKSUM,
         observe_bytes: Callable[[int], None] | None = None,
+        on_thread_state: Callable[[bool], None] | None = None,
         io_cpus: Collection[int] | None = None,
     ) -> None:
         if not endpoints:
@@ -117,6 +139,7 @@ class KVSender:
         self.send_timeout_s = send_timeout_s
         self.checksum_algo = checksum_algo
         self._observe_bytes = observe_bytes
+        self._on_thread_state = on_thread_state
         self._tids = itertools.count(1)
         #: (deadline, transfer id, transfer) of unresolved transfers; the I/O thread's only.
         self._deadlines: list[tuple[float, int, _Transfer]] = []
@@ -197,19 +220,37 @@ class KVSender:
         with self._lock:
             return len(self._latest)
 
+    @property
+    def alive(self) -> bool:
+        """The I/O thread runs (False once it died or was closed)."""
+        return self._thread.is_alive()
+
+    @property
+    def died(self) -> str | None:
+        """Why the I/O thread ended abnormally, or None (running, or closed on purpose)."""
+        with self._lock:
+            dead = self._dead
+        return dead if dead is not None and dead != "sender closed" else None
+
     def close(self, linger_s: float = 0.0) -> None:
         """Stop taking transfers, give unresolved ones up to ``linger_s`` to resolve, then
         fail the rest ("sender closed") and close the sockets. Results stay readable by
-        poll(). Idempotent."""
+        poll(). Idempotent, and never raises, also when the I/O thread has already died."""
         with self._lock:
             if self._closing_deadline is None:
                 self._closing_deadline = time.monotonic() + max(0.0, linger_s)
         self._kick()
-        self._thread.join()
+        self._thread.join(max(0.0, linger_s) + CLOSE_JOIN_S)
+        if self._thread.is_alive():  # pragma: no cover - a hung I/O thread: leave its sockets
+            logger.error("KV sender I/O thread did not stop; leaving its sockets open")
+            return
         with self._wake_lock:
             if not self._wake.closed:
                 self._wake.close(linger=0)
-                self._ctx.term()
+                # destroy, not term: a thread that died mid-way may have left its sockets
+                # open, and term() would wait for them forever. The thread is gone, so
+                # closing them from here is safe.
+                self._ctx.destroy(linger=0)
 
     def __enter__(self) -> KVSender:
         return self
@@ -221,7 +262,12 @@ class KVSender:
     def _kick(self) -> None:
         with self._wake_lock:
             if not self._wake.closed:
-                self._wake.send(b"", zmq.NOBLOCK)
+                try:
+                    self._wake.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    # EAGAIN: the I/O thread's end of the pipe is gone (it ended, or died):
+                    # nobody to wake. Its exit already resolved every transfer.
+                    pass
 
     def _report_locked(self, t: _Transfer, failure: str | None) -> None:
         """Record ``t``'s outcome once, unless a newer transfer of its request superseded it."""
@@ -278,6 +324,8 @@ class KVSender:
         eps: list[_Endpoint] = []
         wake = self._ctx.socket(zmq.PAIR)
         wake.connect(self._wake_addr)
+        self._report_thread(True)
+        reason = "sender closed"
         try:
             for stage, address in self.endpoints.items():
                 s = self._ctx.socket(zmq.DEALER)
@@ -286,28 +334,47 @@ class KVSender:
                 s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
                 s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
                 s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-                eps.append(_Endpoint(stage, address, s))
+                ep = _Endpoint(stage, address, s)
+                eps.append(ep)
+                ep.monitor = s.get_monitor_socket(_MONITOR_EVENTS)
                 s.connect(address)
             self._loop(wake, eps)
-            reason = "sender closed"
-        except BaseException as e:  # pragma: no cover - a bug; fail everything, loudly
+        except BaseException as e:  # a bug; fail everything, loudly, and say so
             logger.exception("KV sender I/O thread died")
             reason = f"sender I/O thread died: {type(e).__name__}: {e}"
-        with self._lock:
-            self._dead = reason
-            leftovers = list(self._submitted)
-            self._submitted.clear()
-        for ep in eps:
-            leftovers.extend(ep.queue)
-            leftovers.extend(ep.in_flight.values())
-        for t in leftovers:
-            self._report(t, reason)
-        for ep in eps:
-            ep.socket.close(linger=0)
-        wake.close(linger=0)
+        finally:
+            # Whatever broke above, every unresolved transfer is resolved and the sockets are
+            # closed, so close() and the caller's poll() still work.
+            with self._lock:
+                self._dead = reason
+                leftovers = list(self._submitted)
+                self._submitted.clear()
+            for ep in eps:
+                leftovers.extend(ep.queue)
+                leftovers.extend(ep.in_flight.values())
+            for t in leftovers:
+                try:
+                    self._report(t, reason)
+                except Exception:  # pragma: no cover - keep resolving the rest
+                    logger.exception("KV sender: resolving a transfer at exit failed")
+            for ep in eps:
+                if ep.monitor is not None:
+                    ep.monitor.close(linger=0)
+                ep.socket.close(linger=0)
+            wake.close(linger=0)
+            self._report_thread(False)
+
+    def _report_thread(self, up: bool) -> None:
+        if self._on_thread_state is None:
+            return
+        try:
+            self._on_thread_state(up)
+        except Exception:  # metrics must never decide whether the thread runs
+            logger.exception("on_thread_state failed")
 
     def _loop(self, wake: zmq.Socket, eps: list[_Endpoint]) -> None:
         by_socket = {ep.socket: ep for ep in eps}
+        by_monitor = {ep.monitor: ep for ep in eps if ep.monitor is not None}
         while True:
             # Wait for a reply, a wake-up, a connection able to take a queued send, or the
             # next deadline, whichever is first.
@@ -316,6 +383,8 @@ class KVSender:
             for ep in eps:
                 can_send = ep.queue and len(ep.in_flight) < self.max_in_flight
                 poller.register(ep.socket, zmq.POLLIN | (zmq.POLLOUT if can_send else 0))
+                if ep.monitor is not None:
+                    poller.register(ep.monitor, zmq.POLLIN)
             timeout_ms = self._next_timeout_ms()
             events = dict(poller.poll(timeout_ms))
             if wake in events:
@@ -336,6 +405,9 @@ class KVSender:
                 ep = by_socket.get(sock)
                 if ep is not None and ev & zmq.POLLIN:
                     self._read_replies(ep)
+            for sock in events:
+                if sock in by_monitor:
+                    self._connection_events(by_monitor[sock])
             for ep in eps:
                 self._pump(ep)
             now = time.monotonic()
@@ -385,6 +457,29 @@ class KVSender:
             if t.sent_to is None:
                 t.sent_to = set()
             t.sent_to.add(ep.stage)
+
+    def _connection_events(self, ep: _Endpoint) -> None:
+        """Follow the endpoint's connection: on a disconnect, whatever was in flight on it
+        is lost with the connection, so those transfers go back to the front of the queue
+        (in send order) for the next connection instead of holding the in-flight window
+        until their deadline."""
+        while True:
+            try:
+                event = recv_monitor_message(ep.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event.get("event")
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                ep.connections += 1
+                if ep.connections > 1:
+                    logger.info("KV sender: reconnected to stage %s at %s", ep.stage, ep.address)
+            elif kind == zmq.EVENT_DISCONNECTED and ep.in_flight:
+                lost = [ep.in_flight.pop(tid) for tid in sorted(ep.in_flight)]
+                resend = [t for t in lost if self._is_current(t)]
+                ep.queue.extendleft(reversed(resend))
+                logger.warning("KV sender: connection to stage %s at %s lost with %d transfers "
+                               "in flight; re-sending them on the next connection", ep.stage,
+                               ep.address, len(resend))
 
     def _read_replies(self, ep: _Endpoint) -> None:
         while True:

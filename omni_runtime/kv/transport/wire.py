@@ -33,6 +33,10 @@ MAX_HEADER_BYTES = 64 * 1024
 #: The KV layout: [num_layers, 2 (K, V), num_kv_heads, seq_len, head_dim].
 KV_NDIM = 5
 SEQ_AXIS = 3
+#: The axis a tensor-parallel shard splits: each rank holds its own KV heads.
+HEAD_AXIS = 2
+#: Upper bound on ``num_shards`` a receiver accepts (tensor-parallel degrees are small).
+MAX_SHARDS = 64
 
 #: Wire dtype name -> numpy dtype of the carried array. bfloat16 travels as its raw 16 bits
 #: (numpy has no bfloat16): the array is uint16 and ``KVPayload.dtype`` says "bfloat16".
@@ -92,6 +96,15 @@ class KVPayload:
     to_stage: str = ""
     sent_at: float | None = None
     received_at: float | None = None
+    #: The request id the client knows (vLLM's ``external_req_id``: ``request_id`` without
+    #: the ``-<8 random chars>`` vLLM appends), when the producer knows it; "" if not. The
+    #: receiver's inbox finds the payload by either id. See vllm_external_request_id().
+    external_request_id: str = ""
+    #: Tensor parallelism: this payload is KV-head shard ``shard`` of ``num_shards`` (rank
+    #: ``shard``'s heads, the head axis cut in ``num_shards`` equal consecutive parts). The
+    #: receiver's inbox assembles the shards of a transfer into one payload (shard 0 of 1).
+    shard: int = 0
+    num_shards: int = 1
 
     @property
     def dtype_name(self) -> str:
@@ -129,10 +142,13 @@ def validate_payload(p: Any) -> str | None:
     shape_problem = _shape_problem(list(p.kv.shape), p.seq_len)
     if shape_problem:
         return shape_problem
+    shard_problem = _shard_problem(p.shard, p.num_shards)
+    if shard_problem:
+        return shard_problem
     for key, value in (("trace_context", p.trace_context), ("extra", p.extra)):
         if value is not None and not isinstance(value, dict):
             return f"{key} must be a dict or None"
-    for key in ("pipeline", "from_stage"):
+    for key in ("pipeline", "from_stage", "external_request_id"):
         if not isinstance(getattr(p, key), str):
             return f"{key} must be a string"
     if p.extra:
@@ -155,10 +171,38 @@ def _shape_problem(shape: list[Any], seq_len: int) -> str | None:
     return None
 
 
+def _shard_problem(shard: Any, num_shards: Any) -> str | None:
+    for name, value in (("shard", shard), ("num_shards", num_shards)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{name} must be an int, got {type(value).__name__}"
+    if not 1 <= num_shards <= MAX_SHARDS:
+        return f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}"
+    if not 0 <= shard < num_shards:
+        return f"shard must be in [0, num_shards={num_shards}), got {shard}"
+    return None
+
+
 def data_view(kv: np.ndarray) -> memoryview:
     """The array's bytes as a flat byte memoryview, without a copy when it is C-contiguous
     (a byte view exports through the buffer protocol whatever the element type)."""
     return memoryview(np.ascontiguousarray(kv).reshape(-1).view(np.uint8))
+
+
+def vllm_external_request_id(request_id: str, *, randomized: bool = True) -> str:
+    """The client-facing id of a vLLM request from the engine's internal id.
+
+    vLLM 0.32 makes the internal id ``f"{external_req_id}-{random_uuid():.8}"``
+    (``InputProcessor.assign_request_id``, vllm/v1/engine/input_processor.py) unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set (pass ``randomized=False``). The
+    engine-core ``Request`` the scheduler sees keeps only the internal id (the
+    ``EngineCoreRequest.external_req_id`` field is not copied into it), so a producer derives
+    the external one here. The external id is what the OpenAI server built from the client's
+    ``X-Request-Id`` (or a random id): ``cmpl-<X-Request-Id>-<prompt index>`` for
+    /v1/completions, ``chatcmpl-<X-Request-Id>`` for /v1/chat/completions."""
+    if not randomized:
+        return request_id
+    base, sep, suffix = request_id.rpartition("-")
+    return base if sep and base and len(suffix) == 8 else request_id
 
 
 # ---------------------------------------------------------------------- header
@@ -178,6 +222,16 @@ HEADER_FIELDS: dict[str, tuple[type, ...]] = {
     "trace_context": (dict, type(None)),
     "sent_at": (int, float),
     "extra": (dict, type(None)),
+}
+#: Optional fields (added in wire version 1 without a version change: receivers ignore fields
+#: they do not know, absent means the default, and a sender leaves them out at their default,
+#: so headers without them are as before). ``external_request_id``: the client's id of the
+#: request; ``shard``/``num_shards``: this message carries KV-head shard ``shard`` of
+#: ``num_shards``.
+OPTIONAL_HEADER_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
+    "external_request_id": ((str, type(None)), ""),
+    "shard": ((int,), 0),
+    "num_shards": ((int,), 1),
 }
 
 
@@ -202,6 +256,10 @@ def encode_header(payload: KVPayload, *, transfer_id: int, to_stage: str, digest
         "sent_at": time.time() if sent_at is None else sent_at,
         "extra": payload.extra or None,
     }
+    if payload.external_request_id and payload.external_request_id != payload.request_id:
+        header["external_request_id"] = payload.external_request_id
+    if payload.num_shards != 1:
+        header["shard"], header["num_shards"] = payload.shard, payload.num_shards
     return json.dumps(header, separators=(",", ":")).encode()
 
 
@@ -217,6 +275,7 @@ REJECT_CODES: tuple[str, ...] = (
     "oversized",             # payload larger than the receiver's max_payload_bytes
     "wrong_destination",     # to_stage / pipeline name another stage or pipeline
     "inbox_full",            # storing it would exceed the inbox's memory bound
+    "shard_mismatch",        # a shard that does not fit the other shards of its transfer
     "internal_error",        # a bug on the receiver (logged with its traceback)
 )
 
@@ -263,6 +322,14 @@ def parse_header(raw: bytes | memoryview) -> dict:
         ctx = header[key]
         if ctx is not None and not all(isinstance(v, str) for v in ctx.values()):
             raise Rejected("malformed_header", f"{key} values must be strings", header)
+    for name, (types, default) in OPTIONAL_HEADER_FIELDS.items():
+        value = header.setdefault(name, default)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise Rejected("malformed_header",
+                           f"header field {name!r} is {type(value).__name__}", header)
+    problem = _shard_problem(header["shard"], header["num_shards"])
+    if problem:
+        raise Rejected("malformed_header", problem, header)
     if header["dtype"] not in DTYPES:
         raise Rejected("malformed_header", f"unknown dtype {header['dtype']!r}", header)
     problem = _shape_problem(header["shape"], header["seq_len"])
@@ -323,6 +390,8 @@ def decode_transfer(frames: list[Any], limits: Limits) -> tuple[KVPayload, dict]
         from_stage=header["from_stage"], trace_context=header["trace_context"],
         extra=header["extra"], dtype=header["dtype"], to_stage=header["to_stage"],
         sent_at=float(header["sent_at"]),
+        external_request_id=header["external_request_id"] or "",
+        shard=header["shard"], num_shards=header["num_shards"],
     )
     return payload, header
 

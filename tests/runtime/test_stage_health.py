@@ -1,0 +1,80 @@
+"""A stage whose KV transport thread died says so: the receiving stage's /health fails with
+the reason and its gauge shows 0; the AR stage's supervisor reads the sender's gauge from
+its own /metrics and stops the stage (so Kubernetes restarts it)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from procs import free_port, http_get, metric_value, wait_until
+
+from omni_runtime.stages.ar import transport_threads_down
+from omni_runtime.stages.config import StageConfig
+
+
+class BrokenInbox:
+    """Raised from the receiver loop's own timer step, outside any message: a stand-in for a
+    bug that ends the receiver thread (the only way it can end now that every message's
+    errors are answered)."""
+
+    def __init__(self, inbox):
+        self._inbox = inbox
+        self.broken = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._inbox, name)
+
+    def expire(self):
+        if self.broken.is_set():
+            raise RuntimeError("inbox corrupted")
+        return self._inbox.expire()
+
+
+@pytest.fixture
+def receiving_stage():
+    from omni_runtime.stages.receiver import ReceiverStage
+
+    config = StageConfig(pipeline="p", stage="health-probe", role="generation", model="m",
+                         model_name="m", http_port=free_port(), kv_port=free_port())
+    stage = ReceiverStage(config, host="127.0.0.1")
+    stage.inbox = BrokenInbox(stage.inbox)
+    stage.receiver.inbox = stage.inbox
+    stage.receiver.start()
+    server = threading.Thread(target=stage._http.serve_forever, kwargs={"poll_interval": 0.1},
+                              daemon=True)
+    server.start()
+    yield stage
+    stage._http.shutdown()
+    stage._http.server_close()
+    stage.receiver.close()
+
+
+def test_a_dead_receiver_thread_fails_health_and_shows_on_metrics(receiving_stage):
+    url = f"http://127.0.0.1:{receiving_stage.config.http_port}"
+    assert http_get(url + "/health")[0] == 200
+    text = http_get(url + "/metrics")[1].decode()
+    assert metric_value(text, "omni_kv_transport_thread_up", stage="health-probe",
+                        thread="receiver") == 1
+    receiving_stage.inbox.broken.set()
+    receiving_stage.receiver._thread.join(5)  # the loop's timer runs at least every second
+    status, body, _ = http_get(url + "/health")
+    assert status == 503 and b"KV receiver thread died: RuntimeError: inbox corrupted" in body
+    text = http_get(url + "/metrics")[1].decode()
+    assert metric_value(text, "omni_kv_transport_thread_up", stage="health-probe",
+                        thread="receiver") == 0
+    # Only this stage's series: senders that earlier tests in this process closed report 0
+    # in the same global registry.
+    mine = "\n".join(line for line in text.splitlines() if 'stage="health-probe"' in line)
+    assert transport_threads_down(mine) == ["receiver"]
+
+
+def test_the_supervisor_reads_which_transport_thread_is_down():
+    page = (
+        '# TYPE omni_kv_transport_thread_up gauge\n'
+        'omni_kv_transport_thread_up{model_name="m",stage="ar",thread="sender"} 0.0\n'
+        'omni_kv_transport_thread_up{model_name="m",stage="x",thread="receiver"} 1.0\n'
+    )
+    assert transport_threads_down(page) == ["sender"]
+    assert transport_threads_down(page.replace("} 0.0", "} 1.0")) == []
+    assert transport_threads_down("") == []

@@ -24,7 +24,11 @@ Last line, one JSON object:
     sending the same bytes between the same two processes in the same run (target >= 0.9);
   * ``ar_rss_growth_mb`` (this process, from after the warm-up to the end) and
     ``receiver_rss_peak_mb``;
-  * the same step figures for the tiny model (``*_tiny``).
+  * the same step figures for the tiny model (``*_tiny``);
+  * diagnostics: ``transport_ratio_7b`` (the transport alone, submit() to ack, against raw
+    ZeroMQ), ``decode_step_ratio_7b`` (steps after the prefill, on over off) and
+    ``handoff_step_extra_ms_7b`` (the hand-off step over the median decode step off): the
+    prefill step dominates both step ratios above.
 """
 
 from __future__ import annotations
@@ -194,6 +198,12 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
         raise RuntimeError(f"transfers not acked: {[(t.request_id, t.reason) for t in bad]}")
     mean_on = statistics.fmean(t for ts in on for t in ts)
     mean_off = statistics.fmean(t for ts in off for t in ts)
+    # The first step of a round prefills every prompt; the hand-off goes out in the second
+    # (prefill_finished fires after the step that computed the KV).
+    decode_on = statistics.fmean(t for ts in on for t in ts[1:])
+    decode_off = statistics.fmean(t for ts in off for t in ts[1:])
+    handoff_extra = statistics.fmean(ts[1] for ts in on) - statistics.median(
+        t for ts in off for t in ts[1:])
     # Hand-off to ack, per round: bytes over the span from the first hand-off to the last ack.
     kv_per_token = None
     spans, nbytes = [], 0
@@ -205,7 +215,8 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
         spans.append(max(t.resolved_at for t in batch) - min(t.handed_off_at for t in batch))
         nbytes = sum(t.seq_len for t in batch) * kv_per_token
     llm.llm_engine.engine_core.shutdown()
-    return {"step_ratio": mean_on / mean_off,
+    return {"step_ratio": mean_on / mean_off, "decode_step_ratio": decode_on / decode_off,
+            "handoff_step_extra_s": handoff_extra,
             "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
             "steps_on": sum(map(len, on)), "steps_off": sum(map(len, off)),
@@ -247,6 +258,35 @@ def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> 
     return best
 
 
+def transport_seconds(endpoint: str, shape: tuple[int, ...], count: int,
+                      io_cpus: list[int]) -> float:
+    """The transport alone: ``count`` payloads of ``shape`` from submit() to the last ack,
+    from a KVSender on the transport's CPUs to the same receiving process (best of 3)."""
+    from omni_runtime.kv.transport import KVPayload, KVSender
+
+    arrays = [np.full(shape, i + 1.0, np.float32) for i in range(count)]
+    sender = KVSender({"next": endpoint}, pipeline="bench", stage="ar", io_cpus=io_cpus)
+    best = float("inf")
+    try:
+        for rep in range(3):
+            t0 = time.perf_counter()
+            for i, kv in enumerate(arrays):
+                sender.submit(KVPayload(f"transport-{rep}-{i}", shape[3], kv, pipeline="bench",
+                                        from_stage="ar"))
+            done = 0
+            while done < count:
+                if not sender.wait(30.0):
+                    raise RuntimeError("transport-only transfers not answered within 30 s")
+                acked, failed = sender.poll()
+                if failed:
+                    raise RuntimeError(f"transport-only transfers failed: {failed}")
+                done += len(acked)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        sender.close()
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=4)
@@ -274,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
                         kv_bytes=64 << 20)
         raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests,
                                 args.io_cpus)
+        transport_s = transport_seconds(endpoint, (28, 2, 4, args.prompt_tokens, 128),
+                                        args.requests, args.io_cpus)
     finally:
         parent.send("stop")
         receiver_peak = parent.recv() if parent.poll(15) else float("nan")
@@ -287,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         "kv_bytes_per_round_7b": big["bytes_per_round"],
         "handoff_to_ack_s_7b": round(big["handoff_to_ack_s"], 4),
         "raw_zmq_s_7b": round(raw_s, 4),
+        "transport_ratio_7b": round(raw_s / transport_s, 4),
+        "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
+        "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),
         "mean_step_off_s_7b": round(big["mean_step_off_s"], 4),
         "steps_on_off_7b": [big["steps_on"], big["steps_off"]],

@@ -15,7 +15,7 @@ torch loads, one OpenMP thread per CPU), the transport's threads (the connector'
 ``io_cpus``), the receiving process and the raw-ZeroMQ reference on ``--io-cpus``. Default:
 the last CPU for I/O, the others for the engine (on one CPU both share it).
 
-    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 1]
+    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 2]
 
 Last line, one JSON object:
   * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=1, help="on/off pairs at the 7B shape")
+    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the
+                        "second pair runs off first)")
     parser.add_argument("--tiny-rounds", type=int, default=2)
     parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
     parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")

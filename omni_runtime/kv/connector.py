@@ -48,6 +48,7 @@ reported by ``get_finished`` would find no request. The answers travel as worker
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -325,6 +326,7 @@ class _WorkerState:
         self._caches = caches
         self._sender = None
         self._copier: BlockCopier | None = None
+        self._copy_tasks: deque[tuple[_Job, int]] = deque()  # the copier's, this step
         self._strides = None
         self._layout: ProbedBlockLayout | None = None
         self._error: str | None = None
@@ -426,18 +428,31 @@ class _WorkerState:
                                   self._strides, layout.block_size, buffer,
                                   [False] * len(self._caches)))
         if self._copier is not None and self.jobs:
-            jobs = list(self.jobs)
-            self._copier.start(lambda: self._copy_all(jobs))
+            self._copy_tasks.extend((job, layer) for job in self.jobs
+                                    for layer in range(len(self._caches)))
+            self._copier.start(self._copy_tasks_inference_mode)
             self.copying = True
 
-    def _copy_all(self, jobs: list[_Job]) -> None:
-        """On the copier thread: every layer of every job of the step. Inference mode is
-        per thread: the buffers and caches are the worker's inference tensors."""
+    def _copy_tasks_inference_mode(self) -> None:
+        # Inference mode is per thread: the buffers and caches are the worker's inference
+        # tensors.
         with torch.inference_mode():
-            for job in jobs:
+            self._run_copy_tasks()
+
+    def _run_copy_tasks(self) -> None:
+        """Copy (transfer, layer) tasks until none is left: the copier thread from the start
+        of the step, the engine's thread too once its forward is done (wait_for_save), so a
+        copy longer than the forward ends sooner. deque.popleft is atomic: each task runs
+        once; tasks write disjoint slices of the buffers."""
+        tasks = self._copy_tasks
+        while True:
+            try:
+                job, layer = tasks.popleft()
+            except IndexError:
+                return
+            if job.error is None:
                 try:
-                    for layer, cache in enumerate(self._caches):
-                        _gather(cache, job, layer)
+                    _gather(self._caches[layer], job, layer)
                 except Exception as exc:
                     job.error = f"extraction failed: {type(exc).__name__}: {exc}"
 
@@ -452,8 +467,10 @@ class _WorkerState:
 
         jobs, self.jobs = self.jobs, []
         if self.copying:
-            # The blocks are read only during this step: the copy ends before it does.
+            # The blocks are read only during this step: the copy ends before it does. This
+            # thread takes the tasks the copier has not started.
             self.copying = False
+            self._run_copy_tasks()
             error = self._copier.wait()
             if error is not None:
                 for job in jobs:

@@ -291,8 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the
-                        "second pair runs off first)")
+    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the second pair runs off first)")
     parser.add_argument("--tiny-rounds", type=int, default=2)
     parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
     parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")

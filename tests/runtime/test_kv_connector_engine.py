@@ -82,6 +82,18 @@ def test_acks_come_back_on_steps_with_nothing_scheduled(llm_factory, receiver):
     assert not scheduler.has_requests()
 
 
+def test_an_io_cpus_the_process_cannot_use_refuses_the_engine_at_start_up(llm_factory):
+    """Bad input is refused before the engine serves, naming the field and the fix (not at the
+    first transfer, where it would fail every transfer)."""
+    from omni_runtime.kv.cpu_affinity import CPUListError, available_cpus
+
+    outside = max(available_cpus()) + 1
+    with pytest.raises(CPUListError) as err:
+        llm_factory(endpoints={"next": "tcp://127.0.0.1:9"}, io_cpus=str(outside))
+    assert "kv_connector_extra_config.io_cpus" in str(err.value)
+    assert f"names CPUs [{outside}] this process cannot use" in str(err.value)
+
+
 def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_factory):
     from vllm import SamplingParams
 

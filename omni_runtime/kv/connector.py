@@ -20,11 +20,15 @@ scheduler side (in the engine core, next to the scheduler)
 
 worker side (in each worker process)
   * :meth:`register_kv_caches` keeps the per-layer cache tensors;
-  * :meth:`save_kv_layer` gathers, for every transfer handed off in this step, that layer's K
-    and V (one ``index_select`` into the transfer's reused host buffer) right after the layer
-    wrote its own KV; :meth:`wait_for_save` gathers any layer the forward did not visit (a step
-    with nothing scheduled) and hands the payload to the ZeroMQ sender, whose I/O thread sends
-    it without a copy;
+  * every layer's K and V of every transfer handed off in this step is copied into the
+    transfer's reused host buffer (strided copies of runs of consecutive blocks for an affine
+    block layout, else one ``index_select``): when the transport's CPUs (``io_cpus``,
+    kv/cpu_affinity.py) are disjoint from the engine's OpenMP CPUs, by a copier thread there
+    (kv/copier.py) from :meth:`bind_connector_metadata` on, concurrently with the forward;
+    otherwise inline, by :meth:`save_kv_layer` right after each layer wrote its own KV;
+  * :meth:`wait_for_save` finishes the copies (the engine's thread takes those the copier
+    has not started; inline, any layer the forward did not visit) and hands the payloads to
+    the ZeroMQ sender, whose I/O thread, on ``io_cpus`` too, sends them without a copy;
   * :meth:`build_connector_worker_meta` reports, asynchronously, the sender's answers:
     ``{request id: (attempt, None | failure reason)}``.
 

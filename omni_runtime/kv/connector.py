@@ -402,6 +402,12 @@ class _WorkerState:
 
     # -------------------------------------------------------------- a step
     def start_step(self, transfers: dict[str, dict[str, Any]]) -> None:
+        if self.copying:
+            # The previous step ended without wait_for_save (its forward raised): its copies
+            # end here, and its jobs are sent with this step's.
+            self._run_copy_tasks()
+            self._copier.wait()
+            self.copying = False
         for rid, info in transfers.items():
             attempt = int(info.get("attempt", 0))
             if self._error is not None:

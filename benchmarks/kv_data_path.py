@@ -6,8 +6,16 @@ one) the same concurrent prompts run in rounds interleaved with transfers on and
 (``prefill_finished``), in one engine (in-process engine core, so its steps can be timed; the
 receiver is a separate process, as a receiving stage is). Transfers are switched off for a
 round by turning the scheduler's ``need_send_cache`` off, so both sides share one engine.
+Prefix caching is off: the same prompts run twice per pair, and the second run of a pair
+would otherwise skip its prefill.
 
-    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 1]
+CPUs are split the same way for both sides, as vLLM's CPU binding does on a real host: the
+engine's OpenMP threads on ``--engine-cpus`` (``OMP_PLACES``/``OMP_PROC_BIND``, set before
+torch loads, one OpenMP thread per CPU), the transport's threads (the connector's
+``io_cpus``), the receiving process and the raw-ZeroMQ reference on ``--io-cpus``. Default:
+the last CPU for I/O, the others for the engine (on one CPU both share it).
+
+    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 2]
 
 Last line, one JSON object:
   * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
@@ -16,7 +24,11 @@ Last line, one JSON object:
     sending the same bytes between the same two processes in the same run (target >= 0.9);
   * ``ar_rss_growth_mb`` (this process, from after the warm-up to the end) and
     ``receiver_rss_peak_mb``;
-  * the same step figures for the tiny model (``*_tiny``).
+  * the same step figures for the tiny model (``*_tiny``);
+  * diagnostics: ``transport_ratio_7b`` (the transport alone, submit() to ack, against raw
+    ZeroMQ), ``decode_step_ratio_7b`` (steps after the prefill, on over off) and
+    ``handoff_step_extra_ms_7b`` (the hand-off step over the median decode step off): the
+    prefill step dominates both step ratios above.
 """
 
 from __future__ import annotations
@@ -50,8 +62,30 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _cpu_split(engine: str | None, io: str | None) -> tuple[list[int], list[int]]:
+    from omni_runtime.kv.cpu_affinity import available_cpus, parse_cpu_list
+
+    cpus = sorted(os.sched_getaffinity(0) & available_cpus())
+    io_cpus = sorted(parse_cpu_list(io)) if io else cpus[-1:]
+    engine_cpus = (sorted(parse_cpu_list(engine)) if engine
+                   else [c for c in cpus if c not in io_cpus] or cpus)
+    return engine_cpus, io_cpus
+
+
+def _bind_engine_openmp(engine_cpus: list[int]) -> None:
+    """What vLLM's CPU executor sets for a worker it binds: one OpenMP thread per CPU, bound.
+    Must run before torch (libgomp) loads."""
+    if "torch" in sys.modules:
+        raise RuntimeError("bind the engine's OpenMP threads before importing torch")
+    os.environ["OMP_NUM_THREADS"] = str(len(engine_cpus))
+    os.environ["OMP_PLACES"] = "{" + ",".join(map(str, engine_cpus)) + "}"
+    os.environ["OMP_PROC_BIND"] = "true"
+    os.sched_setaffinity(0, engine_cpus)  # the main thread is OpenMP's master
+
+
 # ---------------------------------------------------------------------- the receiving process
-def _serve(conn) -> None:
+def _serve(conn, io_cpus: list[int]) -> None:
+    os.sched_setaffinity(0, io_cpus)  # before any thread starts: all of them inherit it
     from omni_runtime.kv.transport import KVInbox, KVReceiver
 
     inbox = KVInbox(max_bytes=4 << 30)
@@ -92,13 +126,15 @@ def _serve(conn) -> None:
 
 
 # ---------------------------------------------------------------------- the AR side
-def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_bytes: int):
+def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_bytes: int,
+            io_cpus: list[int]):
     from omni_runtime.devtools.offline import engine_core_of, omni_llm
 
     llm = omni_llm(model, {"need_send_cache": True, "timeout_seconds": 60,
                            "kv_transfer_criteria": {"type": "prefill_finished"}},
-                   endpoints={"next": endpoint}, kv_cache_memory_bytes=kv_bytes,
+                   endpoints={"next": endpoint}, io_cpus=io_cpus, kv_cache_memory_bytes=kv_bytes,
                    max_model_len=prompt_tokens + 64, dtype="float32", enforce_eager=True,
+                   enable_prefix_caching=False,
                    max_num_batched_tokens=prompt_tokens * requests, max_num_seqs=requests)
     return llm, engine_core_of(llm)
 
@@ -133,7 +169,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             kv_bytes: int) -> dict:
     from omni_runtime.transfers.ledger import TransferObserver
 
-    llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes)
+    llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes, args.io_cpus)
     resolved: list = []
 
     class Keep(TransferObserver):
@@ -145,20 +181,32 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     make = lambda r: [{"prompt_token_ids": [int(x) for x in  # noqa: E731
                        np.random.default_rng(r * 100 + i).integers(3, vocab, prompt_tokens)]}
                       for i in range(args.requests)]
-    _round(llm, core, make(99), True, resolved)  # warm-up (layout probe, buffers)
+    # Warm-up, both ways (layout probe, buffers; the first round after start-up is the
+    # slowest whichever way it runs, measured: up to 8% on its prefill).
+    _round(llm, core, make(99), True, resolved)
+    _round(llm, core, make(98), False, resolved)
     resolved.clear()
     rss0 = _rss_mb()
     on, off = [], []
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
-            (on if transfers_on else off).append(_round(llm, core, prompts, transfers_on, resolved))
+            times = _round(llm, core, prompts, transfers_on, resolved)
+            (on if transfers_on else off).append(times)
+            print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
+                  f"{[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
     bad = [t for t in resolved if t.outcome.value != "acked"]
     if bad:
         raise RuntimeError(f"transfers not acked: {[(t.request_id, t.reason) for t in bad]}")
     mean_on = statistics.fmean(t for ts in on for t in ts)
     mean_off = statistics.fmean(t for ts in off for t in ts)
+    # The first step of a round prefills every prompt; the hand-off goes out in the second
+    # (prefill_finished fires after the step that computed the KV).
+    decode_on = statistics.fmean(t for ts in on for t in ts[1:])
+    decode_off = statistics.fmean(t for ts in off for t in ts[1:])
+    handoff_extra = statistics.fmean(ts[1] for ts in on) - statistics.median(
+        t for ts in off for t in ts[1:])
     # Hand-off to ack, per round: bytes over the span from the first hand-off to the last ack.
     kv_per_token = None
     spans, nbytes = [], 0
@@ -170,7 +218,8 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
         spans.append(max(t.resolved_at for t in batch) - min(t.handed_off_at for t in batch))
         nbytes = sum(t.seq_len for t in batch) * kv_per_token
     llm.llm_engine.engine_core.shutdown()
-    return {"step_ratio": mean_on / mean_off,
+    return {"step_ratio": mean_on / mean_off, "decode_step_ratio": decode_on / decode_off,
+            "handoff_step_extra_s": handoff_extra,
             "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
             "steps_on": sum(map(len, on)), "steps_off": sum(map(len, off)),
@@ -178,10 +227,22 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "rss_growth_mb": rss1 - rss0}
 
 
-def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int) -> float:
+def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> float:
     """Raw ZeroMQ: ``count`` messages of ``nbytes / count`` bytes, each answered, as the
-    connector's transfers are."""
+    connector's transfers are; from a thread on the transport's CPUs, as the sender's is."""
+    result: list[float] = []
+    thread = threading.Thread(target=lambda: result.append(
+        _raw_zmq(raw_endpoint, nbytes, count, io_cpus)))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> float:
+    os.sched_setaffinity(0, io_cpus)
     ctx = zmq.Context()
+    for cpu in io_cpus:
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(raw_endpoint)
     data = np.random.default_rng(0).standard_normal(nbytes // count // 4, np.float32)
@@ -200,20 +261,53 @@ def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int) -> float:
     return best
 
 
+def transport_seconds(endpoint: str, shape: tuple[int, ...], count: int,
+                      io_cpus: list[int]) -> float:
+    """The transport alone: ``count`` payloads of ``shape`` from submit() to the last ack,
+    from a KVSender on the transport's CPUs to the same receiving process (best of 3)."""
+    from omni_runtime.kv.transport import KVPayload, KVSender
+
+    arrays = [np.full(shape, i + 1.0, np.float32) for i in range(count)]
+    sender = KVSender({"next": endpoint}, pipeline="bench", stage="ar", io_cpus=io_cpus)
+    best = float("inf")
+    try:
+        for rep in range(3):
+            t0 = time.perf_counter()
+            for i, kv in enumerate(arrays):
+                sender.submit(KVPayload(f"transport-{rep}-{i}", shape[3], kv, pipeline="bench",
+                                        from_stage="ar"))
+            done = 0
+            while done < count:
+                if not sender.wait(30.0):
+                    raise RuntimeError("transport-only transfers not answered within 30 s")
+                acked, failed = sender.poll()
+                if failed:
+                    raise RuntimeError(f"transport-only transfers failed: {failed}")
+                done += len(acked)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        sender.close()
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=1, help="on/off pairs at the 7B shape")
+    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the second pair runs off first)")
     parser.add_argument("--tiny-rounds", type=int, default=2)
+    parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
+    parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")
     args = parser.parse_args(argv)
+    engine_cpus, args.io_cpus = _cpu_split(args.engine_cpus, args.io_cpus)
+    _bind_engine_openmp(engine_cpus)
 
     from omni_runtime.devtools.tiny_model import ensure_kv7b_model, ensure_tiny_model
 
     kv7b, tiny = str(ensure_kv7b_model()), str(ensure_tiny_model())
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, args.io_cpus), daemon=True)
     proc.start()
     endpoint, raw_endpoint = parent.recv()
     try:
@@ -221,7 +315,10 @@ def main(argv: list[str] | None = None) -> None:
                       kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5))
         small = measure(tiny, endpoint, args, prompt_tokens=256, rounds=args.tiny_rounds,
                         kv_bytes=64 << 20)
-        raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests)
+        raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests,
+                                args.io_cpus)
+        transport_s = transport_seconds(endpoint, (28, 2, 4, args.prompt_tokens, 128),
+                                        args.requests, args.io_cpus)
     finally:
         parent.send("stop")
         receiver_peak = parent.recv() if parent.poll(15) else float("nan")
@@ -235,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
         "kv_bytes_per_round_7b": big["bytes_per_round"],
         "handoff_to_ack_s_7b": round(big["handoff_to_ack_s"], 4),
         "raw_zmq_s_7b": round(raw_s, 4),
+        "transport_ratio_7b": round(raw_s / transport_s, 4),
+        "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
+        "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),
         "mean_step_off_s_7b": round(big["mean_step_off_s"], 4),
         "steps_on_off_7b": [big["steps_on"], big["steps_off"]],
@@ -242,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         "handoff_step_ratio_tiny": round(small["handoff_step_ratio"], 4),
         "ar_rss_growth_mb": round(big["rss_growth_mb"] + small["rss_growth_mb"], 1),
         "receiver_rss_peak_mb": round(receiver_peak, 1),
+        "engine_cpus": engine_cpus,
+        "io_cpus": args.io_cpus,
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
     }
     print(json.dumps(result))

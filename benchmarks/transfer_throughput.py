@@ -10,9 +10,11 @@ would). Raw time: first send to the receiver's one reply after the last message.
     python benchmarks/transfer_throughput.py [--payload-mib 16] [--count 40] [--rounds 3]
 
 The last line of output is one JSON object; ``throughput_ratio`` = connector bytes/s over
-raw bytes/s (target >= 0.5); ``step_ratio`` = the AR engine's step time with KV transfers on
-over off (real vLLM, tiny model, the extraction worker and a receiver). Measurements are
-functions in MEASUREMENTS: each returns a dict that is merged into that line.
+raw bytes/s (target >= 0.5). Measurements are functions in MEASUREMENTS: each returns a dict
+that is merged into that line. The AR engine's step time with transfers on against off is
+``benchmarks/kv_data_path.py``'s, at the tiny and the 7B KV shape, in one engine whose
+transfers are switched per round (two in-process engines cannot be compared here: vLLM's KV
+connector is one per process, so an engine without transfers would run the other's).
 """
 
 from __future__ import annotations
@@ -191,69 +193,8 @@ def measure_throughput(args: argparse.Namespace) -> dict:
 
 
 #: name -> measurement; each returns keys merged into the final JSON line.
-def measure_step_ratio(args: argparse.Namespace) -> dict:
-    """The AR stage's engine step time with KV transfers on (OmniARScheduler, the omni KV
-    connector, a receiver in this process) against off (OmniARScheduler, stock worker), on the
-    tiny model with the in-process engine core; the same prompts, rounds interleaved."""
-    import os
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import SamplingParams
-
-    from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
-    from omni_runtime.devtools.tiny_model import ensure_tiny_model
-
-    model = str(ensure_tiny_model())
-    engine = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512, dtype="float32",
-                  enforce_eager=True)
-    receiver = KVReceiver("tcp://127.0.0.1:0", KVInbox(), stage="next").start()
-    on = omni_llm(model, {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"},
-                          "timeout_seconds": 60},
-                  endpoints={"next": receiver.endpoint}, **engine)
-    off = omni_llm(model, None, **engine)
-    timings = {"on": [], "off": []}
-
-    def timed(llm, key):
-        core = engine_core_of(llm)
-        inner, spent = core.step_fn, [0.0, 0]
-
-        def step():
-            t0 = time.perf_counter()
-            out = inner()
-            spent[0] += time.perf_counter() - t0
-            spent[1] += 1
-            return out
-
-        core.step_fn = step
-        prompts = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 6 for i in range(8)]
-        llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)
-        core.step_fn = inner
-        if key == "on":
-            drain_transfers(llm, timeout_s=60)
-            while receiver.inbox.list():  # the next stage consumes what arrived
-                receiver.inbox.get(receiver.inbox.list()[0]["request_id"])
-        timings[key].append(spent[0] / spent[1])
-
-    try:
-        for llm, key in ((on, "on"), (off, "off")):  # warm-up round, not counted
-            timed(llm, key)
-        timings = {"on": [], "off": []}
-        for _ in range(args.step_rounds):
-            timed(on, "on")
-            timed(off, "off")
-    finally:
-        for llm in (on, off):
-            llm.llm_engine.engine_core.shutdown()
-        receiver.close()
-    step_on, step_off = statistics.median(timings["on"]), statistics.median(timings["off"])
-    return {"step_ratio": round(step_on / step_off, 4), "step_on_ms": round(step_on * 1e3, 3),
-            "step_off_ms": round(step_off * 1e3, 3)}
-
-
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "throughput": measure_throughput,
-    "step": measure_step_ratio,
 }
 
 
@@ -265,7 +206,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=8, help="the sender's in-flight cap")
     p.add_argument("--checksum", default=DEFAULT_CHECKSUM, choices=sorted(CHECKSUMS),
                    help="the sender's checksum algorithm")
-    p.add_argument("--step-rounds", type=int, default=3, help="interleaved rounds of the step measurement")
     p.add_argument("--only", action="append", choices=sorted(MEASUREMENTS),
                    help="run only these measurements (repeatable)")
     return p.parse_args(argv)

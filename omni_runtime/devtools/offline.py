@@ -22,13 +22,15 @@ def omni_llm(
     endpoints: Mapping[str, str] | None = None,
     pipeline: str = "",
     compose_with: Mapping[str, Any] | None = None,
+    io_cpus: str | list[int] | None = None,
     **engine_args: Any,
 ):
     """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`; with
     transfers on, the omni KV connector ships to ``endpoints`` ({stage: zmq address}; none:
     every transfer fails with that reason), composed through vLLM's MultiConnector with the
     connector config ``compose_with`` when given (as ``omni-stage`` does with one in
-    ``engineArgs``)."""
+    ``engineArgs``); ``io_cpus``: the transport threads' CPUs (the connector's ``io_cpus``
+    setting)."""
     from vllm import LLM
 
     from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
@@ -37,7 +39,7 @@ def omni_llm(
     if omni_kv_config is not None:
         additional["omni_kv_config"] = dict(omni_kv_config)
         if omni_kv_config.get("need_send_cache"):
-            connector = kv_transfer_config(endpoints or {}, pipeline)
+            connector = kv_transfer_config(endpoints or {}, pipeline, io_cpus)
             if compose_with is not None:
                 connector = composed_kv_transfer_config(connector, compose_with)
             engine_args["kv_transfer_config"] = connector

@@ -20,11 +20,15 @@ scheduler side (in the engine core, next to the scheduler)
 
 worker side (in each worker process)
   * :meth:`register_kv_caches` keeps the per-layer cache tensors;
-  * :meth:`save_kv_layer` gathers, for every transfer handed off in this step, that layer's K
-    and V (one ``index_select`` into the transfer's reused host buffer) right after the layer
-    wrote its own KV; :meth:`wait_for_save` gathers any layer the forward did not visit (a step
-    with nothing scheduled) and hands the payload to the ZeroMQ sender, whose I/O thread sends
-    it without a copy;
+  * every layer's K and V of every transfer handed off in this step is copied into the
+    transfer's reused host buffer (strided copies of runs of consecutive blocks for an affine
+    block layout, else one ``index_select``): when the transport's CPUs (``io_cpus``,
+    kv/cpu_affinity.py) are disjoint from the engine's OpenMP CPUs, by a copier thread there
+    (kv/copier.py) from :meth:`bind_connector_metadata` on, concurrently with the forward;
+    otherwise inline, by :meth:`save_kv_layer` right after each layer wrote its own KV;
+  * :meth:`wait_for_save` finishes the copies (the engine's thread takes those the copier
+    has not started; inline, any layer the forward did not visit) and hands the payloads to
+    the ZeroMQ sender, whose I/O thread, on ``io_cpus`` too, sends them without a copy;
   * :meth:`build_connector_worker_meta` reports, asynchronously, the sender's answers:
     ``{request id: (attempt, None | failure reason)}``.
 
@@ -48,6 +52,7 @@ reported by ``get_finished`` would find no request. The answers travel as worker
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,7 +67,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
-from omni_runtime.kv.layout import ProbedBlockLayout, UnsupportedKVCache, gather_index, gather_rows
+from omni_runtime.kv.copier import BlockCopier
+from omni_runtime.kv.cpu_affinity import disjoint_from_engine, transport_cpus
+from omni_runtime.kv.layout import (
+    ProbedBlockLayout,
+    UnsupportedKVCache,
+    affine_strides,
+    block_runs,
+    copy_blocks,
+    gather_index,
+    gather_rows,
+)
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
 
@@ -183,6 +198,8 @@ class OmniKVConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         world_size = _check_parallelism(vllm_config)
+        # A bad io_cpus refuses the engine at start-up (not at the first transfer).
+        transport_cpus(_extra_config(vllm_config).get("io_cpus"))
         # Scheduler side.
         self._hand_offs: dict[str, dict[str, Any]] = {}
         self._hold: set[str] = set()
@@ -258,7 +275,7 @@ class OmniKVConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         worker = self._worker
-        if worker is not None and worker.jobs:
+        if worker is not None and worker.jobs and not worker.copying:
             index = self._layer_index.get(layer_name)
             if index is not None:
                 worker.copy_layer(index, kv_layer)
@@ -291,10 +308,16 @@ class _Job:
     seq_len: int
     deadline_in_s: float
     trace_headers: dict[str, str] | None
-    index: torch.Tensor | None  # rows of `run` elements of one layer's cache, in payload order
+    #: Runs of consecutive blocks (affine layouts: strided copies), else None and ...
+    runs: list[tuple[int, int, int]] | None
+    #: ... rows of `run` elements of one layer's cache, in payload order (an index gather).
+    index: torch.Tensor | None
     run: int
+    strides: tuple[tuple[int, int, int, int], ...] | None  # affine_strides() of the layout
+    block_size: int
     buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
     copied: list[bool]
+    error: str | None = None  # the copier's failure
 
 
 class _WorkerState:
@@ -302,8 +325,13 @@ class _WorkerState:
 
     def __init__(self, vllm_config: Any, caches: list[torch.Tensor]) -> None:
         self.jobs: list[_Job] = []
+        #: The step's jobs are being copied by the copier thread (not by save_kv_layer).
+        self.copying = False
         self._caches = caches
         self._sender = None
+        self._copier: BlockCopier | None = None
+        self._copy_tasks: deque[tuple[_Job, int]] = deque()  # the copier's, this step
+        self._strides = None
         self._layout: ProbedBlockLayout | None = None
         self._error: str | None = None
         self._local: dict[str, tuple[int, str | None]] = {}
@@ -322,8 +350,7 @@ class _WorkerState:
 
     def _setup(self, vllm_config: Any) -> None:
         kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
-        extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
-                     or {})
+        extra = _extra_config(vllm_config)
         endpoints = dict(extra.get("endpoints") or {})
         if not endpoints:
             raise UnsupportedKVCache(
@@ -345,9 +372,12 @@ class _WorkerState:
         self._layout = ProbedBlockLayout(
             _attention_layer(vllm_config), cache, num_kv_heads, model_config.get_head_size()
         )
+        self._strides = affine_strides(self._layout)
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.observability.metrics import transfer_bytes_observer
         from omni_runtime.observability.transport_metrics import thread_up_setter
+
+        io_cpus = transport_cpus(extra.get("io_cpus"))
 
         self._pipeline = str(extra.get("pipeline", ""))
         self._stage = kv_cfg.stage_name
@@ -361,10 +391,23 @@ class _WorkerState:
             # omni_kv_transport_thread_up{thread="sender"}: the AR supervisor's health check.
             on_thread_state=thread_up_setter(stage=kv_cfg.stage_name, model_name=model_name,
                                              thread="sender"),
+            # Off the engine's OpenMP cores: a core the transport takes from OpenMP stalls
+            # every parallel region of every step (docs/connector.md, "Measured").
+            io_cpus=io_cpus,
         )
+        if disjoint_from_engine(io_cpus):
+            # The copy runs there too, concurrently with the forward (kv/copier.py says why
+            # that is exact); on a core shared with OpenMP it stays inline, per layer.
+            self._copier = BlockCopier(io_cpus)
 
     # -------------------------------------------------------------- a step
     def start_step(self, transfers: dict[str, dict[str, Any]]) -> None:
+        if self.copying:
+            # The previous step ended without wait_for_save (its forward raised): its copies
+            # end here, and its jobs are sent with this step's.
+            self._run_copy_tasks()
+            self._copier.wait()
+            self.copying = False
         for rid, info in transfers.items():
             attempt = int(info.get("attempt", 0))
             if self._error is not None:
@@ -373,18 +416,55 @@ class _WorkerState:
             try:
                 layout = self._layout
                 seq_len = int(info["seq_len"])
-                index, run = gather_rows(
-                    gather_index(layout, info["block_ids"], seq_len, self._caches[0].device),
-                    layout.head_size,
-                )
+                block_ids = info["block_ids"]
+                if seq_len > len(block_ids) * layout.block_size:
+                    raise ValueError(f"seq_len {seq_len} exceeds the {len(block_ids)} blocks "
+                                     f"of {layout.block_size} tokens")
+                runs, index, run = None, None, 1
+                if self._strides is not None:
+                    runs = block_runs(block_ids, -(-seq_len // layout.block_size))
+                else:
+                    index, run = gather_rows(
+                        gather_index(layout, block_ids, seq_len, self._caches[0].device),
+                        layout.head_size,
+                    )
                 shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
                 buffer = self._buffer(shape, self._caches[0].dtype)
             except Exception as exc:
                 self._local[rid] = (attempt, f"extraction failed: {type(exc).__name__}: {exc}")
                 continue
             self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
-                                  info.get("trace_headers"), index, run, buffer,
+                                  info.get("trace_headers"), runs, index, run,
+                                  self._strides, layout.block_size, buffer,
                                   [False] * len(self._caches)))
+        if self._copier is not None and self.jobs:
+            self._copy_tasks.extend((job, layer) for job in self.jobs
+                                    for layer in range(len(self._caches)))
+            self._copier.start(self._copy_tasks_inference_mode)
+            self.copying = True
+
+    def _copy_tasks_inference_mode(self) -> None:
+        # Inference mode is per thread: the buffers and caches are the worker's inference
+        # tensors.
+        with torch.inference_mode():
+            self._run_copy_tasks()
+
+    def _run_copy_tasks(self) -> None:
+        """Copy (transfer, layer) tasks until none is left: the copier thread from the start
+        of the step, the engine's thread too once its forward is done (wait_for_save), so a
+        copy longer than the forward ends sooner. deque.popleft is atomic: each task runs
+        once; tasks write disjoint slices of the buffers."""
+        tasks = self._copy_tasks
+        while True:
+            try:
+                job, layer = tasks.popleft()
+            except IndexError:
+                return
+            if job.error is None:
+                try:
+                    _gather(self._caches[layer], job, layer)
+                except Exception as exc:
+                    job.error = f"extraction failed: {type(exc).__name__}: {exc}"
 
     def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
         for job in self.jobs:
@@ -396,12 +476,24 @@ class _WorkerState:
         from omni_runtime.kv.transport.wire import vllm_external_request_id
 
         jobs, self.jobs = self.jobs, []
+        if self.copying:
+            # The blocks are read only during this step: the copy ends before it does. This
+            # thread takes the tasks the copier has not started.
+            self.copying = False
+            self._run_copy_tasks()
+            error = self._copier.wait()
+            if error is not None:
+                for job in jobs:
+                    job.error = job.error or f"extraction failed: {type(error).__name__}: {error}"
         for job in jobs:
+            if job.error is not None:
+                self._local[job.request_id] = (job.attempt, job.error)
+                continue
             try:
                 for layer, done in enumerate(job.copied):
                     if not done:
                         self.copy_layer_of(job, layer)
-                job.index = None
+                job.index = job.runs = None
                 kv = job.buffer if job.buffer.device.type == "cpu" else job.buffer.cpu()
                 dtype = None
                 if kv.dtype == torch.bfloat16:
@@ -464,6 +556,8 @@ class _WorkerState:
         return answers
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
         if self._sender is not None:
             try:
                 self._sender.close(linger_s=1.0)
@@ -494,10 +588,18 @@ class _WorkerState:
 
 
 def _gather(cache: torch.Tensor, job: _Job, layer: int) -> None:
-    """One gather per layer, straight into the payload's slot (rows of ``job.run``)."""
-    torch.index_select(cache.view(-1, job.run), 0, job.index,
-                       out=job.buffer[layer].view(-1, job.run))
+    """One layer of a transfer straight into the payload's slot: strided copies of runs of
+    consecutive blocks when the layout is affine, else one gather of rows of ``job.run``."""
+    if job.runs is not None:
+        copy_blocks(cache, job.strides, job.runs, job.block_size, job.buffer[layer])
+    else:
+        torch.index_select(cache.view(-1, job.run), 0, job.index,
+                           out=job.buffer[layer].view(-1, job.run))
     job.copied[layer] = True
+
+
+def _extra_config(vllm_config: Any) -> dict[str, Any]:
+    return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
 
 
 def _check_parallelism(vllm_config: Any) -> int:

@@ -148,3 +148,64 @@ def extract(
         H, D = layout.num_kv_heads, layout.head_size
         return torch.empty(len(caches), 2, H, 0, D, dtype=caches[0].dtype)
     return torch.stack([layout.read(c, block_ids, seq_len) for c in caches]).cpu()
+
+
+def affine_strides(layout: ProbedBlockLayout) -> tuple[tuple[int, int, int, int], ...] | None:
+    """For K and V, ``(offset, head_stride, token_stride, dim_stride)`` such that element
+    (h, t, d) of a block sits at ``offset + h*head_stride + t*token_stride + d*dim_stride``
+    inside the block, when the probed layout is that regular (every layout vLLM 0.32's
+    attention backends write here: the CPU one keeps K transposed ``[D, B]`` and V ``[B, D]``
+    per head); None otherwise. Then a run of consecutive blocks is one strided view of the
+    cache, and :func:`copy_blocks` copies it with one ``copy_`` instead of an indexed load per
+    element (the probed index of a transposed K has runs of one element: ~9x slower here)."""
+    out = []
+    for index in (layout._k_index, layout._v_index):  # [H, B, D]
+        H, B, D = index.shape
+        base = int(index[0, 0, 0])
+        sh = int(index[1, 0, 0]) - base if H > 1 else 0
+        st = int(index[0, 1, 0]) - base if B > 1 else 0
+        sd = int(index[0, 0, 1]) - base if D > 1 else 0
+        grid = (base + torch.arange(H).view(H, 1, 1) * sh + torch.arange(B).view(1, B, 1) * st
+                + torch.arange(D).view(1, 1, D) * sd)
+        if min(sh, st, sd) < 0 or not torch.equal(grid, index.cpu()):
+            return None
+        out.append((base, sh, st, sd))
+    return tuple(out)
+
+
+def block_runs(block_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int, int]]:
+    """The first ``num_blocks`` of ``block_ids`` as runs of consecutive ids:
+    ``(first payload block, first cache block, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids[:num_blocks]):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, int(b), 1))
+    return runs
+
+
+def copy_blocks(cache: torch.Tensor, strides: tuple[tuple[int, int, int, int], ...],
+                runs: list[tuple[int, int, int]], block_size: int, out: torch.Tensor) -> None:
+    """One layer's K and V of a transfer into ``out`` ``[2, H, seq_len, D]``: per run of
+    consecutive blocks and per K/V, one strided view of the cache copied with one
+    ``copy_`` (a transposed K is transposed by the copy)."""
+    flat = cache.view(-1)
+    origin = flat.storage_offset()  # as_strided's offsets are the storage's, not the view's
+    block_numel = cache[0].numel()
+    _, H, seq_len, D = out.shape
+    B = block_size
+    for kv, (base, sh, st, sd) in enumerate(strides):
+        dst = out[kv]
+        for start, first, n in runs:
+            t0 = start * B
+            tokens = min(n * B, seq_len - t0)
+            full, rest = divmod(tokens, B)
+            offset = origin + first * block_numel + base
+            if full:
+                dst[:, t0:t0 + full * B].view(H, full, B, D).copy_(
+                    flat.as_strided((H, full, B, D), (sh, block_numel, st, sd), offset))
+            if rest:
+                dst[:, t0 + full * B:t0 + tokens].copy_(
+                    flat.as_strided((H, rest, D), (sh, st, sd), offset + full * block_numel))

@@ -82,6 +82,18 @@ def test_acks_come_back_on_steps_with_nothing_scheduled(llm_factory, receiver):
     assert not scheduler.has_requests()
 
 
+def test_an_io_cpus_the_process_cannot_use_refuses_the_engine_at_start_up(llm_factory):
+    """Bad input is refused before the engine serves, naming the field and the fix (not at the
+    first transfer, where it would fail every transfer)."""
+    from omni_runtime.kv.cpu_affinity import CPUListError, available_cpus
+
+    outside = max(available_cpus()) + 1
+    with pytest.raises(CPUListError) as err:
+        llm_factory(endpoints={"next": "tcp://127.0.0.1:9"}, io_cpus=str(outside))
+    assert "kv_connector_extra_config.io_cpus" in str(err.value)
+    assert f"names CPUs [{outside}] this process cannot use" in str(err.value)
+
+
 def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_factory):
     from vllm import SamplingParams
 
@@ -93,23 +105,47 @@ def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_
     assert "no downstream endpoint" in t.reason
 
 
+def _copy_where(copy: str, monkeypatch) -> list[int] | None:
+    """The connector's io_cpus for ``copy`` = "copier" (its copier thread is used) or None
+    ("inline": no OpenMP binding known, so the copy stays in save_kv_layer)."""
+    if copy == "inline":
+        return None
+    from omni_runtime.kv.cpu_affinity import available_cpus
+
+    # The binding vLLM's CPU executor would write for its worker; read by the connector at
+    # set-up (libgomp has long loaded: the engine itself is not re-bound). On a one-CPU
+    # machine a CPU that does not exist: it only has to be disjoint.
+    cpus = sorted(available_cpus())
+    engine = cpus[:-1] or [cpus[-1] + 1]
+    monkeypatch.setenv("OMP_PLACES", "{" + ",".join(map(str, engine)) + "}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    return cpus[-1:]
+
+
+@pytest.mark.parametrize("copy", ["inline", "copier"])
 @pytest.mark.parametrize("recipe", ["tiny", "kv7b"])
-def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(llm_factory, receiver, recipe):
+def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
+        llm_factory, receiver, recipe, copy, monkeypatch):
     """The oracle at both scales: the 7B KV shape (28 layers, 4 KV heads, head size 128) too.
     The payload the receiver stores is exactly transformers' past_key_values
-    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt."""
+    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt, whether the worker copies
+    each layer inline (save_kv_layer) or on the copier thread during the forward (when the
+    transport's CPUs are disjoint from the engine's OpenMP binding)."""
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from omni_runtime.devtools.tiny_model import ensure_tiny_model as ensure
 
+    io_cpus = _copy_where(copy, monkeypatch)
     model_dir = str(ensure(recipe=recipe))
     llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=256 << 20,
-                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60}, io_cpus=io_cpus)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
     drain_transfers(llm, timeout_s=60)
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
+    assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for out in outs:
         ids = list(out.prompt_token_ids)
@@ -124,14 +160,19 @@ def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(llm_fac
             np.testing.assert_allclose(kv[layer, 1], v.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"V{layer}")
 
 
-def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(llm_factory, receiver):
+@pytest.mark.parametrize("copy", ["inline", "copier"])
+def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(
+        llm_factory, receiver, copy, monkeypatch):
     """A KV cache too small for the load (the real engine preempts): every request's prompt KV
-    still arrives whole (its blocks were pinned while the transfer was in flight), and every
-    block comes back."""
+    still arrives whole and exact (its blocks were pinned while the transfer was in flight;
+    the copier thread, reading during the forward, reads only positions the forward does not
+    write), and every block comes back."""
+    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=1 << 20,
-                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60},
+                                io_cpus=_copy_where(copy, monkeypatch))
     scheduler = engine_core_of(llm).scheduler
     start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     preempted = []
@@ -146,11 +187,20 @@ def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(llm_f
     outs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
     drain_transfers(llm, timeout_s=60)
     assert preempted, "the KV cache must be small enough to force preemptions"
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * len(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32).eval()
     for out in outs:
         (t,) = [t for t in resolved if t.request_id.startswith(out.request_id + "-")]
         payload = receiver.inbox.get(t.request_id)
         assert payload.seq_len == len(out.prompt_token_ids) and np.isfinite(payload.kv).all()
+        with torch.no_grad():
+            pkv = hf(torch.tensor([list(out.prompt_token_ids)]), use_cache=True).past_key_values
+        for layer, cache in enumerate(pkv.layers):
+            np.testing.assert_allclose(payload.kv[layer, 0], cache.keys[0].numpy(), atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(payload.kv[layer, 1], cache.values[0].numpy(), atol=2e-4, rtol=1e-4)
     assert not scheduler._pinned and not scheduler.has_requests()
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start
 

@@ -35,11 +35,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -107,7 +108,9 @@ class KVSender:
     the contract's ``omni_kv_transfer_bytes``). ``on_thread_state``: called with True when
     the I/O thread starts and False when it ends (died or closed), from that thread (pass
     ``omni_runtime.observability.transport_metrics.thread_up_setter(thread="sender", ...)``
-    to feed ``omni_kv_transport_thread_up``).
+    to feed ``omni_kv_transport_thread_up``). ``io_cpus``: the CPUs the sender's I/O thread and
+    ZeroMQ's I/O thread run on (None: inherited from the creating thread); keep them off the
+    engine's OpenMP cores (``omni_runtime.kv.cpu_affinity``).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class KVSender:
         checksum_algo: str = DEFAULT_CHECKSUM,
         observe_bytes: Callable[[int], None] | None = None,
         on_thread_state: Callable[[bool], None] | None = None,
+        io_cpus: Collection[int] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("KVSender needs at least one endpoint")
@@ -150,6 +154,12 @@ class KVSender:
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         # The I/O thread and its wake-up pipe.
         self._ctx = zmq.Context(io_threads=1)
+        self.io_cpus = sorted(io_cpus) if io_cpus else None
+        if self.io_cpus:
+            # Before the first socket: ZeroMQ starts its I/O thread (which does the TCP
+            # sends) with the first socket, bound to these CPUs.
+            for cpu in self.io_cpus:
+                self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._wake_addr = f"inproc://omni-kv-sender-wake-{id(self)}"
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.setsockopt(zmq.SNDHWM, 0)  # wake-ups never block or drop
@@ -305,6 +315,12 @@ class KVSender:
 
     # ------------------------------------------------------------------ the I/O thread
     def _run(self) -> None:
+        if self.io_cpus:
+            try:
+                os.sched_setaffinity(0, self.io_cpus)  # this thread only (Linux)
+            except (OSError, AttributeError) as e:
+                logger.warning("KV sender: cannot bind the I/O thread to CPUs %s: %s",
+                               self.io_cpus, e)
         eps: list[_Endpoint] = []
         wake = self._ctx.socket(zmq.PAIR)
         wake.connect(self._wake_addr)

@@ -59,8 +59,8 @@ def decode_plan(n: int, steps: int):
 
 
 def timed_step(sched, sentinel_for, acked):
-    """One step; returns (nanoseconds in the scheduler, ids handed off)."""
-    from omni_runtime.devtools.sched_harness import runner_output
+    """One step; returns (nanoseconds in the scheduler, (id, attempt) of each hand-off)."""
+    from omni_runtime.devtools.sched_harness import handed_off, runner_output
 
     t0 = time.perf_counter_ns()
     so = sched.schedule()
@@ -69,7 +69,9 @@ def timed_step(sched, sentinel_for, acked):
     t2 = time.perf_counter_ns()
     sched.update_from_output(so, mro)
     t3 = time.perf_counter_ns()
-    handed = list(getattr(so, "finished_requests_needing_kv_transfer", {}) or {})
+    # The hand-offs in the step's connector metadata, as the (request id, attempt) the
+    # workers answer.
+    handed = [(rid, info["attempt"]) for rid, info in handed_off(so).items()]
     return (t1 - t0) + (t3 - t2), handed
 
 

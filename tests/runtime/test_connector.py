@@ -31,7 +31,7 @@ from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 from omni_runtime.kv.transport.wire import checksum, data_view, encode_header, encode_reply
 
 REPO = Path(__file__).resolve().parents[2]
-from transport_fixtures import STAGE, WAIT, make_receiver, make_sender, receiver, registry  # noqa: F401 (fixtures)
+from transport_fixtures import STAGE, WAIT, collect, make_receiver, make_sender, receiver, registry  # noqa: F401 (fixtures)
 
 
 def kv(seq_len: int = 8, seed: int = 0, dtype=np.float32) -> np.ndarray:
@@ -42,21 +42,6 @@ def kv(seq_len: int = 8, seed: int = 0, dtype=np.float32) -> np.ndarray:
 def payload(rid: str, seq_len: int = 8, **kw) -> KVPayload:
     return KVPayload(rid, seq_len, kv(seq_len, seed=hash(rid) % 1000), pipeline="p",
                      from_stage="ar", **kw)
-
-
-def collect(sender: KVSender, n: int, timeout: float = WAIT):
-    """Wait (on the sender's condition) until ``n`` results arrived; (acked, failed)."""
-    acked: list[str] = []
-    failed: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(acked) + len(failed) < n:
-        left = deadline - time.monotonic()
-        assert left > 0, f"only {acked} {failed} of {n} results within {timeout}s"
-        sender.wait(left)
-        a, f = sender.poll()
-        acked += a
-        failed.update(f)
-    return acked, failed
 
 
 def value(registry, name, **labels):

@@ -20,7 +20,7 @@ from omni_runtime.kv.transport.wire import checksum, data_view, encode_header
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 from omni_runtime.observability.transport_metrics import thread_up_setter
 
-from transport_fixtures import STAGE, WAIT, make_receiver, make_sender, receiver, registry  # noqa: F401 (fixtures)
+from transport_fixtures import STAGE, WAIT, collect, make_receiver, make_sender, receiver, registry  # noqa: F401 (fixtures)
 
 
 def payload(rid: str, seq_len: int = 4, **kw) -> KVPayload:
@@ -35,20 +35,6 @@ def frames_of(p: KVPayload, tid: int = 1, **header_changes) -> list[bytes]:
                                       digest=checksum("crc32", data)))
     header.update(header_changes)
     return [json.dumps(header).encode(), bytes(data)]
-
-
-def collect(sender: KVSender, n: int, timeout: float = WAIT):
-    acked: list[str] = []
-    failed: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(acked) + len(failed) < n:
-        left = deadline - time.monotonic()
-        assert left > 0, f"only {acked} {failed} of {n} results within {timeout}s"
-        sender.wait(left)
-        a, f = sender.poll()
-        acked += a
-        failed.update(f)
-    return acked, failed
 
 
 def sample(registry, name, **labels):

@@ -1,7 +1,10 @@
-"""Fixtures of the KV transport tests (test_connector.py, test_connector_faults.py): real
-receivers and senders on 127.0.0.1, each closed when its test ends."""
+"""Fixtures and helpers of the KV transport tests (test_connector.py,
+test_connector_faults.py): real receivers and senders on 127.0.0.1, each closed when its test
+ends."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -54,3 +57,18 @@ def make_sender():
     yield make
     for s in made:
         s.close()
+
+
+def collect(sender: KVSender, n: int, timeout: float = WAIT):
+    """Wait (on the sender's condition) until ``n`` results arrived; (acked, failed)."""
+    acked: list[str] = []
+    failed: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(acked) + len(failed) < n:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {acked} {failed} of {n} results within {timeout}s"
+        sender.wait(left)
+        a, f = sender.poll()
+        acked += a
+        failed.update(f)
+    return acked, failed

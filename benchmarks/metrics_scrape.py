@@ -1,7 +1,7 @@
 """/metrics scrape time of an AR stage under full load next to idle, and where it goes.
 
 Starts a receiving stage and an AR stage (``omni-stage``: vLLM's OpenAI server, the omni
-scheduler, the KV extraction worker, the tiny CPU model, multiprocess metrics) on 127.0.0.1,
+scheduler, the omni KV connector, the tiny CPU model, multiprocess metrics) on 127.0.0.1,
 then, idle and under full load (CLIENTS streaming completions back to back), measures:
 
 * ``scrape``: GET /metrics, wall time (what Prometheus waits for; its default timeout 10 s);

@@ -82,7 +82,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("omni_kv_hold_duration_seconds", "histogram", BASE_LABELS,
            "Time from a request finishing to its held KV blocks being freed."),
     Family("omni_kv_transfer_bytes", "histogram", BASE_LABELS,
-           "Payload size of delivered KV transfers (observed by the KV extraction worker)."),
+           "Payload size of delivered KV transfers (observed by the omni KV connector's worker side)."),
 )
 FAMILIES_BY_NAME = {f.name: f for f in FAMILIES}
 

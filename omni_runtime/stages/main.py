@@ -3,8 +3,8 @@
 The stage config is the file the operator renders into the stage's ConfigMap (keys in
 docs/operator.md; ``omni-pipeline up`` writes the same file for local runs). Two kinds:
 
-* an AR stage (``role: ar``): vLLM's OpenAI server with :class:`OmniARScheduler`, the KV
-  extraction worker and the stage's ``omni_kv_config``; this process supervises it (see
+* an AR stage (``role: ar``): vLLM's OpenAI server with :class:`OmniARScheduler`, the omni
+  KV connector and the stage's ``omni_kv_config``; this process supervises it (see
   :mod:`omni_runtime.stages.ar`);
 * a receiving stage (any other role): a small HTTP server with ``/health``, ``/metrics`` and
   ``/v1/kv`` (what arrived), and the KV receiver with its inbox (see

@@ -1,8 +1,8 @@
 """End to end: every dashboard panel's query returns data from a real Prometheus scraping a
 live two-stage pipeline and the running operator.
 
-- The pipeline: an AR stage (real vLLM server, engine core, the omni scheduler and KV
-  extraction worker) shipping each request's KV after prefill to a receiving stage over
+- The pipeline: an AR stage (real vLLM server, engine core, the omni scheduler and the omni
+  KV connector) shipping each request's KV after prefill to a receiving stage over
   the ZeroMQ connector, both `omni-stage` processes on stage configs the operator renders
   (as `omni-pipeline up` runs them). Requests are acked (durations, bytes, hold times,
   resolutions); one malformed frame sent to the receiver's kv port with a raw DEALER is

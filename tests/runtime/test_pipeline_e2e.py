@@ -1,5 +1,5 @@
 """Two stages as real processes: an AR stage (real vLLM server, multi-process engine core,
-tiny model, OmniARScheduler, the KV extraction worker) ships every request's KV after
+tiny model, OmniARScheduler, the omni KV connector) ships every request's KV after
 prefill to a receiving stage over the ZeroMQ connector.
 
 Correctness oracle that owes nothing to our code: the received K and V equal the

@@ -1,7 +1,7 @@
 """The KV transport: ships a request's KV cache from an AR stage to the next stages over
 ZeroMQ, with delivery acks (wire format and semantics: docs/connector.md).
 
-No vLLM import here: the KV extraction worker builds :class:`KVPayload` host arrays and
+No vLLM import here: the omni KV connector's worker side builds :class:`KVPayload` host arrays and
 calls :class:`KVSender`; a receiving stage runs :class:`KVReceiver` into a :class:`KVInbox`.
 """
 

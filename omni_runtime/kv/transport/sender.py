@@ -1,5 +1,5 @@
 """KVSender: ships KVPayloads to every downstream stage from a background I/O thread and
-reports each transfer's outcome back to the caller (the KV extraction worker).
+reports each transfer's outcome back to the caller (the omni KV connector's worker side).
 
 Delivery semantics (docs/connector.md):
 * ``acked``: every endpoint's receiver stored the payload and said so. Nothing else acks.

@@ -52,6 +52,7 @@ reported by ``get_finished`` would find no request. The answers travel as worker
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -318,6 +319,9 @@ class _Job:
     buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
     copied: list[bool]
     error: str | None = None  # the copier's failure
+    #: Layers not yet copied (or given up); the thread that takes it to 0 ships the job.
+    remaining: int = 0
+    shipped: bool = False
 
 
 class _WorkerState:
@@ -334,6 +338,9 @@ class _WorkerState:
         self._strides = None
         self._layout: ProbedBlockLayout | None = None
         self._error: str | None = None
+        # Answers and sends are made by whichever thread copies a transfer's last layer (the
+        # copier's or the engine's) and read by the engine's thread (poll): under _lock.
+        self._lock = threading.Lock()
         self._local: dict[str, tuple[int, str | None]] = {}
         self._in_flight: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (attempt, buffer)
         self._pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
@@ -411,7 +418,7 @@ class _WorkerState:
         for rid, info in transfers.items():
             attempt = int(info.get("attempt", 0))
             if self._error is not None:
-                self._local[rid] = (attempt, self._error)
+                self._answer(rid, attempt, self._error)
                 continue
             try:
                 layout = self._layout
@@ -431,12 +438,12 @@ class _WorkerState:
                 shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
                 buffer = self._buffer(shape, self._caches[0].dtype)
             except Exception as exc:
-                self._local[rid] = (attempt, f"extraction failed: {type(exc).__name__}: {exc}")
+                self._answer(rid, attempt, f"extraction failed: {type(exc).__name__}: {exc}")
                 continue
             self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
                                   info.get("trace_headers"), runs, index, run,
                                   self._strides, layout.block_size, buffer,
-                                  [False] * len(self._caches)))
+                                  [False] * len(self._caches), remaining=len(self._caches)))
         if self._copier is not None and self.jobs:
             self._copy_tasks.extend((job, layer) for job in self.jobs
                                     for layer in range(len(self._caches)))
@@ -453,7 +460,8 @@ class _WorkerState:
         """Copy (transfer, layer) tasks until none is left: the copier thread from the start
         of the step, the engine's thread too once its forward is done (wait_for_save), so a
         copy longer than the forward ends sooner. deque.popleft is atomic: each task runs
-        once; tasks write disjoint slices of the buffers."""
+        once; tasks write disjoint slices of the buffers. Tasks go transfer by transfer, so
+        the first transfer ships while the others are still being copied."""
         tasks = self._copy_tasks
         while True:
             try:
@@ -465,20 +473,29 @@ class _WorkerState:
                     _gather(self._caches[layer], job, layer)
                 except Exception as exc:
                     job.error = f"extraction failed: {type(exc).__name__}: {exc}"
+            self._layer_done(job)
 
     def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
+        """Inline (no copier): one layer of every transfer of the step, right after the
+        forward wrote it; the last layer ships each transfer."""
         for job in self.jobs:
             if not job.copied[layer]:
                 _gather(cache, job, layer)
+                self._layer_done(job)
+
+    def _layer_done(self, job: _Job) -> None:
+        with self._lock:
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._ship(job)
 
     def finish_step(self) -> None:
-        from omni_runtime.kv.transport import KVPayload
-        from omni_runtime.kv.transport.wire import vllm_external_request_id
-
+        """End of the step (wait_for_save): every copy is done before the step is (the block
+        guarantee's worker half), and every transfer of the step has shipped or failed."""
         jobs, self.jobs = self.jobs, []
         if self.copying:
-            # The blocks are read only during this step: the copy ends before it does. This
-            # thread takes the tasks the copier has not started.
+            # This thread takes the tasks the copier has not started.
             self.copying = False
             self._run_copy_tasks()
             error = self._copier.wait()
@@ -486,73 +503,101 @@ class _WorkerState:
                 for job in jobs:
                     job.error = job.error or f"extraction failed: {type(error).__name__}: {error}"
         for job in jobs:
-            if job.error is not None:
-                self._local[job.request_id] = (job.attempt, job.error)
+            if job.shipped:
                 continue
-            try:
-                for layer, done in enumerate(job.copied):
-                    if not done:
-                        self.copy_layer_of(job, layer)
-                job.index = job.runs = None
-                kv = job.buffer if job.buffer.device.type == "cpu" else job.buffer.cpu()
-                dtype = None
-                if kv.dtype == torch.bfloat16:
-                    # NumPy has no bfloat16: ship the bits, named in the header.
-                    array, dtype = kv.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-                else:
-                    array = kv.numpy()
-                payload = KVPayload(
-                    request_id=job.request_id,
-                    # The receiver also files it under the client-facing id.
-                    external_request_id=vllm_external_request_id(
-                        job.request_id, randomized=not _ids_not_randomized()),
-                    seq_len=job.seq_len,
-                    kv=array,
-                    dtype=dtype,
-                    pipeline=self._pipeline,
-                    from_stage=self._stage,
-                    trace_context=job.trace_headers,
-                    extra={"block_size": self._layout.block_size, "attempt": job.attempt},
-                    shard=self.shard,
-                    num_shards=self.num_shards,
-                )
-            except Exception as exc:
-                self._local[job.request_id] = (
-                    job.attempt, f"extraction failed: {type(exc).__name__}: {exc}")
-                continue
-            if job.deadline_in_s <= 0.0:
-                # The scheduler's deadline has already passed: sending would only keep trying
-                # a transfer the scheduler expires on its next step.
-                self._local[job.request_id] = (
-                    job.attempt, "deadline passed before the send started")
-                continue
+            if job.error is None:
+                # Inline: layers the forward did not visit (a step with nothing scheduled).
+                try:
+                    for layer, done in enumerate(job.copied):
+                        if not done:
+                            _gather(self._caches[layer], job, layer)
+                except Exception as exc:
+                    job.error = f"extraction failed: {type(exc).__name__}: {exc}"
+            self._ship(job)
+
+    def _ship(self, job: _Job) -> None:
+        """Hand a copied transfer to the sender, or answer its failure; once per job, from
+        the thread that copied its last layer (or finish_step)."""
+        from omni_runtime.kv.transport import KVPayload
+        from omni_runtime.kv.transport.wire import vllm_external_request_id
+
+        with self._lock:
+            if job.shipped:
+                return
+            job.shipped = True
+        job.index = job.runs = None
+        if job.error is not None:
+            self._answer(job.request_id, job.attempt, job.error)
+            return
+        if job.deadline_in_s <= 0.0:
+            # The scheduler's deadline has already passed: sending would only keep trying
+            # a transfer the scheduler expires on its next step.
+            self._answer(job.request_id, job.attempt, "deadline passed before the send started")
+            return
+        try:
+            kv = job.buffer if job.buffer.device.type == "cpu" else job.buffer.cpu()
+            dtype = None
+            if kv.dtype == torch.bfloat16:
+                # NumPy has no bfloat16: ship the bits, named in the header.
+                array, dtype = kv.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+            else:
+                array = kv.numpy()
+            payload = KVPayload(
+                request_id=job.request_id,
+                # The receiver also files it under the client-facing id.
+                external_request_id=vllm_external_request_id(
+                    job.request_id, randomized=not _ids_not_randomized()),
+                seq_len=job.seq_len,
+                kv=array,
+                dtype=dtype,
+                pipeline=self._pipeline,
+                from_stage=self._stage,
+                trace_context=job.trace_headers,
+                extra={"block_size": self._layout.block_size, "attempt": job.attempt},
+                shard=self.shard,
+                num_shards=self.num_shards,
+            )
+        except Exception as exc:
+            self._answer(job.request_id, job.attempt,
+                         f"extraction failed: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            # Both under the lock, against poll(): submit() drops any unpolled answer of an
+            # earlier attempt of this request, so no answer is read against the wrong attempt.
             self._in_flight[job.request_id] = (job.attempt, job.buffer)
             # Give up just before the scheduler would expire it, so the failure (with its
             # reason) reaches the scheduler first.
             self._sender.submit(payload, timeout_s=max(0.05, 0.95 * job.deadline_in_s))
 
-    def copy_layer_of(self, job: _Job, layer: int) -> None:
-        _gather(self._caches[layer], job, layer)
+    def _answer(self, rid: str, attempt: int, reason: str | None) -> None:
+        with self._lock:
+            self._local[rid] = (attempt, reason)
 
     def idle_wait(self) -> None:
         if self._sender is not None and self._sender.pending():
             self._sender.wait(IDLE_WAIT_S)
 
     def poll(self) -> dict[str, tuple[int, str | None]]:
-        answers, self._local = self._local, {}
-        if self._sender is None:
-            return answers
-        acked, failed = self._sender.poll()
-        for rid in acked:
-            attempt, buffer = self._in_flight.pop(rid, (0, None))
-            answers[rid] = (attempt, None)
-            if buffer is not None:
-                # Acked by every receiver: ZeroMQ has sent (and let go of) the bytes.
-                self._recycle(buffer)
-        for rid, reason in failed.items():
-            # A failed send may still be in ZeroMQ's hands: its buffer is not re-used.
-            attempt, _ = self._in_flight.pop(rid, (0, None))
-            answers[rid] = (attempt, str(reason))
+        with self._lock:
+            answers, self._local = self._local, {}
+            if self._sender is None:
+                return answers
+            # Under the lock: a transfer submitted meanwhile is in _in_flight before its
+            # answer can come back.
+            acked, failed = self._sender.poll()
+            recycle = []
+            for rid in acked:
+                attempt, buffer = self._in_flight.pop(rid, (0, None))
+                answers[rid] = (attempt, None)
+                if buffer is not None:
+                    # Acked by every receiver: ZeroMQ has sent (and let go of) the bytes.
+                    recycle.append(buffer)
+            for rid, reason in failed.items():
+                # A failed send may still be in ZeroMQ's hands: its buffer is not re-used.
+                attempt, _ = self._in_flight.pop(rid, (0, None))
+                answers[rid] = (attempt, str(reason))
+        for buffer in recycle:
+            self._recycle(buffer)
         return answers
 
     def close(self) -> None:

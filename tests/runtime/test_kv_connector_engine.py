@@ -141,11 +141,34 @@ def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
     model_dir = str(ensure(recipe=recipe))
     llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=256 << 20,
                                 omni_kv_config={**PREFILL, "timeout_seconds": 60}, io_cpus=io_cpus)
+    from omni_runtime.kv.transport import KVSender
+
+    at_submit = []  # per submit: (copy tasks left in the step, its transfers shipped)
+    submit = KVSender.submit
+
+    def recording(sender, payload, **kwargs):
+        worker = get_kv_transfer_group()._worker
+        at_submit.append((len(worker._copy_tasks), [job.shipped for job in worker.jobs]))
+        return submit(sender, payload, **kwargs)
+
+    monkeypatch.setattr(KVSender, "submit", recording)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
     drain_transfers(llm, timeout_s=60)
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
     assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
+    # The three prompts are handed off in one step, and each transfer ships as soon as its
+    # own layers are copied.
+    assert len(at_submit) == 3
+    if copy == "inline":
+        # After the forward's last layer copied it, one by one.
+        assert [shipped for _, shipped in at_submit] == [
+            [True, False, False], [True, True, False], [True, True, True]]
+    elif recipe == "kv7b":
+        # The copier (and the engine's thread once its forward is done) copy transfer by
+        # transfer: the first ships while the others' 2 x 28 layers are still to be copied.
+        # (The tiny model's two layers are copied before the first payload is built.)
+        assert at_submit[0][0] > 0
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for out in outs:
         ids = list(out.prompt_token_ids)

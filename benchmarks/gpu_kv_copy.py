@@ -1,14 +1,17 @@
-"""The GPU half of the KV data path's design, measured with PyTorch alone: does copying a
+"""The GPU half of the KV data path, measured with PyTorch and the connector's copier: does copying a
 7B-shaped transfer's KV to host on a side CUDA stream stall the engine's stream?
 
 A synthetic paged KV cache in the FlashAttention layout (per layer
 ``[2, num_blocks, block_size, kv_heads, head_size]``) lives on ``cuda``. A simulated engine
 step is a chain of matmuls per layer (standing in for the forward) that writes the layer's
-cache. The transfer is copied the way the omni KV connector's worker side would on a GPU:
-after each layer's write, an event is recorded on the engine's stream; a side stream waits on
-that event, gathers the transfer's blocks of that layer (one ``index_select`` into a reused
-device buffer) and copies them to a pinned host buffer (``non_blocking``); the engine's stream
-never waits for the copy.
+cache. The transfer is copied by the omni KV connector's own ``SideStreamCopier``
+(``omni_runtime/kv/device_copy.py``), as the connector's worker side drives it: at the start
+of the step an event is recorded on the engine's stream; a side stream waits on it, gathers
+each transfer's blocks of every layer (one ``index_select`` per layer into a device staging
+buffer) and copies them to a pinned host buffer (``non_blocking``); at the end of the step the
+engine's stream waits on the device for the gathers only, and a thread ships each transfer
+once its host copy is done. The blocks copied are ones the step does not write, as in the
+engine (a transfer covers tokens that earlier steps wrote).
 
 Prints the mean step time without a transfer, with the transfer copied on the side stream,
 and with the copy done synchronously in the step (the old design), and as its last line one
@@ -22,9 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omni_runtime.kv.device_copy import SideStreamCopier  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_SIZE, HIDDEN = 28, 4, 128, 3584  # the 7B KV shape
 BLOCK_SIZE = 16
@@ -56,10 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks * BLOCK_SIZE - first_free)
     ids = [torch.arange(i * blocks_per_transfer, (i + 1) * blocks_per_transfer, device=dev)
            for i in range(args.transfers)]
-    dev_bufs = [torch.empty(2, blocks_per_transfer, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, device=dev,
-                            dtype=dtype) for _ in range(args.transfers)]
-    host_bufs = [torch.empty(LAYERS, *b.shape, dtype=dtype, pin_memory=True) for b in dev_bufs]
-    side = torch.cuda.Stream()
+    dev_bufs = [torch.empty(LAYERS, 2, blocks_per_transfer, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
+                            device=dev, dtype=dtype) for _ in range(args.transfers)]
+    host_bufs = [torch.empty(b.shape, dtype=dtype, pin_memory=True) for b in dev_bufs]
+    shipped = threading.Semaphore(0)
+    failures: list[str] = []
+
+    def ship(job, error):
+        if error is not None:
+            failures.append(error)
+        shipped.release()
+
+    copier = SideStreamCopier(dev, ship)
+    jobs = list(range(args.transfers))
+
+    def gather(i, layer):
+        torch.index_select(caches[layer], 1, ids[i], out=dev_bufs[i][layer])
     nbytes = sum(b.numel() * b.element_size() for b in host_bufs)
 
     def step(mode: str) -> float:
@@ -67,26 +88,28 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         x = x0
+        if mode == "side":
+            copier.start(jobs, gather, LAYERS, staging=lambda i: dev_bufs[i],
+                         host=lambda i: host_bufs[i])
         for layer in range(LAYERS):
             x = torch.tanh(x @ weights[layer])
             flat = caches[layer].view(2, -1, KV_HEADS, HEAD_SIZE)
             kv = x[:, : KV_HEADS * HEAD_SIZE].reshape(-1, KV_HEADS, HEAD_SIZE)
             flat[0].index_copy_(0, write_slots, kv)
-            if mode == "side":
-                event = torch.cuda.Event()
-                event.record(main_stream)
-                with torch.cuda.stream(side):
-                    side.wait_event(event)
-                    for i in range(args.transfers):
-                        torch.index_select(caches[layer], 1, ids[i], out=dev_bufs[i])
-                        host_bufs[i][layer].copy_(dev_bufs[i], non_blocking=True)
-            elif mode == "sync":
+            if mode == "sync":
                 for i in range(args.transfers):
-                    torch.index_select(caches[layer], 1, ids[i], out=dev_bufs[i])
-                    host_bufs[i][layer].copy_(dev_bufs[i], non_blocking=False)
+                    torch.index_select(caches[layer], 1, ids[i], out=dev_bufs[i][layer])
+                    host_bufs[i][layer].copy_(dev_bufs[i][layer], non_blocking=False)
+        if mode == "side":
+            copier.end_step()
         main_stream.synchronize()  # the step ends when the engine's stream is done
         elapsed = time.perf_counter() - t0
-        side.synchronize()  # (outside the step) the copy completes in the background
+        if mode == "side":  # (outside the step) every transfer reaches its host buffer
+            for _ in jobs:
+                if not shipped.acquire(timeout=30):
+                    raise RuntimeError("a side-stream copy was not shipped within 30 s")
+            if failures:
+                raise RuntimeError(f"side-stream copies failed: {failures}")
         return elapsed
 
     for mode in ("off", "side", "sync"):
@@ -98,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     step("sync")
     copy_s = time.perf_counter() - t0 - sum(times["off"]) / len(times["off"])
+    copier.close()
+    # The copier's host buffers hold exactly the blocks (checked once, outside the timing).
+    for i in jobs:
+        for layer in (0, LAYERS - 1):
+            expected = caches[layer].index_select(1, ids[i]).cpu()
+            if not torch.equal(host_bufs[i][layer], expected):
+                raise RuntimeError(f"transfer {i} layer {layer}: host copy differs from the cache")
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     for k, v in mean.items():
         print(f"{k:>5}: mean step {v * 1e3:.2f} ms")

@@ -70,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
 from omni_runtime.kv.copier import BlockCopier
 from omni_runtime.kv.cpu_affinity import disjoint_from_engine, transport_cpus
+from omni_runtime.kv.device_copy import SideStreamCopier
 from omni_runtime.kv.layout import (
     ProbedBlockLayout,
     UnsupportedKVCache,
@@ -316,12 +317,13 @@ class _Job:
     run: int
     strides: tuple[tuple[int, int, int, int], ...] | None  # affine_strides() of the layout
     block_size: int
-    buffer: torch.Tensor  # [L, 2, H, seq_len, D], host
+    buffer: torch.Tensor  # [L, 2, H, seq_len, D]: host, or device staging on a GPU ...
     copied: list[bool]
     error: str | None = None  # the copier's failure
     #: Layers not yet copied (or given up); the thread that takes it to 0 ships the job.
     remaining: int = 0
     shipped: bool = False
+    host: torch.Tensor | None = None  # ... with this pinned host buffer (GPU only)
 
 
 class _WorkerState:
@@ -334,6 +336,7 @@ class _WorkerState:
         self._caches = caches
         self._sender = None
         self._copier: BlockCopier | None = None
+        self._side: SideStreamCopier | None = None  # the copy on a GPU (kv/device_copy.py)
         self._copy_tasks: deque[tuple[_Job, int]] = deque()  # the copier's, this step
         self._strides = None
         self._layout: ProbedBlockLayout | None = None
@@ -380,6 +383,11 @@ class _WorkerState:
             _attention_layer(vllm_config), cache, num_kv_heads, model_config.get_head_size()
         )
         self._strides = affine_strides(self._layout)
+        on_gpu = cache.device.type == "cuda"
+        if on_gpu:
+            # One index_select kernel per layer and transfer: strided copies would launch two
+            # per run of blocks and layer, from the engine's thread.
+            self._strides = None
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.observability.metrics import transfer_bytes_observer
         from omni_runtime.observability.transport_metrics import thread_up_setter
@@ -402,7 +410,11 @@ class _WorkerState:
             # every parallel region of every step (docs/connector.md, "Measured").
             io_cpus=io_cpus,
         )
-        if disjoint_from_engine(io_cpus):
+        if on_gpu:
+            # Gathers and device-to-host copies on a side CUDA stream; the engine's stream
+            # never waits for the copy to host (kv/device_copy.py).
+            self._side = SideStreamCopier(cache.device, self._ship_copied)
+        elif disjoint_from_engine(io_cpus):
             # The copy runs there too, concurrently with the forward (kv/copier.py says why
             # that is exact); on a core shared with OpenMP it stays inline, per layer.
             self._copier = BlockCopier(io_cpus)
@@ -436,15 +448,23 @@ class _WorkerState:
                         layout.head_size,
                     )
                 shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
-                buffer = self._buffer(shape, self._caches[0].dtype)
+                dtype = self._caches[0].dtype
+                host = self._buffer(shape, dtype)
+                buffer, host = (host, None) if self._side is None else (
+                    torch.empty(shape, dtype=dtype, device=self._caches[0].device), host)
             except Exception as exc:
                 self._answer(rid, attempt, f"extraction failed: {type(exc).__name__}: {exc}")
                 continue
             self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
                                   info.get("trace_headers"), runs, index, run,
                                   self._strides, layout.block_size, buffer,
-                                  [False] * len(self._caches), remaining=len(self._caches)))
-        if self._copier is not None and self.jobs:
+                                  [False] * len(self._caches), remaining=len(self._caches),
+                                  host=host))
+        if self._side is not None and self.jobs:
+            caches = self._caches
+            self._side.start(self.jobs, lambda job, layer: _gather(caches[layer], job, layer),
+                             len(caches), staging=lambda job: job.buffer, host=lambda job: job.host)
+        elif self._copier is not None and self.jobs:
             self._copy_tasks.extend((job, layer) for job in self.jobs
                                     for layer in range(len(self._caches)))
             self._copier.start(self._copy_tasks_inference_mode)
@@ -494,6 +514,11 @@ class _WorkerState:
         """End of the step (wait_for_save): every copy is done before the step is (the block
         guarantee's worker half), and every transfer of the step has shipped or failed."""
         jobs, self.jobs = self.jobs, []
+        if self._side is not None:
+            # The side stream ships them once copied to host; the engine's stream waits on
+            # the device for the reads of the cache only.
+            self._side.end_step()
+            return
         if self.copying:
             # This thread takes the tasks the copier has not started.
             self.copying = False
@@ -515,6 +540,12 @@ class _WorkerState:
                     job.error = f"extraction failed: {type(exc).__name__}: {exc}"
             self._ship(job)
 
+    def _ship_copied(self, job: _Job, error: str | None) -> None:
+        """From the side-stream copier's thread: the job's host buffer holds its KV."""
+        job.error = job.error or error
+        job.buffer = None  # the device staging buffer: the copy from it is done
+        self._ship(job)
+
     def _ship(self, job: _Job) -> None:
         """Hand a copied transfer to the sender, or answer its failure; once per job, from
         the thread that copied its last layer (or finish_step)."""
@@ -534,8 +565,8 @@ class _WorkerState:
             # a transfer the scheduler expires on its next step.
             self._answer(job.request_id, job.attempt, "deadline passed before the send started")
             return
+        kv = job.host if job.host is not None else job.buffer
         try:
-            kv = job.buffer if job.buffer.device.type == "cpu" else job.buffer.cpu()
             dtype = None
             if kv.dtype == torch.bfloat16:
                 # NumPy has no bfloat16: ship the bits, named in the header.
@@ -564,7 +595,7 @@ class _WorkerState:
         with self._lock:
             # Both under the lock, against poll(): submit() drops any unpolled answer of an
             # earlier attempt of this request, so no answer is read against the wrong attempt.
-            self._in_flight[job.request_id] = (job.attempt, job.buffer)
+            self._in_flight[job.request_id] = (job.attempt, kv)
             # Give up just before the scheduler would expire it, so the failure (with its
             # reason) reaches the scheduler first.
             self._sender.submit(payload, timeout_s=max(0.05, 0.95 * job.deadline_in_s))
@@ -603,6 +634,8 @@ class _WorkerState:
     def close(self) -> None:
         if self._copier is not None:
             self._copier.close()
+        if self._side is not None:
+            self._side.close()
         if self._sender is not None:
             try:
                 self._sender.close(linger_s=1.0)
@@ -617,12 +650,10 @@ class _WorkerState:
             buffer = free.pop()
             self._pool_bytes -= buffer.numel() * buffer.element_size()
             return buffer.view(shape)
-        device = self._caches[0].device
-        pin = device.type == "cuda"
-        # On a GPU the gather runs on the device into a device buffer copied to pinned host
-        # memory at the end of the step (untested here: no GPU in this project's CI).
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin) if not pin else \
-            torch.empty(shape, dtype=dtype, device=device)
+        # Host memory; pinned when the caches are on a GPU, so the side stream's copy to it
+        # is asynchronous.
+        return torch.empty(shape, dtype=dtype, device="cpu",
+                           pin_memory=self._caches[0].device.type == "cuda")
 
     def _recycle(self, buffer: torch.Tensor) -> None:
         nbytes = buffer.numel() * buffer.element_size()

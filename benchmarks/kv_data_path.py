@@ -28,7 +28,13 @@ Last line, one JSON object:
   * diagnostics: ``transport_ratio_7b`` (the transport alone, submit() to ack, against raw
     ZeroMQ), ``decode_step_ratio_7b`` (steps after the prefill, on over off) and
     ``handoff_step_extra_ms_7b`` (the hand-off step over the median decode step off): the
-    prefill step dominates both step ratios above.
+    prefill step dominates both step ratios above;
+  * the I/O CPUs' work per round: ``io_cpu_s_7b`` (CPU seconds of every thread on the I/O
+    CPUs for one round of transfers: the copier, the sender, both ZeroMQ I/O threads and the
+    receiving stage's receiver thread, split in ``io_cpu_split_7b``) against
+    ``raw_io_cpu_s_7b`` (raw ZeroMQ's threads, both ends, sending the same bytes), and their
+    ratio ``io_cpu_ratio_7b``: with one I/O CPU both paths keep it busy from the first byte
+    to the last ack, so this is the best ``throughput_ratio_7b`` that split allows.
 """
 
 from __future__ import annotations
@@ -60,6 +66,35 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def thread_cpu_s(names_of: dict[int, str] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of each of this process's threads, by name: Python's
+    thread name where it knows the thread (``names_of`` {native id: name} or
+    threading.enumerate()), else the kernel's (ZeroMQ names its I/O threads ``ZMQbg/...``).
+    Threads of one name are summed."""
+    names = names_of if names_of is not None else {
+        t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = names.get(int(tid)) or f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def _io_threads(cpu: dict[str, float], *prefixes: str) -> float:
+    return sum(v for k, v in cpu.items() if k.startswith(prefixes))
 
 
 def _cpu_split(engine: str | None, io: str | None) -> tuple[list[int], list[int]]:
@@ -110,12 +145,13 @@ def _serve(conn, io_cpus: list[int]) -> None:
                 ident, _ = raw.recv_multipart(copy=False)
                 raw.send_multipart([ident, b"ok"])
 
-    threads = [threading.Thread(target=consume, daemon=True),
-               threading.Thread(target=raw_acks, daemon=True)]
+    threads = [threading.Thread(target=consume, name="consume", daemon=True),
+               threading.Thread(target=raw_acks, name="raw-acks", daemon=True)]
     for t in threads:
         t.start()
     conn.send((receiver.endpoint, f"tcp://127.0.0.1:{raw_port}"))
-    conn.recv()  # stop
+    while conn.recv() == "cpu":  # per-thread CPU seconds so far, until "stop"
+        conn.send(thread_cpu_s())
     stop.set()
     for t in threads:
         t.join(5)
@@ -139,7 +175,8 @@ def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_byt
     return llm, engine_core_of(llm)
 
 
-def _round(llm, core, prompts, transfers_on: bool, resolved: list) -> list[float]:
+def _round(llm, core, prompts, transfers_on: bool, resolved: list,
+           io_cpu: list | None = None, receiver=None) -> list[float]:
     from vllm import SamplingParams
 
     from omni_runtime.devtools.offline import drain_transfers
@@ -156,17 +193,30 @@ def _round(llm, core, prompts, transfers_on: bool, resolved: list) -> list[float
         return out
 
     core.step_fn = step
+    if io_cpu is not None:
+        ar0, rx0 = thread_cpu_s(), _receiver_cpu(receiver)
     try:
         llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)
     finally:
         core.step_fn = inner
     drain_transfers(llm, timeout_s=60)
+    if io_cpu is not None:
+        ar, rx = _cpu_delta(ar0, thread_cpu_s()), _cpu_delta(rx0, _receiver_cpu(receiver))
+        io_cpu.append({"copy": _io_threads(ar, "omni-kv-copy"),
+                       "sender": _io_threads(ar, "omni-kv-sender"),
+                       "zmq_send": _io_threads(ar, "ZMQbg"),
+                       "receiver": _io_threads(rx, "omni-kv-receiver", "ZMQbg")})
     return times
 
 
+def _receiver_cpu(receiver) -> dict[str, float]:
+    receiver.send("cpu")
+    return receiver.recv()
+
+
 def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
-            kv_bytes: int) -> dict:
+            kv_bytes: int, receiver) -> dict:
     from omni_runtime.transfers.ledger import TransferObserver
 
     llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes, args.io_cpus)
@@ -187,11 +237,12 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     _round(llm, core, make(98), False, resolved)
     resolved.clear()
     rss0 = _rss_mb()
-    on, off = [], []
+    on, off, io_cpu = [], [], []
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
-            times = _round(llm, core, prompts, transfers_on, resolved)
+            times = _round(llm, core, prompts, transfers_on, resolved,
+                           io_cpu if transfers_on else None, receiver)
             (on if transfers_on else off).append(times)
             print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
                   f"{[round(t, 3) for t in times]}", file=sys.stderr)
@@ -224,21 +275,31 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
             "steps_on": sum(map(len, on)), "steps_off": sum(map(len, off)),
             "bytes_per_round": nbytes, "handoff_to_ack_s": statistics.median(spans),
-            "rss_growth_mb": rss1 - rss0}
+            "rss_growth_mb": rss1 - rss0,
+            "io_cpu": {k: statistics.median(c[k] for c in io_cpu) for k in io_cpu[0]}}
 
 
-def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> float:
+def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int],
+                    receiver) -> tuple[float, float]:
     """Raw ZeroMQ: ``count`` messages of ``nbytes / count`` bytes, each answered, as the
-    connector's transfers are; from a thread on the transport's CPUs, as the sender's is."""
-    result: list[float] = []
+    connector's transfers are; from a thread on the transport's CPUs, as the sender's is.
+    (best seconds of 3, CPU seconds of the I/O threads of both ends per repetition)."""
+    result: list[tuple[float, float]] = []
+    rx0 = _receiver_cpu(receiver)
     thread = threading.Thread(target=lambda: result.append(
         _raw_zmq(raw_endpoint, nbytes, count, io_cpus)))
     thread.start()
     thread.join()
-    return result[0]
+    rx = _cpu_delta(rx0, _receiver_cpu(receiver))
+    best, sender_cpu = result[0]
+    return best, sender_cpu + _io_threads(rx, "raw-acks", "ZMQbg") / RAW_REPEATS
 
 
-def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> float:
+RAW_REPEATS = 3
+
+
+def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]
+             ) -> tuple[float, float]:
     os.sched_setaffinity(0, io_cpus)
     ctx = zmq.Context()
     for cpu in io_cpus:
@@ -249,16 +310,19 @@ def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]) -> 
     dealer.send(b"warm")
     dealer.recv()
     best = float("inf")
-    for _ in range(3):
+    cpu0, zmq0 = time.thread_time(), _io_threads(thread_cpu_s(), "ZMQbg")
+    for _ in range(RAW_REPEATS):
         t0 = time.perf_counter()
         for _ in range(count):
             dealer.send(memoryview(data.view(np.uint8)), copy=False)
         for _ in range(count):
             dealer.recv()
         best = min(best, time.perf_counter() - t0)
+    # Before term(): the context's I/O thread ends with it.
+    cpu = time.thread_time() - cpu0 + _io_threads(thread_cpu_s(), "ZMQbg") - zmq0
     dealer.close(linger=0)
     ctx.term()
-    return best
+    return best, cpu / RAW_REPEATS
 
 
 def transport_seconds(endpoint: str, shape: tuple[int, ...], count: int,
@@ -312,11 +376,12 @@ def main(argv: list[str] | None = None) -> None:
     endpoint, raw_endpoint = parent.recv()
     try:
         big = measure(kv7b, endpoint, args, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
-                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5))
+                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5),
+                      receiver=parent)
         small = measure(tiny, endpoint, args, prompt_tokens=256, rounds=args.tiny_rounds,
-                        kv_bytes=64 << 20)
-        raw_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests,
-                                args.io_cpus)
+                        kv_bytes=64 << 20, receiver=parent)
+        raw_s, raw_cpu_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests,
+                                           args.io_cpus, parent)
         transport_s = transport_seconds(endpoint, (28, 2, 4, args.prompt_tokens, 128),
                                         args.requests, args.io_cpus)
     finally:
@@ -333,6 +398,10 @@ def main(argv: list[str] | None = None) -> None:
         "handoff_to_ack_s_7b": round(big["handoff_to_ack_s"], 4),
         "raw_zmq_s_7b": round(raw_s, 4),
         "transport_ratio_7b": round(raw_s / transport_s, 4),
+        "io_cpu_ratio_7b": round(raw_cpu_s / sum(big["io_cpu"].values()), 4),
+        "io_cpu_s_7b": round(sum(big["io_cpu"].values()), 4),
+        "raw_io_cpu_s_7b": round(raw_cpu_s, 4),
+        "io_cpu_split_7b": {k: round(v, 3) for k, v in big["io_cpu"].items()},
         "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
         "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),

@@ -68,8 +68,8 @@ def composed_kv_transfer_config(omni: Mapping[str, Any], other: Mapping[str, Any
         if child["kv_connector"] in (CONNECTOR_NAME, MULTI_CONNECTOR):
             raise ConnectorConfigError(
                 f"kv_transfer_config names {child['kv_connector']}: the omni KV connector is "
-                "added by the stage (from kvTransfer and the pipeline graph); name only your "
-                "own connector(s)")
+                "added by the stage (from kvTransfer and the pipeline graph; its transport "
+                "CPUs from kvTransfer.ioCpus); name only your own connector(s)")
         child = dict(child)
         if "engine_id" in child:
             # MultiConnector passes the engine id to every child itself (a child's own

@@ -23,6 +23,10 @@ import re
 from collections.abc import Iterable, Mapping
 
 FIELD = "kv_transfer_config.kv_connector_extra_config.io_cpus"
+#: The highest CPU id a list may name. No Linux kernel supports this many CPUs (NR_CPUS is
+#: at most 8192); the bound keeps a typo such as "0-9999999999" from building a set of ten
+#: billion ids in the engine, or in a config check, before anything can refuse it.
+MAX_CPU_ID = 65535
 
 
 class CPUListError(ValueError):
@@ -30,7 +34,8 @@ class CPUListError(ValueError):
 
 
 def parse_cpu_list(text: str) -> set[int]:
-    """``"0,2-3"`` -> {0, 2, 3}; raises ValueError on anything else."""
+    """``"0,2-3"`` -> {0, 2, 3}; raises ValueError on anything else (a descending range, an
+    id above :data:`MAX_CPU_ID`)."""
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         if not part:
@@ -41,6 +46,8 @@ def parse_cpu_list(text: str) -> set[int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"descending CPU range: {part!r}")
+        if hi > MAX_CPU_ID:
+            raise ValueError(f"CPU id above {MAX_CPU_ID}: {part!r}")
         cpus.update(range(lo, hi + 1))
     return cpus
 
@@ -106,29 +113,41 @@ def _own_omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
     return None
 
 
-def transport_cpus(setting: object, environ: Mapping[str, str] | None = None,
-                   available: Iterable[int] | None = None) -> set[int]:
-    """The CPUs for the transport's threads, from the ``io_cpus`` setting (see the module
-    docstring). Raises :class:`CPUListError` for a setting that cannot be honoured."""
-    allowed = set(available) if available is not None else available_cpus()
+def requested_cpus(setting: object, field: str = FIELD) -> set[int] | None:
+    """The CPUs an ``io_cpus`` setting names, None for "auto" (or absent): its syntax only,
+    not whether this process may use them (:func:`transport_cpus` checks that where the
+    transport runs). Raises :class:`CPUListError` naming ``field`` for a malformed or empty
+    setting; the stage config checks its ``kvTransfer.ioCpus`` with this before vLLM starts."""
     if setting is None or setting == "auto":
-        engine = omp_bound_cpus(os.environ if environ is None else environ)
-        rest = allowed - engine if engine else set()
-        return rest or allowed
+        return None
     try:
         if isinstance(setting, str):
             cpus = parse_cpu_list(setting)
         elif isinstance(setting, (list, tuple)) and all(
-            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in setting
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_CPU_ID
+            for c in setting
         ):
             cpus = set(setting)
         else:
             raise ValueError(f"a string like \"2-3\" or a list of CPU ids, not {setting!r}")
     except ValueError as exc:
-        raise CPUListError(f"{FIELD}: {exc}; use e.g. \"3\", \"2-3,6\", [2, 3] or \"auto\"") \
+        raise CPUListError(f"{field}: {exc}; use e.g. \"3\", \"2-3,6\", [2, 3] or \"auto\"") \
             from None
     if not cpus:
-        raise CPUListError(f"{FIELD} is empty: name at least one CPU, or \"auto\"")
+        raise CPUListError(f"{field} is empty: name at least one CPU, or \"auto\"")
+    return cpus
+
+
+def transport_cpus(setting: object, environ: Mapping[str, str] | None = None,
+                   available: Iterable[int] | None = None) -> set[int]:
+    """The CPUs for the transport's threads, from the ``io_cpus`` setting (see the module
+    docstring). Raises :class:`CPUListError` for a setting that cannot be honoured."""
+    allowed = set(available) if available is not None else available_cpus()
+    cpus = requested_cpus(setting)
+    if cpus is None:
+        engine = omp_bound_cpus(os.environ if environ is None else environ)
+        rest = allowed - engine if engine else set()
+        return rest or allowed
     outside = cpus - allowed
     if outside:
         raise CPUListError(

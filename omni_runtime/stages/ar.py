@@ -154,8 +154,12 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
     if additional["omni_kv_config"].get("need_send_cache"):
         # The omni KV connector moves the bytes (vLLM's KV connector interface; no worker
         # class of ours), composed with the user's own through vLLM's MultiConnector.
+        # The user's connector config cannot reach ours (composed_kv_transfer_config refuses
+        # one naming it): our settings, io_cpus included, come from kvTransfer alone.
+        io_cpus = config.kv_io_cpus
         connector = kv_transfer_config(
-            {d.stage: d.zmq_address for d in config.downstream}, config.pipeline
+            {d.stage: d.zmq_address for d in config.downstream}, config.pipeline,
+            list(io_cpus) if isinstance(io_cpus, tuple) else io_cpus,
         )
         if user is not None:
             try:

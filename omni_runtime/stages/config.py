@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from omni_runtime.kv.cpu_affinity import CPUListError, requested_cpus
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config
 
 DEFAULT_HTTP_PORT = 8000
@@ -47,6 +48,10 @@ class StageConfig:
     kv_send: bool = False
     kv_criteria: Mapping[str, Any] | None = None
     kv_timeout_seconds: float | None = None
+    #: The KV transport threads' CPUs (the connector's ``io_cpus``): a Linux CPU list
+    #: ("2-3,6") or CPU ids, syntax checked; None: "auto". Whether the pod may use them is
+    #: checked where they are used, at engine start-up (omni_runtime/kv/cpu_affinity.py).
+    kv_io_cpus: str | tuple[int, ...] | None = None
     downstream: tuple[Downstream, ...] = ()
     http_port: int = DEFAULT_HTTP_PORT
     kv_port: int = DEFAULT_KV_PORT
@@ -110,6 +115,7 @@ def parse_stage_config(raw: Any) -> StageConfig:
     criteria = kv.get("criteria")
     if criteria is not None and not isinstance(criteria, Mapping):
         raise StageConfigError("kvTransfer.criteria must be a mapping with a type")
+    kv_send = bool(_get(kv, "send", bool, "kvTransfer.", False))
     config = StageConfig(
         pipeline=_get(raw, "pipeline", str, ""),
         stage=_get(raw, "stage", str, ""),
@@ -118,9 +124,10 @@ def parse_stage_config(raw: Any) -> StageConfig:
         model_name=str(model.get("name") or model_ref),
         model_dir=model.get("cacheDir"),
         engine_args=dict(_get(raw, "engineArgs", Mapping, "", {})),
-        kv_send=bool(_get(kv, "send", bool, "kvTransfer.", False)),
+        kv_send=kv_send,
         kv_criteria=dict(criteria) if criteria else None,
         kv_timeout_seconds=float(timeout) if timeout is not None else None,
+        kv_io_cpus=_io_cpus(kv.get("ioCpus"), kv_send),
         downstream=tuple(downstream),
         http_port=_get(ports, "http", int, "ports.", DEFAULT_HTTP_PORT),
         kv_port=_get(ports, "kv", int, "ports.", DEFAULT_KV_PORT),
@@ -133,6 +140,26 @@ def parse_stage_config(raw: Any) -> StageConfig:
         except OmniKVConfigError as exc:
             raise StageConfigError(_as_stage_keys(str(exc))) from None
     return config
+
+
+def _io_cpus(value: Any, send: bool) -> str | tuple[int, ...] | None:
+    """``kvTransfer.ioCpus``, its syntax checked with the transport's own parser (so the
+    stage refuses exactly what the connector would refuse at start-up, but before vLLM
+    loads a model); None for "auto" or absent."""
+    try:
+        cpus = requested_cpus(value, field="kvTransfer.ioCpus")
+    except CPUListError as exc:
+        raise StageConfigError(str(exc)) from None
+    if cpus is None:
+        return None
+    if not send:
+        # Refused rather than ignored: only a sending stage runs the KV transport, so the
+        # setting would silently do nothing, and a user who wrote it expects it to act
+        # (on a receiving stage, or with send left false by mistake).
+        raise StageConfigError(
+            "kvTransfer.ioCpus is set but kvTransfer.send is false: only a stage that sends "
+            "KV runs the transport's threads; remove ioCpus, or set kvTransfer.send: true")
+    return value.strip() if isinstance(value, str) else tuple(value)
 
 
 def _as_stage_keys(message: str) -> str:

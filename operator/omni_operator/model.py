@@ -33,6 +33,13 @@ RESERVED_ENGINE_ARGS = {
 RESERVED_ENV_PREFIXES = ("OMNI_",)
 RESERVED_MOUNT_PATHS = ("/tmp", "/dev/shm", "/etc/omni")  # the volumes every stage pod mounts (render.py)
 GPU_RESOURCE = "nvidia.com/gpu"
+# kvTransfer.ioCpus: "auto" or a Linux CPU list, as the CRD's pattern states it; the ranges'
+# order and the id bound are checked here (the schema cannot say them). MAX_CPU_ID is the
+# runtime's (omni_runtime/kv/cpu_affinity.py, which the operator image does not carry; a
+# test keeps the two equal).
+CPU_LIST = re.compile(r"^(auto|[0-9]{1,5}(-[0-9]{1,5})?(,[0-9]{1,5}(-[0-9]{1,5})?)*)$")
+MAX_CPU_LIST_LENGTH = 256
+MAX_CPU_ID = 65535
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class KvTransfer:
     criteria_type: str = "prefill_finished"
     token_id: int | None = None
     timeout_seconds: int = 30
+    #: The KV transport threads' CPUs as a Linux CPU list ("2-3,6"); None: "auto".
+    io_cpus: str | None = None
 
 
 @dataclass(frozen=True)
@@ -315,7 +324,7 @@ def _stage(pipeline: str, where: str, raw: dict, default_image: str, problems: l
 def _kv_transfer(where: str, raw: Any, role: Any, problems: list[Problem]) -> KvTransfer:
     where = f"{where}.kvTransfer"
     if not isinstance(raw, dict):
-        problems.append(Problem(where, "must be an object {send, criteria, timeoutSeconds}"))
+        problems.append(Problem(where, "must be an object {send, criteria, timeoutSeconds, ioCpus}"))
         return KvTransfer()
     send = raw.get("send", False)
     if not isinstance(send, bool):
@@ -342,7 +351,36 @@ def _kv_transfer(where: str, raw: Any, role: Any, problems: list[Problem]) -> Kv
     if not (_is_int(timeout) and 1 <= timeout <= 3600):
         problems.append(Problem(f"{where}.timeoutSeconds", "must be an integer from 1 to 3600"))
         timeout = 30
-    return KvTransfer(send=send, criteria_type=ctype, token_id=token_id, timeout_seconds=timeout)
+    io_cpus = _io_cpus(f"{where}.ioCpus", raw.get("ioCpus"), send, problems)
+    return KvTransfer(send=send, criteria_type=ctype, token_id=token_id, timeout_seconds=timeout,
+                      io_cpus=io_cpus)
+
+
+def _io_cpus(where: str, value: Any, send: bool, problems: list[Problem]) -> str | None:
+    """kvTransfer.ioCpus: its syntax only; whether the pod may use those CPUs is checked in
+    the pod at engine start-up. None for "auto" or absent (the rendered config leaves it out,
+    so writing "auto" changes nothing, not even the config's hash)."""
+    if value is None or value == "auto":
+        return None
+    fix = 'use "auto" or a Linux CPU list such as "3" or "2-3,6" (no spaces)'
+    if not (isinstance(value, str) and len(value) <= MAX_CPU_LIST_LENGTH and CPU_LIST.match(value)):
+        problems.append(Problem(where, f"must be a string: {fix}"))
+        return None
+    for part in value.split(","):
+        low, _, high = part.partition("-")
+        if high and int(high) < int(low):
+            problems.append(Problem(where, f"has a descending range {part!r}; write it low-high, e.g. "
+                                           f"{high}-{low}"))
+            return None
+        if int(high or low) > MAX_CPU_ID:
+            problems.append(Problem(where, f"names CPU {int(high or low)}, above {MAX_CPU_ID}; {fix}"))
+            return None
+    if not send:
+        # Refused, not ignored: only a stage that sends runs the KV transport, and a setting
+        # that silently does nothing hides a mistake (send left false, the wrong stage).
+        problems.append(Problem(where, "is only used by a stage that sends KV; remove it, or set kvTransfer.send: true"))
+        return None
+    return value
 
 
 def _resources(where: str, raw: Any, problems: list[Problem]) -> dict[str, dict[str, Any]]:

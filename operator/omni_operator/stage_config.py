@@ -42,6 +42,14 @@ def render_stage_config(
     criteria: dict[str, Any] = {"type": stage.kv.criteria_type}
     if stage.kv.token_id is not None:
         criteria["tokenId"] = stage.kv.token_id
+    kv: dict[str, Any] = {
+        "send": stage.kv.send,
+        "criteria": criteria,
+        "timeoutSeconds": stage.kv.timeout_seconds,
+    }
+    if stage.kv.io_cpus is not None:
+        # Only when set: a pipeline without it keeps its config hash (and its pods) as before.
+        kv["ioCpus"] = stage.kv.io_cpus
     return {
         "apiVersion": CONFIG_API_VERSION,
         "kind": CONFIG_KIND,
@@ -51,11 +59,7 @@ def render_stage_config(
         "role": stage.role,
         "model": model,
         "engineArgs": dict(stage.engine_args),
-        "kvTransfer": {
-            "send": stage.kv.send,
-            "criteria": criteria,
-            "timeoutSeconds": stage.kv.timeout_seconds,
-        },
+        "kvTransfer": kv,
         "inputs": list(stage.inputs),
         "downstream": [
             {"stage": name, "endpoint": endpoint_for(name)} for name in pipeline.downstream_of(stage.name)

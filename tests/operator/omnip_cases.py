@@ -50,6 +50,10 @@ BOTH_REJECT = [
     ("send-from-generation", mutate(_set("stages.2.kvTransfer", {"send": True})),
      "spec.stages[2].kvTransfer.send", "only supported on stages with role 'ar'"),
     ("zero-timeout", mutate(_set("stages.0.kvTransfer.timeoutSeconds", 0)), "spec.stages[0].kvTransfer.timeoutSeconds", "minimum"),
+    ("io-cpus-with-spaces", mutate(_set("stages.0.kvTransfer.ioCpus", "2, 3")), "spec.stages[0].kvTransfer.ioCpus", "does not match"),
+    ("io-cpus-a-list", mutate(_set("stages.0.kvTransfer.ioCpus", [2, 3])), "spec.stages[0].kvTransfer.ioCpus", "must be a string"),
+    ("io-cpus-without-send", mutate(_set("stages.2.kvTransfer", {"ioCpus": "1"})),
+     "spec.stages[2].kvTransfer.ioCpus", "only used by a stage that sends"),
     ("no-image", mutate(_set("image", _DELETE)), "spec.image", "'image' is a required property"),
     ("no-model-name", mutate(_set("model", {"path": "/models/x"})), "spec.model.name", "'name' is a required property"),
     ("names-too-long", mutate(lambda s: None, name="p" * 40, stages=[{"name": "s" * 30, "role": "ar"}]),
@@ -70,4 +74,7 @@ OPERATOR_REJECTS = [
     ("send-with-no-receiver", mutate(_set("stages.2", {"name": "code2wav", "role": "ar", "inputs": ["talker"], "kvTransfer": {"send": True}})),
      "spec.stages[2].kvTransfer.send", "no stage lists 'code2wav'"),
     ("reserved-engine-arg", mutate(_set("stages.0.engineArgs", {"port": 9000})), "spec.stages[0].engineArgs.port", "fixed at 8000"),
+    ("io-cpus-descending", mutate(_set("stages.0.kvTransfer.ioCpus", "3-1")), "spec.stages[0].kvTransfer.ioCpus", "descending range '3-1'"),
+    ("io-cpus-above-the-bound", mutate(_set("stages.0.kvTransfer.ioCpus", "0,70000")), "spec.stages[0].kvTransfer.ioCpus",
+     "names CPU 70000, above 65535"),
 ]

@@ -196,3 +196,14 @@ def test_integer_fields_are_bounded(schema):
     for path, node in _walk(schema):
         if node.get("type") == "integer" and ".status" not in path:
             assert "maximum" in node and "minimum" in node, path
+
+
+@pytest.mark.parametrize("stage, io_cpus, parsed", [
+    (0, "3", "3"), (0, "0-3,8,10-11", "0-3,8,10-11"), (1, "auto", None),
+    (2, "auto", None),  # "auto" asks for nothing: allowed on a stage that does not send
+])
+def test_io_cpus_the_schema_and_the_operator_accept(schema, stage, io_cpus, parsed):
+    body = pipeline_body()
+    body["spec"]["stages"][stage].setdefault("kvTransfer", {})["ioCpus"] = io_cpus
+    assert validate(schema, copy.deepcopy(body)) == []
+    assert parse_pipeline(body).stages[stage].kv.io_cpus == parsed

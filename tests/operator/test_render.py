@@ -306,3 +306,40 @@ def test_stage_config_endpoints_can_be_local():
     config = render_stage_config(parse(pipeline_body()), "talker", endpoint_for=lambda s: f"127.0.0.1:{9600 + len(s)}")
     assert config["downstream"] == [{"stage": "code2wav", "endpoint": "127.0.0.1:9608"}]
     assert config["inputs"] == ["thinker"]
+
+
+def test_io_cpus_are_rendered_into_the_stage_config_only_when_set():
+    body = pipeline_body()
+    body["spec"]["stages"][0]["kvTransfer"]["ioCpus"] = "2-3,6"
+    body["spec"]["stages"][1]["kvTransfer"]["ioCpus"] = "auto"  # the default: nothing to say
+    kids = children(body)
+    thinker = yaml.safe_load(kids[("ConfigMap", "tiny-thinker")]["data"]["stage.yaml"])
+    talker = yaml.safe_load(kids[("ConfigMap", "tiny-talker")]["data"]["stage.yaml"])
+    assert thinker["kvTransfer"]["ioCpus"] == "2-3,6"
+    assert "ioCpus" not in talker["kvTransfer"]
+    # Left out or "auto": the same config, so an operator upgrade does not restart the pods.
+    assert kids[("ConfigMap", "tiny-talker")] == children(pipeline_body())[("ConfigMap", "tiny-talker")]
+
+
+def test_the_rendered_io_cpus_reach_the_omni_kv_connector():
+    """The ConfigMap as omni-stage reads it (omni_runtime's own parser and command builder,
+    no engine started): the connector's kv_connector_extra_config carries io_cpus."""
+    import json
+
+    from omni_runtime.stages.ar import vllm_command
+    from omni_runtime.stages.config import parse_stage_config
+
+    body = pipeline_body()
+    body["spec"]["stages"][0]["kvTransfer"]["ioCpus"] = "3"
+    text = children(body)[("ConfigMap", "tiny-thinker")]["data"]["stage.yaml"]
+    argv = vllm_command(parse_stage_config(yaml.safe_load(text)), "0.0.0.0", python="python")
+    connector = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert connector["kv_connector"] == "OmniKVConnector"
+    assert connector["kv_connector_extra_config"]["io_cpus"] == "3"
+
+
+def test_the_operator_bounds_cpu_ids_as_the_runtime_does():
+    from omni_operator import model
+    from omni_runtime.kv import cpu_affinity
+
+    assert model.MAX_CPU_ID == cpu_affinity.MAX_CPU_ID

@@ -69,6 +69,9 @@ def test_an_explicit_setting_is_honoured(setting, expected):
     ("x", "not a CPU list item"),
     ([1, "2"], "a string like"),
     (3, "a string like"),
+    # A typo'd range is refused before a set of billions of ids is built.
+    ("0-99999999999", "CPU id above 65535"),
+    ([70000], "a string like"),
 ])
 def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(setting, words):
     with pytest.raises(CPUListError) as err:

@@ -188,3 +188,99 @@ def test_the_crds_request_finished_criteria_is_the_schedulers_default_trigger():
     cfg = parse_stage_config({**BASE, "kvTransfer": {"send": True, "criteria": {"type": "request_finished"}}})
     kv = parse_omni_kv_config(cfg.omni_kv_config())
     assert kv.need_send_cache and kv.criteria is None
+
+
+# -- kvTransfer.ioCpus: the KV transport threads' CPUs ------------------------------------------
+
+def _connector_extra(argv: list[str]) -> dict:
+    """The omni connector's kv_connector_extra_config in a built command (alone or composed)."""
+    connector = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    if connector["kv_connector"] == "MultiConnector":
+        (connector,) = [c for c in connector["kv_connector_extra_config"]["connectors"]
+                        if c["kv_connector"] == "OmniKVConnector"]
+    return connector["kv_connector_extra_config"]
+
+
+@pytest.mark.parametrize("io_cpus, passed", [
+    ("3", "3"), ("2-3,6", "2-3,6"), (" 0-1 ", "0-1"), ([2, 3], [2, 3]), ([0], [0]),
+])
+def test_io_cpus_reach_the_connectors_extra_config(io_cpus, passed):
+    cfg = parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "ioCpus": io_cpus}})
+    extra = _connector_extra(vllm_command(cfg, "0.0.0.0"))
+    assert extra["io_cpus"] == passed
+    # What the connector makes of it at start-up (its own parser), with those CPUs allowed.
+    from omni_runtime.kv.cpu_affinity import parse_cpu_list, transport_cpus
+
+    wanted = parse_cpu_list(passed) if isinstance(passed, str) else set(passed)
+    assert transport_cpus(extra["io_cpus"], environ={}, available=range(8)) == wanted
+
+
+@pytest.mark.parametrize("kv", [{}, {"ioCpus": "auto"}, {"ioCpus": None}])
+def test_io_cpus_auto_or_absent_leaves_the_connector_on_auto(kv):
+    cfg = parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], **kv}})
+    assert cfg.kv_io_cpus is None
+    assert "io_cpus" not in _connector_extra(vllm_command(cfg, "0.0.0.0"))
+
+
+def test_io_cpus_reach_our_connector_when_composed_with_the_users():
+    other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"shared_storage_path": "/kv"}}
+    cfg = parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "ioCpus": "2-3"},
+                              "engineArgs": {"kv-transfer-config": other}})
+    argv = vllm_command(cfg, "0.0.0.0")
+    composed = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    user_child, ours = composed["kv_connector_extra_config"]["connectors"]
+    assert user_child == other, "the user's connector is left as it is"
+    assert ours == {**OMNI_CONNECTOR, "kv_connector_extra_config": {
+        **OMNI_CONNECTOR["kv_connector_extra_config"], "io_cpus": "2-3"}}
+
+
+def test_io_cpus_for_our_connector_cannot_come_from_engine_args():
+    """Our connector's settings come from kvTransfer alone: a user config that names it (to
+    set its io_cpus, say) is refused, pointing at kvTransfer.ioCpus, never merged."""
+    mine = {"kv_connector": "OmniKVConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"io_cpus": "1"}}
+    cfg = parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "ioCpus": "2"},
+                              "engineArgs": {"kv-transfer-config": mine}})
+    with pytest.raises(StageConfigError, match=r"engineArgs\.kv-transfer-config: .*kvTransfer\.ioCpus"):
+        vllm_command(cfg, "0.0.0.0")
+
+
+@pytest.mark.parametrize("io_cpus, words", [
+    ("", "is empty"),
+    ([], "is empty"),
+    ("3-1", "descending CPU range"),
+    ("two", "not a CPU list item"),
+    ("1;2", "not a CPU list item"),
+    ("-1", "not a CPU list item"),
+    ("0-99999999999", "CPU id above 65535"),
+    ([1, -2], "a list of CPU ids"),
+    ([1, "2"], "a list of CPU ids"),
+    ([True], "a list of CPU ids"),
+    (3, "a list of CPU ids"),
+    ({"cpus": "3"}, "a list of CPU ids"),
+])
+def test_a_malformed_io_cpus_is_refused_naming_the_key_and_the_fix(io_cpus, words):
+    with pytest.raises(StageConfigError) as err:
+        parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "ioCpus": io_cpus}})
+    message = str(err.value)
+    assert message.startswith("kvTransfer.ioCpus") and words in message, message
+    assert "auto" in message, "the message names the fix"
+
+
+@pytest.mark.parametrize("role", ["ar", "generation"])
+def test_io_cpus_on_a_stage_that_does_not_send_is_refused(role):
+    with pytest.raises(StageConfigError, match=r"kvTransfer\.ioCpus is set but kvTransfer\.send is false"):
+        parse_stage_config({**BASE, "role": role, "kvTransfer": {"ioCpus": "2"}})
+    # "auto" is the default and asks for nothing: allowed anywhere.
+    assert parse_stage_config({**BASE, "role": role, "kvTransfer": {"ioCpus": "auto"}}).kv_io_cpus is None
+
+
+def test_omni_stage_refuses_a_malformed_io_cpus_before_vllm_starts(tmp_path):
+    bad = tmp_path / "stage.yaml"
+    bad.write_text("pipeline: p\nstage: s\nrole: ar\nmodel: {name: m}\n"
+                   "kvTransfer: {send: true, ioCpus: '2-x'}\n")
+    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "kvTransfer.ioCpus: not a CPU list item: '2-x'" in proc.stderr

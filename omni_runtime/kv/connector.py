@@ -320,8 +320,6 @@ class _Job:
     buffer: torch.Tensor  # [L, 2, H, seq_len, D]: host, or device staging on a GPU ...
     copied: list[bool]
     error: str | None = None  # the copier's failure
-    #: Layers not yet copied (or given up); the thread that takes it to 0 ships the job.
-    remaining: int = 0
     shipped: bool = False
     host: torch.Tensor | None = None  # ... with this pinned host buffer (GPU only)
 
@@ -341,8 +339,8 @@ class _WorkerState:
         self._strides = None
         self._layout: ProbedBlockLayout | None = None
         self._error: str | None = None
-        # Answers and sends are made by whichever thread copies a transfer's last layer (the
-        # copier's or the engine's) and read by the engine's thread (poll): under _lock.
+        # Answers and sends are made by the engine's thread or, on a GPU, the side-stream
+        # copier's thread, and read by the engine's thread (poll): under _lock.
         self._lock = threading.Lock()
         self._local: dict[str, tuple[int, str | None]] = {}
         self._in_flight: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (attempt, buffer)
@@ -458,8 +456,7 @@ class _WorkerState:
             self.jobs.append(_Job(rid, attempt, seq_len, float(info.get("deadline_in_s", 0.0)),
                                   info.get("trace_headers"), runs, index, run,
                                   self._strides, layout.block_size, buffer,
-                                  [False] * len(self._caches), remaining=len(self._caches),
-                                  host=host))
+                                  [False] * len(self._caches), host=host))
         if self._side is not None and self.jobs:
             caches = self._caches
             self._side.start(self.jobs, lambda job, layer: _gather(caches[layer], job, layer),
@@ -480,8 +477,7 @@ class _WorkerState:
         """Copy (transfer, layer) tasks until none is left: the copier thread from the start
         of the step, the engine's thread too once its forward is done (wait_for_save), so a
         copy longer than the forward ends sooner. deque.popleft is atomic: each task runs
-        once; tasks write disjoint slices of the buffers. Tasks go transfer by transfer, so
-        the first transfer ships while the others are still being copied."""
+        once; tasks write disjoint slices of the buffers."""
         tasks = self._copy_tasks
         while True:
             try:
@@ -493,26 +489,22 @@ class _WorkerState:
                     _gather(self._caches[layer], job, layer)
                 except Exception as exc:
                     job.error = f"extraction failed: {type(exc).__name__}: {exc}"
-            self._layer_done(job)
 
     def copy_layer(self, layer: int, cache: torch.Tensor) -> None:
         """Inline (no copier): one layer of every transfer of the step, right after the
-        forward wrote it; the last layer ships each transfer."""
+        forward wrote it."""
         for job in self.jobs:
             if not job.copied[layer]:
                 _gather(cache, job, layer)
-                self._layer_done(job)
-
-    def _layer_done(self, job: _Job) -> None:
-        with self._lock:
-            job.remaining -= 1
-            last = job.remaining == 0
-        if last:
-            self._ship(job)
 
     def finish_step(self) -> None:
         """End of the step (wait_for_save): every copy is done before the step is (the block
-        guarantee's worker half), and every transfer of the step has shipped or failed."""
+        guarantee's worker half), then every transfer of the step ships (or fails).
+
+        Not earlier, as each transfer's own copy ends: measured at the 7B shape with one I/O
+        CPU (docs/connector.md, "Measured"), sending the first transfer while the others are
+        copied slowed both, the copy and the send sharing that CPU: the hand-off step took
+        +140-220 ms instead of +35 ms, and the last ack came no sooner."""
         jobs, self.jobs = self.jobs, []
         if self._side is not None:
             # The side stream ships them once copied to host; the engine's stream waits on
@@ -528,8 +520,6 @@ class _WorkerState:
                 for job in jobs:
                     job.error = job.error or f"extraction failed: {type(error).__name__}: {error}"
         for job in jobs:
-            if job.shipped:
-                continue
             if job.error is None:
                 # Inline: layers the forward did not visit (a step with nothing scheduled).
                 try:
@@ -548,7 +538,7 @@ class _WorkerState:
 
     def _ship(self, job: _Job) -> None:
         """Hand a copied transfer to the sender, or answer its failure; once per job, from
-        the thread that copied its last layer (or finish_step)."""
+        the engine's thread (finish_step) or the side-stream copier's (GPU)."""
         from omni_runtime.kv.transport import KVPayload
         from omni_runtime.kv.transport.wire import vllm_external_request_id
 

@@ -143,12 +143,12 @@ def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
                                 omni_kv_config={**PREFILL, "timeout_seconds": 60}, io_cpus=io_cpus)
     from omni_runtime.kv.transport import KVSender
 
-    at_submit = []  # per submit: (copy tasks left in the step, its transfers shipped)
+    at_submit = []  # per submit: (copy tasks left, the copier still copying, step jobs left)
     submit = KVSender.submit
 
     def recording(sender, payload, **kwargs):
         worker = get_kv_transfer_group()._worker
-        at_submit.append((len(worker._copy_tasks), [job.shipped for job in worker.jobs]))
+        at_submit.append((len(worker._copy_tasks), worker.copying, len(worker.jobs)))
         return submit(sender, payload, **kwargs)
 
     monkeypatch.setattr(KVSender, "submit", recording)
@@ -157,18 +157,9 @@ def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
     drain_transfers(llm, timeout_s=60)
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
     assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
-    # The three prompts are handed off in one step, and each transfer ships as soon as its
-    # own layers are copied.
-    assert len(at_submit) == 3
-    if copy == "inline":
-        # After the forward's last layer copied it, one by one.
-        assert [shipped for _, shipped in at_submit] == [
-            [True, False, False], [True, True, False], [True, True, True]]
-    elif recipe == "kv7b":
-        # The copier (and the engine's thread once its forward is done) copy transfer by
-        # transfer: the first ships while the others' 2 x 28 layers are still to be copied.
-        # (The tiny model's two layers are copied before the first payload is built.)
-        assert at_submit[0][0] > 0
+    # The three prompts are handed off in one step; they ship at its end (wait_for_save,
+    # which has taken the step's jobs), once every copy of the step is done.
+    assert at_submit == [(0, False, 0)] * 3
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for out in outs:
         ids = list(out.prompt_token_ids)

@@ -25,7 +25,9 @@ worker side (in each worker process)
     block layout, else one ``index_select``): when the transport's CPUs (``io_cpus``,
     kv/cpu_affinity.py) are disjoint from the engine's OpenMP CPUs, by a copier thread there
     (kv/copier.py) from :meth:`bind_connector_metadata` on, concurrently with the forward;
-    otherwise inline, by :meth:`save_kv_layer` right after each layer wrote its own KV;
+    otherwise inline, by :meth:`save_kv_layer` right after each layer wrote its own KV; on a
+    GPU, on a side CUDA stream into pinned host buffers (kv/device_copy.py: the engine's
+    stream waits on the device for the reads only, a thread ships each transfer);
   * :meth:`wait_for_save` finishes the copies (the engine's thread takes those the copier
     has not started; inline, any layer the forward did not visit) and hands the payloads to
     the ZeroMQ sender, whose I/O thread, on ``io_cpus`` too, sends them without a copy;

@@ -13,6 +13,7 @@ import io
 import signal
 import json
 import urllib.request
+import uuid
 
 import numpy as np
 import pytest
@@ -160,6 +161,27 @@ def test_every_request_kv_arrives_and_equals_transformers(pipeline):
     assert_oracle(pipeline, "tiny")
 
 
+def test_a_client_finds_its_kv_by_its_own_request_id(pipeline):
+    """The whole pipeline, keyed as a client knows the request: a completion sent with
+    X-Request-Id is filed at the receiving stage under the client-facing id too
+    (``cmpl-<X-Request-Id>-<choice>``, docs/stages.md), next to vLLM's internal id."""
+    ar, receiver = pipeline["ar"], pipeline["receiver"]
+    client_id = f"client-{uuid.uuid4().hex[:12]}"
+    body = json.dumps({"model": ar.config["model"]["name"], "prompt": PROMPTS["short"],
+                       "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(ar.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json", "X-Request-Id": client_id})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert client_id in json.loads(resp.read())["id"]
+    status, by_client, headers = http_get(
+        f"{receiver.url}/v1/kv/cmpl-{client_id}-0?wait=8")
+    assert status == 200, by_client
+    internal = headers["X-Omni-Request-Id"]
+    assert internal != f"cmpl-{client_id}-0" and internal.startswith(f"cmpl-{client_id}-0")
+    np.testing.assert_array_equal(np.load(io.BytesIO(by_client), allow_pickle=False),
+                                  fetch_kv(receiver, internal))
+
+
 def assert_oracle(pipeline, recipe: str) -> None:
     from transformers import AutoTokenizer
 
@@ -305,3 +327,4 @@ def test_sigterm_drains_transfers_in_flight_then_exits(pipeline, silent_downstre
     log = ar.log_tail(200_000)
     assert "stopping vLLM: it drains requests and KV transfers for up to 5s" in log
     assert "start mode=drain timeout=5s" in log
+

@@ -78,3 +78,42 @@ def test_the_supervisor_reads_which_transport_thread_is_down():
     assert transport_threads_down(page) == ["sender"]
     assert transport_threads_down(page.replace("} 0.0", "} 1.0")) == []
     assert transport_threads_down("") == []
+
+
+def test_an_ar_stage_whose_sender_thread_died_stops_with_exit_3(tmp_path):
+    """The whole path, in a running AR stage (omni-stage, vLLM, the connector): the sender's
+    I/O thread dies at its first send (tests/faults/sitecustomize.py injects that fault; see
+    there why it is injected), its gauge drops to 0 on the stage's /metrics, and the
+    supervisor's next health check reads it, stops vLLM and exits EXIT_TRANSPORT_DEAD, so that
+    Kubernetes restarts the pod, with the reason in its log."""
+    import json
+    import os
+    import urllib.request
+    from pathlib import Path
+
+    from procs import StageProcess
+
+    from omni_runtime.stages.ar import EXIT_TRANSPORT_DEAD, HEALTH_CHECK_PERIOD_S
+    from test_pipeline_e2e import stage_configs
+
+    faults = str(Path(__file__).resolve().parents[1] / "faults")
+    env = {"OMNI_TEST_SENDER_DIES": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (faults, os.environ.get("PYTHONPATH")) if p)}
+    ar = StageProcess(stage_configs(tmp_path)["ar"], tmp_path, env=env)
+    ar.start()
+    try:
+        body = json.dumps({"model": ar.config["model"]["name"], "prompt": "Hello world",
+                           "max_tokens": 2, "temperature": 0}).encode()
+        req = urllib.request.Request(ar.url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200  # serving goes on; only the KV cannot leave
+        # The supervisor exits this way only when its health check read the sender's gauge
+        # at 0 on the stage's /metrics (transport_threads_down).
+        code = ar.proc.wait(timeout=HEALTH_CHECK_PERIOD_S + 30)
+        assert code == EXIT_TRANSPORT_DEAD, ar.log_tail()
+        log = ar.log_tail(20000)
+        assert "injected fault: the KV sender's I/O thread dies" in log
+        assert "KV sender thread of the engine died" in log
+    finally:
+        ar.stop()

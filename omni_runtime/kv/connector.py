@@ -322,7 +322,6 @@ class _Job:
     buffer: torch.Tensor  # [L, 2, H, seq_len, D]: host, or device staging on a GPU ...
     copied: list[bool]
     error: str | None = None  # the copier's failure
-    shipped: bool = False
     host: torch.Tensor | None = None  # ... with this pinned host buffer (GPU only)
 
 
@@ -450,8 +449,10 @@ class _WorkerState:
                 shape = (len(self._caches), 2, layout.num_kv_heads, seq_len, layout.head_size)
                 dtype = self._caches[0].dtype
                 host = self._buffer(shape, dtype)
-                buffer, host = (host, None) if self._side is None else (
-                    torch.empty(shape, dtype=dtype, device=self._caches[0].device), host)
+                if self._side is None:
+                    buffer, host = host, None  # the copy writes the host buffer itself
+                else:  # the side stream gathers into a device staging buffer first
+                    buffer = torch.empty(shape, dtype=dtype, device=self._caches[0].device)
             except Exception as exc:
                 self._answer(rid, attempt, f"extraction failed: {type(exc).__name__}: {exc}")
                 continue
@@ -544,10 +545,6 @@ class _WorkerState:
         from omni_runtime.kv.transport import KVPayload
         from omni_runtime.kv.transport.wire import vllm_external_request_id
 
-        with self._lock:
-            if job.shipped:
-                return
-            job.shipped = True
         job.index = job.runs = None
         if job.error is not None:
             self._answer(job.request_id, job.attempt, job.error)

@@ -71,7 +71,7 @@ def timed_step(sched, sentinel_for, acked):
     t3 = time.perf_counter_ns()
     # The hand-offs in the step's connector metadata, as the (request id, attempt) the
     # workers answer.
-    handed = [(rid, info["attempt"]) for rid, info in handed_off(so).items()]
+    handed = [(rid, info.attempt) for rid, info in handed_off(so).items()]
     return (t1 - t0) + (t3 - t2), handed
 
 

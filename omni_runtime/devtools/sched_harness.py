@@ -160,17 +160,19 @@ def runner_output(
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
+    from omni_runtime.sched.handoff import Answer
+
     answers = {}
     for key in acked:
         rid, attempt = _attempt_of(key, scheduler)
-        answers[rid] = (attempt, None)
+        answers[rid] = Answer(attempt)
     for key, reason in (failed or {}).items():
         rid, attempt = _attempt_of(key, scheduler)
-        answers[rid] = (attempt, reason)
+        answers[rid] = Answer(attempt, reason)
     if answers:
         from vllm.v1.outputs import KVConnectorOutput
 
-        from omni_runtime.kv.connector import OmniKVWorkerMetadata
+        from omni_runtime.kv.metadata import OmniKVWorkerMetadata
 
         out.kv_connector_output = KVConnectorOutput(
             kv_connector_worker_meta=OmniKVWorkerMetadata(answers)
@@ -185,13 +187,23 @@ def _attempt_of(key: Any, scheduler: Scheduler | None) -> tuple[str, int]:
     return key, transfer.attempt if transfer is not None else -1
 
 
-def handed_off(scheduler_output: SchedulerOutput) -> dict[str, dict[str, Any]]:
-    """The transfers a step hands to the KV connector's workers: ``{request id: info}``."""
+def handed_off(scheduler_output: SchedulerOutput) -> dict[str, Any]:
+    """The transfers a step hands to the KV connector's workers: ``{request id: HandOff}``."""
+    return {h.request_id: h for h in _omni_meta(scheduler_output, "hand_offs") or ()}
+
+
+def withdrawn(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """The handed-off transfers a step withdraws (resolved by the scheduler itself):
+    ``{request id: attempt}``."""
+    return dict(_omni_meta(scheduler_output, "withdrawn") or {})
+
+
+def _omni_meta(scheduler_output: SchedulerOutput, field: str) -> Any:
     meta = scheduler_output.kv_connector_metadata
     for child in getattr(meta, "metadata", None) or ():  # a MultiConnector's: ours is a child
-        if hasattr(child, "transfers"):
+        if hasattr(child, field):
             meta = child
-    return dict(getattr(meta, "transfers", None) or {})
+    return getattr(meta, field, None)
 
 
 def _is_partial_prefill(scheduler: Scheduler, req_id: str) -> bool:

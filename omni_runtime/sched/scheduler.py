@@ -51,6 +51,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
 from omni_runtime.observability.observers import build_observers
+from omni_runtime.sched.handoff import Answer, HandOff
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.transfers.ledger import Outcome, Transfer, TransferLedger, Trigger
 
@@ -204,6 +205,7 @@ class OmniKVTransferMixin:
                 logger.warning(
                     "KV transfer of request %s expired: %s", transfer.request_id, transfer.reason
                 )
+                self._withdraw(transfer)
                 self._release(transfer)
         output = super().schedule(*args, **kwargs)
         if self._payload_requests and output.scheduled_new_reqs:
@@ -214,9 +216,7 @@ class OmniKVTransferMixin:
         # Called inside schedule(), after its preemptions: a pending transfer of a request
         # preempted in this step has its blocks pinned, so handing it off is still exact.
         if self._send and self.transfer_ledger.num_pending:
-            self._omni.hand_off(
-                {t.request_id: _hand_off_info(t) for t in self.transfer_ledger.hand_off_pending()}
-            )
+            self._omni.hand_off([HandOff.of(t) for t in self.transfer_ledger.hand_off_pending()])
         return super()._build_kv_connector_meta(connector, scheduler_output)
 
     def update_from_output(
@@ -331,18 +331,19 @@ class OmniKVTransferMixin:
             self.transfer_ledger.resolve(request_id, Outcome.FAILED, error)
         return transfer
 
-    def _resolve_from_runner(self, answers: dict[str, tuple[int, str | None]]) -> None:
+    def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
         """The workers' answers, each naming the attempt it answers: one about an earlier
         attempt (or a transfer already resolved) resolves nothing."""
         ledger = self.transfer_ledger
-        for request_id, (attempt, reason) in answers.items():
+        for request_id, answer in answers.items():
+            reason = answer.reason
             outcome = Outcome.ACKED if reason is None else Outcome.FAILED
             transfer = ledger.resolve(
-                request_id, outcome, reason, only_active=True, attempt=attempt
+                request_id, outcome, reason, only_active=True, attempt=answer.attempt
             )
             if transfer is None:
                 logger.debug("ignoring an answer for request %s (attempt %s): not its active "
-                             "transfer", request_id, attempt)
+                             "transfer", request_id, answer.attempt)
                 continue
             if reason is not None:
                 logger.warning("KV transfer of request %s failed: %s", request_id, reason)
@@ -352,7 +353,15 @@ class OmniKVTransferMixin:
         for transfer in self.transfer_ledger.unresolved():
             if which(transfer):
                 self.transfer_ledger.resolve(transfer.request_id, Outcome.FAILED, reason)
+                self._withdraw(transfer)
                 self._release(transfer)
+
+    def _withdraw(self, transfer: Transfer) -> None:
+        """A handed-off transfer resolved here, not by a worker's answer: its blocks may be
+        re-used from the next step on, so the workers must refuse to commit a receiver's read
+        of it from then on (the block guarantee at a distance, kv/worker_side.py)."""
+        if transfer.handed_off_at is not None:
+            self._omni.withdraw(transfer.request_id, transfer.attempt)
 
     def _release(self, transfer: Transfer) -> None:
         """Give back the blocks a transfer that has just resolved kept (exactly once: the
@@ -403,23 +412,6 @@ def _find_omni_connector(connector: Any) -> Any:
         if getattr(candidate, "omni_kv_connector", False):
             return candidate
     return None
-
-
-def _hand_off_info(transfer: Transfer) -> dict[str, Any]:
-    """What the runner gets per transfer: vllm-omni's two keys, the time left before the
-    deadline, and the request's W3C trace headers when it has some (our worker puts them in
-    the payload header, so the receiving stage's span joins the request's trace)."""
-    info: dict[str, Any] = {
-        "seq_len": transfer.seq_len,
-        "block_ids": list(transfer.block_ids),
-        "attempt": transfer.attempt,
-        # Time left before the scheduler expires it: the connector gives up before that, so
-        # its failure (with a reason) arrives first.
-        "deadline_in_s": max(0.0, transfer.deadline - transfer.handed_off_at),
-    }
-    if transfer.trace_headers:
-        info["trace_headers"] = dict(transfer.trace_headers)
-    return info
 
 
 def _transfer_params(transfer: Transfer) -> dict[str, Any]:

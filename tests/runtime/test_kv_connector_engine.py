@@ -1,5 +1,5 @@
 """The omni KV connector in a real vLLM engine (in-process engine core, CPU worker), with a
-real connector receiver in the test process."""
+real receiver in the test process reading the engine's KV cache over NIXL."""
 
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ def llm_factory(in_process):
     yield make
     for llm in made:
         llm.llm_engine.engine_core.shutdown()
+    # An engine that failed to start leaves vLLM's process-wide KV connector behind (only a
+    # shutdown clears it): the next engine of this process would run that one.
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
     gc.collect()
 
 
@@ -94,72 +99,71 @@ def test_an_io_cpus_the_process_cannot_use_refuses_the_engine_at_start_up(llm_fa
     assert f"names CPUs [{outside}] this process cannot use" in str(err.value)
 
 
-def test_without_a_downstream_endpoint_every_transfer_fails_with_the_reason(llm_factory):
+def test_without_a_downstream_endpoint_the_engine_refuses_to_start(llm_factory):
+    with pytest.raises(Exception, match="no downstream endpoint: set kv_transfer_config"):
+        llm_factory()
+
+
+def test_a_kv_cache_nixl_cannot_register_refuses_the_engine_at_start_up(llm_factory, monkeypatch):
+    """A registration failure (here injected into NIXL's register_memory: a mock of the fault
+    only; vLLM, the connector and NIXL's agent are real) stops the engine's start with the
+    cause named, instead of a stage that serves and fails every transfer."""
+    from nixl import _api
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("NIXL_ERR_BACKEND: cannot pin memory")
+
+    monkeypatch.setattr(_api.nixl_agent, "register_memory", refuse)
+    with pytest.raises(Exception, match="registering .* DRAM regions .* with NIXL failed: "
+                                        "RuntimeError: NIXL_ERR_BACKEND: cannot pin memory"):
+        llm_factory(endpoints={"next": "tcp://127.0.0.1:9"})
+
+
+def test_a_receiver_expecting_another_model_refuses_every_transfer_loudly(llm_factory):
+    """The compatibility check at the handshake: a receiver that expects another model
+    refuses the AR's hello (code ``incompatible``, counted), reads nothing, and every
+    transfer fails with the reason, instead of a payload of the wrong shape or meaning."""
     from vllm import SamplingParams
 
-    llm, resolved = llm_factory()
-    llm.generate(["Hello world"], SamplingParams(max_tokens=3))
-    drain_transfers(llm, timeout_s=30)
-    (t,) = resolved
-    assert t.outcome is Outcome.FAILED
-    assert "no downstream endpoint" in t.reason
+    inbox = KVInbox()
+    rx = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="p", stage="next",
+                    expect={"model": "some/other-model"}).start()
+    try:
+        llm, resolved = llm_factory(endpoints={"next": rx.endpoint},
+                                    omni_kv_config={**PREFILL, "timeout_seconds": 20})
+        llm.generate(["Hello world"], SamplingParams(max_tokens=2))
+        drain_transfers(llm, timeout_s=30)
+        (t,) = resolved
+        assert t.outcome is Outcome.FAILED
+        assert "refused this sender: incompatible" in t.reason
+        assert "this stage expects 'some/other-model'" in t.reason
+        assert rx.num_rejected >= 1 and rx.num_delivered == 0 and len(inbox) == 0
+        assert rx.known_agents == []
+    finally:
+        rx.close()
 
 
-def _copy_where(copy: str, monkeypatch) -> list[int] | None:
-    """The connector's io_cpus for ``copy`` = "copier" (its copier thread is used) or None
-    ("inline": no OpenMP binding known, so the copy stays in save_kv_layer)."""
-    if copy == "inline":
-        return None
-    from omni_runtime.kv.cpu_affinity import available_cpus
-
-    # The binding vLLM's CPU executor would write for its worker; read by the connector at
-    # set-up (libgomp has long loaded: the engine itself is not re-bound). On a one-CPU
-    # machine a CPU that does not exist: it only has to be disjoint.
-    cpus = sorted(available_cpus())
-    engine = cpus[:-1] or [cpus[-1] + 1]
-    monkeypatch.setenv("OMP_PLACES", "{" + ",".join(map(str, engine)) + "}")
-    monkeypatch.setenv("OMP_PROC_BIND", "true")
-    return cpus[-1:]
-
-
-@pytest.mark.parametrize("copy", ["inline", "copier"])
 @pytest.mark.parametrize("recipe", ["tiny", "kv7b"])
 def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
-        llm_factory, receiver, recipe, copy, monkeypatch):
+        llm_factory, receiver, recipe):
     """The oracle at both scales: the 7B KV shape (28 layers, 4 KV heads, head size 128) too.
-    The payload the receiver stores is exactly transformers' past_key_values
-    ([layers, 2, kv_heads, seq_len, head_size]) for the prompt, whether the worker copies
-    each layer inline (save_kv_layer) or on the copier thread during the forward (when the
-    transport's CPUs are disjoint from the engine's OpenMP binding)."""
+    The payload the receiver assembles from the blocks it read over NIXL is exactly
+    transformers' past_key_values ([layers, 2, kv_heads, seq_len, head_size]) for the prompt;
+    the engine's step copies nothing (its worker only offers the blocks)."""
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from omni_runtime.devtools.tiny_model import ensure_tiny_model as ensure
 
-    io_cpus = _copy_where(copy, monkeypatch)
     model_dir = str(ensure(recipe=recipe))
-    llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=256 << 20,
-                                omni_kv_config={**PREFILL, "timeout_seconds": 60}, io_cpus=io_cpus)
-    from omni_runtime.kv.transport import KVSender
-
-    at_submit = []  # per submit: (copy tasks left, the copier still copying, step jobs left)
-    submit = KVSender.submit
-
-    def recording(sender, payload, **kwargs):
-        worker = get_kv_transfer_group()._worker
-        at_submit.append((len(worker._copy_tasks), worker.copying, len(worker.jobs)))
-        return submit(sender, payload, **kwargs)
-
-    monkeypatch.setattr(KVSender, "submit", recording)
+    llm, resolved = llm_factory(model=model_dir, endpoints={"next": receiver.endpoint},
+                                kv_cache_memory_bytes=256 << 20,
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 150)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
     drain_transfers(llm, timeout_s=60)
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * 3
-    assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
-    # The three prompts are handed off in one step; they ship at its end (wait_for_save,
-    # which has taken the step's jobs), once every copy of the step is done.
-    assert at_submit == [(0, False, 0)] * 3
+    assert len(receiver.known_agents) == 1, "one NIXL agent said hello: the engine's worker"
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for out in outs:
         ids = list(out.prompt_token_ids)
@@ -174,19 +178,16 @@ def test_payloads_equal_transformers_past_key_values_at_both_model_sizes(
             np.testing.assert_allclose(kv[layer, 1], v.numpy(), atol=2e-4, rtol=1e-4, err_msg=f"V{layer}")
 
 
-@pytest.mark.parametrize("copy", ["inline", "copier"])
 def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(
-        llm_factory, receiver, copy, monkeypatch):
+        llm_factory, receiver):
     """A KV cache too small for the load (the real engine preempts): every request's prompt KV
-    still arrives whole and exact (its blocks were pinned while the transfer was in flight;
-    the copier thread, reading during the forward, reads only positions the forward does not
-    write), and every block comes back."""
+    still arrives whole and exact (its blocks were pinned while the receiver read them, with
+    forwards writing other blocks meanwhile), and every block comes back."""
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, kv_cache_memory_bytes=1 << 20,
-                                omni_kv_config={**PREFILL, "timeout_seconds": 60},
-                                io_cpus=_copy_where(copy, monkeypatch))
+                                omni_kv_config={**PREFILL, "timeout_seconds": 60})
     scheduler = engine_core_of(llm).scheduler
     start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     preempted = []
@@ -201,9 +202,6 @@ def test_under_preemption_every_transfer_is_delivered_and_no_block_is_left(
     outs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
     drain_transfers(llm, timeout_s=60)
     assert preempted, "the KV cache must be small enough to force preemptions"
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    assert (get_kv_transfer_group()._worker._copier is not None) == (copy == "copier")
     assert [t.outcome for t in resolved] == [Outcome.ACKED] * len(prompts)
     hf = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32).eval()
     for out in outs:
@@ -254,7 +252,7 @@ def test_tensor_parallel_2_ships_shards_that_assemble_to_the_tensor_parallel_1_p
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint}, omni_kv_config=kv_config,
                                 tensor_parallel_size=2, distributed_executor_backend="mp")
     scheduler = engine_core_of(llm).scheduler
-    assert scheduler._omni._shard_answers.world_size == 2
+    assert scheduler._omni.scheduler_half.shard_answers.world_size == 2
     start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     outs = llm.generate(prompts, params)
     drain_transfers(llm, timeout_s=60)
@@ -266,7 +264,7 @@ def test_tensor_parallel_2_ships_shards_that_assemble_to_the_tensor_parallel_1_p
     for n, kv in tp1.items():
         assert tp2[n].shape == kv.shape == (2, 2, 2, n, 32)  # all 2 KV heads, assembled
         np.testing.assert_allclose(tp2[n], kv, atol=2e-4, rtol=1e-4, err_msg=f"{n} tokens")
-    assert not scheduler.has_requests() and not scheduler._omni._shard_answers
+    assert not scheduler.has_requests() and not scheduler._omni.scheduler_half.shard_answers
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == start
 
 
@@ -326,14 +324,16 @@ def test_a_hand_off_whose_deadline_already_passed_fails_at_once_and_sends_nothin
     is up and would have acked it)."""
     from vllm import SamplingParams
 
-    import omni_runtime.sched.scheduler as scheduler_module
+    import dataclasses
 
-    original = scheduler_module._hand_off_info
+    from omni_runtime.sched.handoff import HandOff
+
+    original = HandOff.of
 
     def deadline_passed(transfer):
-        return {**original(transfer), "deadline_in_s": 0.0}
+        return dataclasses.replace(original(transfer), deadline_in_s=0.0)
 
-    monkeypatch.setattr(scheduler_module, "_hand_off_info", deadline_passed)
+    monkeypatch.setattr(HandOff, "of", deadline_passed)
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint},
                                 omni_kv_config={**PREFILL, "timeout_seconds": 60})
     llm.generate(["Hello world"], SamplingParams(max_tokens=3))

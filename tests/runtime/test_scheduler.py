@@ -16,6 +16,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError
+from omni_runtime.sched.handoff import Answer
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.devtools.sched_harness import (
     free_blocks,
@@ -93,8 +94,8 @@ def test_prefill_finished_marks_the_prompt_and_decoding_goes_on():
     so, _ = step(s)
     info = handed_off(so)[r.request_id]
     assert list(handed_off(so)) == [r.request_id]
-    assert (info["seq_len"], info["block_ids"]) == (40, list(t.block_ids))
-    assert 0 < info["deadline_in_s"] <= s.omni_kv_config.timeout_seconds
+    assert (info.seq_len, info.block_ids) == (40, tuple(t.block_ids))
+    assert 0 < info.deadline_in_s <= s.omni_kv_config.timeout_seconds
     assert r.request_id in so.num_scheduled_tokens, "the request keeps decoding"
     assert t.phase is Phase.ACTIVE
     so, _ = step(s, acked=[r.request_id])
@@ -347,7 +348,7 @@ def test_preemption_of_a_pending_transfer_pins_its_blocks_and_still_hands_it_off
     so, _ = step(s)  # a needs a 5th block: b is preempted
     assert b.status is RequestStatus.PREEMPTED
     handed = handed_off(so)
-    assert handed["b"]["block_ids"] == b_blocks and handed["b"]["seq_len"] == 60
+    assert list(handed["b"].block_ids) == b_blocks and handed["b"].seq_len == 60
     assert not set(b_blocks) & _blocks_of_others(s, "b"), "pinned blocks given to another"
     while s.has_requests():
         so, _ = step(s, acked=list(handed))
@@ -470,7 +471,7 @@ def test_the_async_variant_marks_the_same_snapshots_with_a_step_in_flight():
     # The rest one step at a time; the runner acks in the output of the hand-off step.
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
+        s.update_from_output(so, runner_output(so, acked=[(r, i.attempt) for r, i in handed_off(so).items()]))
     assert t.outcome is Outcome.ACKED
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
     assert_quiescent(s, start)
@@ -537,7 +538,7 @@ def test_a_late_answer_of_an_earlier_attempt_resolves_nothing():
     s.add_request(r)
     step(s)
     so, _ = step(s)
-    attempt = handed_off(so)["r"]["attempt"]
+    attempt = handed_off(so)["r"].attempt
     step(s, failed={("r", attempt - 1): "stale"}, acked=[("r", attempt + 1)])
     assert s.transfer_ledger.get("r").phase is Phase.ACTIVE, "a stale answer resolved it"
     step(s, acked=[("r", attempt)])
@@ -644,7 +645,7 @@ def test_async_a_trigger_of_a_request_preempted_by_the_step_in_flight_is_replaye
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i.attempt) for r, i in handed_off(so).items()]))
     (t,) = [t for t in rec.marked if t.request_id == "b"]
     assert (t.trigger, t.outcome) == (Trigger.REQUEST_FINISHED, Outcome.ACKED)
     assert free_blocks(s) == start
@@ -675,7 +676,7 @@ def test_async_a_request_finishing_while_preempted_ships_its_kv_or_fails_with_a_
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i.attempt) for r, i in handed_off(so).items()]))
     b_transfers = [t for t in rec.resolved if t.request_id == "b"]
     assert len(b_transfers) == 1
     (t,) = b_transfers
@@ -690,10 +691,10 @@ def test_async_a_request_finishing_while_preempted_ships_its_kv_or_fails_with_a_
 def tp2(kv_config=PREFILL, **kw):
     """The scheduler of a tensor_parallel_size 2 engine: its connector's scheduler side
     combines two ranks' answers (no second rank runs here: the outputs are hand-made)."""
-    from omni_runtime.kv.connector import ShardAnswers
+    from omni_runtime.kv.metadata import ShardAnswers
 
     s = omni(kv_config, **kw)
-    s._omni._shard_answers = ShardAnswers(2)
+    s._omni.scheduler_half.shard_answers = ShardAnswers(2)
     return s
 
 
@@ -703,7 +704,7 @@ def ranks_step(s, answers_by_rank):
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import KVConnectorOutput
 
-    from omni_runtime.kv.connector import OmniKVWorkerMetadata
+    from omni_runtime.kv.metadata import OmniKVWorkerMetadata
 
     so = s.schedule()
     outputs = []
@@ -712,7 +713,8 @@ def ranks_step(s, answers_by_rank):
         answers = answers_by_rank.get(rank)
         if answers:
             out.kv_connector_output = KVConnectorOutput(
-                kv_connector_worker_meta=OmniKVWorkerMetadata(answers, rank))
+                kv_connector_worker_meta=OmniKVWorkerMetadata(
+                    {rid: Answer(*a) for rid, a in answers.items()}, rank))
         outputs.append(out)
     merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
     return so, s.update_from_output(so, merged)
@@ -725,7 +727,7 @@ def test_tp2_a_transfer_is_acked_only_when_every_rank_acked_its_shard():
     s.add_request(r)
     step(s)
     so, _ = step(s)
-    attempt = handed_off(so)["r"]["attempt"]
+    attempt = handed_off(so)["r"].attempt
     ranks_step(s, {0: {"r": (attempt, None)}})
     assert s.transfer_ledger.get("r").phase is Phase.ACTIVE, "one shard of two is not delivered"
     ranks_step(s, {})
@@ -735,7 +737,7 @@ def test_tp2_a_transfer_is_acked_only_when_every_rank_acked_its_shard():
     assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
     while s.has_requests():
         step(s)
-    assert not s._omni._shard_answers
+    assert not s._omni.scheduler_half.shard_answers
     assert_quiescent(s, start)
 
 
@@ -747,26 +749,27 @@ def test_tp2_one_failed_shard_fails_the_transfer_at_once_and_frees_held_blocks()
     while not r.is_finished():
         so, _ = step(s)
     so, _ = step(s)
-    attempt = handed_off(so)["r"]["attempt"]
+    attempt = handed_off(so)["r"].attempt
     assert s.transfer_ledger.num_held == 1
     ranks_step(s, {0: {"r": (attempt, None)}, 1: {"r": (attempt, "stage next rejected: x")}})
     (t,) = s.recorder.resolved
     assert t.outcome is Outcome.FAILED and t.reason == "tensor-parallel rank 1: stage next rejected: x"
-    assert not s._omni._shard_answers, "every rank answered: nothing kept"
+    assert not s._omni.scheduler_half.shard_answers, "every rank answered: nothing kept"
     assert_quiescent(s, start)
 
 
 def test_tp2_answers_of_a_superseded_attempt_resolve_nothing_and_are_not_kept():
-    from omni_runtime.kv.connector import ShardAnswers
+    from omni_runtime.kv.metadata import ShardAnswers
 
     answers = ShardAnswers(2)
-    assert answers.combine({0: {"r": (1, None)}}) == {}
-    assert answers.combine({0: {"r": (2, None)}}) == {}, "attempt 2 starts over"
-    assert answers.combine({1: {"r": (1, None)}}) == {}, "a late answer of attempt 1"
-    assert answers.combine({1: {"r": (2, None)}}) == {"r": (2, None)}
+    assert answers.combine({0: {"r": Answer(1)}}) == {}
+    assert answers.combine({0: {"r": Answer(2)}}) == {}, "attempt 2 starts over"
+    assert answers.combine({1: {"r": Answer(1)}}) == {}, "a late answer of attempt 1"
+    assert answers.combine({1: {"r": Answer(2)}}) == {"r": Answer(2)}
     assert not answers
-    assert answers.combine({0: {"f": (3, "boom")}}) == {"f": (3, "tensor-parallel rank 0: boom")}
-    assert answers.combine({1: {"f": (3, "again")}}) == {}, "a failure is reported once"
+    assert answers.combine({0: {"f": Answer(3, "boom")}}) == {
+        "f": Answer(3, "tensor-parallel rank 0: boom")}
+    assert answers.combine({1: {"f": Answer(3, "again")}}) == {}, "a failure is reported once"
     assert not answers
 
 
@@ -784,11 +787,11 @@ def composed_step(s, *, acked=(), finished_sending=()):
     )
     from vllm.v1.outputs import KVConnectorOutput
 
-    from omni_runtime.kv.connector import OmniKVWorkerMetadata
+    from omni_runtime.kv.metadata import OmniKVWorkerMetadata
 
     so = s.schedule()
     out = runner_output(so, scheduler=s)
-    answers = {rid: (s.transfer_ledger.get(rid).attempt, None) for rid in acked}
+    answers = {rid: Answer(s.transfer_ledger.get(rid).attempt) for rid in acked}
     meta = (MultiKVConnectorWorkerMetadata((None, OmniKVWorkerMetadata(answers)))
             if answers else None)
     out.kv_connector_output = KVConnectorOutput(

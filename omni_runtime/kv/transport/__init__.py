@@ -1,16 +1,22 @@
-"""The KV transport: ships a request's KV cache from an AR stage to the next stages over
-ZeroMQ, with delivery acks (wire format and semantics: docs/connector.md).
+"""The KV data plane's transport, on NIXL: what NIXL itself does not do.
 
-No vLLM import here: the omni KV connector's worker side builds :class:`KVPayload` host arrays and
-calls :class:`KVSender`; a receiving stage runs :class:`KVReceiver` into a :class:`KVInbox`.
+NIXL moves the bytes (nixl_agent.py: the receiving stage reads the blocks straight out of the
+AR's registered KV cache). What is here: the control protocol over ZeroMQ (protocol.py: the
+hello, the read descriptor, the fence's verdict, the ack), the AR rank's control side
+(:class:`KVSender`), the receiving side (:class:`KVReceiver`: NIXL reads into registered
+staging slots, assembly of the payload from the AR's block format, the fence) and its inbox
+(:class:`KVInbox`, shards.py for tensor-parallel shards).
+
+No vLLM import here, and nothing else of omni_runtime: the omni KV connector's worker half
+uses :class:`KVSender`; a receiving stage runs :class:`KVReceiver` into a :class:`KVInbox`.
 """
 
 from omni_runtime.kv.transport.inbox import InboxFull, KVInbox
 from omni_runtime.kv.transport.observer import NullReceiverObserver, ReceiverObserver
+from omni_runtime.kv.transport.payload import KVPayload
+from omni_runtime.kv.transport.protocol import REJECT_CODES, WIRE_VERSION
 from omni_runtime.kv.transport.receiver import KVReceiver
-from omni_runtime.kv.transport.sender import KVSender
-from omni_runtime.kv.transport.wire import REJECT_CODES, WIRE_VERSION, KVPayload
+from omni_runtime.kv.transport.sender import KVSender, Offer
 
-__all__ = ["KVPayload", "KVSender", "KVReceiver", "KVInbox", "InboxFull", "ReceiverObserver",
-           "NullReceiverObserver",
-           "REJECT_CODES", "WIRE_VERSION"]
+__all__ = ["KVPayload", "KVSender", "Offer", "KVReceiver", "KVInbox", "InboxFull",
+           "ReceiverObserver", "NullReceiverObserver", "REJECT_CODES", "WIRE_VERSION"]

@@ -39,7 +39,8 @@ from typing import Callable
 
 from omni_runtime.kv.transport.observer import ReceiverObserver
 from omni_runtime.kv.transport.shards import ShardAssembly, assembled_nbytes, assembly_key
-from omni_runtime.kv.transport.wire import KVPayload, Rejected
+from omni_runtime.kv.transport.payload import KVPayload
+from omni_runtime.kv.transport.protocol import Rejected
 
 logger = logging.getLogger(__name__)
 

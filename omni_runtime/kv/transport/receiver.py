@@ -1,15 +1,26 @@
-"""KVReceiver: a ZeroMQ ROUTER on a background thread that validates incoming transfers,
-stores them in a KVInbox and answers each one.
+"""KVReceiver: the receiving stage's side of the KV data plane.
+
+One background thread owns a ZeroMQ ROUTER (the control channel, protocol.py) and a NIXL
+agent. For each ``read`` an AR rank offers, it reads the transfer's blocks straight out of
+the AR's registered KV cache into a registered staging slot (NIXL READ; the AR does no work),
+assembles them into the payload ``[layers, 2, H, seq_len, D]`` (assemble.py), says
+``read_done``, and stores the payload in the inbox only when the AR's verdict says the blocks
+were held for the whole read (``commit``); then it answers ``ok``: the transfer's ack.
 
 Invariants:
-* The ``ok`` reply for a transfer is sent only after ``inbox.put`` returned: an acked payload
-  is in the inbox (until consumed, expired or replaced, each counted).
-* Every message gets at most one reply: ``ok``, or ``rejected`` with a code from
-  ``wire.REJECT_CODES`` and a reason. Bad input of any kind (and even a bug while handling
-  it) is logged, counted and answered; it never ends the thread, so transfers before,
-  between and after bad ones are served.
-* Only the receiver thread touches the ROUTER socket (ZeroMQ sockets are not thread-safe);
-  other threads talk to it through an inproc PAIR socket (start/stop).
+* ``ok`` is sent only after ``inbox.put`` returned: an acked payload is in the inbox (until
+  consumed, expired or replaced, each counted).
+* Nothing read is stored without the AR's ``commit`` for that read: bytes read from blocks
+  the AR had freed (its deadline passed, a reset) are never stored (the fence; the AR decides
+  after the read is complete, so a commit covers every byte of it).
+* Every ``hello`` and ``read`` gets one answer (``hello_ok``; ``read_done`` then ``ok``; or
+  ``rejected`` with a code from ``protocol.REJECT_CODES``), unless the transfer's time runs
+  out while waiting for the verdict. Bad input of any kind (and even a bug while handling
+  it) is logged, counted and answered; it never ends the thread.
+* A staging slot is reused only once the read into it is released; a read past its time is
+  released (NIXL stops it) and its slot reused, or retired when NIXL refuses the release.
+* Only the receiver thread touches the ROUTER, the NIXL agent and the staging slots (NIXL's
+  agent is created without locking); other threads talk to it through an inproc PAIR socket.
 """
 
 from __future__ import annotations
@@ -17,40 +28,110 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from omni_runtime.kv.transport.assemble import assemble_chunk, payload_view
 from omni_runtime.kv.transport.inbox import InboxFull, KVInbox
+from omni_runtime.kv.transport.nixl_agent import DONE, ERROR, KVAgent
 from omni_runtime.kv.transport.observer import NullReceiverObserver, ReceiverObserver
-from omni_runtime.kv.transport.wire import Limits, Rejected, decode_transfer, encode_reply
+from omni_runtime.kv.transport.payload import DTYPES, KVPayload
+from omni_runtime.kv.transport.protocol import (
+    Hello,
+    ReadRequest,
+    Rejected,
+    Reply,
+    Verdict,
+    addressing,
+    blocks_needed,
+    encode_reply,
+    incompatibility,
+    parse_hello,
+    parse_message,
+    parse_read,
+    parse_verdict,
+)
+from omni_runtime.kv.transport.staging import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Slot, StagingPool
 
 logger = logging.getLogger(__name__)
 
 SPAN_NAME = "omni.kv_receive"
 INSTRUMENTATION_NAME = "omni_runtime.kv_connector"
 DEFAULT_MAX_PAYLOAD_BYTES = 2 << 30
-#: Messages queued per connected sender inside ZeroMQ before TCP back-pressure: small, so
-#: the bytes buffered outside the inbox's bound stay a few payloads.
-RCVHWM = 4
+#: Control messages queued per connected sender inside ZeroMQ (they are small).
+RCVHWM = 1000
 #: A reason is logged and answered, capped so one bad peer cannot flood the log.
 MAX_REASON_CHARS = 512
-_MAX_BATCH = 64  # messages handled per wake-up before timers are checked
+_MAX_BATCH = 64  # messages handled per wake-up before reads and timers are looked at
+#: How often an in-flight read's state is polled (polling is what progresses it).
+READ_POLL_MS = 1
+#: How long a read's verdict may come after its time ran out (the AR refuses to commit past
+#: its own deadline, which ends before ours: this only bounds a verdict that never comes).
+VERDICT_GRACE_S = 1.0
+#: A peer agent that sent nothing for this long (and has nothing in flight) is forgotten: a
+#: restarted AR is a new agent, its predecessor goes.
+DEFAULT_AGENT_IDLE_TTL_S = 600.0
+MAX_AGENTS = 1024
 _propagator = TraceContextTextMapPropagator()
+
+
+@dataclass(eq=False)
+class _Peer:
+    """An AR rank's NIXL agent, as its accepted hello describes it."""
+
+    hello: Hello
+    remote_name: str  # NIXL's name of the loaded agent
+    regions: np.ndarray  # [layers x planes, 3]: addr, length, device
+    blocks_per_region: int
+    last_seen: float
+    jobs: int = 0  # reads of this peer not yet finished
+
+
+@dataclass(eq=False)
+class _Chunk:
+    layers: tuple[int, int]  # [first, end)
+    blocks: tuple[int, int]  # [first, end) of the transfer's blocks, in payload order
+
+
+@dataclass(eq=False)
+class _Read:
+    identity: bytes
+    request: ReadRequest
+    peer: _Peer
+    read_by: float  # monotonic: the transfer's time on this side
+    received: float  # unix
+    span: Any
+    chunks: list[_Chunk]
+    kv: np.ndarray | None = None
+    next_chunk: int = 0
+    slot: Slot | None = None
+    handle: Any = None
+    phase: str = "queued"  # queued -> reading -> verdict
+    started: float = 0.0  # monotonic, when the first chunk was posted
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request.agent, self.request.transfer_id
 
 
 class KVReceiver:
     """Serves ``bind`` (e.g. ``tcp://0.0.0.0:9600``; port 0 picks a free one, see
-    :attr:`endpoint`) and stores valid transfers in ``inbox``.
+    :attr:`endpoint`) and stores the transfers it reads in ``inbox``.
 
-    ``max_payload_bytes``: larger transfers are rejected ``oversized`` (with an answer);
-    frames larger than ``hard_max_frame_bytes`` (default twice that) make ZeroMQ drop the
-    connection before they are buffered whole, which protects memory but cannot be answered:
-    the sender's timeout resolves those. ``stage``/``pipeline``: when set, transfers for
-    another destination are rejected ``wrong_destination``.
+    ``max_payload_bytes``: larger transfers are refused ``oversized`` before any read.
+    ``stage``/``pipeline``: when set, transfers for another destination are refused
+    ``wrong_destination``. ``expect``: compatibility fields this stage knows (e.g.
+    ``{"model": "Qwen/..."}``): an AR whose hello differs is refused ``incompatible``.
+    ``slot_bytes`` x ``slots``: the registered staging memory (staging.py), on
+    ``staging_device`` (``"cuda:0"`` reads device to device).
     """
 
     def __init__(
@@ -61,17 +142,22 @@ class KVReceiver:
         pipeline: str = "",
         stage: str = "",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        hard_max_frame_bytes: int | None = None,
         metrics: ReceiverObserver | None = None,
         tracer: Tracer | None = None,
+        expect: dict[str, Any] | None = None,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        slots: int = DEFAULT_SLOTS,
+        staging_device: str = "cpu",
+        agent_idle_ttl_s: float = DEFAULT_AGENT_IDLE_TTL_S,
     ) -> None:
         self.bind = bind
         self.inbox = inbox if inbox is not None else KVInbox()
         self.stage = stage
         self.pipeline = pipeline
-        self.limits = Limits(max_payload_bytes=max_payload_bytes, stage=stage, pipeline=pipeline)
-        self.hard_max_frame_bytes = (hard_max_frame_bytes if hard_max_frame_bytes is not None
-                                     else 2 * max_payload_bytes + 65536)
+        self.max_payload_bytes = max_payload_bytes
+        self.expect = dict(expect or {})
+        self.slot_bytes, self.slots, self.staging_device = slot_bytes, slots, staging_device
+        self.agent_idle_ttl_s = agent_idle_ttl_s
         self.metrics = metrics if metrics is not None else NullReceiverObserver()
         self.inbox.bind_metrics(self.metrics)
         # A no-op tracer unless a tracer provider is installed globally (or one is passed).
@@ -84,11 +170,17 @@ class KVReceiver:
         self._start_error: BaseException | None = None
         self._endpoint: str | None = None
         self._closed = False
+        self._agent: KVAgent | None = None
+        self._staging: StagingPool | None = None
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently seen first
+        self._reads: dict[tuple[str, int], _Read] = {}
+        self._queue: deque[_Read] = deque()  # waiting for a staging slot
         #: Counts of what the thread did (tests and the stage's status page read them).
         self.num_delivered = 0
         self.num_rejected = 0
         self.num_replies_lost = 0
         self.num_internal_errors = 0
+        self.num_aborted = 0
         #: Why the thread died (None while it runs or after a normal close()).
         self.died: str | None = None
 
@@ -103,10 +195,19 @@ class KVReceiver:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def known_agents(self) -> list[str]:
+        return list(self._peers)
+
     def start(self) -> KVReceiver:
-        """Bind and serve on a background thread; raises here if the bind fails."""
+        """Set up NIXL (agent, registered staging), bind, and serve on a background thread;
+        raises here if any of it fails (a receiving stage then refuses to start)."""
         if self._thread is not None:
             raise RuntimeError("receiver already started")
+        name = f"{self.pipeline or 'omni'}.{self.stage or 'receiver'}.{uuid.uuid4().hex[:12]}"
+        self._agent = KVAgent(name)
+        self._staging = StagingPool(self._agent, slot_bytes=self.slot_bytes, slots=self.slots,
+                                    device=self.staging_device)
         self._ctrl = self._ctx.socket(zmq.PAIR)
         self._ctrl.bind(self._ctrl_addr)
         self._thread = threading.Thread(target=self._run, name=f"omni-kv-receiver-{self.stage}",
@@ -143,6 +244,8 @@ class KVReceiver:
             self._ctrl.close(linger=0)
             self._ctrl = None
         self._ctx.term()
+        if self._agent is not None:
+            self._agent.close()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -152,7 +255,7 @@ class KVReceiver:
             # Replies to a sender that went away raise (and are counted) instead of vanishing.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.RCVHWM, RCVHWM)
-            router.setsockopt(zmq.MAXMSGSIZE, self.hard_max_frame_bytes)
+            router.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
             router.setsockopt(zmq.LINGER, 0)
             router.bind(self.bind)
             self._endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -166,16 +269,15 @@ class KVReceiver:
             self._ready.set()
             return
         self._ready.set()
-        logger.info("KV receiver of stage %r serving %s", self.stage, self._endpoint)
+        logger.info("KV receiver of stage %r serving %s (NIXL agent %s)", self.stage,
+                    self._endpoint, self._agent.name)
         self._report_thread(True)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(ctrl, zmq.POLLIN)
         try:
             while True:
-                wake_in = self.inbox.next_expiry_in()
-                timeout_ms = 1000 if wake_in is None else min(1000, int(wake_in * 1000) + 1)
-                events = dict(poller.poll(timeout_ms))
+                events = dict(poller.poll(self._timeout_ms()))
                 if ctrl in events:
                     break  # the only control message is "stop"
                 if router in events:
@@ -185,16 +287,33 @@ class KVReceiver:
                         except zmq.Again:
                             break
                         self._handle(router, frames)  # never raises
+                self._advance(router)
+                self._expire(router, time.monotonic())
                 self.inbox.expire()  # TTL evictions happen even without consumer calls
         except BaseException as e:
-            # Not a message's fault (those are answered in _handle): the socket or the inbox
-            # broke. Say so loudly; /health and omni_kv_transport_thread_up report it.
+            # Not a message's fault (those are answered in _handle): the socket, NIXL or the
+            # inbox broke. Say so loudly; /health and omni_kv_transport_thread_up report it.
             self.died = f"{type(e).__name__}: {e}"
             logger.exception("KV receiver thread of stage %r died", self.stage)
         finally:
+            self._drop_all_reads()
             router.close(linger=0)
             ctrl.close(linger=0)
             self._report_thread(False)
+
+    def _timeout_ms(self) -> int:
+        if any(r.phase == "reading" for r in self._reads.values()):
+            return READ_POLL_MS
+        wake = [r.read_by for r in self._reads.values()]
+        if self._peers:
+            wake.append(next(iter(self._peers.values())).last_seen + self.agent_idle_ttl_s)
+        expiry = self.inbox.next_expiry_in()
+        now = time.monotonic()
+        if expiry is not None:
+            wake.append(now + expiry)
+        if not wake:
+            return 1000
+        return max(0, min(1000, int((min(wake) - now) * 1000) + 1))
 
     def _report_thread(self, up: bool) -> None:
         try:
@@ -202,88 +321,360 @@ class KVReceiver:
         except Exception:  # an observer must not decide whether the thread runs
             logger.exception("KV receiver: reporting the thread state failed")
 
+    # ------------------------------------------------------------------ messages
     def _handle(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
-        """Answer one message, whatever it holds, exactly once, and never raise: a bug while
+        """Handle one message, answering it at most once, and never raise: a bug while
         handling one message is answered ``internal_error``, counted, and serving goes on."""
         received = time.time()
         identity = frames[0].bytes
-        replied = [False]
-
-        def reply(raw: bytes) -> None:
-            if not replied[0]:
-                replied[0] = True
-                self._reply(router, identity, raw)
-
+        tid = rid = None
         try:
-            self._handle_message(frames[1:], received, reply)
-        except Exception as e:  # a bug outside the decode/store step (rejection path, span)
+            kind, body, rest = parse_message([f.buffer for f in frames[1:]])
+            tid, rid = addressing(body)
+            if kind == "hello":
+                self._on_hello(router, identity, parse_hello(body, rest))
+            elif kind == "read":
+                self._on_read(router, identity, parse_read(body, rest), received)
+            elif kind == "verdict":
+                self._on_verdict(router, identity, parse_verdict(body, rest))
+            else:
+                raise Rejected("malformed", f"unknown message type {kind!r}")
+        except Rejected as r:
+            self._reject(router, identity, r.code, r.reason,
+                         r.transfer_id if r.transfer_id is not None else tid,
+                         r.request_id if r.request_id is not None else rid)
+        except Exception as e:  # a bug: still answer, count, keep serving
             self.num_internal_errors += 1
             logger.exception("KV receiver of stage %r: error handling a message", self.stage)
-            if replied[0]:
-                return  # answered already; the error came after (tracing): nothing to redo
-            try:
-                self.num_rejected += 1
-                self.metrics.rejected("internal_error")
-            except Exception:
-                logger.exception("KV receiver: counting an internal error failed")
-            # Nothing of the message is trusted here: it may be what broke the first answer.
-            reply(encode_reply(transfer_id=None, request_id=None, ok=False,
-                               code="internal_error",
-                               reason=f"{type(e).__name__}: {e}"[:MAX_REASON_CHARS]))
+            self._reject(router, identity, "internal_error", f"{type(e).__name__}: {e}", tid, rid)
 
-    def _handle_message(self, frames: list[zmq.Frame], received: float, reply) -> None:
-        header: dict | None = None
-        span = None
+    def _reject(self, router, identity: bytes, code: str, reason: str, tid: int | None,
+                rid: str | None, span: Any = None) -> None:
+        reason = reason[:MAX_REASON_CHARS]
+        self.num_rejected += 1
         try:
-            try:
-                payload, header = decode_transfer(frames, self.limits)
-                span = self._start_span(header, received)
-                payload.received_at = received
-                try:
-                    self.inbox.put(payload)
-                except InboxFull as e:
-                    raise Rejected("inbox_full", str(e), header) from None
-            except Rejected:
-                raise
-            except Exception as e:  # a bug: still answer, count, keep serving
-                self.num_internal_errors += 1
-                logger.exception("KV receiver: error handling a transfer")
-                raise Rejected("internal_error", f"{type(e).__name__}: {e}", header) from None
-        except Rejected as r:
-            # The header here may be one that failed its checks: only fields read through
-            # _str_field/_int_field/_trace_carrier (type-checked) are used from it.
-            header = r.header if r.header is not None else header
-            reason = r.reason[:MAX_REASON_CHARS]
-            self.num_rejected += 1
-            self.metrics.rejected(r.code)
-            rid = _str_field(header, "request_id")
-            logger.warning("KV receiver of stage %r rejected transfer of request %s: %s: %s",
-                           self.stage, rid, r.code, reason)
-            if span is None and header is not None:
-                span = self._start_span(header, received)
-            # Spans end before the answer (a reader of the answer sees them); never raises.
-            self._end_span(span, "rejected", f"{r.code}: {reason}", r.code)
-            reply(encode_reply(
-                transfer_id=_int_field(header, "transfer_id"), request_id=rid, ok=False,
-                code=r.code, reason=reason))
-            return
-        self.num_delivered += 1
-        self.metrics.delivered(payload.nbytes)
-        self._end_span(span, "delivered")
-        reply(encode_reply(transfer_id=header["transfer_id"], request_id=payload.request_id,
-                           ok=True))
+            self.metrics.rejected(code)
+        except Exception:
+            logger.exception("KV receiver: counting a rejection failed")
+        logger.warning("KV receiver of stage %r rejected %s: %s: %s", self.stage,
+                       f"transfer of request {rid}" if rid else "a message", code, reason)
+        self._end_span(span, "rejected", f"{code}: {reason}", code)
+        self._reply(router, identity, Reply("rejected", tid, rid, code=code, reason=reason))
 
-    def _reply(self, router: zmq.Socket, identity: bytes, reply: bytes) -> None:
+    def _reply(self, router: zmq.Socket, identity: bytes, reply: Reply) -> None:
         try:
-            router.send_multipart([identity, reply], zmq.NOBLOCK)
+            router.send_multipart([identity, encode_reply(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the sender is gone; Again: it reads no replies
             self.num_replies_lost += 1
             logger.warning("KV receiver: reply to a sender lost: %s", e)
 
-    def _start_span(self, header: dict, received: float):
+    def _on_hello(self, router: zmq.Socket, identity: bytes, hello: Hello) -> None:
+        self._check_destination(hello.pipeline, hello.to_stage)
+        problem = incompatibility(hello.compat, self.expect)
+        if problem is not None:
+            raise Rejected("incompatible", f"stage {hello.from_stage} (agent {hello.agent}): "
+                                           f"{problem}")
+        peer = self._peers.get(hello.agent)
+        if peer is not None and (peer.hello.compat_hash != hello.compat_hash
+                                 or peer.hello.metadata != hello.metadata):
+            raise Rejected("incompatible", f"agent {hello.agent} said hello before with "
+                                           "other memory or compatibility fields")
+        if peer is None:
+            self._make_room_for_a_peer()
+            try:
+                name = self._agent.add_remote(hello.metadata)
+            except Exception as e:
+                raise Rejected("malformed", f"NIXL refused the agent metadata of "
+                                            f"{hello.agent}: {type(e).__name__}: {e}") from None
+            regions = np.array([[r.addr, r.length, r.device] for r in hello.regions],
+                               dtype=np.uint64)
+            peer = _Peer(hello, name, regions,
+                         min(r.length for r in hello.regions) // hello.block_format.block_bytes,
+                         time.monotonic())
+            self._peers[hello.agent] = peer
+            logger.info("KV receiver of stage %r: agent %s of stage %s (shard %d of %d) "
+                        "said hello", self.stage, hello.agent, hello.from_stage, hello.shard,
+                        hello.num_shards)
+        self._seen(peer)
+        self._reply(router, identity, Reply("hello_ok", conn=hello.conn))
+
+    def _check_destination(self, pipeline: str, to_stage: str) -> None:
+        if self.stage and to_stage != self.stage:
+            raise Rejected("wrong_destination", f"sent to stage {to_stage!r}, this is "
+                                                f"{self.stage!r}")
+        if self.pipeline and pipeline and pipeline != self.pipeline:
+            raise Rejected("wrong_destination", f"sent for pipeline {pipeline!r}, this is "
+                                                f"{self.pipeline!r}")
+
+    def _make_room_for_a_peer(self) -> None:
+        if len(self._peers) < MAX_AGENTS:
+            return
+        for agent, peer in self._peers.items():  # least recently seen first
+            if peer.jobs == 0:
+                self._forget(agent, "the receiver keeps at most "
+                                    f"{MAX_AGENTS} agents (least recently seen goes)")
+                return
+        raise Rejected("malformed", f"{MAX_AGENTS} agents have reads in flight here")
+
+    def _seen(self, peer: _Peer) -> None:
+        peer.last_seen = time.monotonic()
+        self._peers.move_to_end(peer.hello.agent)
+
+    def _forget(self, agent: str, why: str) -> None:
+        peer = self._peers.pop(agent)
+        self._agent.remove_remote(peer.remote_name)
+        logger.info("KV receiver of stage %r forgot agent %s: %s", self.stage, agent, why)
+
+    def _on_read(self, router: zmq.Socket, identity: bytes, req: ReadRequest,
+                 received: float) -> None:
+        ids = {"transfer_id": req.transfer_id, "request_id": req.request_id}
+        existing = self._reads.get((req.agent, req.transfer_id))
+        if existing is not None:
+            # The same read again (the AR re-sends what was in flight when its connection
+            # dropped): answer on the new connection, do not read twice.
+            existing.identity = identity
+            if existing.phase == "verdict":
+                self._reply(router, identity, Reply("read_done", req.transfer_id,
+                                                    req.request_id))
+            return
+        span = self._start_span(req, received)
+        try:
+            self._check_destination(req.pipeline, req.to_stage)
+            peer = self._peers.get(req.agent)
+            if peer is None:
+                raise Rejected("unknown_agent", f"no hello from agent {req.agent} (say hello "
+                                                "again)", **ids)
+            self._seen(peer)
+            hello = peer.hello
+            if req.compat_hash != hello.compat_hash:
+                raise Rejected("incompatible", f"compat_hash {req.compat_hash} differs from "
+                                               f"the hello's {hello.compat_hash}", **ids)
+            if (req.shard, req.num_shards) != (hello.shard, hello.num_shards):
+                raise Rejected("malformed", f"shard {req.shard} of {req.num_shards}: the "
+                                            f"agent's hello says {hello.shard} of "
+                                            f"{hello.num_shards}", **ids)
+            fmt = hello.block_format
+            needed = blocks_needed(req.seq_len, fmt.block_size)
+            if req.num_blocks != needed:
+                raise Rejected("malformed", f"runs cover {req.num_blocks} blocks, seq_len "
+                                            f"{req.seq_len} needs {needed}", **ids)
+            for first, count in req.runs:
+                if first + count > peer.blocks_per_region:
+                    raise Rejected("malformed", f"blocks {first}..{first + count - 1} are "
+                                                f"outside the {peer.blocks_per_region} "
+                                                "registered blocks", **ids)
+            nbytes = (hello.compat.num_layers * 2 * fmt.num_kv_heads * req.seq_len
+                      * fmt.head_size * fmt.itemsize)
+            if nbytes > self.max_payload_bytes:
+                raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_payload_bytes}",
+                               **ids)
+            if self.inbox.bytes + nbytes * max(1, req.num_shards) > self.inbox.max_bytes:
+                raise Rejected("inbox_full", f"{nbytes} bytes do not fit: {self.inbox.bytes} "
+                                             f"of {self.inbox.max_bytes} bytes used", **ids)
+            if req.deadline_in_s <= 0:
+                raise Rejected("deadline", "the transfer's time ran out before it arrived",
+                               **ids)
+        except Rejected as r:
+            self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
+                         span)
+            return
+        job = _Read(identity, req, peer, time.monotonic() + req.deadline_in_s, received, span,
+                    self._plan(hello, needed))
+        peer.jobs += 1
+        self._reads[job.key] = job
+        self._queue.append(job)
+
+    def _plan(self, hello: Hello, blocks: int) -> list[_Chunk]:
+        """The chunks a transfer is read in: as many whole layers as fit a slot, or, for a
+        layer larger than a slot, as many of its blocks as fit."""
+        layers = hello.compat.num_layers
+        planes = hello.block_format.planes
+        block_bytes = hello.block_format.block_bytes
+        per_slot = self._staging.slot_bytes // (planes * block_bytes)  # blocks of every plane
+        if per_slot < 1:
+            raise Rejected("oversized", f"a block of {planes} x {block_bytes} bytes does not "
+                                        f"fit a {self._staging.slot_bytes}-byte staging slot")
+        if blocks <= per_slot:
+            step = max(1, per_slot // blocks)
+            return [_Chunk((l, min(l + step, layers)), (0, blocks))
+                    for l in range(0, layers, step)]
+        return [_Chunk((l, l + 1), (b, min(b + per_slot, blocks)))
+                for l in range(layers) for b in range(0, blocks, per_slot)]
+
+    def _on_verdict(self, router: zmq.Socket, identity: bytes, verdict: Verdict) -> None:
+        job = self._reads.get((verdict.agent, verdict.transfer_id))
+        if job is None or job.phase != "verdict":
+            # A verdict for a read this receiver gave up on (its time ran out): nothing to do.
+            logger.info("KV receiver of stage %r: verdict for transfer %s of agent %s, which "
+                        "waits for none", self.stage, verdict.transfer_id, verdict.agent)
+            return
+        payload = self._payload(job)
+        self._finish(job)
+        req = job.request
+        if not verdict.commit:
+            self.num_aborted += 1
+            self._reject(router, identity, "deadline", f"the sender aborted the read: "
+                         f"{verdict.reason}", req.transfer_id, req.request_id, job.span)
+            return
+        try:
+            self.inbox.put(payload)
+        except InboxFull as e:
+            self._reject(router, identity, "inbox_full", str(e), req.transfer_id,
+                         req.request_id, job.span)
+            return
+        except Rejected as r:  # a shard that does not fit its transfer's other shards
+            self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
+                         job.span)
+            return
+        self.num_delivered += 1
+        self.metrics.delivered(payload.nbytes)
+        self._end_span(job.span, "delivered")
+        self._reply(router, identity, Reply("ok", req.transfer_id, req.request_id))
+
+    def _payload(self, job: _Read) -> KVPayload:
+        req, hello = job.request, job.peer.hello
+        return KVPayload(
+            request_id=req.request_id, seq_len=req.seq_len, kv=job.kv,
+            pipeline=req.pipeline, from_stage=req.from_stage, trace_context=req.trace_context,
+            extra={"attempt": req.attempt, "block_size": hello.block_format.block_size},
+            dtype=hello.block_format.dtype, to_stage=req.to_stage, sent_at=req.sent_at,
+            received_at=job.received, external_request_id=req.external_request_id,
+            shard=req.shard, num_shards=req.num_shards,
+        )
+
+    # ------------------------------------------------------------------ reads
+    def _advance(self, router: zmq.Socket) -> None:
+        """Start queued reads on free slots; move posted reads on as NIXL completes them."""
+        for job in [j for j in self._reads.values() if j.phase == "reading"]:
+            state = self._agent.state(job.handle)
+            if state == DONE:
+                self._agent.release(job.handle)
+                job.handle = None
+                try:
+                    self._assemble(job)
+                except Exception as e:
+                    self.num_internal_errors += 1
+                    logger.exception("KV receiver: assembling a transfer failed")
+                    self._fail(router, job, "internal_error", f"{type(e).__name__}: {e}")
+                    continue
+                job.next_chunk += 1
+                if job.next_chunk < len(job.chunks):
+                    self._post(router, job)
+                else:
+                    self._staging.release(job.slot)
+                    job.slot = None
+                    job.phase = "verdict"
+                    self._reply(router, job.identity, Reply("read_done",
+                                                            job.request.transfer_id,
+                                                            job.request.request_id))
+            elif state == ERROR:
+                self._fail(router, job, "read_failed",
+                           f"NIXL could not read the blocks of agent {job.request.agent}")
+        while self._queue and self._staging.available:
+            job = self._queue.popleft()
+            job.slot = self._staging.acquire()
+            job.phase = "reading"
+            job.started = time.monotonic()
+            try:
+                job.kv = np.empty(self._shape(job), dtype=DTYPES[job.peer.hello.block_format.dtype])
+            except MemoryError as e:
+                self._fail(router, job, "inbox_full", f"cannot allocate the payload: {e}")
+                continue
+            self._post(router, job)
+
+    @staticmethod
+    def _shape(job: _Read) -> tuple[int, ...]:
+        hello = job.peer.hello
+        fmt = hello.block_format
+        return (hello.compat.num_layers, 2, fmt.num_kv_heads, job.request.seq_len,
+                fmt.head_size)
+
+    def _post(self, router: zmq.Socket, job: _Read) -> None:
+        """Post the READ of the job's next chunk into its slot."""
+        chunk = job.chunks[job.next_chunk]
+        fmt = job.peer.hello.block_format
+        block_bytes = fmt.block_bytes
+        (l0, l1), (b0, b1) = chunk.layers, chunk.blocks
+        segments = _segments(job.request.runs, b0, b1)  # (payload block, cache block, count)
+        remote, local = [], []
+        staged = 0
+        regions = job.peer.regions
+        planes = fmt.planes
+        for layer in range(l0, l1):
+            for plane in range(planes):  # the staged order: layer, plane, block
+                addr, _, device = (int(x) for x in regions[layer * planes + plane])
+                for _, first, count in segments:
+                    remote.append((addr + first * block_bytes, count * block_bytes, device))
+                    local.append((job.slot.addr + staged, count * block_bytes,
+                                  self._staging.device_id))
+                    staged += count * block_bytes
+        try:
+            job.handle = self._agent.read(
+                np.array(local, dtype=np.uint64), self._staging.mem_type,
+                np.array(remote, dtype=np.uint64), job.peer.hello.mem_type,
+                job.peer.remote_name)
+        except Exception as e:
+            self._fail(router, job, "read_failed", f"NIXL refused the read of agent "
+                                                   f"{job.request.agent}: {type(e).__name__}: {e}")
+
+    def _assemble(self, job: _Read) -> None:
+        chunk = job.chunks[job.next_chunk]
+        fmt = job.peer.hello.block_format
+        (l0, l1), (b0, b1) = chunk.layers, chunk.blocks
+        t0, t1 = b0 * fmt.block_size, min(b1 * fmt.block_size, job.request.seq_len)
+        out = payload_view(job.kv, fmt.dtype)[l0:l1, :, :, t0:t1]
+        assemble_chunk(job.slot.tensor, fmt, l1 - l0, b1 - b0, t1 - t0, out)
+
+    def _fail(self, router: zmq.Socket, job: _Read, code: str, reason: str) -> None:
+        self._finish(job)
+        self._reject(router, job.identity, code, reason, job.request.transfer_id,
+                     job.request.request_id, job.span)
+
+    def _finish(self, job: _Read) -> None:
+        """The job leaves: its slot back (or retired), its peer's count down."""
+        self._reads.pop(job.key, None)
+        if job in self._queue:
+            self._queue.remove(job)
+        if job.slot is not None:
+            if job.handle is None or self._agent.release(job.handle):
+                self._staging.release(job.slot)
+            else:
+                self._staging.retire(job.slot)
+            job.slot = job.handle = None
+        job.kv = None
+        job.peer.jobs -= 1
+
+    def _expire(self, router: zmq.Socket, now: float) -> None:
+        for job in list(self._reads.values()):
+            if job.phase == "verdict":
+                if now > job.read_by + VERDICT_GRACE_S:
+                    self._fail(router, job, "deadline", "no verdict from the sender within "
+                                                        "the transfer's time")
+            elif now > job.read_by:
+                where = "waiting for a staging slot" if job.phase == "queued" else "reading"
+                self._fail(router, job, "deadline", f"the transfer's time ran out {where}")
+        while self._peers:
+            agent, peer = next(iter(self._peers.items()))
+            if now - peer.last_seen < self.agent_idle_ttl_s:
+                break
+            if peer.jobs:
+                self._peers.move_to_end(agent)
+                break
+            self._forget(agent, f"idle for {self.agent_idle_ttl_s:g}s")
+
+    def _drop_all_reads(self) -> None:
+        for job in list(self._reads.values()):
+            try:
+                self._finish(job)
+                self._end_span(job.span, "rejected", "receiver stopped", "internal_error")
+            except Exception:
+                logger.exception("KV receiver: dropping a read at exit failed")
+
+    # ------------------------------------------------------------------ tracing
+    def _start_span(self, req: ReadRequest, received: float):
         """The receive span, or None if tracing fails: tracing never decides an answer."""
         try:
-            carrier = _trace_carrier(header)
+            carrier = req.trace_context
             parent = _propagator.extract(carrier) if carrier else None
             links = []
             if parent is not None:
@@ -291,15 +682,13 @@ class KVReceiver:
                 if sc.is_valid:
                     links.append(Link(sc))
             attrs = {
-                "gen_ai.request.id": _str_field(header, "request_id") or "",
+                "gen_ai.request.id": req.request_id,
                 "omni.stage": self.stage,
-                "omni.kv_receive.from_stage": _str_field(header, "from_stage") or "",
-                "omni.kv_receive.pipeline": _str_field(header, "pipeline") or "",
+                "omni.kv_receive.from_stage": req.from_stage,
+                "omni.kv_receive.pipeline": req.pipeline,
+                "omni.kv_receive.seq_len": req.seq_len,
+                "omni.kv_receive.blocks": req.num_blocks,
             }
-            for key in ("seq_len", "nbytes"):
-                v = _int_field(header, key)
-                if v is not None:
-                    attrs[f"omni.kv_receive.{key}"] = v
             # A child of the sender's transfer span (same trace) and linked to it, as messaging
             # consumers do, so either view finds the sender.
             return self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.CONSUMER,
@@ -324,21 +713,15 @@ class KVReceiver:
             logger.exception("KV receiver: ending the receive span failed")
 
 
-def _trace_carrier(header: dict | None) -> dict[str, str] | None:
-    """The header's W3C trace context as str -> str entries only (an unchecked header may
-    carry anything there: a rejected one is exactly such a header)."""
-    ctx = header.get("trace_context") if isinstance(header, dict) else None
-    if not isinstance(ctx, dict):
-        return None
-    carrier = {k: v for k, v in ctx.items() if isinstance(k, str) and isinstance(v, str)}
-    return carrier or None
-
-
-def _str_field(header: dict | None, key: str) -> str | None:
-    v = header.get(key) if isinstance(header, dict) else None
-    return v if isinstance(v, str) else None
-
-
-def _int_field(header: dict | None, key: str) -> int | None:
-    v = header.get(key) if isinstance(header, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+def _segments(runs: tuple[tuple[int, int], ...], b0: int, b1: int) -> list[tuple[int, int, int]]:
+    """The runs' part covering payload blocks [b0, b1): (payload block, cache block, count)."""
+    out = []
+    start = 0
+    for first, count in runs:
+        lo, hi = max(start, b0), min(start + count, b1)
+        if lo < hi:
+            out.append((lo, first + lo - start, hi - lo))
+        start += count
+        if start >= b1:
+            break
+    return out

@@ -1,37 +1,37 @@
-"""KVSender: ships KVPayloads to every downstream stage from a background I/O thread and
-reports each transfer's outcome back to the caller (the omni KV connector's worker side).
+"""KVSender: an AR rank's control side of the KV data plane.
+
+The bytes stay where they are: the receiving stages read them with NIXL from this rank's
+registered KV cache. The sender offers each transfer to every downstream stage (a ``read``
+descriptor over ZeroMQ, protocol.py), answers each receiver's ``read_done`` with the fence's
+verdict, and reports each transfer's outcome to the caller (the connector's worker half).
 
 Delivery semantics (docs/connector.md):
-* ``acked``: every endpoint's receiver stored the payload and said so. Nothing else acks.
-* ``failed`` (with a reason): an endpoint rejected it (the receiver's code and reason), an
-  endpoint was unreachable until the deadline (ZMQ_IMMEDIATE: nothing is queued toward a
-  peer that is not connected, so "unreachable" is not confused with "slow"), or no ack came
-  before the deadline (``send_timeout_s`` from submit(), queueing included), or the sender
-  was closed first. A failed transfer may still have reached a receiver (an ack lost with a
-  dying connection); the receiver's inbox then holds a payload nobody waits for, which its
-  TTL removes.
-* Each submitted transfer is reported exactly once, by request id, unless a newer submit()
-  of the same request id supersedes it (a re-sent snapshot after a preemption): then only
-  the newer one is reported, and any unpolled result of the older one is dropped.
+* ``acked``: every endpoint's receiver read the blocks, was told ``commit``, stored the payload
+  and said ``ok``. Nothing else acks.
+* ``failed`` (with a reason): an endpoint refused it (its code and reason) or refused this
+  rank's hello (an incompatible AR: every transfer to that stage fails, loudly), an endpoint
+  stayed unreachable until the deadline, or no ack came before the deadline
+  (``send_timeout_s`` from submit(), queueing included), or the sender was closed first.
+* Each submitted transfer is reported exactly once, with its attempt, unless a newer
+  submit() of the same request id supersedes it or :meth:`cancel` withdraws it.
 
-Threads: submit/poll/wait/pending/close may be called from any thread. Only the I/O thread
-touches the DEALER sockets; submit() hands it work through a deque and wakes it over an
-inproc PAIR socket. Reconnection after a receiver restart is ZeroMQ's own (every
-RECONNECT_IVL_MS); with ZMQ_IMMEDIATE a send waits for the new connection, up to its deadline.
+The fence (the block guarantee at a distance): a receiver's ``read_done`` is answered
+``commit`` only if the transfer is still current (not resolved, superseded or cancelled) and
+before its deadline, under the same lock as :meth:`cancel`. The scheduler frees a transfer's
+blocks only after this rank answered it, at its own (later) deadline, or after cancelling it
+here before the blocks can be written again; the read was complete before ``read_done`` was
+sent. So a committed read read blocks that were held, unchanged, for all of it.
 
-A lost connection (the receiver exited, or missed heartbeats) loses whatever was in flight
-on it: the socket monitor reports the disconnect, and the endpoint's in-flight transfers go
-back to the front of its queue at once, to be re-sent (same transfer id) on the next
-connection, so neither they nor the transfers queued behind them wait for their deadline
-to free the in-flight window. A re-sent payload the old receiver had stored before it lost
-the connection replaces itself in the inbox (counted there as ``replaced``).
-
-If the I/O thread dies (a bug), every unresolved transfer fails with the reason, submit()
-fails at once, ``on_thread_state(False)`` is called and close() still returns normally.
+Threads: the caller's API may be called from any thread. Only the I/O thread touches the
+DEALER sockets and the NIXL agent (it progresses the agent while transfers are in flight:
+UCX's TCP transport serves remote reads only then). submit() hands it work through a deque
+and wakes it over an inproc PAIR whose two ends are connected before the thread starts, so no
+wake-up is lost, whatever the threads' start order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -45,47 +45,56 @@ from typing import Any, Callable, Collection, Mapping
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from omni_runtime.kv.transport.wire import (
-    CHECKSUMS,
-    DEFAULT_CHECKSUM,
-    KVPayload,
-    checksum,
-    data_view,
+from omni_runtime.kv.transport.protocol import (
+    Hello,
+    ReadRequest,
+    Verdict,
     decode_reply,
-    encode_header,
-    validate_payload,
+    encode_hello,
+    encode_read,
+    encode_verdict,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEND_TIMEOUT_S = 10.0
-DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_MAX_IN_FLIGHT = 64
 RECONNECT_IVL_MS = 100
 # Detects a peer that vanished without closing its connection (a node lost), so its queued
 # sends stop waiting for it: ZMTP heartbeats every second, dead after three missed.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
-#: How long close() waits for the I/O thread beyond the linger time (it stops within one
-#: loop iteration, at most a second).
+#: While reads of this rank's memory may be in flight, the I/O thread wakes this often to
+#: progress the NIXL agent.
+PROGRESS_MS = 1
+#: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0
-#: Connection events the I/O thread follows (socket monitor).
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One transfer, as the receivers are told of it (the blocks stay in the cache)."""
+
+    request_id: str
+    attempt: int
+    seq_len: int
+    runs: tuple[tuple[int, int], ...]  # (first block id, count), in payload order
+    nbytes: int  # the payload's size (for the bytes histogram)
+    external_request_id: str = ""
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass(eq=False)
 class _Transfer:
     tid: int
-    rid: str
-    #: Dropped (None) once the transfer is resolved or superseded, so a resolved payload's
-    #: memory is freed at once; ZeroMQ holds its own reference while it still sends it.
-    payload: KVPayload | None
+    offer: Offer
     deadline: float  # monotonic
     timeout: float
-    waiting: set[str]  # stages that have not acked yet
-    sent_to: set[str] | None = None  # stages it was handed to ZeroMQ for
-    data: memoryview | None = None  # the payload's bytes, made once on the I/O thread
-    digest: str | None = None
-    done: bool = False  # reported (or superseded): no further report
+    waiting: set[str]  # stages that have not said ok yet
+    sent_at: float = 0.0  # unix, when first offered
+    sent_to: set[str] = field(default_factory=set)
+    done: bool = False  # reported, superseded or cancelled: no further report, no commit
 
 
 @dataclass(eq=False)
@@ -93,35 +102,31 @@ class _Endpoint:
     stage: str
     address: str
     socket: zmq.Socket
-    monitor: zmq.Socket | None = None  # the socket's connection events
-    queue: deque[_Transfer] = field(default_factory=deque)  # not yet sent, submit order
-    in_flight: dict[int, _Transfer] = field(default_factory=dict)  # sent, awaiting a reply
-    connections: int = 0  # handshakes so far (a restarted receiver makes a new one)
+    monitor: zmq.Socket | None = None
+    queue: deque[_Transfer] = field(default_factory=deque)  # not yet offered, submit order
+    in_flight: dict[int, _Transfer] = field(default_factory=dict)  # offered, no final answer
+    connections: int = 0  # handshakes so far; the current hello names it
+    ready: bool = False  # the receiver accepted this connection's hello
+    refused: str | None = None  # why the receiver refused this connection's hello
 
 
 class KVSender:
-    """Sends each submitted payload to every stage of ``endpoints`` ({stage: zmq address}).
-
-    ``max_in_flight``: unacked transfers per endpoint; more wait in the sender's queue (their
-    deadline runs). ``observe_bytes``: called with the payload size of each delivered
-    transfer, from the I/O thread (pass ``TransferMetrics.observe_transfer_bytes`` to feed
-    the contract's ``omni_kv_transfer_bytes``). ``on_thread_state``: called with True when
-    the I/O thread starts and False when it ends (died or closed), from that thread (pass
-    ``omni_runtime.observability.transport_metrics.thread_up_setter(thread="sender", ...)``
-    to feed ``omni_kv_transport_thread_up``). ``io_cpus``: the CPUs the sender's I/O thread and
-    ZeroMQ's I/O thread run on (None: inherited from the creating thread); keep them off the
-    engine's OpenMP cores (``omni_runtime.kv.cpu_affinity``).
-    """
+    """Offers each submitted transfer to every stage of ``endpoints`` ({stage: zmq
+    address}); ``hello``: this rank's hello (its ``to_stage`` and ``conn`` are filled in per
+    endpoint and connection); ``agent``: the NIXL agent whose memory the receivers read (its
+    progress is driven here), or None. ``max_in_flight``: offered, unanswered transfers per
+    endpoint. ``observe_bytes``: called with each acked transfer's size; ``on_thread_state``:
+    True when the I/O thread starts, False when it ends (both from that thread). ``io_cpus``:
+    the CPUs of the I/O thread and ZeroMQ's (keep them off the engine's OpenMP cores)."""
 
     def __init__(
         self,
         endpoints: Mapping[str, str],
         *,
-        pipeline: str = "",
-        stage: str = "",
+        hello: Hello,
+        agent: Any = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
-        checksum_algo: str = DEFAULT_CHECKSUM,
         observe_bytes: Callable[[int], None] | None = None,
         on_thread_state: Callable[[bool], None] | None = None,
         io_cpus: Collection[int] | None = None,
@@ -130,14 +135,12 @@ class KVSender:
             raise ValueError("KVSender needs at least one endpoint")
         if max_in_flight < 1 or send_timeout_s <= 0:
             raise ValueError("max_in_flight must be >= 1 and send_timeout_s > 0")
-        if checksum_algo not in CHECKSUMS:
-            raise ValueError(f"unknown checksum {checksum_algo!r} (known: {sorted(CHECKSUMS)})")
         self.endpoints = dict(endpoints)
-        self.pipeline = pipeline
-        self.stage = stage
+        self.hello = hello
+        self.agent = agent
+        self.stage = hello.from_stage
         self.max_in_flight = max_in_flight
         self.send_timeout_s = send_timeout_s
-        self.checksum_algo = checksum_algo
         self._observe_bytes = observe_bytes
         self._on_thread_state = on_thread_state
         self._tids = itertools.count(1)
@@ -147,82 +150,79 @@ class KVSender:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._submitted: deque[_Transfer] = deque()
-        self._latest: dict[str, int] = {}  # unresolved request id -> its newest transfer id
-        self._acked: list[str] = []
-        self._failed: dict[str, str] = {}
+        self._latest: dict[str, _Transfer] = {}  # unresolved request id -> its newest transfer
+        self._answers: dict[str, tuple[int, str | None]] = {}
         self._closing_deadline: float | None = None
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
-        # The I/O thread and its wake-up pipe.
         self._ctx = zmq.Context(io_threads=1)
         self.io_cpus = sorted(io_cpus) if io_cpus else None
         if self.io_cpus:
-            # Before the first socket: ZeroMQ starts its I/O thread (which does the TCP
-            # sends) with the first socket, bound to these CPUs.
+            # Before the first socket: ZeroMQ starts its I/O thread with the first socket.
             for cpu in self.io_cpus:
                 self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
-        self._wake_addr = f"inproc://omni-kv-sender-wake-{id(self)}"
+        # Both ends of the wake-up pipe exist before the thread starts (a wake-up sent to a
+        # PAIR with no peer yet would be dropped); the thread owns its end from then on.
+        wake_addr = f"inproc://omni-kv-sender-wake-{id(self)}"
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.setsockopt(zmq.SNDHWM, 0)  # wake-ups never block or drop
-        self._wake.bind(self._wake_addr)
+        self._wake.bind(wake_addr)
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.connect(wake_addr)
         self._wake_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"omni-kv-sender-{stage}",
+        self._thread = threading.Thread(target=self._run, name=f"omni-kv-sender-{self.stage}",
                                         daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller API
-    def submit(self, payload: KVPayload, timeout_s: float | None = None) -> None:
-        """Queue ``payload`` for every endpoint; returns at once. Never raises for network
-        trouble or a bad payload: both are reported by poll() as failures. The caller must
-        not modify ``payload.kv`` afterwards (it is sent without a copy). ``timeout_s``
-        overrides ``send_timeout_s`` for this transfer (e.g. the scheduler's time left).
-
-        """
-        problem = validate_payload(payload)
-        rid = payload.request_id if isinstance(payload, KVPayload) else None
-        if not isinstance(rid, str) or not rid:
-            logger.error("KVSender.submit: dropped an unaddressable payload: %s", problem)
-            return
+    def submit(self, offer: Offer, timeout_s: float | None = None) -> None:
+        """Offer a transfer to every endpoint; returns at once, never raises for network
+        trouble (poll() reports it). ``timeout_s`` overrides ``send_timeout_s``."""
         with self._lock:
-            # Results of an older transfer of this request are stale once it is re-sent.
-            if rid in self._failed:
-                del self._failed[rid]
-            if rid in self._acked:
-                self._acked.remove(rid)
             tid = next(self._tids)
-            self._latest[rid] = tid
-            reason = problem and f"invalid payload: {problem}"
-            if reason is None and (self._dead or self._closing_deadline is not None):
-                reason = self._dead or "sender closed"
             timeout = self.send_timeout_s if timeout_s is None else max(0.0, timeout_s)
-            transfer = _Transfer(tid, rid, payload, time.monotonic() + timeout, timeout,
-                                 set(self.endpoints))
-            if reason is not None:
-                self._report_locked(transfer, reason)
+            t = _Transfer(tid, offer, time.monotonic() + timeout, timeout, set(self.endpoints))
+            old = self._latest.get(offer.request_id)
+            if old is not None:
+                old.done = True  # superseded: never reported, never committed
+            self._answers.pop(offer.request_id, None)  # an unpolled answer of an older attempt
+            self._latest[offer.request_id] = t
+            if self._dead or self._closing_deadline is not None:
+                self._report_locked(t, self._dead or "sender closed")
                 return
-            self._submitted.append(transfer)
+            self._submitted.append(t)
         self._kick()
 
-    def poll(self) -> tuple[list[str], dict[str, str]]:
-        """Results since the last poll(), without blocking: (request ids delivered to every
-        endpoint, {request id: reason} of failed transfers)."""
+    def cancel(self, request_id: str, attempt: int) -> bool:
+        """Withdraw the transfer of ``request_id`` (attempt ``attempt`` or earlier): the
+        scheduler resolved it itself and may re-use its blocks. From now on no receiver's
+        read of it is committed. True if one was withdrawn."""
         with self._lock:
-            acked, failed = self._acked, self._failed
-            self._acked, self._failed = [], {}
-            return acked, failed
+            t = self._latest.get(request_id)
+            if t is None or t.offer.attempt > attempt:
+                return False
+            t.done = True
+            del self._latest[request_id]
+            return True
+
+    def poll(self) -> dict[str, tuple[int, str | None]]:
+        """Answers since the last poll(), without blocking: {request id: (attempt, None when
+        acked else the reason)}."""
+        with self._lock:
+            answers, self._answers = self._answers, {}
+            return answers
 
     def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until a result is ready for poll(); whether one is."""
+        """Block up to ``timeout_s`` until an answer is ready for poll(); whether one is."""
         with self._cond:
-            return self._cond.wait_for(lambda: bool(self._acked or self._failed), timeout_s)
+            return self._cond.wait_for(lambda: bool(self._answers), timeout_s)
 
     def pending(self) -> int:
-        """Transfers submitted and not yet resolved (reported results not counted)."""
+        """Transfers submitted and not yet resolved (reported answers not counted)."""
         with self._lock:
             return len(self._latest)
 
     @property
     def alive(self) -> bool:
-        """The I/O thread runs (False once it died or was closed)."""
         return self._thread.is_alive()
 
     @property
@@ -234,8 +234,7 @@ class KVSender:
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop taking transfers, give unresolved ones up to ``linger_s`` to resolve, then
-        fail the rest ("sender closed") and close the sockets. Results stay readable by
-        poll(). Idempotent, and never raises, also when the I/O thread has already died."""
+        fail the rest ("sender closed") and close the sockets. Idempotent, never raises."""
         with self._lock:
             if self._closing_deadline is None:
                 self._closing_deadline = time.monotonic() + max(0.0, linger_s)
@@ -247,9 +246,7 @@ class KVSender:
         with self._wake_lock:
             if not self._wake.closed:
                 self._wake.close(linger=0)
-                # destroy, not term: a thread that died mid-way may have left its sockets
-                # open, and term() would wait for them forever. The thread is gone, so
-                # closing them from here is safe.
+                # destroy, not term: a thread that died mid-way may have left sockets open.
                 self._ctx.destroy(linger=0)
 
     def __enter__(self) -> KVSender:
@@ -265,53 +262,37 @@ class KVSender:
                 try:
                     self._wake.send(b"", zmq.NOBLOCK)
                 except zmq.ZMQError:
-                    # EAGAIN: the I/O thread's end of the pipe is gone (it ended, or died):
-                    # nobody to wake. Its exit already resolved every transfer.
+                    # The I/O thread's end is gone (it ended): its exit resolved every transfer.
                     pass
 
-    def _report_locked(self, t: _Transfer, failure: str | None) -> None:
-        """Record ``t``'s outcome once, unless a newer transfer of its request superseded it."""
+    def _report_locked(self, t: _Transfer, failure: str | None) -> bool:
+        """Record ``t``'s answer once, unless superseded or cancelled; whether it was."""
         if t.done:
-            return
+            return False
         t.done = True
-        rid = t.rid
-        if self._latest.get(rid) != t.tid:
-            return  # superseded
-        del self._latest[rid]
-        if failure is None:
-            self._acked.append(rid)
-        else:
-            self._failed[rid] = failure
+        rid = t.offer.request_id
+        if self._latest.get(rid) is t:
+            del self._latest[rid]
+        self._answers[rid] = (t.offer.attempt, failure)
         self._cond.notify_all()
+        return True
 
     def _report(self, t: _Transfer, failure: str | None) -> None:
-        nbytes = t.payload.nbytes if t.payload is not None else 0
         with self._lock:
-            current = not t.done and self._latest.get(t.rid) == t.tid
-            self._report_locked(t, failure)
-        self._release(t)
-        if not current:
+            reported = self._report_locked(t, failure)
+        if not reported:
             return
         if failure is not None:
-            logger.warning("KV transfer of request %s failed: %s", t.rid, failure)
+            logger.warning("KV transfer of request %s failed: %s", t.offer.request_id, failure)
         elif self._observe_bytes is not None:
             try:
-                self._observe_bytes(nbytes)
+                self._observe_bytes(t.offer.nbytes)
             except Exception:  # metrics must never break delivery
                 logger.exception("observe_bytes failed")
 
-    @staticmethod
-    def _release(t: _Transfer) -> None:
-        t.payload = None
-        t.data = None
-
-    def _is_current(self, t: _Transfer) -> bool:
-        """Not yet resolved and not superseded; releases the payload of one that is not."""
+    def _current(self, t: _Transfer) -> bool:
         with self._lock:
-            current = not t.done and self._latest.get(t.rid) == t.tid
-        if not current:
-            self._release(t)
-        return current
+            return not t.done
 
     # ------------------------------------------------------------------ the I/O thread
     def _run(self) -> None:
@@ -322,8 +303,7 @@ class KVSender:
                 logger.warning("KV sender: cannot bind the I/O thread to CPUs %s: %s",
                                self.io_cpus, e)
         eps: list[_Endpoint] = []
-        wake = self._ctx.socket(zmq.PAIR)
-        wake.connect(self._wake_addr)
+        wake = self._wake_rx
         self._report_thread(True)
         reason = "sender closed"
         try:
@@ -347,11 +327,8 @@ class KVSender:
             # closed, so close() and the caller's poll() still work.
             with self._lock:
                 self._dead = reason
-                leftovers = list(self._submitted)
+                leftovers = list(self._submitted) + list(self._latest.values())
                 self._submitted.clear()
-            for ep in eps:
-                leftovers.extend(ep.queue)
-                leftovers.extend(ep.in_flight.values())
             for t in leftovers:
                 try:
                     self._report(t, reason)
@@ -376,17 +353,20 @@ class KVSender:
         by_socket = {ep.socket: ep for ep in eps}
         by_monitor = {ep.monitor: ep for ep in eps if ep.monitor is not None}
         while True:
-            # Wait for a reply, a wake-up, a connection able to take a queued send, or the
-            # next deadline, whichever is first.
             poller = zmq.Poller()
             poller.register(wake, zmq.POLLIN)
             for ep in eps:
-                can_send = ep.queue and len(ep.in_flight) < self.max_in_flight
+                can_send = ep.ready and ep.queue and len(ep.in_flight) < self.max_in_flight
                 poller.register(ep.socket, zmq.POLLIN | (zmq.POLLOUT if can_send else 0))
                 if ep.monitor is not None:
                     poller.register(ep.monitor, zmq.POLLIN)
-            timeout_ms = self._next_timeout_ms()
-            events = dict(poller.poll(timeout_ms))
+            reading = self.agent is not None and any(ep.in_flight for ep in eps)
+            events = dict(poller.poll(PROGRESS_MS if reading else self._next_timeout_ms()))
+            if reading or any(not ep.ready and ep.connections for ep in eps):
+                # Reads of this rank's memory may be in flight (or a hello's wire-up): UCX
+                # serves them over TCP only while this agent makes progress.
+                if self.agent is not None:
+                    self.agent.progress()
             if wake in events:
                 while True:
                     try:
@@ -400,69 +380,74 @@ class KVSender:
             for t in new:
                 heapq.heappush(self._deadlines, (t.deadline, t.tid, t))
                 for ep in eps:
-                    ep.queue.append(t)
+                    if ep.refused is not None:
+                        self._report(t, f"stage {ep.stage} refused this sender: {ep.refused}")
+                    else:
+                        ep.queue.append(t)
+            for sock in events:
+                if sock in by_monitor:
+                    self._connection_events(by_monitor[sock])
             for sock, ev in events.items():
                 ep = by_socket.get(sock)
                 if ep is not None and ev & zmq.POLLIN:
                     self._read_replies(ep)
-            for sock in events:
-                if sock in by_monitor:
-                    self._connection_events(by_monitor[sock])
             for ep in eps:
                 self._pump(ep)
             now = time.monotonic()
             self._expire(eps, now)
-            if closing is not None:
-                if now >= closing or not self.pending():
-                    return
+            if closing is not None and (now >= closing or not self.pending()):
+                return
 
     def _next_timeout_ms(self) -> int:
-        # Resolved transfers stay in the heap until their deadline: _expire then frees any
-        # in-flight slot they still hold at an endpoint that never answered.
         heap = self._deadlines
         deadlines = [heap[0][0]] if heap else []
         with self._lock:
             if self._closing_deadline is not None:
                 deadlines.append(self._closing_deadline)
         if not deadlines:
-            return 1000  # nothing timed; a wake-up or reply ends the wait earlier
+            return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
 
     def _pump(self, ep: _Endpoint) -> None:
-        """Send queued transfers while the endpoint is connected and under its in-flight cap."""
-        while ep.queue and len(ep.in_flight) < self.max_in_flight:
+        """Offer queued transfers while the endpoint accepted our hello and is under its cap."""
+        while ep.ready and ep.queue and len(ep.in_flight) < self.max_in_flight:
             t = ep.queue[0]
-            if not self._is_current(t):
-                ep.queue.popleft()  # already failed elsewhere, or superseded
+            if not self._current(t):
+                ep.queue.popleft()  # answered elsewhere, superseded or cancelled
                 continue
+            if not t.sent_at:
+                t.sent_at = time.time()
+            read = ReadRequest(
+                transfer_id=t.tid, agent=self.hello.agent, compat_hash=self.hello.compat_hash,
+                request_id=t.offer.request_id, external_request_id=t.offer.external_request_id,
+                attempt=t.offer.attempt, seq_len=t.offer.seq_len, runs=t.offer.runs,
+                deadline_in_s=max(0.0, t.deadline - time.monotonic()),
+                trace_context=t.offer.trace_context, pipeline=self.hello.pipeline,
+                from_stage=self.hello.from_stage, to_stage=ep.stage, shard=self.hello.shard,
+                num_shards=self.hello.num_shards, sent_at=t.sent_at)
             try:
-                if t.data is None:  # once for all endpoints, on this thread (not the caller's)
-                    t.data = data_view(t.payload.kv)
-                    t.digest = checksum(self.checksum_algo, t.data)
-                header = encode_header(t.payload, transfer_id=t.tid, to_stage=ep.stage,
-                                       digest=t.digest)
-            except Exception as e:  # submit() validated it; a payload changed since, say
-                ep.queue.popleft()
-                self._report(t, f"cannot encode payload: {type(e).__name__}: {e}")
-                continue
-            try:
-                # copy=False: ZeroMQ sends from the array's memory, which the _Transfer (and
-                # the Frame ZeroMQ holds) keeps alive.
-                ep.socket.send_multipart([header, t.data], zmq.NOBLOCK,
-                                         copy=False)
+                ep.socket.send_multipart(encode_read(read), zmq.NOBLOCK)
             except zmq.Again:
                 return  # not connected (ZMQ_IMMEDIATE) or full: POLLOUT tells when to retry
             ep.queue.popleft()
             ep.in_flight[t.tid] = t
-            if t.sent_to is None:
-                t.sent_to = set()
             t.sent_to.add(ep.stage)
 
+    def _send(self, ep: _Endpoint, frames: list[bytes]) -> None:
+        try:
+            ep.socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the connection is gone: the monitor says so next
+            logger.info("KV sender: a message to stage %s was not sent: %s", ep.stage, e)
+
+    def _say_hello(self, ep: _Endpoint) -> None:
+        ep.ready, ep.refused = False, None
+        hello = dataclasses.replace(self.hello, to_stage=ep.stage, conn=ep.connections)
+        self._send(ep, encode_hello(hello))
+
     def _connection_events(self, ep: _Endpoint) -> None:
-        """Follow the endpoint's connection: on a disconnect, whatever was in flight on it
-        is lost with the connection, so those transfers go back to the front of the queue
-        (in send order) for the next connection instead of holding the in-flight window
-        until their deadline."""
+        """Follow the endpoint's connection: a new one starts with our hello; a lost one
+        loses what was in flight on it, which goes back to the front of the queue (in offer
+        order) for the next connection."""
         while True:
             try:
                 event = recv_monitor_message(ep.monitor, zmq.NOBLOCK)
@@ -473,13 +458,17 @@ class KVSender:
                 ep.connections += 1
                 if ep.connections > 1:
                     logger.info("KV sender: reconnected to stage %s at %s", ep.stage, ep.address)
-            elif kind == zmq.EVENT_DISCONNECTED and ep.in_flight:
-                lost = [ep.in_flight.pop(tid) for tid in sorted(ep.in_flight)]
-                resend = [t for t in lost if self._is_current(t)]
-                ep.queue.extendleft(reversed(resend))
-                logger.warning("KV sender: connection to stage %s at %s lost with %d transfers "
-                               "in flight; re-sending them on the next connection", ep.stage,
-                               ep.address, len(resend))
+                self._say_hello(ep)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                ep.ready = False
+                if ep.in_flight:
+                    self._requeue(ep)
+                    logger.warning("KV sender: connection to stage %s at %s lost; re-offering "
+                                   "its transfers on the next connection", ep.stage, ep.address)
+
+    def _requeue(self, ep: _Endpoint) -> None:
+        lost = [ep.in_flight.pop(tid) for tid in sorted(ep.in_flight)]
+        ep.queue.extendleft(reversed([t for t in lost if self._current(t)]))
 
     def _read_replies(self, ep: _Endpoint) -> None:
         while True:
@@ -488,17 +477,70 @@ class KVSender:
             except zmq.Again:
                 return
             reply = decode_reply(raw)
-            t = ep.in_flight.pop(reply.transfer_id, None) if reply else None
+            if reply is None:
+                logger.info("KV sender: ignored a message from stage %s: %r", ep.stage, raw[:200])
+                continue
+            if reply.kind == "hello_ok":
+                if reply.conn == ep.connections:
+                    ep.ready = True
+                continue
+            t = ep.in_flight.get(reply.transfer_id) if reply.transfer_id is not None else None
+            if reply.kind == "read_done":
+                self._fence(ep, t, reply.transfer_id)
+                continue
+            if reply.kind == "rejected" and reply.transfer_id is None:
+                if reply.code == "incompatible" or not ep.ready:
+                    self._refused(ep, f"{reply.code}: {reply.reason}")
+                else:
+                    logger.warning("KV sender: stage %s rejected a message: %s: %s", ep.stage,
+                                   reply.code, reply.reason)
+                continue
             if t is None:
                 # A late answer to a transfer that already timed out, or garbage.
-                logger.info("KV sender: ignored reply from stage %s: %r", ep.stage, raw[:200])
+                logger.info("KV sender: ignored a %s from stage %s for transfer %s", reply.kind,
+                            ep.stage, reply.transfer_id)
                 continue
-            if reply.ok:
+            if reply.kind == "ok":
+                del ep.in_flight[t.tid]
                 t.waiting.discard(ep.stage)
                 if not t.waiting:
                     self._report(t, None)
+            elif reply.code == "unknown_agent":
+                # The receiver forgot this agent (idle, or restarted behind a proxy): say hello
+                # again and offer the transfer anew.
+                del ep.in_flight[t.tid]
+                ep.queue.appendleft(t)
+                self._requeue(ep)
+                self._say_hello(ep)
             else:
+                del ep.in_flight[t.tid]
                 self._report(t, f"stage {ep.stage} rejected: {reply.code}: {reply.reason}")
+
+    def _fence(self, ep: _Endpoint, t: _Transfer | None, tid: int | None) -> None:
+        """Answer a receiver's read_done: commit only a read of a transfer still current and
+        within its deadline (see the module docstring)."""
+        if tid is None:
+            return
+        with self._lock:
+            commit = t is not None and not t.done and time.monotonic() < t.deadline
+        reason = "" if commit else ("the transfer was resolved or withdrawn before the read "
+                                    "was confirmed" if t is None or t.done
+                                    else "the transfer's deadline passed during the read")
+        self._send(ep, encode_verdict(Verdict(self.hello.agent, tid, commit, reason)))
+        if not commit and t is not None:
+            ep.in_flight.pop(tid, None)
+
+    def _refused(self, ep: _Endpoint, why: str) -> None:
+        """The receiver refused this rank's hello: nothing can be sent there until a new
+        connection's hello is accepted."""
+        ep.ready, ep.refused = False, why
+        logger.error("KV sender: stage %s at %s refused this sender: %s", ep.stage, ep.address,
+                     why)
+        failed = list(ep.queue) + list(ep.in_flight.values())
+        ep.queue.clear()
+        ep.in_flight.clear()
+        for t in failed:
+            self._report(t, f"stage {ep.stage} refused this sender: {why}")
 
     def _expire(self, eps: list[_Endpoint], now: float) -> None:
         """Fail every transfer past its deadline, naming the first endpoint it waits for."""
@@ -506,8 +548,7 @@ class KVSender:
         expired: list[tuple[_Transfer, str | None]] = []
         while heap and heap[0][0] <= now:
             t = heapq.heappop(heap)[2]
-            # Reasons first, from the endpoints' state before any slot is freed below.
-            expired.append((t, self._timeout_reason(t, eps) if self._is_current(t) else None))
+            expired.append((t, self._timeout_reason(t, eps) if self._current(t) else None))
         for t, why in expired:
             for ep in eps:  # frees its in-flight slots; queued copies are skipped by _pump
                 ep.in_flight.pop(t.tid, None)
@@ -516,7 +557,7 @@ class KVSender:
 
     def _timeout_reason(self, t: _Transfer, eps: list[_Endpoint]) -> str:
         ep = next(e for e in eps if e.stage in t.waiting)
-        if t.sent_to is not None and ep.stage in t.sent_to:
+        if ep.stage in t.sent_to:
             return f"no ack from stage {ep.stage} at {ep.address} within {t.timeout:g}s"
         if len(ep.in_flight) >= self.max_in_flight:
             return (f"still queued for stage {ep.stage} behind {len(ep.in_flight)} unacked "

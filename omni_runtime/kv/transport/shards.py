@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_runtime.kv.transport.wire import HEAD_AXIS, KVPayload
+from omni_runtime.kv.transport.payload import HEAD_AXIS, KVPayload
 
 
 def assembly_key(shard: KVPayload) -> tuple[str, int, int]:

@@ -1,0 +1,73 @@
+"""From blocks as the AR's cache holds them to the payload ``[layers, 2, H, seq_len, D]``.
+
+The receiver reads a transfer's blocks as they are (NIXL moves bytes, it does not reorder
+them) into a staging slot: per layer, the transfer's blocks one after another. This module
+turns a staged chunk of layers into its slice of the payload, with the block format the AR
+announced in its hello (:class:`~.protocol.BlockFormat`): for an affine format (every layout
+vLLM 0.32 writes) one strided copy per K and V per chunk (plus one for a partial last block),
+else one gather through the element index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omni_runtime.kv.transport.protocol import Affine, BlockFormat
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def payload_view(kv: np.ndarray, dtype: str) -> torch.Tensor:
+    """A torch view of a payload array (bfloat16 is carried as uint16 bits)."""
+    t = torch.from_numpy(kv)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def assemble_chunk(staged: torch.Tensor, fmt: BlockFormat, num_layers: int, num_blocks: int,
+                   tokens: int, out: torch.Tensor) -> None:
+    """``staged``: bytes of ``num_layers`` layers x ``planes`` x ``num_blocks`` blocks, in
+    that order (a uint8 tensor on the staging device); ``out``: the payload's slice for them,
+    ``[num_layers, 2, H, tokens, D]`` (``tokens <= num_blocks * block_size``), any device."""
+    dtype = TORCH_DTYPES[fmt.dtype]
+    flat = staged[: num_layers * fmt.planes * num_blocks * fmt.block_bytes].view(dtype)
+    target = out if out.device == flat.device else torch.empty(
+        out.shape, dtype=out.dtype, device=flat.device)
+    for kv, (affine, index) in enumerate(((fmt.k, fmt.k_index), (fmt.v, fmt.v_index))):
+        dst = target[:, kv]
+        if affine is not None:
+            _copy_affine(flat, affine, fmt, num_layers, num_blocks, tokens, dst)
+        else:
+            _gather(flat, index, fmt, num_layers, num_blocks, tokens, dst)
+    if target is not out:
+        out.copy_(target, non_blocking=False)
+
+
+def _copy_affine(flat: torch.Tensor, a: Affine, fmt: BlockFormat, layers: int, blocks: int,
+                 tokens: int, dst: torch.Tensor) -> None:
+    H, B, D, numel = fmt.num_kv_heads, fmt.block_size, fmt.head_size, fmt.block_numel
+    plane_numel = blocks * numel
+    layer_stride = fmt.planes * plane_numel
+    # as_strided counts from the storage's start, not the view's.
+    origin = flat.storage_offset() + a.plane * plane_numel + a.offset
+    full, rest = divmod(tokens, B)
+    if full:
+        src = flat.as_strided((layers, H, full, B, D),
+                              (layer_stride, a.head, numel, a.token, a.dim), origin)
+        dst[:, :, : full * B].view(layers, H, full, B, D).copy_(src)
+    if rest:
+        src = flat.as_strided((layers, H, rest, D), (layer_stride, a.head, a.token, a.dim),
+                              origin + full * numel)
+        dst[:, :, full * B: tokens].copy_(src)
+
+
+def _gather(flat: torch.Tensor, index: tuple[int, ...], fmt: BlockFormat, layers: int,
+            blocks: int, tokens: int, dst: torch.Tensor) -> None:
+    H, B, D, numel = fmt.num_kv_heads, fmt.block_size, fmt.head_size, fmt.block_numel
+    index = torch.tensor(index, dtype=torch.int64, device=flat.device).view(H, B, D)
+    plane, inner = index // numel, index % numel
+    t = torch.arange(tokens, device=flat.device)
+    offsets = (plane[:, t % B, :] * (blocks * numel) + inner[:, t % B, :]
+               + (t // B).view(1, tokens, 1) * numel).reshape(-1)
+    per_layer = flat.view(layers, fmt.planes * blocks * numel)
+    dst.copy_(per_layer.index_select(1, offsets).view(layers, H, tokens, D))

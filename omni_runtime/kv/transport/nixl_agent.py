@@ -1,0 +1,142 @@
+"""A NIXL agent, as the KV data plane uses it: register memory once, read remote blocks.
+
+NIXL (PyPI ``nixl``; the CUDA-variant wheels ``nixl-cu12``/``nixl-cu13`` carry the binaries)
+is the transfer engine vLLM's NixlConnector, Dynamo and llm-d move KV with, over UCX: NVLink
+(``cuda_ipc``) within a node, RDMA across nodes, ``cma`` (one process reading another's
+memory) or TCP on CPUs. This module is the only one that imports it.
+
+The agent runs without NIXL's progress thread: that thread polls without pause (measured: a
+whole core while idle). The side that initiates a transfer progresses it by polling its
+state; the side whose memory is read needs progress only on transports that emulate remote
+reads in software (UCX's TCP): the AR's control thread calls :meth:`KVAgent.progress` while
+reads may be in flight (omni_runtime/kv/transport/sender.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Transfer states as NIXL names them.
+DONE, IN_PROGRESS, ERROR = "DONE", "PROC", "ERR"
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL cannot be loaded or set up here; the message says what to install or fix."""
+
+
+def _nixl_api() -> Any:
+    try:
+        from nixl import _api  # the meta package: picks nixl_cu13 / nixl_cu12 / nixl_rocm
+    except ImportError as exc:
+        raise NixlUnavailable(
+            f"NIXL is not installed ({exc}): install the `nixl` package with the wheel for "
+            "this machine's CUDA (`nixl-cu12` or `nixl-cu13`; on a CPU-only host "
+            "`pip install --no-deps nixl nixl-cu12`, which keeps the CPU torch)"
+        ) from None
+    return _api
+
+
+class KVAgent:
+    """One NIXL agent with the UCX backend. ``name`` must be unique among the agents that
+    talk to each other: a restarted process is a new agent (a stale name is never reused)."""
+
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+        api = _nixl_api()
+        try:
+            self._agent = api.nixl_agent(
+                name, api.nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+        except Exception as exc:
+            raise NixlUnavailable(f"cannot create the NIXL agent {name!r} with backends "
+                                  f"{list(backends)}: {type(exc).__name__}: {exc}") from None
+        if not self._agent.backends:
+            raise NixlUnavailable(
+                f"NIXL agent {name!r} has none of the backends {list(backends)} (plugins "
+                f"found: {self._agent.get_plugin_list()}): is UCX's plugin in the wheel?")
+        self.name = name
+        self._registrations: list[Any] = []
+
+    # ------------------------------------------------------------------ memory
+    def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str) -> None:
+        """Register ``(addr, length, device)`` regions of ``mem_type`` ("DRAM" or "VRAM")
+        with every backend; raises NixlUnavailable naming the cause."""
+        try:
+            descs = self._agent.get_reg_descs(
+                np.array([[a, n, d] for a, n, d in regions], dtype=np.uint64), mem_type)
+            self._agent.register_memory(descs)
+        except Exception as exc:
+            total = sum(n for _, n, _ in regions)
+            raise NixlUnavailable(
+                f"registering {len(regions)} {mem_type} regions ({total} bytes) with NIXL "
+                f"failed: {type(exc).__name__}: {exc}") from None
+        self._registrations.append(descs)
+
+    def metadata(self) -> bytes:
+        """What a peer needs to read this agent's registered memory (add_remote)."""
+        return self._agent.get_agent_metadata()
+
+    # ------------------------------------------------------------------ peers
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; its agent name."""
+        name = self._agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # already gone, or never loaded: nothing to free
+            logger.debug("NIXL: removing remote agent %s: %s", name, exc)
+
+    # ------------------------------------------------------------------ transfers
+    def read(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str,
+             remote_agent: str) -> Any:
+        """Post a READ of the ``remote`` descriptors (Nx3 ``[addr, length, device]``) of
+        ``remote_agent`` into the ``local`` ones (same lengths, pairwise). Returns a handle
+        for :meth:`state` / :meth:`release`; raises on a request NIXL refuses (memory not
+        registered, peer disconnected)."""
+        agent = self._agent
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
+                                       agent.get_xfer_descs(remote, remote_mem), remote_agent)
+        try:
+            if agent.transfer(handle) == ERROR:
+                raise RuntimeError("NIXL refused to post the READ")
+        except BaseException:
+            self.release(handle)
+            raise
+        return handle
+
+    def state(self, handle: Any) -> str:
+        """DONE, PROC or ERR (polling also progresses the transfer)."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as exc:  # a peer that disconnected mid-transfer
+            logger.debug("NIXL: transfer state: %s", exc)
+            return ERROR
+
+    def release(self, handle: Any) -> bool:
+        """Release a transfer handle; False when NIXL refuses (the memory it targets must
+        then stay untouched: the backend may still write it)."""
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            logger.warning("NIXL: releasing a transfer handle failed: %s", exc)
+            return False
+        return True
+
+    def progress(self) -> None:
+        """Drive the backends once (UCX's TCP transport serves remote reads only when the
+        owner of the memory makes progress)."""
+        self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        for descs in self._registrations:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception as exc:
+                logger.debug("NIXL: deregistering: %s", exc)
+        self._registrations.clear()

@@ -1,0 +1,271 @@
+"""The omni KV connector's worker half, in each worker process (one per tensor-parallel rank).
+
+At start-up (:meth:`OmniKVConnectorWorker.register_kv_caches`) it learns the cache's block
+format from the attention backend (kv/layout.py), creates this rank's NIXL agent, registers
+the KV cache with it once, and starts the rank's :class:`~omni_runtime.kv.transport.KVSender`,
+which says hello to every downstream stage (the agent's metadata, the regions, the block
+format, the compatibility hash). Any failure here refuses the engine's start, naming the
+cause.
+
+Per step (:meth:`bind`): each transfer handed off is offered to the receivers (its blocks as
+runs of consecutive ids; nothing is copied: the receivers read the blocks in place), and each
+transfer the scheduler withdrew is withdrawn from the sender's fence. The step itself does no
+KV work. :meth:`poll` reports the sender's answers per attempt.
+
+Tensor parallelism: each rank's cache holds its own KV heads; the receivers read each rank's
+shard from that rank's agent and assemble the payload.
+
+The block guarantee at a distance: a receiver reads a transfer's blocks between the hand-off
+and the fence's verdict; the scheduler frees them only after this rank's answer, at its own
+deadline (after the sender's), or after withdrawing the transfer, which reaches this rank at
+the start of the next step, before anything writes the freed blocks; the sender commits a
+read only while the transfer is current (kv/transport/sender.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Any
+
+import torch
+
+from omni_runtime.kv.cpu_affinity import transport_cpus
+from omni_runtime.kv.layout import UnsupportedKVCache, probe_block_format
+from omni_runtime.kv.metadata import OmniKVConnectorMetadata
+from omni_runtime.kv.transport.payload import vllm_external_request_id
+from omni_runtime.kv.transport.protocol import Compat, Hello, Region
+from omni_runtime.sched.handoff import Answer, HandOff
+from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
+
+logger = logging.getLogger(__name__)
+
+#: How long a step with nothing scheduled (transfers in flight) waits for an answer: the engine
+#: loop does not spin, and a request arriving meanwhile waits at most this long.
+IDLE_WAIT_S = 0.005
+
+
+class OmniKVConnectorWorker:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        extra = extra_config(vllm_config)
+        self._endpoints = dict(extra.get("endpoints") or {})
+        if not self._endpoints:
+            raise UnsupportedKVCache(
+                "the omni KV connector has no downstream endpoint: set "
+                "kv_transfer_config.kv_connector_extra_config.endpoints ({stage: address})")
+        self._pipeline = str(extra.get("pipeline", ""))
+        self._io_cpus = transport_cpus(extra.get("io_cpus"))
+        self.shard, self.num_shards = tensor_parallel_shard(vllm_config)
+        self._kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
+        self._randomized_ids = not _ids_not_randomized()
+        self._sender = None
+        self._agent = None
+        self._entry_bytes = 0  # payload bytes per token (every layer's K and V of this shard)
+        self._block_size = 0
+        self._local: dict[str, Answer] = {}  # answers made here, without the sender
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from omni_runtime.kv.transport import KVSender
+        from omni_runtime.kv.transport.nixl_agent import KVAgent
+        from omni_runtime.observability.metrics import transfer_bytes_observer
+        from omni_runtime.observability.transport_metrics import thread_up_setter
+
+        vllm_config = self._vllm_config
+        caches = [t for _, t in sorted(kv_caches.items(),
+                                       key=lambda item: extract_layer_index(item[0]))]
+        if not caches:
+            raise UnsupportedKVCache("no KV cache tensors were registered")
+        if getattr(vllm_config.cache_config, "cache_dtype", "auto") not in ("auto", None):
+            raise UnsupportedKVCache("quantized KV caches cannot be transferred: set "
+                                     "cache_dtype to auto or kvTransfer.send to false")
+        model_config = vllm_config.model_config
+        block_size = vllm_config.cache_config.block_size
+        fmt = probe_block_format(
+            _attention_layer(vllm_config), caches[0], self._num_blocks(caches[0]), block_size,
+            model_config.get_num_kv_heads(vllm_config.parallel_config),
+            model_config.get_head_size())
+        self._block_size = block_size
+        self._entry_bytes = len(caches) * 2 * fmt.num_kv_heads * fmt.head_size * fmt.itemsize
+        device = caches[0].device
+        mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        device_id = device.index or 0
+        regions = []
+        for cache in caches:
+            plane_bytes = cache.numel() * cache.element_size() // fmt.planes
+            regions.extend(Region(cache.data_ptr() + p * plane_bytes, plane_bytes, device_id)
+                           for p in range(fmt.planes))
+        name = (f"{self._pipeline or 'omni'}.{self._kv_cfg.stage_name}.tp{self.shard}."
+                f"{uuid.uuid4().hex[:12]}")
+        # Created from a thread on the transport's CPUs: threads UCX starts inherit them.
+        self._agent = _on_cpus(self._io_cpus, lambda: KVAgent(name))
+        # One registration per underlying allocation (layers may be views of one).
+        storages: dict[int, tuple[int, int, int]] = {}
+        for cache in caches:
+            storage = cache.untyped_storage()
+            storages[storage.data_ptr()] = (storage.data_ptr(), storage.nbytes(), device_id)
+        self._agent.register(list(storages.values()), mem_type)
+        compat = Compat(
+            model=str(model_config.served_model_name or model_config.model),
+            dtype=fmt.dtype, num_layers=len(caches),
+            num_kv_heads=model_config.get_total_num_kv_heads(),
+            head_size=fmt.head_size, block_size=block_size, layout=fmt.digest())
+        hello = Hello(
+            agent=name, conn=0, pipeline=self._pipeline, from_stage=self._kv_cfg.stage_name,
+            to_stage="", shard=self.shard, num_shards=self.num_shards, mem_type=mem_type,
+            compat=compat, compat_hash=compat.hash(), block_format=fmt,
+            regions=tuple(regions), metadata=self._agent.metadata())
+        stage = self._kv_cfg.stage_name
+        model_name = model_config.served_model_name or model_config.model
+        self._sender = KVSender(
+            {s: _zmq_address(a) for s, a in self._endpoints.items()}, hello=hello,
+            agent=self._agent, send_timeout_s=max(0.1, 0.95 * self._kv_cfg.timeout_seconds),
+            observe_bytes=transfer_bytes_observer(stage=stage, model_name=model_name),
+            # omni_kv_transport_thread_up{thread="sender"}: the AR supervisor's health check.
+            on_thread_state=thread_up_setter(stage=stage, model_name=model_name,
+                                             thread="sender"),
+            # Off the engine's OpenMP cores: a core the transport takes from OpenMP stalls
+            # every parallel region of every step (docs/connector.md).
+            io_cpus=self._io_cpus)
+        logger.info("omni KV connector: NIXL agent %s registered %d %s layer caches (%d "
+                    "planes, block format %s), offering to %s", name, len(caches), mem_type,
+                    fmt.planes, fmt.digest(), sorted(self._endpoints))
+
+    def _num_blocks(self, cache: torch.Tensor) -> int:
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        if num_blocks:
+            return int(num_blocks)
+        return int(self._vllm_config.cache_config.num_gpu_blocks or cache.shape[0])
+
+    # ------------------------------------------------------------------ a step
+    def bind(self, meta: OmniKVConnectorMetadata) -> None:
+        sender = self._sender
+        for rid, attempt in meta.withdrawn.items():
+            sender.cancel(rid, attempt)
+        for hand_off in meta.hand_offs:
+            self._offer(hand_off)
+
+    def _offer(self, h: HandOff) -> None:
+        from omni_runtime.kv.transport import Offer
+
+        needed = -(-h.seq_len // self._block_size)
+        if h.seq_len <= 0 or len(h.block_ids) < needed:
+            self._answer(h, f"extraction failed: seq_len {h.seq_len} needs {needed} blocks of "
+                            f"{self._block_size} tokens, the hand-off names {len(h.block_ids)}")
+            return
+        if h.deadline_in_s <= 0.0:
+            # The scheduler's deadline has already passed: offering it would only keep
+            # receivers busy with a transfer the scheduler expires on its next step.
+            self._answer(h, "deadline passed before the send started")
+            return
+        self._sender.submit(
+            Offer(request_id=h.request_id, attempt=h.attempt, seq_len=h.seq_len,
+                  runs=block_runs(h.block_ids[:needed]),
+                  nbytes=h.seq_len * self._entry_bytes,
+                  external_request_id=vllm_external_request_id(
+                      h.request_id, randomized=self._randomized_ids),
+                  trace_context=dict(h.trace_headers) if h.trace_headers else None),
+            # Give up just before the scheduler would expire it, so the failure (with its
+            # reason) reaches the scheduler first.
+            timeout_s=max(0.05, 0.95 * h.deadline_in_s))
+
+    def _answer(self, h: HandOff, reason: str) -> None:
+        with self._lock:
+            self._local[h.request_id] = Answer(h.attempt, reason)
+
+    def idle_wait(self) -> None:
+        if self._sender is not None and self._sender.pending():
+            self._sender.wait(IDLE_WAIT_S)
+
+    def poll(self) -> dict[str, Answer]:
+        with self._lock:
+            answers, self._local = self._local, {}
+        if self._sender is not None:
+            for rid, (attempt, reason) in self._sender.poll().items():
+                answers[rid] = Answer(attempt, reason)
+        return answers
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            try:
+                self._sender.close(linger_s=1.0)
+            except Exception:  # never block vLLM's own shutdown
+                logger.exception("closing the KV sender failed")
+        if self._agent is not None:
+            self._agent.close()
+
+
+def block_runs(block_ids: Any) -> tuple[tuple[int, int], ...]:
+    """``block_ids`` as runs of consecutive ids: ((first, count), ...)."""
+    runs: list[list[int]] = []
+    for b in block_ids:
+        b = int(b)
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return tuple((first, count) for first, count in runs)
+
+
+def _on_cpus(cpus: Any, make: Any) -> Any:
+    """``make()`` run on a short-lived thread bound to ``cpus`` (None: here)."""
+    if not cpus:
+        return make()
+    import os
+
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            os.sched_setaffinity(0, cpus)
+            result["value"] = make()
+        except BaseException as exc:  # re-raised on the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="omni-kv-setup")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _zmq_address(endpoint: str) -> str:
+    return endpoint if "://" in endpoint else f"tcp://{endpoint}"
+
+
+def _ids_not_randomized() -> bool:
+    """vLLM keeps the client's request id as its internal id (no random suffix)."""
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+
+
+def extra_config(vllm_config: Any) -> dict[str, Any]:
+    return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+
+
+def tensor_parallel_shard(vllm_config: Any) -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the world size): its KV-head shard."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), tp
+
+
+def _attention_layer(vllm_config: Any) -> Any:
+    """An attention layer of the model: its backend writes the cache the probe decodes (one KV
+    cache group, so all layers share the backend and the layout)."""
+    forward_context = vllm_config.compilation_config.static_forward_context
+    for layer in forward_context.values():
+        if hasattr(getattr(layer, "impl", None), "do_kv_cache_update"):
+            return layer
+    raise UnsupportedKVCache("no attention layer with a KV cache write to probe")

@@ -1,0 +1,56 @@
+"""The contract between the omni scheduler and the omni KV connector, typed.
+
+The scheduler decides *when* a transfer goes (the ledger); the connector decides *how*. Per
+step, the scheduler hands the connector's scheduler half the transfers it handed off
+(:class:`HandOff`), and withdraws the handed-off transfers it resolved itself (expiry, reset,
+shutdown); the workers answer each transfer per attempt (:class:`Answer`). No vLLM here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from omni_runtime.transfers.ledger import Transfer
+
+
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """One transfer handed to the connector in a step."""
+
+    request_id: str
+    #: Unique per ledger: what the answer names (a late answer to an earlier attempt of the
+    #: same request resolves nothing).
+    attempt: int
+    seq_len: int
+    #: The blocks holding tokens [0, seq_len), in order: ceil(seq_len / block_size) of them.
+    block_ids: tuple[int, ...]
+    #: Time left before the scheduler expires it: the connector gives up before that, so its
+    #: failure (with a reason) arrives first.
+    deadline_in_s: float
+    #: The request's W3C trace headers, so the receiving stage's span joins its trace.
+    trace_headers: Mapping[str, str] | None = None
+
+    @classmethod
+    def of(cls, transfer: Transfer) -> HandOff:
+        return cls(
+            request_id=transfer.request_id,
+            attempt=transfer.attempt,
+            seq_len=transfer.seq_len,
+            block_ids=tuple(transfer.block_ids),
+            deadline_in_s=max(0.0, transfer.deadline - transfer.handed_off_at),
+            trace_headers=dict(transfer.trace_headers) if transfer.trace_headers else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A worker's answer about one attempt of a transfer: delivered (``reason`` None) or
+    failed with the reason."""
+
+    attempt: int
+    reason: str | None = None
+
+    @property
+    def acked(self) -> bool:
+        return self.reason is None

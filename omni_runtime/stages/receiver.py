@@ -13,7 +13,9 @@ HTTP (the stage's ``http`` port):
     waiting up to ``wait`` seconds for it to arrive; 404 if it does not. It stays in the
     inbox (the inbox's TTL bounds its life), so several readers may fetch it.
 
-KV (the stage's ``kv`` port): the connector's ZeroMQ receiver (docs/connector.md).
+KV (the stage's ``kv`` port): the control channel of the KV receiver, which reads each
+transfer's blocks with NIXL straight out of the AR's KV cache (docs/connector.md). It
+expects the pipeline's model: an AR stage of another model is refused at its hello.
 A real generation stage (a diffusion model or a talker) reads the inbox in-process with
 ``KVInbox.get``; this stage is what the CPU demo and the tests run.
 """
@@ -50,6 +52,7 @@ class ReceiverStage:
             pipeline=config.pipeline,
             stage=config.stage,
             metrics=ReceiverMetrics(stage=config.stage, model_name=config.model_name),
+            expect={"model": config.model_name},
         )
         self._stopping = threading.Event()
         self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())
@@ -58,6 +61,8 @@ class ReceiverStage:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._begin_stop())
+        # Sets up NIXL (its agent, the registered staging memory) before serving: a stage
+        # whose memory cannot be registered refuses to start, naming the cause.
         self.receiver.start()
         logger.info(
             "stage %s/%s: receiving KV on %s, HTTP on %s:%d",

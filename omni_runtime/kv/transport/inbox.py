@@ -37,6 +37,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from omni_runtime.kv.transport.observer import ReceiverObserver
 from omni_runtime.kv.transport.shards import ShardAssembly, assembled_nbytes, assembly_key
 from omni_runtime.kv.transport.payload import KVPayload
@@ -80,6 +82,7 @@ class KVInbox:
         self._bytes = 0
         self._cond = threading.Condition(threading.Lock())
         self._metrics: ReceiverObserver | None = None
+        self._allocate = np.empty  # assembled shards' arrays (the receiver binds its pool)
 
     def bind_metrics(self, metrics: ReceiverObserver | None) -> None:
         """Report size gauges, evictions and get() wait times to ``metrics`` (the receiver
@@ -87,6 +90,10 @@ class KVInbox:
         with self._cond:
             self._metrics = metrics
             self._update_gauges()
+
+    def bind_allocator(self, allocate) -> None:
+        """Where assembled payloads' arrays come from: ``allocate(shape, dtype)``."""
+        self._allocate = allocate
 
     # ------------------------------------------------------------------ producer side
     def put(self, payload: KVPayload) -> None:
@@ -142,7 +149,7 @@ class KVInbox:
                     raise InboxFull(
                         f"{nbytes} bytes (shard {shard.shard} of {shard.num_shards}) do not "
                         f"fit: {self._bytes} of {self.max_bytes} bytes used")
-                assembly = self._assemblies[key] = ShardAssembly(shard, now)
+                assembly = self._assemblies[key] = ShardAssembly(shard, now, self._allocate)
                 self._bytes += assembly.nbytes
             elif (problem := assembly.mismatch(shard)) is not None:
                 raise Rejected("shard_mismatch", problem)
@@ -164,6 +171,21 @@ class KVInbox:
         if self._metrics is not None:
             self._metrics.evicted(eviction)
         self._update_gauges()
+
+    def has_room(self, request_id: str, attempt: int, num_shards: int, nbytes: int) -> bool:
+        """Whether a payload of ``nbytes`` (one shard's, when ``num_shards`` > 1) would fit
+        now, as put() decides: a shard of a transfer whose assembly started fits in the room
+        that assembly reserved; a whole payload may use the bytes of the stored payload of
+        the same request it would replace. The receiver asks before it reads (put() stays
+        the authority: it refuses with InboxFull)."""
+        with self._cond:
+            if num_shards > 1:
+                if (request_id, attempt, num_shards) in self._assemblies:
+                    return True
+                return self._bytes + nbytes * num_shards <= self.max_bytes
+            old = self._entries.get(request_id)
+            freed = old.nbytes if old is not None else 0
+            return self._bytes - freed + nbytes <= self.max_bytes
 
     def expire(self) -> int:
         """Evict payloads older than the TTL now; the number evicted."""

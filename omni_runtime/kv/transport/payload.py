@@ -153,3 +153,4 @@ def vllm_external_request_id(request_id: str, *, randomized: bool = True) -> str
         return request_id
     base, sep, suffix = request_id.rpartition("-")
     return base if sep and base and len(suffix) == 8 else request_id
+

@@ -43,6 +43,7 @@ from omni_runtime.kv.transport.assemble import assemble_chunk, payload_view
 from omni_runtime.kv.transport.inbox import InboxFull, KVInbox
 from omni_runtime.kv.transport.nixl_agent import DONE, ERROR, KVAgent
 from omni_runtime.kv.transport.observer import NullReceiverObserver, ReceiverObserver
+from omni_runtime.kv.transport.memory import PayloadPool
 from omni_runtime.kv.transport.payload import DTYPES, KVPayload
 from omni_runtime.kv.transport.protocol import (
     Hello,
@@ -160,6 +161,9 @@ class KVReceiver:
         self.agent_idle_ttl_s = agent_idle_ttl_s
         self.metrics = metrics if metrics is not None else NullReceiverObserver()
         self.inbox.bind_metrics(self.metrics)
+        #: Payload memory, re-used once consumers drop what they took (memory.py).
+        self.pool = PayloadPool(max_bytes=self.inbox.max_bytes)
+        self.inbox.bind_allocator(self.pool.empty)
         # A no-op tracer unless a tracer provider is installed globally (or one is passed).
         self._tracer = tracer if tracer is not None else trace.get_tracer(INSTRUMENTATION_NAME)
         self._ctx = zmq.Context(io_threads=1)
@@ -386,6 +390,14 @@ class KVReceiver:
             except Exception as e:
                 raise Rejected("malformed", f"NIXL refused the agent metadata of "
                                             f"{hello.agent}: {type(e).__name__}: {e}") from None
+            if name != hello.agent:
+                # Peers are kept by the hello's name, NIXL's remote agents by the metadata's:
+                # two peers on one remote agent would share it, and forgetting one (idle, or
+                # to make room) would unload the other's, whose reads would then all fail.
+                if all(p.remote_name != name for p in self._peers.values()):
+                    self._agent.remove_remote(name)
+                raise Rejected("malformed", f"the agent metadata of {hello.agent} is agent "
+                                            f"{name}'s")
             regions = np.array([[r.addr, r.length, r.device] for r in hello.regions],
                                dtype=np.uint64)
             peer = _Peer(hello, name, regions,
@@ -468,18 +480,24 @@ class KVReceiver:
             if nbytes > self.max_payload_bytes:
                 raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_payload_bytes}",
                                **ids)
-            if self.inbox.bytes + nbytes * max(1, req.num_shards) > self.inbox.max_bytes:
+            # Counting the room this transfer already holds there (its first shards'
+            # reservation, or the stored payload a resend replaces): a shard or a resend that
+            # put() would store must not be refused here.
+            if not self.inbox.has_room(req.request_id, req.attempt, req.num_shards, nbytes):
                 raise Rejected("inbox_full", f"{nbytes} bytes do not fit: {self.inbox.bytes} "
                                              f"of {self.inbox.max_bytes} bytes used", **ids)
             if req.deadline_in_s <= 0:
                 raise Rejected("deadline", "the transfer's time ran out before it arrived",
                                **ids)
+            # Inside the try: a block larger than a staging slot is refused here, and the
+            # refusal ends the receive span with it (outside, the span never ended).
+            chunks = self._plan(hello, needed)
         except Rejected as r:
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
                          span)
             return
         job = _Read(identity, req, peer, time.monotonic() + req.deadline_in_s, received, span,
-                    self._plan(hello, needed))
+                    chunks)
         peer.jobs += 1
         self._reads[job.key] = job
         self._queue.append(job)
@@ -576,7 +594,7 @@ class KVReceiver:
             job.phase = "reading"
             job.started = time.monotonic()
             try:
-                job.kv = np.empty(self._shape(job), dtype=DTYPES[job.peer.hello.block_format.dtype])
+                job.kv = self.pool.empty(self._shape(job), DTYPES[job.peer.hello.block_format.dtype])
             except MemoryError as e:
                 self._fail(router, job, "inbox_full", f"cannot allocate the payload: {e}")
                 continue

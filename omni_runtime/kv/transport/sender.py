@@ -66,7 +66,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: While reads of this rank's memory may be in flight, the I/O thread wakes this often to
 #: progress the NIXL agent.
-PROGRESS_MS = 1
+PROGRESS_MS = 2
 #: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -352,14 +352,22 @@ class KVSender:
     def _loop(self, wake: zmq.Socket, eps: list[_Endpoint]) -> None:
         by_socket = {ep.socket: ep for ep in eps}
         by_monitor = {ep.monitor: ep for ep in eps if ep.monitor is not None}
+        # One poller for the thread's life; only an endpoint's POLLOUT interest changes.
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        interest: dict[zmq.Socket, int] = {}
+        for ep in eps:
+            poller.register(ep.socket, zmq.POLLIN)
+            interest[ep.socket] = zmq.POLLIN
+            if ep.monitor is not None:
+                poller.register(ep.monitor, zmq.POLLIN)
         while True:
-            poller = zmq.Poller()
-            poller.register(wake, zmq.POLLIN)
             for ep in eps:
                 can_send = ep.ready and ep.queue and len(ep.in_flight) < self.max_in_flight
-                poller.register(ep.socket, zmq.POLLIN | (zmq.POLLOUT if can_send else 0))
-                if ep.monitor is not None:
-                    poller.register(ep.monitor, zmq.POLLIN)
+                flags = zmq.POLLIN | (zmq.POLLOUT if can_send else 0)
+                if interest[ep.socket] != flags:
+                    poller.modify(ep.socket, flags)
+                    interest[ep.socket] = flags
             reading = self.agent is not None and any(ep.in_flight for ep in eps)
             events = dict(poller.poll(PROGRESS_MS if reading else self._next_timeout_ms()))
             if reading or any(not ep.ready and ep.connections for ep in eps):
@@ -373,17 +381,17 @@ class KVSender:
                         wake.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-            with self._lock:
-                new = list(self._submitted)
-                self._submitted.clear()
-                closing = self._closing_deadline
-            for t in new:
-                heapq.heappush(self._deadlines, (t.deadline, t.tid, t))
-                for ep in eps:
-                    if ep.refused is not None:
-                        self._report(t, f"stage {ep.stage} refused this sender: {ep.refused}")
-                    else:
-                        ep.queue.append(t)
+                with self._lock:
+                    new = list(self._submitted)
+                    self._submitted.clear()
+                for t in new:
+                    heapq.heappush(self._deadlines, (t.deadline, t.tid, t))
+                    for ep in eps:
+                        if ep.refused is not None:
+                            self._report(t, f"stage {ep.stage} refused this sender: "
+                                            f"{ep.refused}")
+                        else:
+                            ep.queue.append(t)
             for sock in events:
                 if sock in by_monitor:
                     self._connection_events(by_monitor[sock])
@@ -392,9 +400,13 @@ class KVSender:
                 if ep is not None and ev & zmq.POLLIN:
                     self._read_replies(ep)
             for ep in eps:
-                self._pump(ep)
+                if ep.queue:
+                    self._pump(ep)
             now = time.monotonic()
-            self._expire(eps, now)
+            if self._deadlines and self._deadlines[0][0] <= now:
+                self._expire(eps, now)
+            with self._lock:
+                closing = self._closing_deadline
             if closing is not None and (now >= closing or not self.pending()):
                 return
 

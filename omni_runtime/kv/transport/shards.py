@@ -40,13 +40,13 @@ def assembled_nbytes(shard: KVPayload) -> int:
 class ShardAssembly:
     """One transfer's shards arriving: the assembled array, filled slice by slice."""
 
-    def __init__(self, first: KVPayload, started_at: float) -> None:
+    def __init__(self, first: KVPayload, started_at: float, allocate=np.empty) -> None:
         self.key = assembly_key(first)
         self.num_shards = first.num_shards
         self.shard_shape = tuple(first.kv.shape)
         shape = list(self.shard_shape)
         shape[HEAD_AXIS] *= self.num_shards
-        self.kv = np.empty(shape, dtype=first.kv.dtype)
+        self.kv = allocate(tuple(shape), first.kv.dtype)
         self.nbytes = int(self.kv.nbytes)
         self.started_at = started_at  # the inbox clock: partial assemblies expire too
         self.received: set[int] = set()

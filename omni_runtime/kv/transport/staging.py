@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_runtime.kv.transport.nixl_agent import KVAgent
+from omni_runtime.kv.transport.memory import empty_huge
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,17 @@ class StagingPool:
         self.slot_bytes = slot_bytes - slot_bytes % ALIGN
         self.device = torch.device(device)
         self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
-        self._memory = torch.empty(self.slot_bytes * slots + ALIGN, dtype=torch.uint8,
-                                   device=self.device)
+        if self.device.type == "cpu":
+            # Host memory on huge pages where the kernel offers them (fewer pages for UCX to
+            # map per read), faulted in now rather than during the first reads.
+            self._mapping = empty_huge(self.slot_bytes * slots + ALIGN)
+            self._memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        else:
+            self._memory = torch.empty(self.slot_bytes * slots + ALIGN, dtype=torch.uint8,
+                                       device=self.device)
         skip = -self._memory.data_ptr() % ALIGN
         area = self._memory[skip: skip + self.slot_bytes * slots]
-        if self.device.type == "cpu":
-            area.zero_()  # fault the pages in now, not during the first read
+        area.zero_()
         device_id = self.device.index or 0
         agent.register([(area.data_ptr(), area.numel(), device_id)], self.mem_type)
         self.device_id = device_id

@@ -257,23 +257,41 @@ def test_acks_for_unknown_requests_are_ignored_and_an_ack_may_come_with_the_hand
     # (An answer for a transfer still pending is refused by the ledger: test_ledger.py.)
 
 
-def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatch):
+@pytest.mark.parametrize("lookup", ["raises", "too_few_blocks"])
+def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatch, lookup):
+    """The block lookup at marking raises, or finds fewer blocks than the snapshot covers
+    (the invariant that a snapshot only names computed KV, broken): the transfer resolves
+    failed with the reason, logged once, and ships nothing, rather than blocks that do not
+    hold the snapshot."""
     s = omni(PREFILL)
-    r = make_request(16, max_tokens=3)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=3)
     s.add_request(r)
+    real = s.kv_cache_manager.get_block_ids
 
     def broken(request_id):
-        raise KeyError(request_id)
+        if lookup == "raises":
+            raise KeyError(request_id)
+        (group,) = real(request_id)
+        return (group[:1],)
 
     monkeypatch.setattr(s.kv_cache_manager, "get_block_ids", broken)
     with caplog.at_level(logging.ERROR, logger="omni_runtime.sched.scheduler"):
         step(s)
     monkeypatch.undo()
     (t,) = s.recorder.resolved
-    assert t.outcome is Outcome.FAILED and t.reason.startswith("marking failed: KeyError")
+    expected = ("marking failed: KeyError" if lookup == "raises" else
+                "marking failed: RuntimeError: request holds 1 KV blocks, 3 needed for seq_len 40")
+    assert t.outcome is Outcome.FAILED and t.reason.startswith(expected)
+    assert list(t.block_ids) == [] and t.seq_len == 40
     assert len([m for m in caplog.messages if "marking failed" in m]) == 1
     so, _ = step(s)
     assert handed_off(so) == {}, "a failed marking ships nothing"
+    while s.has_requests():
+        so, _ = step(s)
+        assert handed_off(so) == {}
+    assert len(s.recorder.marked) == 1, "the trigger is spent: no second transfer"
+    assert_quiescent(s, start)
 
 
 # ---------------------------------------------------------------------------- aborts
@@ -441,6 +459,8 @@ def test_trace_headers_travel_with_the_transfer():
     s.add_request(r)
     step(s)
     assert s.transfer_ledger.get(r.request_id).trace_headers == headers
+    so, _ = step(s)
+    assert handed_off(so)[r.request_id]["trace_headers"] == headers
 
 
 def test_a_bad_omni_kv_config_fails_start_up_naming_the_key():
@@ -851,3 +871,34 @@ def test_composed_with_a_connector_that_delays_frees_each_keeps_the_blocks_it_ne
     assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
     assert_quiescent(s, start)
 
+
+def test_composed_an_abort_before_hand_off_cancels_and_drops_the_pin_at_once():
+    """Composed: a finished request's transfer is pinned (not held through the delayed free);
+    aborted before its hand-off, the transfer is cancelled and the pin dropped in the same
+    call, so only the other connector's delayed free keeps the request, until it reports."""
+    s = omni(PREFILL, compose_with=DELAYING)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=8, request_id="r")
+    s.add_request(r)
+    step(s)
+    assert s.transfer_ledger.get("r").phase is Phase.PENDING
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.CANCELLED and not s._pinned
+    assert "r" in s.requests, "the other connector delays the free"
+    so, _ = composed_step(s, finished_sending=["r"])
+    assert handed_off(so) == {}
+    assert_quiescent(s, start)
+
+
+def test_need_send_cache_refuses_to_start_without_what_a_transfer_needs():
+    """Without the omni KV connector, or on a model of several KV cache groups (whose blocks
+    a transfer of group 0's block ids would not cover), start-up fails naming the key."""
+    no_connector = make_vllm_config(PREFILL)
+    no_connector.kv_transfer_config = None
+    with pytest.raises(OmniKVConfigError, match="need_send_cache needs the omni KV connector"):
+        make_scheduler(OmniARScheduler, no_connector)
+    with pytest.raises(OmniKVConfigError, match="one KV cache group; this one has 2"):
+        make_scheduler(OmniARScheduler, make_vllm_config(PREFILL), kv_cache_groups=2)
+    # Transfers off: any model, no connector needed.
+    make_scheduler(OmniARScheduler, make_vllm_config(None), kv_cache_groups=2)

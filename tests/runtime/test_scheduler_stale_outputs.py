@@ -173,6 +173,9 @@ def test_reset_with_a_step_in_flight_starts_the_transfer_once_on_what_vllm_keeps
     assert list(r.all_token_ids) == tokens and not r.is_finished(), "vLLM kept none of it"
     if criteria == "special_token" or (criteria == "prefill_finished" and chunked):
         assert not s.marks.marked, "a transfer started on what vLLM dropped"
+    # (prefill_finished with the whole prompt recomputed in the step just scheduled fires
+    # here, on the request's state: its snapshot names the blocks it is recomputed into,
+    # which assert_marked_on_held_blocks checks below.)
     loop.run()
 
     (t,) = s.marks.of("r")
@@ -193,8 +196,8 @@ def test_reset_with_a_step_in_flight_starts_the_transfer_once_on_what_vllm_keeps
 @pytest.mark.parametrize("mode", ["sync-batch-queue", "async"])
 def test_a_transfer_marked_before_the_reset_fails_and_the_trigger_stays_spent(caplog, mode):
     """The sentinel was kept (and its transfer handed off) before the reset: the reset fails
-    that transfer (its blocks are taken back, docs/scheduler.md) and the request starts no
-    second one when it samples the sentinel again after the recompute."""
+    that transfer (its blocks are taken back, docs/scheduler.md), and the request, resumed
+    and recomputed with the sentinel among its tokens, starts no second one."""
     s, depth = build(mode, "special_token", enable_prefix_caching=True, max_num_seqs=4)
     start = free_blocks(s)
     r = make_request(PROMPT, max_tokens=12, request_id="r", block_size=BLOCK)

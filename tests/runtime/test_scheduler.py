@@ -379,26 +379,44 @@ def test_preemption_of_a_pending_transfer_pins_its_blocks_and_still_hands_it_off
 # ---------------------------------------------------------------------------- scale
 
 
-def test_hundreds_of_concurrent_requests_leave_nothing_behind():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hundreds_of_concurrent_requests_leave_nothing_behind(mode):
+    """400 requests, random acks, failures and aborts, on the synchronous class stepped as
+    EngineCore.step does and on the async class (through vLLM's async_scheduling flag) stepped
+    as its batch queue does, a step always in flight."""
+    from omni_runtime.devtools.sched_harness import EngineLoop
+    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
+
     rng = random.Random(7)
-    s = omni({**PREFILL, "timeout_seconds": 0.5}, max_num_seqs=256, num_blocks=4000)
+    kv, kw = {**PREFILL, "timeout_seconds": 0.5}, {"max_num_seqs": 256, "num_blocks": 4000}
+    s = omni(kv, **kw) if mode == "sync" else _async_scheduler(kv, **kw)
+    assert type(s) is (OmniARScheduler if mode == "sync" else OmniARAsyncScheduler)
     start = free_blocks(s)
     n = 400
     for i in range(n):
         s.add_request(make_request(rng.randint(1, 70), max_tokens=rng.randint(1, 12)))
     in_flight: set[str] = set()
-    deadline = time.monotonic() + 120
-    while s.has_requests():
-        assert time.monotonic() < deadline
+
+    def answers(so):
+        nonlocal in_flight
         acked = {r for r in in_flight if rng.random() < 0.4}
         failed = {r: "receiver busy" for r in in_flight - acked if rng.random() < 0.1}
         in_flight -= acked | set(failed)
-        so, _ = step(s, acked=acked, failed=failed)
         in_flight |= set(handed_off(so))
+        return acked, failed
+
+    loop = EngineLoop(s, lambda rid, pos: 5, depth=1 if mode == "sync" else 2, answers=answers)
+    deadline = time.monotonic() + 120
+    placeholders = False
+    while s.has_requests() or loop.in_flight:
+        assert time.monotonic() < deadline
+        loop.step()
+        placeholders |= any(r.num_output_placeholders > 0 for r in s.running)
         live = [r for r in s.requests.values() if not r.is_finished()]
         if live and rng.random() < 0.05:
             s.finish_requests(rng.choice(live).request_id, RequestStatus.FINISHED_ABORTED)
         s.transfer_ledger.check_invariants()
+    assert placeholders is (mode == "async"), "the async scheduler's own bookkeeping ran"
     outcomes = {o: sum(t.outcome is o for t in s.recorder.resolved) for o in Outcome}
     assert len(s.recorder.resolved) == len(s.recorder.marked) >= n * 0.8
     assert outcomes[Outcome.ACKED] and outcomes[Outcome.FAILED]

@@ -256,10 +256,15 @@ def model_output(
                          failed=failed)
 
 
+def hand_off_attempts(scheduler_output: SchedulerOutput) -> list[tuple[str, int]]:
+    """``(request id, attempt)`` of each transfer a step hands off: what answers name."""
+    return [(rid, info["attempt"]) for rid, info in handed_off(scheduler_output).items()]
+
+
 def ack_hand_offs(scheduler_output: SchedulerOutput) -> tuple[list[tuple[str, int]], dict]:
     """The runner's answers in a step's own output: every transfer handed off in it acked
     (a runner that extracts synchronously)."""
-    return [(rid, info["attempt"]) for rid, info in handed_off(scheduler_output).items()], {}
+    return hand_off_attempts(scheduler_output), {}
 
 
 class EngineLoop:

@@ -19,6 +19,7 @@ from omni_runtime.transfers.config import OmniKVConfigError
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.devtools.sched_harness import (
     free_blocks,
+    hand_off_attempts,
     handed_off,
     make_request,
     make_scheduler,
@@ -705,7 +706,7 @@ def test_async_a_sentinel_in_the_output_of_a_request_preempted_meanwhile_is_drop
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=hand_off_attempts(so)))
     (t,) = [t for t in rec.marked if t.request_id == "b"]
     assert (t.trigger, t.seq_len, t.outcome) == (Trigger.REQUEST_FINISHED, b.num_tokens - 1, Outcome.ACKED)
     assert free_blocks(s) == start
@@ -736,7 +737,7 @@ def test_async_a_stop_token_in_the_output_of_a_request_preempted_meanwhile_is_dr
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i["attempt"]) for r, i in handed_off(so).items()]))
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=hand_off_attempts(so)))
     assert b.status is RequestStatus.FINISHED_LENGTH_CAPPED
     (t,) = [t for t in rec.resolved if t.request_id == "b"]
     assert (t.trigger, t.seq_len, t.outcome) == (Trigger.REQUEST_FINISHED, b.num_tokens - 1, Outcome.ACKED)

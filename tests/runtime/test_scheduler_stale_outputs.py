@@ -33,7 +33,7 @@ from omni_runtime.devtools.sched_harness import (
     EOS,
     EngineLoop,
     free_blocks,
-    handed_off,
+    hand_off_attempts,
     make_request,
     make_scheduler,
     make_vllm_config,
@@ -289,7 +289,7 @@ def test_random_arrivals_aborts_preemptions_and_resets_keep_every_transfer_exact
     handed: dict[str, int] = {}  # request id -> attempt, handed off and not answered yet
 
     def answers(so):
-        handed.update((rid, info["attempt"]) for rid, info in handed_off(so).items())
+        handed.update(hand_off_attempts(so))
         acked, failed = [], {}
         for rid in list(handed):
             roll = rng.random()

@@ -7,14 +7,17 @@ model, and no model runs fast enough here for hundreds of cases."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -73,7 +76,9 @@ def make_vllm_config(
     )
 
 
-def make_scheduler(cls: type[Scheduler], vllm_config: VllmConfig) -> Scheduler:
+def make_scheduler(
+    cls: type[Scheduler], vllm_config: VllmConfig, *, kv_cache_groups: int = 1
+) -> Scheduler:
     block_size = vllm_config.cache_config.block_size
     num_blocks = vllm_config.cache_config.num_gpu_blocks
     kv_cache_config = KVCacheConfig(
@@ -81,11 +86,12 @@ def make_scheduler(cls: type[Scheduler], vllm_config: VllmConfig) -> Scheduler:
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
-                ["layer"],
+                ["layer" if i == 0 else f"layer{i}"],
                 FullAttentionSpec(
                     block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32
                 ),
             )
+            for i in range(kv_cache_groups)
         ],
     )
     return cls(
@@ -106,9 +112,11 @@ def make_request(
     ignore_eos: bool = True,
     prompt_token: int = 7,
     block_size: int | None = None,
+    resumable: bool = False,
 ) -> Request:
     """A request of ``num_prompt_tokens`` copies of ``prompt_token``; give ``block_size`` to
-    hash its blocks as vLLM's engine does (prefix caching needs it)."""
+    hash its blocks as vLLM's engine does (prefix caching needs it). ``resumable``: a
+    streaming-input session (or, added under an existing session's id, its next input)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
     params.update_from_generation_config({}, EOS)
     return Request(
@@ -118,6 +126,7 @@ def make_request(
         pooling_params=None,
         trace_headers=trace_headers,
         block_hasher=_block_hasher(block_size) if block_size else None,
+        resumable=resumable,
     )
 
 
@@ -230,3 +239,109 @@ def step(
 
 def free_blocks(scheduler: Scheduler) -> int:
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def model_output(
+    scheduler: Scheduler,
+    scheduler_output: SchedulerOutput,
+    token_at: Callable[[str, int], int],
+    *,
+    acked: Iterable[Any] = (),
+    failed: Mapping[Any, str] | None = None,
+) -> ModelRunnerOutput:
+    """What a deterministic greedy model returns for ``scheduler_output``; call it right after
+    that schedule(), when the runner executes the step (before a later step is scheduled).
+    A request whose step is a prefill chunk (vLLM's ``is_prefill_chunk``) samples nothing;
+    any other samples ``token_at(request id, position)``, the position being the request's
+    ``num_computed_tokens`` after the schedule() (the one position the step samples, also
+    under async scheduling, whose placeholders it counts). A request recomputed after a
+    preemption therefore samples the same tokens again, as a greedy model does. One token
+    per request and step (no speculative decoding)."""
+    assert not scheduler_output.scheduled_spec_decode_tokens, "one token per step only"
+    tokens = {}
+    for req_id in scheduler_output.num_scheduled_tokens:
+        request = scheduler.requests[req_id]
+        tokens[req_id] = (
+            [] if request.is_prefill_chunk else [token_at(req_id, request.num_computed_tokens)]
+        )
+    return runner_output(scheduler_output, tokens, scheduler=scheduler, acked=acked,
+                         failed=failed)
+
+
+def hand_off_attempts(scheduler_output: SchedulerOutput) -> list[tuple[str, int]]:
+    """``(request id, attempt)`` of each transfer a step hands off: what answers name."""
+    return [(rid, h.attempt) for rid, h in handed_off(scheduler_output).items()]
+
+
+def ack_hand_offs(scheduler_output: SchedulerOutput) -> tuple[list[tuple[str, int]], dict]:
+    """The runner's answers in a step's own output: every transfer handed off in it acked
+    (a runner that extracts synchronously)."""
+    return hand_off_attempts(scheduler_output), {}
+
+
+class EngineLoop:
+    """Steps a scheduler as vLLM 0.32's EngineCore does, with a deterministic model
+    (:func:`model_output`) in place of the executor.
+
+    ``depth`` 1 is ``EngineCore.step``: schedule, execute, update, nothing in flight between
+    steps. ``depth`` 2 is ``EngineCore.step_with_batch_queue``, the loop of async scheduling
+    (with vLLM's ``AsyncScheduler``) and of pipeline parallelism (with the synchronous
+    ``Scheduler``): the next step is scheduled before the output of the one in flight is
+    processed, so what happens between two calls (an abort, ``reset_prefix_cache``, which
+    EngineCore runs between iterations) happens with a step in flight. ``answers`` gives the
+    KV connector workers' answers in a step's output (default: :func:`ack_hand_offs`)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        token_at: Callable[[str, int], int],
+        *,
+        depth: int = 1,
+        answers: Callable[[SchedulerOutput], tuple[Iterable[Any], Mapping[Any, str]]]
+        = ack_hand_offs,
+    ) -> None:
+        assert depth in (1, 2)
+        self.scheduler = scheduler
+        self.token_at = token_at
+        self.depth = depth
+        self.answers = answers
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the scheduler is really vLLM's AsyncScheduler (placeholders and all)."""
+        return isinstance(self.scheduler, AsyncScheduler)
+
+    def schedule(self) -> SchedulerOutput:
+        """Schedules a step and 'executes' it (its output is ready, not yet processed)."""
+        so = self.scheduler.schedule()
+        acked, failed = self.answers(so)
+        out = model_output(self.scheduler, so, self.token_at, acked=acked, failed=failed)
+        self.in_flight.append((so, out))
+        return so
+
+    def update(self) -> dict[int, EngineCoreOutputs]:
+        """Processes the output of the oldest step in flight."""
+        so, out = self.in_flight.popleft()
+        return self.scheduler.update_from_output(so, out)
+
+    def step(self) -> dict[int, EngineCoreOutputs] | None:
+        """One iteration of EngineCore's loop (None when it only filled the queue)."""
+        assert len(self.in_flight) < self.depth, "EngineCore never starts a full iteration"
+        s = self.scheduler
+        if s.has_requests():
+            so = self.schedule()
+            executed = so.total_num_scheduled_tokens > 0
+            if len(self.in_flight) < self.depth and (executed or s.has_requests()):
+                return None
+        elif not self.in_flight:
+            return None
+        return self.update()
+
+    def run(self, max_iterations: int = 10_000) -> None:
+        """Steps until nothing is left: no request, no transfer, no step in flight."""
+        for _ in range(max_iterations):
+            if not (self.scheduler.has_requests() or self.in_flight):
+                return
+            self.step()
+        raise AssertionError(f"still busy after {max_iterations} iterations")

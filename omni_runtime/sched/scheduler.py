@@ -23,7 +23,14 @@ to the model runner, and keeps the blocks allocated until the transfer resolves:
     still to be read;
   * composed with other connectors (vLLM's MultiConnector, the omni connector one of its
     children), a finished request's unresolved transfer is pinned the same way instead of
-    held through the delayed free, which the MultiConnector shares with the other children.
+    held through the delayed free, which the MultiConnector shares with the other children;
+  * a trigger acts only on what vLLM keeps of a step's output. vLLM drops the output of a
+    step that was in flight when its request was preempted (in schedule(), or by a
+    prefix-cache reset, after which the request may be running again when the output
+    arrives) or when a streaming session's turn ended: ``special_token`` reads the new
+    tokens vLLM returns to its clients, ``request_finished`` fires when vLLM finishes the
+    request (only ever on a kept output), ``prefill_finished`` reads the request's computed
+    tokens, which a preemption resets.
 
 All the bookkeeping lives in :class:`~omni_runtime.transfers.ledger.TransferLedger`; this class only
 wires it into vLLM's hooks. Plug it in with
@@ -121,11 +128,19 @@ class OmniKVTransferMixin:
             vllm_config=vllm_config,
         ):
             self.transfer_ledger.add_observer(observer)
+        if cfg.need_send_cache:
+            # vLLM's own switch for connectors whose hand-offs must be delivered (the base
+            # connector's default for a producer, which the omni connector is; set here so
+            # that no role in a kv-transfer-config can turn it off): a preempted request's
+            # in-flight output is dropped, not delivered, and so is that of a request preempted
+            # by reset_prefix_cache(reset_running_requests=True), which always drops.
+            # Invariant this gives the triggers: vLLM keeps no output of a step that was in
+            # flight when its request was preempted, so a request never samples, stops or
+            # finishes while preempted (its KV freed), and every token vLLM keeps was
+            # computed on the blocks the request holds when it is kept.
+            self.requires_kv_delivery = True
         # Requests whose in-flight trigger has not fired yet (only with a criteria).
         self._awaiting_trigger: set[str] = set()
-        # Preempted requests whose unresolved transfer was dropped with their blocks:
-        # request id -> (trigger, seq_len) to start again once the KV is recomputed.
-        self._replay: dict[str, tuple[Trigger, int]] = {}
         # Requests carrying vllm-omni's additional_information (none on plain vLLM).
         self._payload_requests: set[str] = set()
         # Preempted requests whose unresolved transfer's blocks we keep out of the free pool
@@ -161,22 +176,13 @@ class OmniKVTransferMixin:
             return super()._free_request(request, delay_free_blocks)
         ledger = self.transfer_ledger
         self._awaiting_trigger.discard(request_id)
-        replay = self._replay.pop(request_id, None)
         completed = request.status in _COMPLETED
         if completed and not ledger.has_triggered(request_id):
+            # A completed request finished on an output vLLM kept, so it was running (see
+            # requires_kv_delivery in __init__): its computed KV, less the tokens of steps
+            # still in flight (async scheduling's placeholders), is what exists to ship.
             frontier = request.num_computed_tokens - request.num_output_placeholders
-            trigger, seq_len = replay or (Trigger.REQUEST_FINISHED, frontier)
-            if request.status is not RequestStatus.PREEMPTED and 0 < seq_len <= frontier:
-                # A replay: preempted after its trigger, finished as soon as it was
-                # recomputed; ship the snapshot it was going to ship.
-                self._mark(request, trigger, seq_len)
-            else:
-                # Async scheduling: the request finished while preempted (the step scheduled
-                # meanwhile freed its KV). Nothing is left to ship: say so.
-                self._mark_failed(
-                    request, trigger, max(seq_len, 0),
-                    "request finished while preempted: vLLM freed its KV before it was sent",
-                )
+            self._mark(request, Trigger.REQUEST_FINISHED, frontier)
         num_blocks, pinned = 0, self._pinned.get(request_id)
         if pinned is None and self._composed and (transfer := ledger.get(request_id)):
             pinned = self._pin(transfer)  # see _composed: vLLM frees the request itself
@@ -232,11 +238,12 @@ class OmniKVTransferMixin:
             self._resolve_from_runner(answers)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         # Requests that finished in this step were marked (request_finished) and dropped
-        # from the sets below by _free_request; what remains is still running.
+        # from the set below by _free_request; what remains has not finished.
         if self._awaiting_trigger:
-            self._fire_step_triggers(scheduler_output, model_runner_output)
-        if self._replay:
-            self._fire_replays(scheduler_output)
+            if self._criteria is Trigger.PREFILL_FINISHED:
+                self._fire_prefill_finished(scheduler_output)
+            else:
+                self._fire_special_token(outputs)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -264,51 +271,59 @@ class OmniKVTransferMixin:
         return super().reset_prefix_cache(reset_running_requests, reset_connector)
 
     # ------------------------------------------------------------------ helpers
-    def _fire_step_triggers(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> None:
+    def _fire_prefill_finished(self, scheduler_output: SchedulerOutput) -> None:
+        """``prefill_finished``: fires on the request's state, not on an output's tokens (a
+        prefill chunk samples none). Only requests scheduled in the step whose output this
+        is can have reached the end of their prompt; the set intersection runs in C, the
+        loop only over those candidates.
+
+        On a stale output (its step was in flight when a preemption or a prefix-cache reset
+        freed the request's KV; vLLM drops it): the preemption set num_computed_tokens to 0
+        and counts only what was scheduled since, on the request's current blocks, so the
+        test below fires only once the recompute has scheduled the whole prompt, and the
+        snapshot names the blocks it is recomputed into (the hand-off reaches the workers in
+        a later step, after the recompute's)."""
+        requests = self.requests
+        for request_id in self._awaiting_trigger.intersection(
+            scheduler_output.num_scheduled_tokens
+        ):
+            request = requests[request_id]
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                self._mark(request, Trigger.PREFILL_FINISHED, request.num_prompt_tokens)
+
+    def _fire_special_token(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """``special_token``: fires on the tokens vLLM kept of this step, i.e. the new tokens
+        of the step's outputs to its clients, never on the runner's raw samples. vLLM drops
+        a stale output (its step was in flight when the request was preempted, in
+        schedule() or by reset_prefix_cache, or when a session's turn ended) whatever the
+        request's state when it arrives, RUNNING again included, and trims the tokens after
+        a stop. One C-level containment test per output; the rest only for outputs holding
+        the sentinel."""
+        sentinel = self._sentinel
         awaiting = self._awaiting_trigger
         requests = self.requests
-        if self._criteria is Trigger.PREFILL_FINISHED:
-            # Only requests scheduled in this step can have finished their prefill; the set
-            # intersection runs in C, the loop only over those candidates.
-            for request_id in awaiting.intersection(scheduler_output.num_scheduled_tokens):
-                request = requests[request_id]
-                if request.num_computed_tokens >= request.num_prompt_tokens:
-                    self._mark(request, Trigger.PREFILL_FINISHED, request.num_prompt_tokens)
-            return
-        sentinel = self._sentinel
-        sampled = model_runner_output.sampled_token_ids
-        req_ids = model_runner_output.req_ids
-        # One C-level containment test per sampled row; dict lookups only for the hits.
-        for index, new_tokens in enumerate(sampled):
-            if sentinel in new_tokens and (request_id := req_ids[index]) in awaiting:
-                request = requests[request_id]
-                if request.status is RequestStatus.PREEMPTED and request.drop_stale_output:
-                    # vLLM drops this stale output (the connector requires KV delivery):
-                    # the sentinel was never sampled as far as the request is concerned.
-                    continue
-                # num_tokens already counts this step's tokens; cut at the first sentinel.
-                before = request.num_tokens - len(new_tokens) + list(new_tokens).index(sentinel)
-                self._mark(request, Trigger.SPECIAL_TOKEN, before)
+        for client_outputs in outputs.values():
+            for output in client_outputs.outputs:
+                if sentinel in output.new_token_ids and output.request_id in awaiting:
+                    request = requests[output.request_id]
+                    new_tokens = output.new_token_ids
+                    # The kept tokens end at vLLM's materialized frontier (computed tokens
+                    # less those of steps in flight): the last one sits there, its own KV
+                    # not computed yet. Cut before the first sentinel. (Not from num_tokens:
+                    # a streaming session whose turn ended in this step may already have
+                    # taken in its next input, after the frontier.)
+                    frontier = request.num_computed_tokens - request.num_output_placeholders
+                    before = frontier + 1 - len(new_tokens) + list(new_tokens).index(sentinel)
+                    self._mark(request, Trigger.SPECIAL_TOKEN, before)
 
-    def _fire_replays(self, scheduler_output: SchedulerOutput) -> None:
-        scheduled = scheduler_output.num_scheduled_tokens
-        for request_id in [r for r in self._replay if r in scheduled]:
-            request = self.requests[request_id]
-            trigger, seq_len = self._replay[request_id]
-            if request.num_computed_tokens - request.num_output_placeholders >= seq_len:
-                del self._replay[request_id]
-                self._mark(request, trigger, seq_len)
-
-    def _mark(self, request: Request, trigger: Trigger, seq_len: int) -> Transfer | None:
+    def _mark(self, request: Request, trigger: Trigger, seq_len: int) -> Transfer:
+        """Marks the request's one transfer: its first ``seq_len`` tokens, on the blocks it
+        holds now. Callers mark only on what vLLM kept, for a request that is not preempted
+        (see requires_kv_delivery in __init__), so that the blocks hold the KV; a lookup
+        that fails or finds too few blocks fails the transfer with the reason instead of
+        shipping blocks that do not hold the snapshot."""
         request_id = request.request_id
         self._awaiting_trigger.discard(request_id)
-        if request.status is RequestStatus.PREEMPTED:
-            # Async scheduling: the step scheduled while this output was computed preempted
-            # the request and freed its blocks. Ship the snapshot once it is recomputed.
-            self._replay[request_id] = (trigger, seq_len)
-            return None
         error = None
         try:
             block_ids = self.kv_cache_manager.get_block_ids(request_id)[0]
@@ -389,14 +404,6 @@ class OmniKVTransferMixin:
             return False
         self.kv_cache_manager.block_pool.free_blocks(blocks)
         return True
-
-    def _mark_failed(self, request: Request, trigger: Trigger, seq_len: int, reason: str) -> None:
-        transfer = self.transfer_ledger.mark(
-            request.request_id, trigger, seq_len, [], trace_headers=request.trace_headers
-        )
-        setattr(request, _TRANSFER_ATTR, transfer)
-        logger.warning("KV transfer of request %s failed: %s", request.request_id, reason)
-        self.transfer_ledger.resolve(request.request_id, Outcome.FAILED, reason)
 
     def _attach_payloads(self, output: SchedulerOutput) -> None:
         for new_request in output.scheduled_new_reqs:

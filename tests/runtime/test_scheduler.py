@@ -20,6 +20,7 @@ from omni_runtime.sched.handoff import Answer
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.devtools.sched_harness import (
     free_blocks,
+    hand_off_attempts,
     handed_off,
     make_request,
     make_scheduler,
@@ -69,7 +70,7 @@ def assert_quiescent(sched, start_free):
     assert not sched.requests
     assert not sched.transfer_ledger.has_unresolved()
     assert not sched.transfer_ledger._triggered
-    assert not sched._awaiting_trigger and not sched._replay and not sched._payload_requests
+    assert not sched._awaiting_trigger and not sched._payload_requests and not sched._pinned
     assert free_blocks(sched) == start_free
     sched.transfer_ledger.check_invariants()
 
@@ -258,23 +259,41 @@ def test_acks_for_unknown_requests_are_ignored_and_an_ack_may_come_with_the_hand
     # (An answer for a transfer still pending is refused by the ledger: test_ledger.py.)
 
 
-def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatch):
+@pytest.mark.parametrize("lookup", ["raises", "too_few_blocks"])
+def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatch, lookup):
+    """The block lookup at marking raises, or finds fewer blocks than the snapshot covers
+    (the invariant that a snapshot only names computed KV, broken): the transfer resolves
+    failed with the reason, logged once, and ships nothing, rather than blocks that do not
+    hold the snapshot."""
     s = omni(PREFILL)
-    r = make_request(16, max_tokens=3)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=3)
     s.add_request(r)
+    real = s.kv_cache_manager.get_block_ids
 
     def broken(request_id):
-        raise KeyError(request_id)
+        if lookup == "raises":
+            raise KeyError(request_id)
+        (group,) = real(request_id)
+        return (group[:1],)
 
     monkeypatch.setattr(s.kv_cache_manager, "get_block_ids", broken)
     with caplog.at_level(logging.ERROR, logger="omni_runtime.sched.scheduler"):
         step(s)
     monkeypatch.undo()
     (t,) = s.recorder.resolved
-    assert t.outcome is Outcome.FAILED and t.reason.startswith("marking failed: KeyError")
+    expected = ("marking failed: KeyError" if lookup == "raises" else
+                "marking failed: RuntimeError: request holds 1 KV blocks, 3 needed for seq_len 40")
+    assert t.outcome is Outcome.FAILED and t.reason.startswith(expected)
+    assert list(t.block_ids) == [] and t.seq_len == 40
     assert len([m for m in caplog.messages if "marking failed" in m]) == 1
     so, _ = step(s)
     assert handed_off(so) == {}, "a failed marking ships nothing"
+    while s.has_requests():
+        so, _ = step(s)
+        assert handed_off(so) == {}
+    assert len(s.recorder.marked) == 1, "the trigger is spent: no second transfer"
+    assert_quiescent(s, start)
 
 
 # ---------------------------------------------------------------------------- aborts
@@ -362,26 +381,44 @@ def test_preemption_of_a_pending_transfer_pins_its_blocks_and_still_hands_it_off
 # ---------------------------------------------------------------------------- scale
 
 
-def test_hundreds_of_concurrent_requests_leave_nothing_behind():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hundreds_of_concurrent_requests_leave_nothing_behind(mode):
+    """400 requests, random acks, failures and aborts, on the synchronous class stepped as
+    EngineCore.step does and on the async class (through vLLM's async_scheduling flag) stepped
+    as its batch queue does, a step always in flight."""
+    from omni_runtime.devtools.sched_harness import EngineLoop
+    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
+
     rng = random.Random(7)
-    s = omni({**PREFILL, "timeout_seconds": 0.5}, max_num_seqs=256, num_blocks=4000)
+    kv, kw = {**PREFILL, "timeout_seconds": 0.5}, {"max_num_seqs": 256, "num_blocks": 4000}
+    s = omni(kv, **kw) if mode == "sync" else _async_scheduler(kv, **kw)
+    assert type(s) is (OmniARScheduler if mode == "sync" else OmniARAsyncScheduler)
     start = free_blocks(s)
     n = 400
     for i in range(n):
         s.add_request(make_request(rng.randint(1, 70), max_tokens=rng.randint(1, 12)))
     in_flight: set[str] = set()
-    deadline = time.monotonic() + 120
-    while s.has_requests():
-        assert time.monotonic() < deadline
+
+    def answers(so):
+        nonlocal in_flight
         acked = {r for r in in_flight if rng.random() < 0.4}
         failed = {r: "receiver busy" for r in in_flight - acked if rng.random() < 0.1}
         in_flight -= acked | set(failed)
-        so, _ = step(s, acked=acked, failed=failed)
         in_flight |= set(handed_off(so))
+        return acked, failed
+
+    loop = EngineLoop(s, lambda rid, pos: 5, depth=1 if mode == "sync" else 2, answers=answers)
+    deadline = time.monotonic() + 120
+    placeholders = False
+    while s.has_requests() or loop.in_flight:
+        assert time.monotonic() < deadline
+        loop.step()
+        placeholders |= any(r.num_output_placeholders > 0 for r in s.running)
         live = [r for r in s.requests.values() if not r.is_finished()]
         if live and rng.random() < 0.05:
             s.finish_requests(rng.choice(live).request_id, RequestStatus.FINISHED_ABORTED)
         s.transfer_ledger.check_invariants()
+    assert placeholders is (mode == "async"), "the async scheduler's own bookkeeping ran"
     outcomes = {o: sum(t.outcome is o for t in s.recorder.resolved) for o in Outcome}
     assert len(s.recorder.resolved) == len(s.recorder.marked) >= n * 0.8
     assert outcomes[Outcome.ACKED] and outcomes[Outcome.FAILED]
@@ -442,6 +479,8 @@ def test_trace_headers_travel_with_the_transfer():
     s.add_request(r)
     step(s)
     assert s.transfer_ledger.get(r.request_id).trace_headers == headers
+    so, _ = step(s)
+    assert handed_off(so)[r.request_id].trace_headers == headers
 
 
 def test_a_bad_omni_kv_config_fails_start_up_naming_the_key():
@@ -616,14 +655,36 @@ def test_the_plain_class_name_gives_the_async_variant_under_async_scheduling():
     assert type(make_scheduler(OmniARScheduler, make_vllm_config(PREFILL))) is OmniARScheduler
 
 
-def test_async_a_trigger_of_a_request_preempted_by_the_step_in_flight_is_replayed():
-    """Async scheduling: step N+1 is scheduled (and may preempt) before step N's output is
-    processed. A sentinel sampled in step N for a request step N+1 preempted must not be
-    marked on freed blocks: it is replayed once the request is recomputed."""
+def _async_scheduler(kv_config, kv_role=None, **kw):
+    """The async variant through the public class name, as vLLM builds it under async
+    scheduling (the harness's VllmConfig skips the CPU platform's check that turns async
+    scheduling off, so this is vLLM's real AsyncScheduler)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
     from omni_runtime.sched.scheduler import OmniARAsyncScheduler
 
-    s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(SPECIAL, num_blocks=9, max_num_seqs=4))
+    cfg = make_vllm_config(kv_config, **kw)
+    cfg.scheduler_config.async_scheduling = True
+    if kv_role is not None:
+        cfg.kv_transfer_config.kv_role = kv_role
+    s = make_scheduler(OmniARScheduler, cfg)
+    assert type(s) is OmniARAsyncScheduler and isinstance(s, AsyncScheduler)
     s.transfer_ledger.add_observer(rec := Recorder())
+    s.recorder = rec
+    return s
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_async_a_sentinel_in_the_output_of_a_request_preempted_meanwhile_is_dropped(kv_role):
+    """Async scheduling: step N+1 is scheduled (and may preempt) before step N's output is
+    processed. vLLM drops the output that was in flight for a request it preempted (drop
+    mode: the omni scheduler sets vLLM's requires_kv_delivery, whatever the connector's
+    role says), so a sentinel in it never happened: nothing is marked on freed blocks, and
+    the request awaits its trigger on."""
+    s = _async_scheduler(SPECIAL, kv_role, num_blocks=9, max_num_seqs=4)
+    assert s.connector.requires_kv_delivery is (kv_role == "kv_producer")
+    assert s.requires_kv_delivery is True
+    rec = s.recorder
     start = free_blocks(s)
     a = make_request(63, max_tokens=8, request_id="a")
     b = make_request(60, max_tokens=8, request_id="b")
@@ -632,34 +693,34 @@ def test_async_a_trigger_of_a_request_preempted_by_the_step_in_flight_is_replaye
     prev = s.schedule()  # both prefill
     while True:
         nxt = s.schedule()
+        assert b.num_output_placeholders or b.status is RequestStatus.PREEMPTED, "really async"
         if b.status is RequestStatus.PREEMPTED:
             break
         s.update_from_output(prev, runner_output(prev))
         prev = nxt
     # `prev` was computed with b still running; its output carries b's sentinel. (Then
     # `nxt`, which no longer has b, is processed by the loop below.)
+    tokens_before = b.num_tokens
     s.update_from_output(prev, runner_output(prev, {"b": [SENTINEL]}))
-    # vLLM drops a preempted request's stale output (the connector requires KV delivery),
-    # so the sentinel never happened for b: nothing is marked on freed blocks, b awaits on.
-    assert not rec.marked and not s._replay and "b" in s._awaiting_trigger
+    assert b.num_tokens == tokens_before and SENTINEL not in b.output_token_ids, "vLLM dropped it"
+    assert not rec.marked and "b" in s._awaiting_trigger
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i.attempt) for r, i in handed_off(so).items()]))
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=hand_off_attempts(so)))
     (t,) = [t for t in rec.marked if t.request_id == "b"]
-    assert (t.trigger, t.outcome) == (Trigger.REQUEST_FINISHED, Outcome.ACKED)
+    assert (t.trigger, t.seq_len, t.outcome) == (Trigger.REQUEST_FINISHED, b.num_tokens - 1, Outcome.ACKED)
     assert free_blocks(s) == start
 
 
-def test_async_a_request_finishing_while_preempted_ships_its_kv_or_fails_with_a_reason(caplog):
+def test_async_a_stop_token_in_the_output_of_a_request_preempted_meanwhile_is_dropped(caplog):
     """Async scheduling: b's stop token is in the output of the step in flight when the next
-    schedule() preempts b. Its KV is shipped once recomputed, or its transfer fails with a
-    reason; never a transfer marked on 0 blocks (an ERROR), never nothing."""
+    schedule() preempts b. vLLM drops that output: b does not finish while preempted (its KV
+    freed), it is recomputed and finishes later, shipping the KV it then has, once."""
     from omni_runtime.devtools.sched_harness import EOS
-    from omni_runtime.sched.scheduler import OmniARAsyncScheduler
 
-    s = make_scheduler(OmniARAsyncScheduler, make_vllm_config(ON_FINISH, num_blocks=9, max_num_seqs=4))
-    s.transfer_ledger.add_observer(rec := Recorder())
+    s = _async_scheduler(ON_FINISH, num_blocks=9, max_num_seqs=4)
+    rec = s.recorder
     start = free_blocks(s)
     a = make_request(63, max_tokens=8, request_id="a")
     b = make_request(60, max_tokens=8, request_id="b", ignore_eos=False)
@@ -673,14 +734,14 @@ def test_async_a_request_finishing_while_preempted_ships_its_kv_or_fails_with_a_
         s.update_from_output(prev, runner_output(prev))
         prev = nxt
     s.update_from_output(prev, runner_output(prev, {"b": [EOS]}))
+    assert not b.is_finished() and EOS not in b.output_token_ids, "vLLM dropped it"
     s.update_from_output(nxt, runner_output(nxt))
     while s.has_requests():
         so = s.schedule()
-        s.update_from_output(so, runner_output(so, scheduler=s, acked=[(r, i.attempt) for r, i in handed_off(so).items()]))
-    b_transfers = [t for t in rec.resolved if t.request_id == "b"]
-    assert len(b_transfers) == 1
-    (t,) = b_transfers
-    assert t.outcome is Outcome.ACKED or (t.outcome is Outcome.FAILED and t.reason)
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=hand_off_attempts(so)))
+    assert b.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    (t,) = [t for t in rec.resolved if t.request_id == "b"]
+    assert (t.trigger, t.seq_len, t.outcome) == (Trigger.REQUEST_FINISHED, b.num_tokens - 1, Outcome.ACKED)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert free_blocks(s) == start
 
@@ -831,3 +892,35 @@ def test_composed_with_a_connector_that_delays_frees_each_keeps_the_blocks_it_ne
         composed_step(s, acked=["r"])
     assert [t.outcome for t in s.recorder.resolved] == [Outcome.ACKED]
     assert_quiescent(s, start)
+
+
+def test_composed_an_abort_before_hand_off_cancels_and_drops_the_pin_at_once():
+    """Composed: a finished request's transfer is pinned (not held through the delayed free);
+    aborted before its hand-off, the transfer is cancelled and the pin dropped in the same
+    call, so only the other connector's delayed free keeps the request, until it reports."""
+    s = omni(PREFILL, compose_with=DELAYING)
+    start = free_blocks(s)
+    r = make_request(40, max_tokens=8, request_id="r")
+    s.add_request(r)
+    step(s)
+    assert s.transfer_ledger.get("r").phase is Phase.PENDING
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    (t,) = s.recorder.resolved
+    assert t.outcome is Outcome.CANCELLED and not s._pinned
+    assert "r" in s.requests, "the other connector delays the free"
+    so, _ = composed_step(s, finished_sending=["r"])
+    assert handed_off(so) == {}
+    assert_quiescent(s, start)
+
+
+def test_need_send_cache_refuses_to_start_without_what_a_transfer_needs():
+    """Without the omni KV connector, or on a model of several KV cache groups (whose blocks
+    a transfer of group 0's block ids would not cover), start-up fails naming the key."""
+    no_connector = make_vllm_config(PREFILL)
+    no_connector.kv_transfer_config = None
+    with pytest.raises(OmniKVConfigError, match="need_send_cache needs the omni KV connector"):
+        make_scheduler(OmniARScheduler, no_connector)
+    with pytest.raises(OmniKVConfigError, match="one KV cache group; this one has 2"):
+        make_scheduler(OmniARScheduler, make_vllm_config(PREFILL), kv_cache_groups=2)
+    # Transfers off: any model, no connector needed.
+    make_scheduler(OmniARScheduler, make_vllm_config(None), kv_cache_groups=2)

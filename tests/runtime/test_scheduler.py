@@ -27,6 +27,7 @@ from omni_runtime.devtools.sched_harness import (
     make_vllm_config,
     runner_output,
     step,
+    withdrawn,
 )
 from omni_runtime.sched.scheduler import OmniARScheduler
 from omni_runtime.transfers.ledger import Outcome, Phase, TransferObserver, Trigger
@@ -245,6 +246,41 @@ def test_a_lost_ack_expires_frees_the_blocks_and_the_engine_loop_ends():
     assert t.outcome is Outcome.EXPIRED and t.held
     assert steps > 1
     assert_quiescent(s, start)
+
+
+def test_a_transfer_the_scheduler_resolves_itself_is_withdrawn_in_the_step_that_frees_its_blocks():
+    """The block guarantee at a distance: a receiver reads the blocks in place until it is
+    answered. When the scheduler resolves a handed-off transfer itself (expiry, a reset), the
+    step whose schedule() frees its blocks withdraws it in its connector metadata, so the
+    worker refuses to commit any read of it before that step's forward can write them; a
+    transfer the workers answered, or one never handed off, is not withdrawn."""
+    s = omni({**ON_FINISH, "timeout_seconds": 0.2})
+    start = free_blocks(s)
+    r = make_request(16, max_tokens=1, request_id="r")
+    s.add_request(r)
+    step(s)
+    so, _ = step(s)
+    (attempt,) = [h.attempt for h in handed_off(so).values()]
+    deadline = time.monotonic() + 10
+    while s.transfer_ledger.get("r") is not None:
+        assert time.monotonic() < deadline, "the transfer never expired"
+        so, _ = step(s)
+    assert withdrawn(so) == {"r": attempt}, "withdrawn in the step that freed the blocks"
+    assert free_blocks(s) == start
+    so, _ = step(s)
+    assert withdrawn(so) == {}, "once"
+
+    s = omni(PREFILL, enable_prefix_caching=True)
+    a = make_request(40, max_tokens=20, request_id="a", block_size=16)
+    b = make_request(40, max_tokens=20, request_id="b", block_size=16)
+    s.add_request(a)
+    step(s)
+    so, _ = step(s)  # a handed off
+    (a_attempt,) = [h.attempt for h in handed_off(so).values()]
+    s.add_request(b)  # b marked after the reset below, never handed off before it
+    assert s.reset_prefix_cache(reset_running_requests=True) is True
+    so = s.schedule()
+    assert withdrawn(so) == {"a": a_attempt}
 
 
 def test_acks_for_unknown_requests_are_ignored_and_an_ack_may_come_with_the_hand_off_step():

@@ -1,8 +1,8 @@
 """The omni KV connector's figures on vLLM's own connector-stats path (omni_runtime/kv/stats.py):
 the stats object's semantics and both of vLLM's serializations, the Prometheus families in
-each registry situation, and real ``vllm serve`` processes (plain, under MultiConnector, and
-as omni-stage runs it: omni scheduler, multiprocess metrics directory) with a test connector
-that records through the same API (tests/stats_kv_connector.py)."""
+each registry situation, and real ``vllm serve`` processes with the omni scheduler (plain,
+under MultiConnector, and with the multiprocess metrics directory omni-stage sets) and a test
+connector that records through the same API (tests/stats_kv_connector.py)."""
 
 from __future__ import annotations
 
@@ -262,7 +262,7 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on the tiny model, on a free port,
     with this worktree's code and tests/ on PYTHONPATH and a 1 s stats log interval."""
 
-    def __init__(self, workdir: Path, kv_transfer_config: dict, *, omni_stage_like: bool):
+    def __init__(self, workdir: Path, kv_transfer_config: dict, *, multiproc: bool):
         from omni_runtime.devtools.tiny_model import ensure_tiny_model
         from procs import free_port
 
@@ -280,15 +280,17 @@ class Server:
                "--additional-config", json.dumps({"omni_kv_config": {"stage_name": STAGE}}),
                "--kv-transfer-config", json.dumps(kv_transfer_config),
                "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
-               "--enforce-eager"]
-        if omni_stage_like:
-            # What omni-stage adds: the omni scheduler (its ledger's TransferMetrics export the
-            # contract families from the engine-core process) and a fresh multiprocess
-            # directory that brings them to the API server's /metrics.
-            multiproc = workdir / "prometheus-multiproc"
-            multiproc.mkdir()
-            env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc)
-            cmd += ["--scheduler-cls", "omni_runtime.sched.OmniARScheduler"]
+               "--enforce-eager",
+               # As every run of the real connector (only the omni scheduler hands transfers
+               # off): its ledger's TransferMetrics register the contract's families in the
+               # engine-core process, which a plain vllm serve never shows on /metrics.
+               "--scheduler-cls", "omni_runtime.sched.OmniARScheduler"]
+        if multiproc:
+            # What omni-stage adds: a fresh multiprocess directory, which brings the engine
+            # core's families to the API server's /metrics.
+            directory = workdir / "prometheus-multiproc"
+            directory.mkdir()
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
         self.cmd, self.env = cmd, env
         self.proc: subprocess.Popen | None = None
 
@@ -328,8 +330,8 @@ class Server:
 def serve(tmp_path):
     started: list[Server] = []
 
-    def start(kv_transfer_config: dict, omni_stage_like: bool = False) -> Server:
-        server = Server(tmp_path, kv_transfer_config, omni_stage_like=omni_stage_like)
+    def start(kv_transfer_config: dict, multiproc: bool = False) -> Server:
+        server = Server(tmp_path, kv_transfer_config, multiproc=multiproc)
         started.append(server)
         return server.start()
 
@@ -408,7 +410,8 @@ def _poll_metrics(server: Server, name: str, expected: float, **labels: str) -> 
 
 
 def test_a_plain_vllm_serve_logs_the_transfer_stats_and_shows_the_families(serve):
-    """No omni-stage, no scheduler of ours, no multiprocess directory: vLLM's own stats path."""
+    """No omni-stage, no multiprocess directory: vLLM's own stats path brings the figures
+    to the API server, where the engine core's omni_ families never show."""
     server = serve(_connector(fail_every=3))
     assert _run_three_requests_and_wait_for_the_log(server) == {"Acked": 2, "Failed": 1}
     text = _poll_metrics(server, RESOLVED_FAMILY, 2, outcome="acked")
@@ -431,7 +434,7 @@ def test_as_omni_stage_runs_it_each_contract_family_is_exported_once(serve):
     """The omni scheduler's observability layer exports omni_kv_transfers_resolved_total and
     omni_kv_transfer_bytes through the multiprocess directory: the connector's stats do not
     add a second copy (nor fail to register); its hand-off family and the log line remain."""
-    server = serve(_connector(fail_every=3), omni_stage_like=True)
+    server = serve(_connector(fail_every=3), multiproc=True)
     assert _run_three_requests_and_wait_for_the_log(server) == {"Acked": 2, "Failed": 1}
     text = _poll_metrics(server, HANDOFF_FAMILY + "_count", 2, outcome="acked")
     for family, kind in (("omni_kv_transfers_resolved", "counter"),

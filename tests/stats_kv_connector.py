@@ -7,7 +7,10 @@ runner's output, the engine core aggregates them, the API server logs ``reduce()
 
 Deterministic, so that a test can assert exact values: every resolution is ``NBYTES`` bytes
 and ``SECONDS`` from hand-off to answer, to the first stage of ``endpoints``; every
-``fail_every``-th one (kv_connector_extra_config, 0: none) fails.
+``fail_every``-th one (kv_connector_extra_config, 0: none) fails. ``record_on``
+(kv_connector_extra_config): ``worker`` (default: in the step after the request finished, as
+vLLM tells the worker) or ``scheduler`` (in ``request_finished``, inside the scheduler's
+``update_from_output``, whose end collects the scheduler-side connector's stats).
 Loaded by vLLM from this directory (tests/procs.py and the tests put it on PYTHONPATH).
 """
 
@@ -32,7 +35,14 @@ class StatsTestConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._to_stage = next(iter(extra.get("endpoints") or {"next": None}))
         self._fail_every = int(extra.get("fail_every", 0))
+        self._record_on = extra.get("record_on", "worker")
         self._resolved = 0
+
+    def _record_one(self) -> None:
+        self._resolved += 1
+        failed = self._fail_every and self._resolved % self._fail_every == 0
+        self.omni_kv_stats.record("failed" if failed else "acked", NBYTES, SECONDS,
+                                  self._to_stage)
 
     # Scheduler side: nothing to load, nothing held.
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -45,6 +55,8 @@ class StatsTestConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         return KVConnectorMetadata()
 
     def request_finished(self, request: Any, block_ids: list[int]):
+        if self._record_on == "scheduler":
+            self._record_one()
         return False, None
 
     # Worker side: no KV moves.
@@ -64,9 +76,7 @@ class StatsTestConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         # The step after a request finished tells the worker (vLLM runs that step even when
         # nothing else is scheduled): one resolution each, drained by get_kv_connector_stats
         # in the same step.
-        for _ in finished_req_ids:
-            self._resolved += 1
-            failed = self._fail_every and self._resolved % self._fail_every == 0
-            self.omni_kv_stats.record("failed" if failed else "acked", NBYTES, SECONDS,
-                                      self._to_stage)
+        if self._record_on == "worker":
+            for _ in finished_req_ids:
+                self._record_one()
         return None, None

@@ -235,9 +235,10 @@ def _is_prometheus_client(cls: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, prometheus_client.metrics.MetricWrapperBase)
 
 
-#: This module's collectors in prometheus_client's global registry: a new
-#: PrometheusStatLogger (vLLM re-creates it when scaling data parallelism) replaces them, as
-#: vLLM's own ``unregister_vllm_metrics`` does for ``vllm:`` names it does not clear ours.
+#: This module's collectors in prometheus_client's global registry. A new
+#: PrometheusStatLogger (vLLM re-creates it when data parallelism scales) replaces them, as it
+#: replaces vLLM's own families; vLLM's cleanup (``unregister_vllm_metrics``) drops only
+#: ``vllm:`` names, so without this a second build would raise "Duplicated timeseries".
 _ours: list[Any] = []
 _ours_lock = threading.Lock()
 

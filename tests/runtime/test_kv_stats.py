@@ -244,18 +244,18 @@ STAGE = "thinker"
 MODEL = "tiny"
 
 
-def _connector(fail_every: int) -> dict:
+def _connector(fail_every: int, record_on: str = "worker") -> dict:
     return {"kv_connector": "StatsTestConnector", "kv_connector_module_path": "stats_kv_connector",
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"endpoints": {TO_STAGE: "tcp://127.0.0.1:9"},
-                                          "fail_every": fail_every}}
+                                          "fail_every": fail_every, "record_on": record_on}}
 
 
-def _multi(fail_every: int, storage: Path) -> dict:
+def _multi(storage: Path, **ours) -> dict:
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
                "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"connectors": [example, _connector(fail_every)]}}
+            "kv_connector_extra_config": {"connectors": [example, _connector(**ours)]}}
 
 
 class Server:
@@ -419,9 +419,11 @@ def test_a_plain_vllm_serve_logs_the_transfer_stats_and_shows_the_families(serve
 
 
 def test_composed_under_multi_connector_with_vllms_example_connector(serve, tmp_path):
+    """Recorded by the scheduler-side connector this time: vLLM's scheduler collects those
+    at the end of update_from_output and aggregates them with the workers'."""
     storage = tmp_path / "example-connector"
     storage.mkdir()
-    server = serve(_multi(fail_every=3, storage=storage))
+    server = serve(_multi(storage, fail_every=3, record_on="scheduler"))
     assert _run_three_requests_and_wait_for_the_log(server) == {"Acked": 2, "Failed": 1}
     text = _poll_metrics(server, RESOLVED_FAMILY, 2, outcome="acked")
     _assert_transfer_families(text)

@@ -19,17 +19,19 @@ import jsonschema
 import referencing
 import referencing.jsonschema
 
+from .schema_errors import describe
+
 MIN_KUBERNETES = "1.30"  # the CRD's minimum server version (charts/omni-pipeline/README.md)
 _SCHEMA_DIR = f"kubernetes-json-schema/v{MIN_KUBERNETES}.0-local-strict"
 _DEFS_URI = "https://kubernetes.io/api/_definitions.json"
 _INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
-MAX_MESSAGE = 300
 
 # Where each pass-through field of a stage lands in the pod, and its Kubernetes type.
 TOLERATION = "io.k8s.api.core.v1.Toleration"
 ENV_VAR = "io.k8s.api.core.v1.EnvVar"
 RESOURCES = "io.k8s.api.core.v1.ResourceRequirements"
 POD_SPEC = "io.k8s.api.core.v1.PodSpec"
+OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 
 
 def _read(name: str) -> dict[str, Any]:
@@ -102,17 +104,8 @@ def check_object(obj: dict[str, Any]) -> list[tuple[str, str]] | None:
 def _errors(validator: jsonschema.Draft202012Validator, value: Any, field: str) -> list[tuple[str, str]]:
     out = []
     for error in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path))):
-        for leaf in _leaves(error):
-            out.append((_join(field, leaf.absolute_path), _message(leaf)))
+        out.append((_join(field, error.absolute_path), _message(error)))
     return list(dict.fromkeys(out))
-
-
-def _leaves(error: jsonschema.ValidationError) -> Iterable[jsonschema.ValidationError]:
-    """The most specific errors: a oneOf/anyOf failure is reported by its closest branch."""
-    if error.context:
-        best = jsonschema.exceptions.best_match(error.context)
-        return [best] if best is not None else [error]
-    return [error]
 
 
 def _join(field: str, parts: Iterable[Any]) -> str:
@@ -128,12 +121,11 @@ def _join(field: str, parts: Iterable[Any]) -> str:
 
 
 def _message(error: jsonschema.ValidationError) -> str:
-    if error.validator == "additionalProperties":
-        allowed = sorted((error.schema.get("properties") or {}).keys()) if isinstance(error.schema, dict) else []
-        text = f"{error.message}" + (f"; the Kubernetes fields here are {', '.join(allowed)}" if allowed else "")
+    text = describe(error)
+    if error.validator == "additionalProperties" and isinstance(error.schema, dict):
+        allowed = sorted((error.schema.get("properties") or {}).keys())
+        if allowed and len(allowed) <= 20:
+            text += f"; the Kubernetes fields here are {', '.join(allowed)}"
     elif error.validator == "type":
-        text = f"{error.message} (Kubernetes' schema)"
-    else:
-        text = error.message
-    text = " ".join(text.split())
-    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
+        text += " (Kubernetes' schema)"
+    return text

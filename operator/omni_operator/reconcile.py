@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from . import API_VERSION, KIND, naming
-from .admission import admit
-from .diff import merge_patch
+from .admission import Admitted, admit
+from .diff import last_applied, merge_patch
 from .errors import SpecError
 from .kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, PODMONITOR, Kind
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
 from .model import Pipeline
-from .render import render_children
 from .status import compute_status, invalid_status, status_patch
 
 log = logging.getLogger("omni_operator")
@@ -99,23 +98,6 @@ def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 
 def child_selector(pipeline_name: str) -> str:
     return f"{naming.PIPELINE_LABEL}={pipeline_name},app.kubernetes.io/managed-by={naming.MANAGER}"
-
-
-def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
-    """The desired object plus an annotation recording it, for the next three-way diff."""
-    record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
-    meta = dict(desired["metadata"])
-    meta["annotations"] = {**meta.get("annotations", {}), naming.LAST_APPLIED_ANNOTATION: record}
-    return {**desired, "metadata": meta}
-
-
-def last_applied(live: Mapping[str, Any]) -> dict[str, Any]:
-    text = ((live.get("metadata") or {}).get("annotations") or {}).get(naming.LAST_APPLIED_ANNOTATION)
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class Reconciler:
@@ -195,9 +177,10 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
-            pipeline = admit(body)
+            admitted = admit(body)
         except SpecError as exc:
             return self._refuse(body, "InvalidSpec", str(exc))
+        pipeline = admitted.pipeline
         rejected = self._rejected.get((namespace, name))
         if rejected is not None and rejected[:2] == (pipeline.uid, pipeline.generation):
             # Refused before for this very generation: report it (a no-op when the status
@@ -205,16 +188,19 @@ class Reconciler:
             return self._refuse(body, "ChildRejected", rejected[2], pipeline.generation)
         self._rejected.pop((namespace, name), None)
         try:
-            return self._apply(body, pipeline)
+            return self._apply(body, admitted)
         except ChildRejected as exc:
             self._rejected[(namespace, name)] = (pipeline.uid, pipeline.generation, exc.message)
             log.warning("%s/%s: %s", namespace, name, exc.message)
             return self._refuse(body, "ChildRejected", exc.message, pipeline.generation)
 
-    def _apply(self, body: dict[str, Any], pipeline: Pipeline) -> Outcome:
+    def _apply(self, body: dict[str, Any], admitted: Admitted) -> Outcome:
+        """Apply the children admission rendered (each with its last-applied record): the
+        very objects it checked."""
+        pipeline = admitted.pipeline
         namespace, name = pipeline.namespace, pipeline.name
         podmonitors = self._podmonitors_served()
-        desired = [with_last_applied(child) for child in render_children(pipeline, podmonitor_available=podmonitors)]
+        desired = admitted.children_for(podmonitor_available=podmonitors)
         self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
         live = self._owned_children(pipeline, podmonitors)
         outcome = Outcome("unchanged")

@@ -30,7 +30,7 @@ def describe(error: jsonschema.ValidationError) -> str:
         best = jsonschema.exceptions.best_match(error.context or [])
         text = describe(best) if best is not None else "is not a valid value here"
     elif v == "maxItems":
-        text = f"has {len(value)} {noun}: at most {bound} are allowed"
+        text = f"has {len(value)} {noun}: at most {bound} {noun} are allowed"
     elif v == "minItems":
         text = f"needs at least {bound} {noun if bound != 1 else noun.rstrip('s') or 'item'}" + \
             ("" if value else " (the list is empty)")

@@ -94,11 +94,79 @@ def check_pod_spec_field(name: str, value: Any, field: str) -> list[tuple[str, s
 
 
 def check_object(obj: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """A whole rendered object against the schema of its kind; None when the kind is not built in."""
-    validator = _kind_validator(str(obj.get("kind")), str(obj.get("apiVersion")))
+    """A whole rendered object against the schema of its kind; None when the kind is not built in.
+
+    Rendered objects of one shape (the same fields, numbers and booleans, strings that differ
+    only where the schema does not look at their content: names, labels, config text) are
+    valid or not alike, so a valid shape is remembered; an invalid one is checked afresh
+    each time, for messages that quote its own values."""
+    kind, api_version = str(obj.get("kind")), str(obj.get("apiVersion"))
+    validator = _kind_validator(kind, api_version)
     if validator is None:
         return None
-    return _errors(validator, obj, "")
+    constrained = _content_constrained(kind, api_version)
+    key = None
+    if constrained is not None:
+        key = (kind, api_version, json.dumps(_shape(obj, "", constrained), sort_keys=True))
+        if key in _VALID_SHAPES:
+            return []
+    errors = _errors(validator, obj, "")
+    if not errors and key is not None:
+        if len(_VALID_SHAPES) > 4096:
+            _VALID_SHAPES.clear()
+        _VALID_SHAPES.add(key)
+    return errors
+
+
+_VALID_SHAPES: set[tuple[str, str, str]] = set()
+#: Keywords that look only at a value's structure, never at a string's content (formats are
+#: not asserted: jsonschema checks them only with a format checker, which is not used).
+_STRUCTURAL = {"type", "properties", "additionalProperties", "items", "required", "$ref", "description", "format",
+               "default", "minimum", "maximum", "minItems", "maxItems", "minProperties", "maxProperties",
+               "oneOf", "anyOf", "allOf", "title", "$schema", "$id"}
+
+
+@functools.cache
+def _content_constrained(kind: str, api_version: str) -> frozenset[str] | None:
+    """The property names under which the kind's schema looks at a string's content (enum,
+    pattern, lengths, uniqueness, anything not in _STRUCTURAL); None when some map's values
+    are so constrained (then no shape is remembered for the kind)."""
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema = json.loads(json.dumps(_read(f"{kind.lower()}-{group_version}.json"))
+                        .replace('"/api/_definitions.json#', f'"{_DEFS_URI}#'))
+    definitions = _registry().contents(_DEFS_URI)["$defs"]
+    found: set[str] = set()
+    seen: set[tuple[int, str]] = set()
+
+    def walk(node: Any, prop: str) -> None:
+        while isinstance(node, dict) and "$ref" in node:
+            node = definitions[node["$ref"].rsplit("/", 1)[1]]
+        if not isinstance(node, dict) or (id(node), prop) in seen:
+            return
+        seen.add((id(node), prop))
+        if any(k not in _STRUCTURAL and not k.startswith("x-kubernetes-") for k in node):
+            found.add(prop)
+        for branch in [*node.get("oneOf", []), *node.get("anyOf", []), *node.get("allOf", [])]:
+            walk(branch, prop)
+        for name, sub in (node.get("properties") or {}).items():
+            walk(sub, name)
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], "*")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], prop)
+
+    walk(schema, "")
+    return None if "*" in found or "" in found else frozenset(found)
+
+
+def _shape(value: Any, prop: str, constrained: frozenset[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _shape(v, k, constrained) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(v, prop, constrained) for v in value]
+    if isinstance(value, str) and prop not in constrained:
+        return ""
+    return value
 
 
 def _errors(validator: jsonschema.Draft202012Validator, value: Any, field: str) -> list[tuple[str, str]]:

@@ -113,6 +113,10 @@ class Reconciler:
         # What each pipeline's children should look like, as last rendered: lets a child
         # event be ignored cheaply when the child is still as desired.
         self._desired: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
+        # Children found as desired: (namespace, kind, name) -> (their resourceVersion, the
+        # desired object they were compared with). The same version compared with the same
+        # (admitted, shared) desired object gives the same empty patch: not diffed again.
+        self._in_sync: dict[tuple[str, str, str], tuple[str, dict[str, Any]]] = {}
         # Generations whose child the API server refused: (uid, generation) -> the report.
         # Such a generation is not applied again (it would be refused again).
         self._rejected: dict[tuple[str, str], tuple[str, int, str]] = {}
@@ -143,6 +147,9 @@ class Reconciler:
 
         Under the pipeline's lock: a reconcile running meanwhile reads what it stored."""
         with self._lock_for(namespace, name):
+            for key in [k for k, (_, want) in self._in_sync.items()
+                        if k[0] == namespace and (want["metadata"].get("labels") or {}).get(naming.PIPELINE_LABEL) == name]:
+                self._in_sync.pop(key, None)
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
             self.metrics.set_phase(namespace, name, None)
@@ -202,7 +209,12 @@ class Reconciler:
         podmonitors = self._podmonitors_served()
         desired = admitted.children_for(podmonitor_available=podmonitors)
         self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
-        live = self._owned_children(pipeline, podmonitors)
+        # A pipeline whose spec never changed (generation 1) and that no reconcile has
+        # finished yet (no observedGeneration) can own no child but those rendered from this
+        # very spec by an attempt that stopped half-way: creating each child finds those
+        # (409: read, compare, patch), and none can be undesired. So nothing is listed.
+        first = pipeline.generation <= 1 and not (body.get("status") or {}).get("observedGeneration")
+        live = {} if first else self._owned_children(pipeline, podmonitors)
         outcome = Outcome("unchanged")
         current: dict[tuple[str, str], dict[str, Any]] = {}
         conflicts = []
@@ -268,8 +280,15 @@ class Reconciler:
             live = self.kube.get(kind, pipeline.namespace, name)
             if live is None or not is_owned_by(live, pipeline.uid):
                 return None
+        version = (live.get("metadata") or {}).get("resourceVersion")
+        key = (pipeline.namespace, kind.kind, name)
+        known = self._in_sync.get(key)
+        if version and known is not None and known[0] == version and known[1] is desired:
+            return live
         patch = merge_patch(desired, live, last_applied(live))
         if not patch:
+            if version:
+                self._in_sync[key] = (version, desired)
             return live
         with _refusals("patch", kind.kind, name):
             patched = self.kube.patch(kind, pipeline.namespace, name, patch)

@@ -61,8 +61,11 @@ def to_jsonschema(node: dict[str, Any], *, root: bool = False) -> dict[str, Any]
         out["uniqueItems"] = True
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
-    if root:  # metadata is ObjectMeta: its shape and rules are the server's own (objectmeta.py)
-        out.setdefault("properties", {})["metadata"] = {"type": "object"}
+    if root:  # metadata is ObjectMeta: its shape and rules are the server's own (objectmeta.py);
+        # a CRD may only restrict its name (and generateName), which is kept.
+        metadata = out.setdefault("properties", {}).get("metadata") or {}
+        out["properties"]["metadata"] = {"type": "object", "properties": {
+            k: v for k, v in (metadata.get("properties") or {}).items() if k in ("name", "generateName")}}
         out["required"] = sorted(set(out.get("required", [])) | {"metadata"})
     return out
 

@@ -222,3 +222,44 @@ def test_each_step_once_per_reconcile(kube, reconciler, monkeypatch):
     reconciler.reconcile(NAMESPACE, "once")
     assert counts == {"defaults": 2, "render": 2}
     assert kube.get(DEPLOYMENT, NAMESPACE, "once-thinker")["spec"]["replicas"] == 2
+
+
+def test_a_first_reconcile_lists_nothing_and_a_half_done_one_is_finished(kube, emulator, reconciler, monkeypatch):
+    """A new pipeline's children are created without listing (none can exist but its own);
+    an attempt that stopped after some creates is completed by the next, without duplicates
+    and with the children as desired."""
+    create_pipeline(kube, pipeline_body())
+    calls = len(emulator.calls())
+    broken = Reconciler(make_kube(emulator.url))
+    made = []
+    real_create = broken.kube.create
+
+    def create_then_stop(kind, namespace, body):
+        if len(made) == 5:
+            raise RuntimeError("the operator stopped here")
+        made.append(body["metadata"]["name"])
+        return real_create(kind, namespace, body)
+
+    monkeypatch.setattr(broken.kube, "create", create_then_stop)
+    with pytest.raises(RuntimeError):
+        broken.reconcile(NAMESPACE, "tiny")
+    broken.kube.close()
+    assert not [c for c in emulator.calls()[calls:] if c.verb == "list"]
+    kube.patch(CONFIGMAP, NAMESPACE, "tiny-thinker", {"data": {"stage.yaml": "edited meanwhile"}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.result == "applied"
+    assert "patch ConfigMap/tiny-thinker" in outcome.changed
+    assert names(kube, DEPLOYMENT) == ["tiny-code2wav", "tiny-talker", "tiny-thinker"]
+    assert "edited meanwhile" not in kube.get(CONFIGMAP, NAMESPACE, "tiny-thinker")["data"]["stage.yaml"]
+    assert kube.get_pipeline(NAMESPACE, "tiny")["status"]["observedGeneration"] == 1
+    assert (reconciler.reconcile(NAMESPACE, "tiny").writes) == 0
+
+
+def test_a_child_changed_since_it_was_found_in_sync_is_compared_again(kube, reconciler):
+    create_pipeline(kube, pipeline_body())
+    reconciler.reconcile(NAMESPACE, "tiny")
+    assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0  # now remembered in sync
+    kube.patch(DEPLOYMENT, NAMESPACE, "tiny-talker", {"spec": {"replicas": 3}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.changed == ["patch Deployment/tiny-talker"]
+    assert kube.get(DEPLOYMENT, NAMESPACE, "tiny-talker")["spec"]["replicas"] == 1

@@ -105,16 +105,6 @@ def check_engine_args(engine_args: Any, *, sends_kv: bool) -> None:
         raise EngineArgsError(problems[0])
 
 
-def additional_config(engine_args: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's ``additional-config`` (empty when none), for the stage to merge its own into."""
-    for key, value in engine_args.items():
-        if flag_name(str(key)) == ADDITIONAL_CONFIG and value is not None:
-            for problem in _additional_config(str(key), value):
-                raise EngineArgsError(problem)
-            return dict(value)
-    return {}
-
-
 def user_kv_transfer_config(engine_args: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """The user's own KV connector config in ``engineArgs`` as (key, mapping), if any: a
     mapping, or its JSON text as vLLM's flag takes it; EngineArgsError if it is neither."""

@@ -55,14 +55,6 @@ def parse_quantity(value: object) -> Decimal:
     return result
 
 
-def is_quantity(value: object) -> bool:
-    try:
-        parse_quantity(value)
-    except ValueError:
-        return False
-    return True
-
-
 def quantities_equal(a: object, b: object) -> bool:
     try:
         return parse_quantity(a) == parse_quantity(b)

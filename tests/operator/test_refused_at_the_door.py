@@ -334,3 +334,9 @@ def test_validate_prints_one_line_per_problem_with_the_field(tmp_path: Path):
     assert cli.cmd_validate([path], out) == 1
     (line,) = out.getvalue().splitlines()
     assert line.startswith(f"{path}: document 1 (qwen-omni): metadata.labels['team name']: ")
+
+
+def test_a_stage_listing_itself_is_named():
+    (problem,) = problems_of(stage(1, inputs=["thinker", "talker"]))
+    assert problem.field == "spec.stages"
+    assert "spec.stages[1].inputs[1] is 'talker', the stage itself" in problem.message, problem

@@ -146,8 +146,11 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
         self._rv = itertools.count(1)
         self.current_rv = 0
         self._log: dict[Any, list[tuple[int, dict[str, Any]]]] = {}
-        # Live objects per resource, for LIST without scanning every object of every kind.
+        # Live objects per resource, for LIST without scanning every object of every kind,
+        # and per resource and label (key, value), for a LIST by label selector without
+        # scanning every object of the kind (as the API server's watch cache indexes them).
         self._index: dict[Any, dict[tuple[str | None, str], dict[str, Any]]] = {}
+        self._by_label: dict[Any, dict[tuple[str, str], set[tuple[str | None, str]]]] = {}
         # Every request as the authorizer would see it, in arrival order (an audit log), and
         # an optional authorizer: a call it refuses is answered 403 Forbidden, as RBAC would.
         self.calls: list[ApiCall] = []
@@ -182,11 +185,15 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
         rv = int(raw["metadata"]["resourceVersion"])
         event = {"type": etype, "object": _copy(raw)}
         bucket = self._index.setdefault(resource, {})
+        labels = self._by_label.setdefault(resource, {})
         where = (raw["metadata"].get("namespace"), raw["metadata"]["name"])
-        if etype == "DELETED":
-            bucket.pop(where, None)
-        else:
+        previous = bucket.pop(where, None)
+        for label in ((previous or {}).get("metadata") or {}).get("labels", {}).items():
+            labels.get(label, set()).discard(where)
+        if etype != "DELETED":
             bucket[where] = event["object"]
+            for label in (event["object"]["metadata"].get("labels") or {}).items():
+                labels.setdefault(label, set()).add(where)
         self._log.setdefault(resource, []).append((rv, event))
         await self._buses[resource].put(event)
 
@@ -381,7 +388,14 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
         custom = bool(request.resource.group) and request.resource.group.endswith("omnipipeline.dev")
         async with self._lock:
             items = []
-            for obj in self._index.get(request.resource, {}).values():
+            objects = self._index.get(request.resource, {})
+            equal = [(key, value) for op, key, value in terms if op == "="]
+            if equal:  # only the objects with the first such label, by name as a server lists them
+                found = self._by_label.get(request.resource, {}).get(equal[0], set())
+                candidates = [objects[w] for w in sorted(found, key=lambda w: (w[0] or "", w[1])) if w in objects]
+            else:
+                candidates = list(objects.values())
+            for obj in candidates:
                 if self._visible(request, obj, terms):
                     # Stored objects are never changed in place (a write stores a new one), and
                     # the list is serialised at once: a shallow copy is enough.

@@ -23,6 +23,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ROOT / "omni_runtime"
 OPERATOR = ROOT / "operator" / "omni_operator"
+#: The stage contract (engineArgs rules, the kv-transfer-config composition) that the operator
+#: and omni-stage both enforce with the same code: a package of its own because the operator
+#: may not import omni_runtime (its image has neither vLLM nor the runtime) and the runtime
+#: may not import the operator. Both images carry it, so it imports the standard library only.
+CONTRACT = ROOT / "omni_contract"
 
 #: concern -> the concerns it may import (besides itself). Order matters only for lookup:
 #: the longest matching prefix names a module's concern.
@@ -137,6 +142,31 @@ def test_no_import_cycles_between_modules():
             visit(m, [])
 
 
+def test_no_import_cycles_in_the_operator_or_the_contract():
+    """omni_operator (and omni_contract) import one way too: no module reaches itself again,
+    lazy imports included (cli.py starts local.py's supervisor; local.py never imports cli)."""
+    for root, package in ((OPERATOR, "omni_operator"), (CONTRACT, "omni_contract")):
+        modules = {_module_name(p, root, package): p for p in root.rglob("*.py")}
+        graph = {name: {m for m in _imports(path, name) if m in modules and m != name}
+                 for name, path in modules.items()}
+        state: dict[str, int] = defaultdict(int)
+
+        def visit(m: str, stack: list[str]) -> None:
+            state[m] = 1
+            stack.append(m)
+            for d in sorted(graph[m]):
+                if state[d] == 1:
+                    pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+                if state[d] == 0:
+                    visit(d, stack)
+            stack.pop()
+            state[m] = 2
+
+        for m in sorted(graph):
+            if state[m] == 0:
+                visit(m, [])
+
+
 def test_the_transfer_bookkeeping_imports_no_engine_or_io_library():
     for path in (RUNTIME / "transfers").rglob("*.py"):
         name = _module_name(path, RUNTIME, "omni_runtime")
@@ -163,6 +193,25 @@ def test_nothing_in_production_imports_development_helpers_or_the_operator():
         for target in _imports(path, name):
             assert target.split(".")[0] not in {"omni_operator", "kopf", "kubernetes"}, (
                 f"{name} imports {target}: omni_runtime never imports the operator")
+
+
+def test_the_stage_contract_imports_the_standard_library_only():
+    import sys
+
+    for path in CONTRACT.rglob("*.py"):
+        name = _module_name(path, CONTRACT, "omni_contract")
+        for target in _imports(path, name):
+            top = target.split(".")[0]
+            assert top == "omni_contract" or top in sys.stdlib_module_names or top == "__future__", (
+                f"{name} imports {target}: the stage contract is shared by both images; stdlib only")
+
+
+def test_the_operator_and_the_runtime_share_the_contract_not_each_other():
+    """Both sides import omni_contract for the stage contract's rules (one source)."""
+    runtime = {t for p in RUNTIME.rglob("*.py") for t in _imports(p, _module_name(p, RUNTIME, "omni_runtime"))}
+    operator = {t for p in OPERATOR.rglob("*.py") for t in _imports(p, _module_name(p, OPERATOR, "omni_operator"))}
+    assert any(t.startswith("omni_contract.engine_args") for t in runtime)
+    assert any(t.startswith("omni_contract.engine_args") for t in operator)
 
 
 def test_the_operator_imports_neither_vllm_nor_the_runtime():
@@ -233,7 +282,7 @@ def test_the_public_class_paths_and_console_scripts_resolve():
         assert callable(getattr(importlib.import_module(module), func)), target
 
 
-_FILE = re.compile(r"(?<![\w/.-])(?:omni_runtime|operator/omni_operator|benchmarks|monitoring)/[\w./-]*[\w/]")
+_FILE = re.compile(r"(?<![\w/.-])(?:omni_contract|omni_runtime|operator/omni_operator|benchmarks|monitoring)/[\w./-]*[\w/]")
 
 
 def test_every_documented_file_path_exists():

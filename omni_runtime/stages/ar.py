@@ -38,11 +38,16 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from omni_runtime.kv.connector_config import (
-    ConnectorConfigError,
-    composed_kv_transfer_config,
-    kv_transfer_config,
+from omni_contract.engine_args import (
+    ADDITIONAL_CONFIG,
+    KV_TRANSFER_CONFIG,
+    OMNI_KV_CONFIG,
+    EngineArgsError,
+    check_engine_args,
+    flag_name,
+    user_kv_transfer_config,
 )
+from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
 from omni_runtime.stages.config import StageConfig, StageConfigError
 
 logger = logging.getLogger(__name__)
@@ -61,39 +66,30 @@ EXIT_TRANSPORT_DEAD = 3
 #: the engine alone. Raising niceness needs no privilege.
 ENGINE_NICE = 10
 ENGINE_NICE_ENV = "OMNI_ENGINE_NICE"
-#: engineArgs the stage sets itself; a user value would break the stage contract.
-RESERVED_ARGS = frozenset({"model", "host", "port", "scheduler-cls", "served-model-name",
-                           "shutdown-timeout"})
 _IN_FLIGHT = re.compile(r'^omni_kv_transfers\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
 _THREAD_UP = re.compile(
     r'^omni_kv_transport_thread_up\{[^}]*thread="(sender|receiver)"[^}]*\}\s+(\S+)', re.M)
 
 
-def _flag(key: str) -> str:
-    kebab = re.sub(r"(?<!^)(?=[A-Z])", "-", key).replace("_", "-").lower()
-    return kebab.lstrip("-")
-
-
 def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
-    """``engineArgs`` as vLLM flags (keys in kebab, snake or camel case; ``true`` is a bare
-    flag, ``false`` is left out); returns (flags, the user's additional-config to merge).
-    A ``kv-transfer-config`` is left to :func:`vllm_command`, which composes it with the
-    omni KV connector (:func:`user_kv_connector`)."""
+    """``engineArgs`` as vLLM flags (keys in kebab, snake or camel case: the stage contract's
+    ``flag_name``; ``true`` is a bare flag, ``false`` is left out); returns (flags, the user's
+    additional-config to merge). A ``kv-transfer-config`` is left to :func:`vllm_command`,
+    which composes it with the omni KV connector. Arguments the contract refuses
+    (``omni_contract.engine_args``; parse_stage_config has refused them already) raise
+    StageConfigError."""
+    try:
+        check_engine_args(engine_args, sends_kv=False)
+    except EngineArgsError as exc:
+        raise StageConfigError(str(exc)) from None
     argv: list[str] = []
     additional: dict[str, Any] = {}
     for key, value in engine_args.items():
-        flag = _flag(key)
-        if flag in RESERVED_ARGS:
-            raise StageConfigError(
-                f"engineArgs.{key} is set by the stage itself; remove it (model, ports and "
-                "the omni scheduler come from the pipeline spec)"
-            )
-        if flag == "kv-transfer-config":
-            continue  # vllm_command composes it with the omni connector (user_kv_connector)
-        if flag == "additional-config":
-            if not isinstance(value, Mapping):
-                raise StageConfigError(f"engineArgs.{key} must be a mapping")
-            additional.update(value)
+        flag = flag_name(key)
+        if flag == KV_TRANSFER_CONFIG:
+            continue  # vllm_command composes it with the omni connector
+        if flag == ADDITIONAL_CONFIG:
+            additional.update(value or {})
         elif value is True:
             argv.append(f"--{flag}")
         elif value is False or value is None:
@@ -114,32 +110,16 @@ def shutdown_timeout_flag(grace_seconds: float) -> list[str]:
 def user_kv_connector(engine_args: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """The user's own KV connector in ``engineArgs`` (key, config), if any: a mapping, or
     its JSON text as vLLM's flag takes it."""
-    for key, value in engine_args.items():
-        if _flag(key) != "kv-transfer-config" or value is None:
-            continue
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise StageConfigError(f"engineArgs.{key} is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise StageConfigError(
-                f"engineArgs.{key} must be a mapping (a vLLM KVTransferConfig), "
-                f"got {type(value).__name__}")
-        return key, dict(value)
-    return None
+    try:
+        return user_kv_transfer_config(engine_args)
+    except EngineArgsError as exc:
+        raise StageConfigError(str(exc)) from None
 
 
 def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *,
                  grace_seconds: float | None = None) -> list[str]:
     flags, additional = engine_args_to_cli(config.engine_args)
-    for key in ("omni_kv_config",):
-        if key in additional:
-            raise StageConfigError(
-                f"engineArgs.additional-config.{key} is set by the stage from kvTransfer and "
-                "the pipeline graph; remove it"
-            )
-    additional["omni_kv_config"] = config.omni_kv_config()
+    additional[OMNI_KV_CONFIG] = config.omni_kv_config()
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", config.model,
@@ -151,7 +131,7 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
     ]
     user = user_kv_connector(config.engine_args)
     connector = user[1] if user else None
-    if additional["omni_kv_config"].get("need_send_cache"):
+    if additional[OMNI_KV_CONFIG].get("need_send_cache"):
         # The omni KV connector moves the bytes (vLLM's KV connector interface; no worker
         # class of ours), composed with the user's own through vLLM's MultiConnector.
         # The user's connector config cannot reach ours (composed_kv_transfer_config refuses
@@ -163,9 +143,10 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
         )
         if user is not None:
             try:
-                connector = composed_kv_transfer_config(connector, user[1])
-            except ConnectorConfigError as exc:
-                raise StageConfigError(f"engineArgs.{user[0]}: {exc}") from None
+                check_engine_args({user[0]: user[1]}, sends_kv=True)
+            except EngineArgsError as exc:
+                raise StageConfigError(str(exc)) from None
+            connector = composed_kv_transfer_config(connector, user[1])
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector, sort_keys=True)]
     if config.model_dir:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from omni_contract.engine_args import engine_args_problems
 from omni_runtime.kv.cpu_affinity import CPUListError, requested_cpus
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config
 
@@ -90,17 +91,37 @@ def _get(mapping: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wh
     return value
 
 
+def _optional_str(mapping: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = mapping.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise StageConfigError(f"{where}{key} must be a string, got {value!r}")
+    return value
+
+
+def _port(ports: Mapping[str, Any], key: str, default: int) -> int:
+    port = _get(ports, key, int, "ports.", default)
+    if not 1 <= port <= 65535:
+        raise StageConfigError(f"ports.{key} must be a port number from 1 to 65535, got {port}")
+    return port
+
+
 def parse_stage_config(raw: Any) -> StageConfig:
+    """The stage config, checked; StageConfigError naming the key for anything the stage
+    cannot run with (never another exception, whatever ``raw`` holds)."""
     if not isinstance(raw, Mapping):
         raise StageConfigError("the stage config must be a mapping")
     model = _get(raw, "model", Mapping, "")
-    model_ref = model.get("path") or model.get("name")
+    name = _optional_str(model, "name", "model.")
+    path = _optional_str(model, "path", "model.")
+    model_ref = path or name
     if not model_ref:
         raise StageConfigError("model.name or model.path is required")
     kv = _get(raw, "kvTransfer", Mapping, "", {})
     ports = _get(raw, "ports", Mapping, "", {})
     obs = _get(raw, "observability", Mapping, "", {})
-    tracing = obs.get("tracing") or {}
+    tracing = _get(obs, "tracing", Mapping, "observability.", {})
     downstream = []
     for i, entry in enumerate(_get(raw, "downstream", list, "", [])):
         where = f"downstream[{i}]."
@@ -112,26 +133,33 @@ def parse_stage_config(raw: Any) -> StageConfig:
     timeout = kv.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
         raise StageConfigError(f"kvTransfer.timeoutSeconds must be a number, got {timeout!r}")
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise StageConfigError(f"kvTransfer.timeoutSeconds must be a positive number of seconds, got {timeout!r}")
     criteria = kv.get("criteria")
     if criteria is not None and not isinstance(criteria, Mapping):
         raise StageConfigError("kvTransfer.criteria must be a mapping with a type")
     kv_send = bool(_get(kv, "send", bool, "kvTransfer.", False))
+    engine_args = dict(_get(raw, "engineArgs", Mapping, "", {}))
+    # The stage contract (omni_contract), checked with the very code the operator and
+    # `omni-pipeline validate` check a pipeline with: what they accept, the stage runs.
+    for problem in engine_args_problems(engine_args, sends_kv=kv_send):
+        raise StageConfigError(str(problem))
     config = StageConfig(
         pipeline=_get(raw, "pipeline", str, ""),
         stage=_get(raw, "stage", str, ""),
         role=_get(raw, "role", str, ""),
-        model=str(model_ref),
-        model_name=str(model.get("name") or model_ref),
-        model_dir=model.get("cacheDir"),
-        engine_args=dict(_get(raw, "engineArgs", Mapping, "", {})),
+        model=model_ref,
+        model_name=name or model_ref,
+        model_dir=_optional_str(model, "cacheDir", "model."),
+        engine_args=engine_args,
         kv_send=kv_send,
         kv_criteria=dict(criteria) if criteria else None,
         kv_timeout_seconds=float(timeout) if timeout is not None else None,
         kv_io_cpus=_io_cpus(kv.get("ioCpus"), kv_send),
         downstream=tuple(downstream),
-        http_port=_get(ports, "http", int, "ports.", DEFAULT_HTTP_PORT),
-        kv_port=_get(ports, "kv", int, "ports.", DEFAULT_KV_PORT),
-        otlp_endpoint=tracing.get("otlpEndpoint") or None,
+        http_port=_port(ports, "http", DEFAULT_HTTP_PORT),
+        kv_port=_port(ports, "kv", DEFAULT_KV_PORT),
+        otlp_endpoint=_optional_str(tracing, "otlpEndpoint", "observability.tracing."),
     )
     if config.is_ar:
         # Fail here, naming the stage config's keys, rather than deep in vLLM's start-up.
@@ -176,11 +204,13 @@ def _as_stage_keys(message: str) -> str:
 
 def load_stage_config(path: str | Path) -> StageConfig:
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise StageConfigError(f"cannot read the stage config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise StageConfigError(f"{path} is not valid YAML: {exc}") from None
+        raise StageConfigError(f"cannot read the stage config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise StageConfigError(f"{path} is not UTF-8 text") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise StageConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     try:
         return parse_stage_config(raw)
     except StageConfigError as exc:

@@ -51,8 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     if config.is_ar:
         from omni_runtime.stages.ar import ARStage, vllm_command
 
+        try:
+            # Built once here so that a config the stage cannot run stops it with its key
+            # named (exit 2), whatever path found it, and never as a traceback.
+            command = vllm_command(config, args.host, grace_seconds=grace)
+        except StageConfigError as exc:
+            print(f"omni-stage: {args.config}: {exc}", file=sys.stderr)
+            return 2
         if args.print_command:
-            print(" ".join(vllm_command(config, args.host, grace_seconds=grace)))
+            print(" ".join(command))
             return 0
         return ARStage(config, host=args.host, grace_seconds=grace).run()
     # One process serves a receiving stage's /metrics: prometheus_client's single-process

@@ -1,53 +1,91 @@
 """The one check an OmniPipeline passes before anything is rendered from it.
 
-`omni-pipeline validate` and the operator (before each render) both call `admit`; it
-refuses, naming each field and the fix, whatever the API server or a kubelet would refuse
-for the pipeline or for any object the operator renders from it:
+`omni-pipeline validate` and the operator (at each reconcile) both call `admit`; it refuses,
+naming each field and the fix, whatever the API server or a kubelet would refuse for the
+pipeline or for any object the operator renders from it, each step once:
 
 1. the document is an `omnipipeline.dev/v1alpha1` `OmniPipeline`;
-2. the CRD's schema and CEL rules, evaluated as the API server does (`validation.py`): an
-   old CRD on the cluster, or none (a local file), changes nothing;
-3. the rules the schema cannot state (`model.parse_pipeline`: cycles, reserved names, ...);
-4. the fields a stage passes through to its pod (resources, nodeSelector, tolerations, env),
+2. the API server's view of it: nulls it drops pruned, the CRD's defaults applied (once);
+3. what the API server checks for the resource (`validation.py`): its metadata (ObjectMeta's
+   shape and apimachinery's rules), the CRD's schema and CEL rules, evaluated as the server
+   does: an old CRD on the cluster, or none (a local file), changes nothing;
+4. the typed view of that body (`model.pipeline_view`) and the rules no schema can state
+   (`model.graph_problems`: cycles, a sender with no receiver, CPU-list order, the stage
+   contract's engineArgs rules, shared with `omni-stage`);
+5. the fields a stage passes through to its pod (resources, nodeSelector, tolerations, env),
    against Kubernetes' own schema for their type (`kube_schema.py`), plus what the API
-   server's pod validation adds for extended resources;
-5. every rendered child against the Kubernetes schema of its kind: a last guard, so a gap
-   in 1-4 shows here as a refused pipeline rather than as a child the server refuses.
+   server's pod validation adds (`pod_rules.py`);
+6. every child rendered from it (`render.py`), as it would be written (with its last-applied
+   record), against the Kubernetes schema of its kind and the server's object rules
+   (ObjectMeta, a ConfigMap's size): a last guard, so a gap in 1-5 shows here as a refused
+   pipeline rather than as a child the server refuses.
 
-Pure and deterministic; the operator memoises the result per spec.
+`admit` returns the typed pipeline and those children, so that a reconcile applies what was
+checked, without parsing or rendering again. Pure and deterministic; memoised per spec.
 """
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import API_VERSION, KIND
+from .diff import with_last_applied
 from .errors import Problem, SpecError
+from .kinds import CONFIGMAP, PODMONITOR
 from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod_spec_field, check_value
-from .model import Pipeline, Stage, parse_pipeline
-from .quantities import parse_quantity
+from .model import Pipeline, Stage, graph_problems, pipeline_view
+from .objectmeta import metadata_problems
+from .pod_rules import stage_problems
 from .render import render_children
-from .validation import resource_problems
+from .schema_errors import shown
+from .validation import pipeline_view_problems, server_view
+
+#: ValidateConfigMap: the data of a ConfigMap is at most 1 MiB (core.MaxSecretSize).
+MAX_CONFIGMAP_DATA = 1024 * 1024
+#: The metadata the checks read: the server's own (resourceVersion, managedFields, status)
+#: changes on every write and would defeat the memo.
+_KEY_METADATA = ("name", "namespace", "uid", "generation", "labels", "annotations", "finalizers",
+                 "ownerReferences", "generateName")
 
 
-def admit(body: Any) -> Pipeline:
-    """The pipeline, typed and checked; SpecError listing every problem otherwise."""
-    problems = problems_of(body)
-    if problems:
-        raise SpecError(problems)
-    return parse_pipeline(body)
+@dataclass(frozen=True)
+class Admitted:
+    """A pipeline that passed every check, and its children as they are written: every child
+    the pipeline should have, a PodMonitor included (a reconcile leaves it out where the
+    cluster does not serve PodMonitors), each with its last-applied record. Shared between
+    reconciles of an unchanged spec: never modify them."""
+    pipeline: Pipeline
+    children: tuple[dict[str, Any], ...]
+
+    def children_for(self, *, podmonitor_available: bool) -> list[dict[str, Any]]:
+        return [c for c in self.children if podmonitor_available or c["kind"] != PODMONITOR.kind]
+
+
+def admit(body: Any) -> Admitted:
+    """The pipeline, typed and checked, and its rendered children; SpecError listing every
+    problem otherwise."""
+    result = _admission(body)
+    if isinstance(result, Admitted):
+        return result
+    raise SpecError(list(result))
 
 
 def problems_of(body: Any) -> list[Problem]:
     """Every problem (empty: the pipeline is admitted). Never raises on any JSON value."""
+    result = _admission(body)
+    return [] if isinstance(result, Admitted) else list(result)
+
+
+def _admission(body: Any) -> Admitted | tuple[Problem, ...]:
     if not isinstance(body, dict):
-        return [Problem("<root>", "must be an OmniPipeline object (apiVersion, kind, metadata, spec)")]
+        return (Problem("<root>", "must be an OmniPipeline object (apiVersion, kind, metadata, spec)"),)
     identity = _identity(body)
     if identity:
-        return identity
+        return tuple(identity)
     key = _cache_key(body)
-    return list(_cached_problems(key)) if key is not None else _problems(body)
+    return _cached(key) if key is not None else _check(body)
 
 
 def _identity(body: Mapping[str, Any]) -> list[Problem]:
@@ -64,37 +102,42 @@ def _cache_key(body: Mapping[str, Any]) -> str | None:
     if not isinstance(meta, dict):
         return None
     try:
-        # Only what the checks read: the server's own metadata (uid, resourceVersion, managed
-        # fields) changes on every write and would defeat the memo.
-        kept = {k: meta[k] for k in ("name", "namespace", "labels", "annotations") if k in meta}
+        kept = {k: meta[k] for k in _KEY_METADATA if k in meta}
+        if set(meta) - set(_KEY_METADATA) - {"resourceVersion", "managedFields", "creationTimestamp", "selfLink",
+                                             "deletionTimestamp", "deletionGracePeriodSeconds"}:
+            return None  # an unknown metadata field: checked afresh, reported
         return json.dumps({"metadata": kept, "spec": body.get("spec")}, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):
         return None
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_problems(key: str) -> tuple[Problem, ...]:
+@functools.lru_cache(maxsize=512)
+def _cached(key: str) -> Admitted | tuple[Problem, ...]:
     parts = json.loads(key)
     body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": parts["metadata"]}
     if parts["spec"] is not None:
         body["spec"] = parts["spec"]
-    return tuple(_problems(body))
+    return _check(body)
 
 
-def _problems(body: dict[str, Any]) -> list[Problem]:
-    crd_errors = resource_problems(body)
-    if crd_errors:
-        return [Problem(field, message) for field, message in crd_errors]
-    try:
-        pipeline = parse_pipeline(body)
-    except SpecError as exc:
-        return list(exc.problems)
-    problems: list[Problem] = []
+def _check(body: dict[str, Any]) -> Admitted | tuple[Problem, ...]:
+    view = server_view(body)
+    found = pipeline_view_problems(view)
+    if found:
+        return tuple(Problem(field, message) for field, message in found)
+    pipeline = pipeline_view(view)
+    problems = graph_problems(pipeline)
+    if problems:
+        return tuple(problems)
     for i, stage in enumerate(pipeline.stages):
         problems += _stage_pod_fields(f"spec.stages[{i}]", stage)
     if problems:
-        return problems
-    return _rendered_children(pipeline)
+        return tuple(problems)
+    children = tuple(with_last_applied(child) for child in render_children(pipeline, podmonitor_available=True))
+    problems = _rendered_children(pipeline, children)
+    if problems:
+        return tuple(problems)
+    return Admitted(pipeline, children)
 
 
 def _stage_pod_fields(where: str, stage: Stage) -> list[Problem]:
@@ -105,54 +148,35 @@ def _stage_pod_fields(where: str, stage: Stage) -> list[Problem]:
         found += check_value(ENV_VAR, dict(env), f"{where}.env[{j}]")
     found += check_value(RESOURCES, {k: dict(v) for k, v in stage.resources.items()}, f"{where}.resources")
     found += check_pod_spec_field("nodeSelector", dict(stage.node_selector), f"{where}.nodeSelector")
-    problems = [Problem(field, message) for field, message in found]
-    problems += _extended_resources(where, stage)
-    return problems
+    return [Problem(field, message) for field, message in found] + stage_problems(where, stage)
 
 
-def _extended_resources(where: str, stage: Stage) -> list[Problem]:
-    """What the API server's container validation adds for extended (domain-prefixed)
-    resources: whole numbers, and a request equal to the limit (they cannot be overcommitted)."""
-    problems = []
-    requests = stage.resources.get("requests") or {}
-    limits = stage.resources.get("limits") or {}
-    for section, values in (("requests", requests), ("limits", limits)):
-        for name, value in values.items():
-            if "/" not in name or name.startswith("hugepages-"):
-                continue
-            try:
-                number = parse_quantity(value)
-            except ValueError:
-                continue  # reported by the CRD rules
-            if number != number.to_integral_value():
-                problems.append(Problem(f"{where}.resources.{section}[{name!r}]",
-                                        f"an extended resource is counted in whole units (got {value!r})"))
-    for name in requests:
-        if "/" in name and name in limits:
-            try:
-                same = parse_quantity(requests[name]) == parse_quantity(limits[name])
-            except ValueError:
-                continue
-            if not same:
-                problems.append(Problem(f"{where}.resources.requests[{name!r}]",
-                                        "an extended resource cannot be overcommitted: its request must equal its limit"))
-    return problems
-
-
-def _rendered_children(pipeline: Pipeline) -> list[Problem]:
+def _rendered_children(pipeline: Pipeline, children: tuple[dict[str, Any], ...]) -> list[Problem]:
     stage_of = {f"{pipeline.name}-{s.name}": i for i, s in enumerate(pipeline.stages)}
     problems = []
-    for child in render_children(pipeline, podmonitor_available=True):
-        errors = check_object(child)
+    for child in children:
         name = child["metadata"]["name"]
-        for path, message in errors or []:
-            field = f"spec.stages[{stage_of[name]}]" if name in stage_of else "spec"
-            problems.append(Problem(field, f"renders {child['kind']} {name}, which Kubernetes would refuse: {path}: {message}"))
+        field = f"spec.stages[{stage_of[name]}]" if name in stage_of else "spec"
+        found = list(check_object(child) or [])
+        # Its owner reference names the pipeline's uid, which the server gives the pipeline.
+        found += metadata_problems({k: v for k, v in child["metadata"].items() if k != "ownerReferences"})
+        if child["kind"] == CONFIGMAP.kind:
+            size = sum(len(str(v).encode()) for v in (child.get("data") or {}).values())
+            if size > MAX_CONFIGMAP_DATA:
+                found.append(("data", f"holds {size} bytes: the API server takes at most {MAX_CONFIGMAP_DATA} (1 MiB)"))
+        for path, message in found:
+            problems.append(Problem(field, f"renders {child['kind']} {name}, which Kubernetes would refuse: "
+                                           f"{path}: {message}{_fix(path)}"))
     return problems
+
+
+def _fix(path: str) -> str:
+    """What in the spec makes a rendered child too large, and so the fix."""
+    if path.startswith("metadata.annotations") or path == "data":
+        return ("; the stage's engineArgs and env make it too large (it is recorded whole for the next "
+                "update): make them smaller")
+    return ""
 
 
 def _shown(value: Any) -> str:
-    if value is None:
-        return "nothing"
-    text = json.dumps(value) if isinstance(value, (str, int, float, bool)) else type(value).__name__
-    return text if len(text) <= 80 else text[:80] + "..."
+    return "nothing" if value is None else shown(value)

@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from .admission import problems_of
+from .admission import admit, problems_of
 from .documents import Document, DocumentError, iter_files, load_documents, read_text
-from .errors import Problem
-from .model import parse_pipeline
+from .errors import Problem, SpecError
 
 
 def check_document(doc: Document) -> list[Problem]:
@@ -77,12 +76,15 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
     if len(documents) != 1:
         print(f"{args.file}: expected one OmniPipeline, found {len(documents)} documents", file=out)
         return 2
-    problems = check_document(documents[0])
-    if problems:
-        for problem in problems:
+    document = documents[0]
+    try:
+        if document.error is not None:
+            raise SpecError([Problem("<document>", document.error)])
+        pipeline = admit(document.value).pipeline
+    except SpecError as exc:
+        for problem in exc.problems:
             print(f"{args.file}: {problem}", file=out)
         return 2
-    pipeline = parse_pipeline(documents[0].value)
     options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after)
     return run_pipeline(pipeline, options, out)
 

@@ -15,8 +15,10 @@ deleted with null. A few maps (selectors, ConfigMap data) are owned whole.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from . import naming
 from .quantities import quantities_equal
 
 _MISSING = object()
@@ -25,6 +27,25 @@ IDENTITY_KEYS = frozenset({"apiVersion", "kind"})
 # Maps the operator owns whole: a key someone adds changes behaviour (a selector that matches
 # no pod, a node selector that schedules nowhere), so it is removed, not tolerated.
 WHOLE_MAPS = frozenset({"selector", "matchLabels", "nodeSelector", "data"})
+
+
+def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
+    """The desired object as it is written: plus an annotation recording it, for the next
+    three-way diff (`merge_patch`'s last_applied)."""
+    record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    meta = dict(desired["metadata"])
+    meta["annotations"] = {**meta.get("annotations", {}), naming.LAST_APPLIED_ANNOTATION: record}
+    return {**desired, "metadata": meta}
+
+
+def last_applied(live: dict[str, Any]) -> dict[str, Any]:
+    """What was last applied to a live object (its record annotation); {} when none."""
+    text = ((live.get("metadata") or {}).get("annotations") or {}).get(naming.LAST_APPLIED_ANNOTATION)
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def is_zero(value: Any) -> bool:

@@ -64,10 +64,12 @@ class Kube:
             headers["Content-Type"] = content_type or "application/json"
         if query:
             path = f"{path}?{urlencode(query)}"
-        params = self.api_client.param_serialize(
-            method=method, resource_path=path, header_params=headers, body=body, auth_settings=["BearerToken"],
+        method, url, headers, _, _ = self.api_client.param_serialize(
+            method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"],
         )
-        response = self.api_client.call_api(*params)
+        # The body is already JSON-ready (plain dicts): the REST client serialises it as it is,
+        # without the generated client's per-value sanitising walk.
+        response = self.api_client.call_api(method, url, headers, body)
         response.read()
         if not 200 <= response.status < 300:
             raise ApiException(http_resp=response)

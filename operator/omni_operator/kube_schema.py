@@ -19,17 +19,19 @@ import jsonschema
 import referencing
 import referencing.jsonschema
 
+from .schema_errors import describe
+
 MIN_KUBERNETES = "1.30"  # the CRD's minimum server version (charts/omni-pipeline/README.md)
 _SCHEMA_DIR = f"kubernetes-json-schema/v{MIN_KUBERNETES}.0-local-strict"
 _DEFS_URI = "https://kubernetes.io/api/_definitions.json"
 _INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
-MAX_MESSAGE = 300
 
 # Where each pass-through field of a stage lands in the pod, and its Kubernetes type.
 TOLERATION = "io.k8s.api.core.v1.Toleration"
 ENV_VAR = "io.k8s.api.core.v1.EnvVar"
 RESOURCES = "io.k8s.api.core.v1.ResourceRequirements"
 POD_SPEC = "io.k8s.api.core.v1.PodSpec"
+OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 
 
 def _read(name: str) -> dict[str, Any]:
@@ -92,27 +94,86 @@ def check_pod_spec_field(name: str, value: Any, field: str) -> list[tuple[str, s
 
 
 def check_object(obj: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """A whole rendered object against the schema of its kind; None when the kind is not built in."""
-    validator = _kind_validator(str(obj.get("kind")), str(obj.get("apiVersion")))
+    """A whole rendered object against the schema of its kind; None when the kind is not built in.
+
+    Rendered objects of one shape (the same fields, numbers and booleans, strings that differ
+    only where the schema does not look at their content: names, labels, config text) are
+    valid or not alike, so a valid shape is remembered; an invalid one is checked afresh
+    each time, for messages that quote its own values."""
+    kind, api_version = str(obj.get("kind")), str(obj.get("apiVersion"))
+    validator = _kind_validator(kind, api_version)
     if validator is None:
         return None
-    return _errors(validator, obj, "")
+    constrained = _content_constrained(kind, api_version)
+    key = None
+    if constrained is not None:
+        key = (kind, api_version, json.dumps(_shape(obj, "", constrained), sort_keys=True))
+        if key in _VALID_SHAPES:
+            return []
+    errors = _errors(validator, obj, "")
+    if not errors and key is not None:
+        if len(_VALID_SHAPES) > 4096:
+            _VALID_SHAPES.clear()
+        _VALID_SHAPES.add(key)
+    return errors
+
+
+_VALID_SHAPES: set[tuple[str, str, str]] = set()
+#: Keywords that look only at a value's structure, never at a string's content (formats are
+#: not asserted: jsonschema checks them only with a format checker, which is not used).
+_STRUCTURAL = {"type", "properties", "additionalProperties", "items", "required", "$ref", "description", "format",
+               "default", "minimum", "maximum", "minItems", "maxItems", "minProperties", "maxProperties",
+               "oneOf", "anyOf", "allOf", "title", "$schema", "$id"}
+
+
+@functools.cache
+def _content_constrained(kind: str, api_version: str) -> frozenset[str] | None:
+    """The property names under which the kind's schema looks at a string's content (enum,
+    pattern, lengths, uniqueness, anything not in _STRUCTURAL); None when some map's values
+    are so constrained (then no shape is remembered for the kind)."""
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema = json.loads(json.dumps(_read(f"{kind.lower()}-{group_version}.json"))
+                        .replace('"/api/_definitions.json#', f'"{_DEFS_URI}#'))
+    definitions = _registry().contents(_DEFS_URI)["$defs"]
+    found: set[str] = set()
+    seen: set[tuple[int, str]] = set()
+
+    def walk(node: Any, prop: str) -> None:
+        while isinstance(node, dict) and "$ref" in node:
+            node = definitions[node["$ref"].rsplit("/", 1)[1]]
+        if not isinstance(node, dict) or (id(node), prop) in seen:
+            return
+        seen.add((id(node), prop))
+        if any(k not in _STRUCTURAL and not k.startswith("x-kubernetes-") for k in node):
+            found.add(prop)
+        for branch in [*node.get("oneOf", []), *node.get("anyOf", []), *node.get("allOf", [])]:
+            walk(branch, prop)
+        for name, sub in (node.get("properties") or {}).items():
+            walk(sub, name)
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], "*")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], prop)
+
+    walk(schema, "")
+    return None if "*" in found or "" in found else frozenset(found)
+
+
+def _shape(value: Any, prop: str, constrained: frozenset[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _shape(v, k, constrained) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(v, prop, constrained) for v in value]
+    if isinstance(value, str) and prop not in constrained:
+        return ""
+    return value
 
 
 def _errors(validator: jsonschema.Draft202012Validator, value: Any, field: str) -> list[tuple[str, str]]:
     out = []
     for error in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path))):
-        for leaf in _leaves(error):
-            out.append((_join(field, leaf.absolute_path), _message(leaf)))
+        out.append((_join(field, error.absolute_path), _message(error)))
     return list(dict.fromkeys(out))
-
-
-def _leaves(error: jsonschema.ValidationError) -> Iterable[jsonschema.ValidationError]:
-    """The most specific errors: a oneOf/anyOf failure is reported by its closest branch."""
-    if error.context:
-        best = jsonschema.exceptions.best_match(error.context)
-        return [best] if best is not None else [error]
-    return [error]
 
 
 def _join(field: str, parts: Iterable[Any]) -> str:
@@ -128,12 +189,11 @@ def _join(field: str, parts: Iterable[Any]) -> str:
 
 
 def _message(error: jsonschema.ValidationError) -> str:
-    if error.validator == "additionalProperties":
-        allowed = sorted((error.schema.get("properties") or {}).keys()) if isinstance(error.schema, dict) else []
-        text = f"{error.message}" + (f"; the Kubernetes fields here are {', '.join(allowed)}" if allowed else "")
+    text = describe(error)
+    if error.validator == "additionalProperties" and isinstance(error.schema, dict):
+        allowed = sorted((error.schema.get("properties") or {}).keys())
+        if allowed and len(allowed) <= 20:
+            text += f"; the Kubernetes fields here are {', '.join(allowed)}"
     elif error.validator == "type":
-        text = f"{error.message} (Kubernetes' schema)"
-    else:
-        text = error.message
-    text = " ".join(text.split())
-    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
+        text += " (Kubernetes' schema)"
+    return text

@@ -45,7 +45,7 @@ def free_port(host: str) -> int:
 def launch_order(pipeline: Pipeline) -> list[str]:
     """Downstream stages first (reverse topological order of the input graph)."""
     graph = {s.name: list(s.inputs) for s in pipeline.stages}
-    assert find_cycle(graph) is None  # parse_pipeline rejected cycles
+    assert find_cycle(graph) is None  # admission refused cycles
     order: list[str] = []
     seen: set[str] = set()
 
@@ -328,14 +328,3 @@ def _tail(path: Path, n: int = 3000) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError:
         return ""
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m omni_operator.local`` still runs the ``omni-pipeline`` command line."""
-    from .cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

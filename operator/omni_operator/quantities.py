@@ -55,16 +55,45 @@ def parse_quantity(value: object) -> Decimal:
     return result
 
 
-def is_quantity(value: object) -> bool:
-    try:
-        parse_quantity(value)
-    except ValueError:
-        return False
-    return True
-
-
 def quantities_equal(a: object, b: object) -> bool:
     try:
         return parse_quantity(a) == parse_quantity(b)
     except ValueError:
         return a == b
+
+
+_DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
+_BINARY_SUFFIXES = {0: "", 1: "Ki", 2: "Mi", 3: "Gi", 4: "Ti", 5: "Pi", 6: "Ei"}
+
+
+def canonical_quantity(value: object) -> str:
+    """A quantity as the API server writes it back (apimachinery's Quantity.String(): the
+    format of its suffix kept, the mantissa without trailing zeros, the exponent a multiple of
+    three): "1000m" is "1", "1024Ki" is "1Mi", "1e3" stays "1e3". ValueError when not a
+    quantity."""
+    number = parse_quantity(value)
+    match = _QUANTITY.match(value) if isinstance(value, str) else None
+    suffix, exponent_form = (match.group(3), bool(match.group(2))) if match else (None, False)
+    # Values finer than a nano are rounded up to it, as ParseQuantity does.
+    nanos = number.scaleb(9)
+    if nanos != nanos.to_integral_value():
+        number = (nanos.to_integral_value(rounding="ROUND_CEILING") if number > 0
+                  else nanos.to_integral_value(rounding="ROUND_FLOOR")).scaleb(-9)
+    if number == 0:
+        return "0"
+    binary = suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+    if binary and abs(number) >= 1024 and number == number.to_integral_value():
+        mantissa, power = int(number), 0
+        while mantissa % 1024 == 0 and power < 6:
+            mantissa //= 1024
+            power += 1
+        return f"{mantissa}{_BINARY_SUFFIXES[power]}"
+    sign, digits, exponent = number.normalize().as_tuple()
+    mantissa = int("".join(map(str, digits)))
+    exponent = int(exponent)
+    shift = exponent % 3  # down to a multiple of three
+    mantissa, exponent = mantissa * 10**shift, exponent - shift
+    text = f"{'-' if sign else ''}{mantissa}"
+    if exponent_form:
+        return text + (f"e{exponent}" if exponent else "")
+    return text + _DECIMAL_SUFFIXES.get(exponent, f"e{exponent}")

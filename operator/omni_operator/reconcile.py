@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from . import API_VERSION, KIND, naming
-from .admission import admit
-from .diff import merge_patch
+from .admission import Admitted, admit
+from .diff import last_applied, merge_patch
 from .errors import SpecError
 from .kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, PODMONITOR, Kind
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
 from .model import Pipeline
-from .render import render_children
 from .status import compute_status, invalid_status, status_patch
 
 log = logging.getLogger("omni_operator")
@@ -101,23 +100,6 @@ def child_selector(pipeline_name: str) -> str:
     return f"{naming.PIPELINE_LABEL}={pipeline_name},app.kubernetes.io/managed-by={naming.MANAGER}"
 
 
-def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
-    """The desired object plus an annotation recording it, for the next three-way diff."""
-    record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
-    meta = dict(desired["metadata"])
-    meta["annotations"] = {**meta.get("annotations", {}), naming.LAST_APPLIED_ANNOTATION: record}
-    return {**desired, "metadata": meta}
-
-
-def last_applied(live: Mapping[str, Any]) -> dict[str, Any]:
-    text = ((live.get("metadata") or {}).get("annotations") or {}).get(naming.LAST_APPLIED_ANNOTATION)
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 class Reconciler:
     def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
                  clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0):
@@ -131,6 +113,10 @@ class Reconciler:
         # What each pipeline's children should look like, as last rendered: lets a child
         # event be ignored cheaply when the child is still as desired.
         self._desired: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
+        # Children found as desired: (namespace, kind, name) -> (their resourceVersion, the
+        # desired object they were compared with). The same version compared with the same
+        # (admitted, shared) desired object gives the same empty patch: not diffed again.
+        self._in_sync: dict[tuple[str, str, str], tuple[str, dict[str, Any]]] = {}
         # Generations whose child the API server refused: (uid, generation) -> the report.
         # Such a generation is not applied again (it would be refused again).
         self._rejected: dict[tuple[str, str], tuple[str, int, str]] = {}
@@ -161,6 +147,9 @@ class Reconciler:
 
         Under the pipeline's lock: a reconcile running meanwhile reads what it stored."""
         with self._lock_for(namespace, name):
+            for key in [k for k, (_, want) in self._in_sync.items()
+                        if k[0] == namespace and (want["metadata"].get("labels") or {}).get(naming.PIPELINE_LABEL) == name]:
+                self._in_sync.pop(key, None)
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
             self.metrics.set_phase(namespace, name, None)
@@ -195,9 +184,10 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
-            pipeline = admit(body)
+            admitted = admit(body)
         except SpecError as exc:
             return self._refuse(body, "InvalidSpec", str(exc))
+        pipeline = admitted.pipeline
         rejected = self._rejected.get((namespace, name))
         if rejected is not None and rejected[:2] == (pipeline.uid, pipeline.generation):
             # Refused before for this very generation: report it (a no-op when the status
@@ -205,18 +195,26 @@ class Reconciler:
             return self._refuse(body, "ChildRejected", rejected[2], pipeline.generation)
         self._rejected.pop((namespace, name), None)
         try:
-            return self._apply(body, pipeline)
+            return self._apply(body, admitted)
         except ChildRejected as exc:
             self._rejected[(namespace, name)] = (pipeline.uid, pipeline.generation, exc.message)
             log.warning("%s/%s: %s", namespace, name, exc.message)
             return self._refuse(body, "ChildRejected", exc.message, pipeline.generation)
 
-    def _apply(self, body: dict[str, Any], pipeline: Pipeline) -> Outcome:
+    def _apply(self, body: dict[str, Any], admitted: Admitted) -> Outcome:
+        """Apply the children admission rendered (each with its last-applied record): the
+        very objects it checked."""
+        pipeline = admitted.pipeline
         namespace, name = pipeline.namespace, pipeline.name
         podmonitors = self._podmonitors_served()
-        desired = [with_last_applied(child) for child in render_children(pipeline, podmonitor_available=podmonitors)]
+        desired = admitted.children_for(podmonitor_available=podmonitors)
         self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
-        live = self._owned_children(pipeline, podmonitors)
+        # A pipeline whose spec never changed (generation 1) and that no reconcile has
+        # finished yet (no observedGeneration) can own no child but those rendered from this
+        # very spec by an attempt that stopped half-way: creating each child finds those
+        # (409: read, compare, patch), and none can be undesired. So nothing is listed.
+        first = pipeline.generation <= 1 and not (body.get("status") or {}).get("observedGeneration")
+        live = {} if first else self._owned_children(pipeline, podmonitors)
         outcome = Outcome("unchanged")
         current: dict[tuple[str, str], dict[str, Any]] = {}
         conflicts = []
@@ -282,8 +280,15 @@ class Reconciler:
             live = self.kube.get(kind, pipeline.namespace, name)
             if live is None or not is_owned_by(live, pipeline.uid):
                 return None
+        version = (live.get("metadata") or {}).get("resourceVersion")
+        key = (pipeline.namespace, kind.kind, name)
+        known = self._in_sync.get(key)
+        if version and known is not None and known[0] == version and known[1] is desired:
+            return live
         patch = merge_patch(desired, live, last_applied(live))
         if not patch:
+            if version:
+                self._in_sync[key] = (version, desired)
             return live
         with _refusals("patch", kind.kind, name):
             patched = self.kube.patch(kind, pipeline.namespace, name, patch)

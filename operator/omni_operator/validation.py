@@ -1,15 +1,19 @@
-"""Validate an object against a CRD's openAPIV3Schema as the API server would.
+"""Validate an OmniPipeline as the API server would: its metadata, then the CRD's
+openAPIV3Schema and CEL rules.
 
 Used by the shared admission check (`admission.py`: `omni-pipeline validate` and the
 operator before it renders) and by the tests.
 
-JSON Schema (jsonschema) does the structural part once the Kubernetes extensions are
-translated: x-kubernetes-int-or-string, x-kubernetes-preserve-unknown-fields, nullable,
-strict unknown-field rejection, list-type set/map, and the integer formats (an int32 field
-holds no more than 32 bits). cel-python evaluates the x-kubernetes-validations rules at
-each node, with the Kubernetes quantity library (`isQuantity`, `quantity`, and the
-Quantity member functions) that the CRD's minimum server version has. Defaults are applied
-first, as the server does.
+In the server's order: the object as the server holds it (`crd.server_view`: nulls it drops
+pruned, defaults applied, once); the metadata's shape by Kubernetes' ObjectMeta definition
+(`objectmeta.py`) and the structure by the CRD's schema, with JSON Schema (jsonschema) once
+the Kubernetes extensions are translated: x-kubernetes-int-or-string,
+x-kubernetes-preserve-unknown-fields, nullable, strict unknown-field rejection, list-type
+set/map, and the integer formats (an int32 field holds no more than 32 bits). Then, when
+the structure holds, apimachinery's ObjectMeta rules and the x-kubernetes-validations rules
+at each node, evaluated by cel-python with the Kubernetes quantity library (`isQuantity`,
+`quantity`, and the Quantity member functions) that the CRD's minimum server version has; a
+rule's `messageExpression` gives its message, as on the server.
 
 Nothing here raises on any JSON-like input: a rule that cannot be evaluated is reported as
 failed, naming its field, as the API server reports it.
@@ -17,6 +21,7 @@ failed, naming its field, as the API server reports it.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from decimal import Decimal
 from typing import Any
@@ -25,26 +30,14 @@ import celpy
 import jsonschema
 from celpy import celtypes
 
-from omni_operator.crd import apply_defaults, openapi_schema
+from omni_operator import crd
+from omni_operator.objectmeta import metadata_problems, metadata_shape_problems
 from omni_operator.quantities import parse_quantity
+from omni_operator.schema_errors import describe, json_type, short, shown
 
 _PASSTHROUGH = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
                 "minItems", "maxItems", "required", "description", "default", "minProperties", "maxProperties")
 INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
-MAX_MESSAGE = 300  # a message quotes the bad value; a huge value is cut, not printed whole
-
-# ObjectMeta as the server checks it before any CRD rule: a name is required (kubectl apply
-# needs one), labels and annotations are maps of strings.
-_METADATA = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 253},
-        "namespace": {"type": "string", "maxLength": 63},
-        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-    },
-}
 
 
 def to_jsonschema(node: dict[str, Any], *, root: bool = False) -> dict[str, Any]:
@@ -68,8 +61,11 @@ def to_jsonschema(node: dict[str, Any], *, root: bool = False) -> dict[str, Any]
         out["uniqueItems"] = True
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
-    if root:  # metadata is ObjectMeta, validated by the server itself
-        out.setdefault("properties", {})["metadata"] = _METADATA
+    if root:  # metadata is ObjectMeta: its shape and rules are the server's own (objectmeta.py);
+        # a CRD may only restrict its name (and generateName), which is kept.
+        metadata = out.setdefault("properties", {}).get("metadata") or {}
+        out["properties"]["metadata"] = {"type": "object", "properties": {
+            k: v for k, v in (metadata.get("properties") or {}).items() if k in ("name", "generateName")}}
         out["required"] = sorted(set(out.get("required", [])) | {"metadata"})
     return out
 
@@ -127,12 +123,34 @@ QUANTITY_FUNCTIONS = {
     "asApproximateFloat": lambda q: celtypes.DoubleType(float(q.value)),
 }
 
+# -- the few functions of Kubernetes' list and strings libraries the CRD's messages use -------
+
+
+def _join(items: Any, separator: Any = "") -> celtypes.StringType:
+    """`list(string).join([separator])` (cel-go's strings extension)."""
+    if not all(isinstance(item, str) for item in items):
+        raise CELQuantityError("join: every element must be a string")
+    return celtypes.StringType(str(separator).join(str(item) for item in items))
+
+
+def _index_of(target: Any, item: Any) -> celtypes.IntType:
+    """`list.indexOf(item)` (Kubernetes' list library) and `string.indexOf(substring)`."""
+    if isinstance(target, str):
+        return celtypes.IntType(str(target).find(str(item)))
+    for i, element in enumerate(target):
+        if element == item:
+            return celtypes.IntType(i)
+    return celtypes.IntType(-1)
+
+
+CEL_FUNCTIONS = {**QUANTITY_FUNCTIONS, "join": _join, "indexOf": _index_of}
+
 _env = celpy.Environment()
 
 
 @functools.lru_cache(maxsize=512)
 def _program(rule: str) -> Any:
-    return _env.program(_env.compile(rule), functions=QUANTITY_FUNCTIONS)
+    return _env.program(_env.compile(rule), functions=CEL_FUNCTIONS)
 
 
 def to_cel(value: Any) -> Any:
@@ -155,15 +173,45 @@ def to_cel(value: Any) -> Any:
     return celtypes.StringType(str(value))
 
 
-def _rule_holds(rule: str, value: Any) -> tuple[bool, str | None]:
-    """(holds, why it could not be evaluated)."""
+def _evaluate(expression: str, value: Any) -> tuple[Any, str | None]:
+    """(the result, why it could not be evaluated)."""
     try:
-        result = _program(rule).evaluate({"self": to_cel(value)})
+        result = _program(expression).evaluate({"self": to_cel(value)})
     except Exception as exc:  # noqa: BLE001 - any evaluation failure is the rule failing
-        return False, _short(str(exc.args[0] if getattr(exc, "args", None) else exc))
+        return None, _why(exc)
     if isinstance(result, Exception):
-        return False, _short(str(result.args[0] if result.args else result))
-    return bool(result), None
+        return None, _why(result)
+    return result, None
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc.args[0] if getattr(exc, "args", None) else exc)
+    return short(text.replace("None", "null"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rule_on_json(rule: str, message_expression: str | None, value_json: str) -> tuple[bool, str | None, str | None]:
+    value = json.loads(value_json)
+    result, why = _evaluate(rule, value)
+    holds = why is None and isinstance(result, (bool, celtypes.BoolType)) and bool(result)
+    message = None
+    if not holds and message_expression:
+        text, failed = _evaluate(message_expression, value)
+        if failed is None and isinstance(text, str) and text.strip():
+            message = short(str(text))
+    return holds, why, message
+
+
+def _rule_result(rule: dict[str, Any], value: Any) -> tuple[bool, str | None, str | None]:
+    """(holds, why it could not be evaluated, the messageExpression's message). Memoised on
+    the value's JSON: a rule is a pure function of `self`, and the same stage or map is
+    checked again in every pipeline that holds it."""
+    try:
+        value_json = json.dumps(value, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        result, why = _evaluate(rule["rule"], value)
+        return why is None and bool(result), why, None
+    return _rule_on_json(rule["rule"], rule.get("messageExpression"), value_json)
 
 
 def _with_field_path(path: str, field_path: str | None) -> str:
@@ -177,19 +225,22 @@ def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[tuple[str, 
     if value is None:
         return errors
     for rule in node.get("x-kubernetes-validations", []):
-        holds, why = _rule_holds(rule["rule"], value)
+        holds, why, evaluated = _rule_result(rule, value)
         if not holds:
             where = _with_field_path(path, rule.get("fieldPath")) or "<root>"
-            message = rule.get("message", rule["rule"])
+            message = evaluated or rule.get("message") or f"failed rule: {rule['rule']}"
             errors.append((where, message + (f" (the rule could not be evaluated: {why})" if why else "")))
     if node.get("x-kubernetes-list-type") == "map" and isinstance(value, list):
         keys = node.get("x-kubernetes-list-map-keys", [])
-        seen = set()
+        seen: dict[Any, int] = {}
         for i, item in enumerate(value):
-            key = tuple(repr(item.get(k)) for k in keys) if isinstance(item, dict) else None
+            key = tuple(json.dumps(item.get(k), sort_keys=True) for k in keys) if isinstance(item, dict) else None
             if key in seen:
-                errors.append((f"{path}[{i}]", f"Duplicate value: {dict(zip(keys, (item.get(k) for k in keys)))}"))
-            seen.add(key)
+                named = ", ".join(f"{k} {shown(item.get(k))}" for k in keys)
+                errors.append((f"{path}[{i}]", f"Duplicate value: the same {named} as {path}[{seen[key]}]; "
+                                               "each may appear once"))
+            else:
+                seen[key] = i
     if isinstance(value, dict):
         for name, sub in (node.get("properties") or {}).items():
             if name in value:
@@ -224,14 +275,9 @@ def _path(parts) -> str:
     return out
 
 
-def _short(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
-
-
 @functools.cache
 def _crd_validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(to_jsonschema(openapi_schema(), root=True))
+    return jsonschema.Draft202012Validator(to_jsonschema(crd.openapi_schema(), root=True))
 
 
 def validate(schema: dict[str, Any], obj: Any, validator: jsonschema.Draft202012Validator | None = None) -> list[str]:
@@ -243,63 +289,39 @@ def problems(schema: dict[str, Any], obj: Any,
              validator: jsonschema.Draft202012Validator | None = None) -> list[tuple[str, str]]:
     """Every error the API server would report for obj, as (field, message); never raises."""
     if not isinstance(obj, dict):
-        return [("<root>", f"must be an object (a map of apiVersion, kind, metadata, spec), not {_json_type(obj)}")]
-    obj = apply_defaults(schema, obj)
+        return [("<root>", f"must be an object (a map of apiVersion, kind, metadata, spec), not {json_type(obj)}")]
+    return view_problems(schema, crd.server_view(schema, obj), validator)
+
+
+def view_problems(schema: dict[str, Any], view: dict[str, Any],
+                  validator: jsonschema.Draft202012Validator | None = None) -> list[tuple[str, str]]:
+    """problems() of an object already as the server holds it (`crd.server_view`)."""
     validator = validator or jsonschema.Draft202012Validator(to_jsonschema(schema, root=True))
-    errors = []
-    for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
-        errors.append((_path(e.absolute_path) or "<root>", _short(_message(e))))
+    errors = metadata_shape_problems(view.get("metadata"))
+    for e in sorted(validator.iter_errors(view), key=lambda e: list(map(str, e.absolute_path))):
+        errors.append((_path(e.absolute_path) or "<root>", describe(e)))
     if errors:
         return errors  # the server stops at structural errors before running CEL
-    return _cel_errors(schema, obj, "")
+    return metadata_problems(view["metadata"]) + _cel_errors(schema, view, "")
 
 
-def _message(error: jsonschema.ValidationError) -> str:
-    if error.validator == "pattern" and isinstance(error.schema, dict) and error.schema.get("description"):
-        # The description says in words what the regular expression says in symbols.
-        return f"{_short(repr(error.instance))} does not match: {error.schema['description']}"
-    if error.validator == "type":
-        return f"must be {' or '.join(_a(t) for t in _types(error.validator_value))}, not {_json_type(error.instance)}"
-    return error.message
-
-
-def _types(value: Any) -> list[str]:
-    return list(value) if isinstance(value, list) else [value]
-
-
-def _a(json_type: str) -> str:
-    return {"object": "an object", "array": "a list", "integer": "an integer", "string": "a string",
-            "boolean": "true or false", "number": "a number", "null": "null"}.get(json_type, json_type)
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, int):
-        return f"the integer {_short(str(value))}" if len(str(value)) < 40 else "a very large integer"
-    if isinstance(value, float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {_short(repr(value))}"
-    if value is None:
-        return "null"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def validate_resource(obj: Any) -> list[str]:
-    """Every error the API server would report for an OmniPipeline (schema and CEL rules)."""
-    return validate(_crd_schema(), obj, _crd_validator())
+def server_view(obj: dict[str, Any]) -> dict[str, Any]:
+    """An OmniPipeline as the API server holds it before validating: nulls pruned, the CRD's
+    defaults applied (a copy)."""
+    return crd.server_view(_crd_schema(), obj)
 
 
 def resource_problems(obj: Any) -> list[tuple[str, str]]:
-    """validate_resource's errors as (field, message)."""
+    """Every error the API server would report for an OmniPipeline (metadata, schema and CEL
+    rules), as (field, message)."""
     return problems(_crd_schema(), obj, _crd_validator())
+
+
+def pipeline_view_problems(view: dict[str, Any]) -> list[tuple[str, str]]:
+    """resource_problems() of a body already in its server view (`server_view`)."""
+    return view_problems(_crd_schema(), view, _crd_validator())
 
 
 @functools.cache
 def _crd_schema() -> dict[str, Any]:
-    return openapi_schema()
+    return crd.openapi_schema()

@@ -86,7 +86,8 @@ def test_a_code_change_rebuilds_only_the_last_layers(images, tmp_path):
     layer up to the project's code comes from the cache (the same layers), only the code's
     COPY and its pip install are new."""
     context = tmp_path / "context"
-    for path in ("pyproject.toml", "README.md", ".dockerignore", "omni_runtime", "operator/omni_operator"):
+    for path in ("pyproject.toml", "README.md", ".dockerignore", "omni_contract", "omni_runtime",
+                 "operator/omni_operator"):
         source, target = ROOT / path, context / path
         target.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)

@@ -17,7 +17,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omni_operator.local", *args],
+    return subprocess.run([sys.executable, "-m", "omni_operator.cli", *args],
                           capture_output=True, text=True, timeout=60)
 
 

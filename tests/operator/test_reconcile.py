@@ -185,3 +185,81 @@ def test_deleted_pipeline_is_forgotten(kube, reconciler):
     assert reconciler.reconcile(NAMESPACE, "tiny").result == "gone"
     assert reconciler.kube.writes == before
     assert reconciler.metrics.pipelines.labels("Progressing")._value.get() == 0
+
+
+def test_each_step_once_per_reconcile(kube, reconciler, monkeypatch):
+    """One reconcile parses, defaults and renders once: what admission checked is what is
+    applied; an unchanged spec is neither checked nor rendered again."""
+    from omni_operator import admission, crd
+
+    counts = {"defaults": 0, "render": 0}
+    real_defaults, real_render = crd._default_in_place, admission.render_children
+
+    def count_defaults(schema, value):  # recursive: count the calls on a whole pipeline body
+        counts["defaults"] += 1 if isinstance(value, dict) and "spec" in value and "metadata" in value else 0
+        return real_defaults(schema, value)
+
+    def count_render(pipeline, **kwargs):
+        counts["render"] += 1
+        return real_render(pipeline, **kwargs)
+
+    monkeypatch.setattr(crd, "_default_in_place", count_defaults)
+    monkeypatch.setattr(admission, "render_children", count_render)
+    created = create_pipeline(kube, pipeline_body(name="once"))
+    reconciler.reconcile(NAMESPACE, "once")
+    assert counts == {"defaults": 1, "render": 1}
+    admitted = admission.admit(kube.get_pipeline(NAMESPACE, "once"))
+    assert admitted.pipeline.uid == created["metadata"]["uid"]
+    for child in admitted.children_for(podmonitor_available=False):
+        kind = {"ConfigMap": CONFIGMAP, "Deployment": DEPLOYMENT, "Service": SERVICE, "PodDisruptionBudget": PDB,
+                "NetworkPolicy": NETWORKPOLICY}[child["kind"]]
+        live = kube.get(kind, NAMESPACE, child["metadata"]["name"])
+        # The object written is the admitted one, last-applied record and all.
+        assert live["metadata"]["annotations"] == child["metadata"]["annotations"]
+    reconciler.reconcile(NAMESPACE, "once")
+    assert counts == {"defaults": 1, "render": 1}, "an unchanged spec is not checked or rendered again"
+    patch_pipeline(kube, "once", {"spec": {"stages": [dict(s, replicas=2) for s in pipeline_body()["spec"]["stages"]]}})
+    reconciler.reconcile(NAMESPACE, "once")
+    assert counts == {"defaults": 2, "render": 2}
+    assert kube.get(DEPLOYMENT, NAMESPACE, "once-thinker")["spec"]["replicas"] == 2
+
+
+def test_a_first_reconcile_lists_nothing_and_a_half_done_one_is_finished(kube, emulator, reconciler, monkeypatch):
+    """A new pipeline's children are created without listing (none can exist but its own);
+    an attempt that stopped after some creates is completed by the next, without duplicates
+    and with the children as desired."""
+    create_pipeline(kube, pipeline_body())
+    calls = len(emulator.calls())
+    broken = Reconciler(make_kube(emulator.url))
+    made = []
+    real_create = broken.kube.create
+
+    def create_then_stop(kind, namespace, body):
+        if len(made) == 5:
+            raise RuntimeError("the operator stopped here")
+        made.append(body["metadata"]["name"])
+        return real_create(kind, namespace, body)
+
+    monkeypatch.setattr(broken.kube, "create", create_then_stop)
+    with pytest.raises(RuntimeError):
+        broken.reconcile(NAMESPACE, "tiny")
+    broken.kube.close()
+    assert not [c for c in emulator.calls()[calls:] if c.verb == "list"]
+    kube.patch(CONFIGMAP, NAMESPACE, "tiny-thinker", {"data": {"stage.yaml": "edited meanwhile"}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.result == "applied"
+    assert "patch ConfigMap/tiny-thinker" in outcome.changed
+    assert names(kube, DEPLOYMENT) == ["tiny-code2wav", "tiny-talker", "tiny-thinker"]
+    assert "edited meanwhile" not in kube.get(CONFIGMAP, NAMESPACE, "tiny-thinker")["data"]["stage.yaml"]
+    assert kube.get_pipeline(NAMESPACE, "tiny")["status"]["observedGeneration"] == 1
+    assert (reconciler.reconcile(NAMESPACE, "tiny").writes) == 0
+
+
+def test_a_child_changed_since_it_was_found_in_sync_is_compared_again(kube, reconciler):
+    create_pipeline(kube, pipeline_body())
+    reconciler.reconcile(NAMESPACE, "tiny")
+    assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0  # now remembered in sync
+    kube.patch(DEPLOYMENT, NAMESPACE, "tiny-talker", {"spec": {"replicas": 3}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.changed == ["patch Deployment/tiny-talker"]
+    assert kube.get(DEPLOYMENT, NAMESPACE, "tiny-talker")["spec"]["replicas"] == 1

@@ -343,3 +343,24 @@ def test_the_operator_bounds_cpu_ids_as_the_runtime_does():
     from omni_runtime.kv import cpu_affinity
 
     assert model.MAX_CPU_ID == cpu_affinity.MAX_CPU_ID
+
+
+def test_a_valid_shape_is_remembered_and_an_invalid_child_still_refused():
+    """check_object remembers valid shapes (strings the kind's schema never reads differ);
+    a child whose structure differs is checked in full, with its own values in the message."""
+    from omni_operator.kube_schema import _VALID_SHAPES, check_object
+
+    deployment = children(pipeline_body(), podmonitors=False)[("Deployment", "tiny-thinker")]
+    assert check_object(deployment) == []
+    renamed = copy.deepcopy(deployment)
+    renamed["metadata"]["name"] = "other-name"
+    before = len(_VALID_SHAPES)
+    assert check_object(renamed) == [] and len(_VALID_SHAPES) == before  # the same shape
+    broken = copy.deepcopy(deployment)
+    broken["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "http"
+    errors = check_object(broken)
+    assert errors and errors[0][0] == "spec.template.spec.containers[0].ports[0].containerPort"
+    assert "'http'" in errors[0][1]
+    wrong_kind_string = copy.deepcopy(deployment)
+    wrong_kind_string["apiVersion"] = "apps/v2"
+    assert check_object(wrong_kind_string) is None  # no such built-in kind: not remembered as valid

@@ -48,7 +48,7 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
     workdir = tmp_path / "run"
     marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_operator.local", "up", str(ROOT / "examples" / "tiny-pipeline.yaml"),
+        [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / "tiny-pipeline.yaml"),
          "--demo", "2", "--workdir", str(workdir)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

@@ -61,9 +61,8 @@ def test_user_additional_config_is_merged_and_reserved_args_are_refused():
     for key in ("port", "schedulerCls", "model"):
         with pytest.raises(StageConfigError, match=f"engineArgs.{key}"):
             engine_args_to_cli({key: "x"})
-    cfg = parse_stage_config({**BASE, "engineArgs": {"additional-config": {"omni_kv_config": {}}}})
     with pytest.raises(StageConfigError, match="additional-config.omni_kv_config"):
-        vllm_command(cfg, "0.0.0.0")
+        parse_stage_config({**BASE, "engineArgs": {"additional-config": {"omni_kv_config": {}}}})
 
 
 OMNI_CONNECTOR = {
@@ -106,8 +105,8 @@ def test_a_multi_connector_in_engine_args_gets_ours_as_one_more_child():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("not json", "engineArgs.kvTransferConfig is not valid JSON"),
-        (["ExampleConnector"], "engineArgs.kvTransferConfig must be a mapping"),
+        ("not json", "engineArgs.kvTransferConfig: is not valid JSON"),
+        (["ExampleConnector"], "engineArgs.kvTransferConfig: must be a mapping"),
         ({"kv_role": "kv_both"}, "engineArgs.kvTransferConfig: connector 0 .* naming kv_connector"),
         ({"kv_connector": "ExampleConnector"}, "engineArgs.kvTransferConfig: .*needs a kv_role"),
         ({"kv_connector": "OmniKVConnector", "kv_role": "kv_producer"},
@@ -117,9 +116,10 @@ def test_a_multi_connector_in_engine_args_gets_ours_as_one_more_child():
     ],
 )
 def test_a_kv_connector_that_cannot_be_composed_is_refused_naming_the_key(value, message):
-    cfg = parse_stage_config({**BASE, "engineArgs": {"kvTransferConfig": value}})
+    """Refused when the config is read (the stage contract's check, the one the operator
+    runs too), before any command is built."""
     with pytest.raises(StageConfigError, match=message):
-        vllm_command(cfg, "0.0.0.0")
+        parse_stage_config({**BASE, "engineArgs": {"kvTransferConfig": value}})
 
 
 def test_without_transfers_a_users_connector_is_passed_through_as_it_is():
@@ -240,10 +240,9 @@ def test_io_cpus_for_our_connector_cannot_come_from_engine_args():
     set its io_cpus, say) is refused, pointing at kvTransfer.ioCpus, never merged."""
     mine = {"kv_connector": "OmniKVConnector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"io_cpus": "1"}}
-    cfg = parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "ioCpus": "2"},
-                              "engineArgs": {"kv-transfer-config": mine}})
     with pytest.raises(StageConfigError, match=r"engineArgs\.kv-transfer-config: .*kvTransfer\.ioCpus"):
-        vllm_command(cfg, "0.0.0.0")
+        parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "ioCpus": "2"},
+                            "engineArgs": {"kv-transfer-config": mine}})
 
 
 @pytest.mark.parametrize("io_cpus, words", [

@@ -1,0 +1,14 @@
+"""omni_contract: the stage contract that the operator and the stage runtime both enforce.
+
+``omni-stage`` (omni_runtime) refuses a stage config that breaks the contract, and the
+operator and ``omni-pipeline validate`` (omni_operator) refuse an OmniPipeline that would
+render one, with this same code, so a pipeline that passes ``validate`` is one whose stages
+start. The operator imports neither vLLM nor omni_runtime, and omni_runtime never imports
+the operator: both import this package, which imports only the standard library.
+
+* :mod:`omni_contract.engine_args`: the ``engineArgs`` a stage passes to vLLM as flags, the
+  flags the stage owns, and the one spelling rule (``max-model-len``, ``max_model_len`` and
+  ``maxModelLen`` are one flag);
+* :mod:`omni_contract.kv_transfer`: which user ``kv-transfer-config`` the stage can compose
+  with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself.
+"""

@@ -1,0 +1,167 @@
+"""``engineArgs``: the vLLM engine arguments of a stage, passed to vLLM as flags.
+
+One spelling rule (:func:`flag_name`): a key in kebab, snake or camel case, with or without
+leading dashes, is the flag ``--kebab-case`` (``max-model-len``, ``max_model_len``,
+``maxModelLen`` and ``--max-model-len`` are all ``--max-model-len``). The stage owns a few
+flags (:data:`RESERVED`): a user value would break the stage contract. ``additional-config``
+is merged with the stage's own (whose ``omni_kv_config`` key the stage owns), and a
+``kv-transfer-config`` (a mapping, or its JSON text as vLLM's flag takes it) is composed with
+the omni KV connector when the stage sends KV (:mod:`omni_contract.kv_transfer`).
+
+:func:`engine_args_problems` is the whole check: ``omni-stage`` refuses a stage config with
+any of them (exit 2, naming ``engineArgs.KEY``), the operator and ``omni-pipeline validate``
+refuse the OmniPipeline that would render it (naming ``spec.stages[i].engineArgs.KEY``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omni_contract.kv_transfer import ConnectorConfigError, user_connectors
+
+#: Flags the stage sets itself, and why a user value cannot be taken.
+RESERVED: dict[str, str] = {
+    "model": "the model comes from spec.model (model.path, else model.name, in the stage config)",
+    "served-model-name": "the served name is spec.model.name (model.name in the stage config)",
+    "host": "the stage chooses the address it listens on (omni-stage --host)",
+    "port": "the stage's HTTP port is fixed at 8000 by the stage contract (ports.http in the stage config)",
+    "scheduler-cls": "the stage runs the omni AR scheduler itself",
+    "shutdown-timeout": "the stage sets it from its drain grace period (kvTransfer.timeoutSeconds)",
+}
+ADDITIONAL_CONFIG = "additional-config"
+KV_TRANSFER_CONFIG = "kv-transfer-config"
+#: The key of ``additional-config`` the stage fills from kvTransfer and the pipeline graph.
+OMNI_KV_CONFIG = "omni_kv_config"
+#: What an engine argument's name may be: letters, digits, '-', '_' and '.' (vLLM's
+#: --json-arg.key form), optionally after the dashes of the command line. Anything else
+#: could never be a vLLM flag.
+_KEY = re.compile(r"^-{0,2}[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: Word boundaries inside a camel-case key: aB, and the last capital of a run before a word
+#: (LoRAConfig -> Lo-RA-Config).
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def flag_name(key: str) -> str:
+    """The vLLM flag (without its dashes) an ``engineArgs`` key stands for: camel case split
+    into words (``maxModelLen``, ``enableLoRA``), snake case and any casing (``PORT``) folded
+    to vLLM's kebab case."""
+    words = _CAMEL.sub("-", key.lstrip("-"))
+    return words.replace("_", "-").lower()
+
+
+@dataclass(frozen=True)
+class EngineArgProblem:
+    key: str  # the path under engineArgs: "port", "additional-config.omni_kv_config"
+    message: str  # what is wrong and the fix, read after the key: "engineArgs.KEY: MESSAGE"
+
+    def __str__(self) -> str:
+        return f"engineArgs.{self.key}: {self.message}"
+
+
+class EngineArgsError(ValueError):
+    """The first of a stage's engineArgs problems."""
+
+    def __init__(self, problem: EngineArgProblem):
+        self.problem = problem
+        super().__init__(str(problem))
+
+
+def engine_args_problems(engine_args: Any, *, sends_kv: bool) -> list[EngineArgProblem]:
+    """Every way these engineArgs break the stage contract (empty: none). ``sends_kv``: the
+    stage sends KV (``kvTransfer.send``), so a user's KV connector is composed with ours."""
+    if not isinstance(engine_args, Mapping):
+        return [EngineArgProblem("", "must be a map of vLLM engine argument names to values")]
+    problems: list[EngineArgProblem] = []
+    seen: dict[str, str] = {}
+    for key, value in engine_args.items():
+        key = str(key)
+        if not _KEY.match(key):
+            problems.append(EngineArgProblem(key, "is not a vLLM flag name: use letters, digits, '-', '_' and '.', "
+                                                  "as on the command line without the dashes (e.g. max-model-len)"))
+            continue
+        flag = flag_name(key)
+        if flag in seen:
+            problems.append(EngineArgProblem(key, f"is the flag --{flag} again (as engineArgs.{seen[flag]}); "
+                                                  "keep one of them"))
+            continue
+        seen[flag] = key
+        if flag in RESERVED:
+            problems.append(EngineArgProblem(key, f"cannot be set: {RESERVED[flag]}; remove it"))
+        elif flag == ADDITIONAL_CONFIG:
+            problems += _additional_config(key, value)
+        elif flag == KV_TRANSFER_CONFIG:
+            problems += _kv_transfer_config(key, value, sends_kv)
+    return problems
+
+
+def check_engine_args(engine_args: Any, *, sends_kv: bool) -> None:
+    """EngineArgsError for the first problem of :func:`engine_args_problems`."""
+    problems = engine_args_problems(engine_args, sends_kv=sends_kv)
+    if problems:
+        raise EngineArgsError(problems[0])
+
+
+def user_kv_transfer_config(engine_args: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The user's own KV connector config in ``engineArgs`` as (key, mapping), if any: a
+    mapping, or its JSON text as vLLM's flag takes it; EngineArgsError if it is neither."""
+    for key, value in engine_args.items():
+        if flag_name(str(key)) != KV_TRANSFER_CONFIG or value is None:
+            continue
+        config, problem = _parsed_kv_transfer_config(str(key), value)
+        if problem is not None:
+            raise EngineArgsError(problem)
+        return str(key), config
+    return None
+
+
+def _additional_config(key: str, value: Any) -> list[EngineArgProblem]:
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        return [EngineArgProblem(key, f"must be a mapping (vLLM's additional config), not {_kind(value)}")]
+    if OMNI_KV_CONFIG in value:
+        return [EngineArgProblem(f"{key}.{OMNI_KV_CONFIG}", "is set by the stage from kvTransfer and the pipeline "
+                                                           "graph; remove it")]
+    return []
+
+
+def _parsed_kv_transfer_config(key: str, value: Any) -> tuple[dict[str, Any], EngineArgProblem | None]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            return {}, EngineArgProblem(key, f"is not valid JSON ({exc}); write a mapping, e.g. "
+                                             '{kv_connector: ExampleConnector, kv_role: kv_both}')
+    if not isinstance(value, Mapping):
+        return {}, EngineArgProblem(key, f"must be a mapping (a vLLM KVTransferConfig), not {_kind(value)}")
+    return dict(value), None
+
+
+def _kv_transfer_config(key: str, value: Any, sends_kv: bool) -> list[EngineArgProblem]:
+    if value is None:
+        return []
+    config, problem = _parsed_kv_transfer_config(key, value)
+    if problem is not None:
+        return [problem]
+    if sends_kv:  # composed with the omni KV connector; passed on as it is otherwise
+        try:
+            user_connectors(config)
+        except ConnectorConfigError as exc:
+            return [EngineArgProblem(key, str(exc))]
+    return []
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "null" if value is None else type(value).__name__

@@ -2,8 +2,8 @@
 receiving process reading the engine's KV cache over NIXL, against a bare NIXL READ and a bare
 ZeroMQ socket moving the same bytes between the same two processes, in one run.
 
-For each model (the 7B-KV-shaped ``kv7b``: 28 layers, 4 KV heads, head size 128, and the tiny
-one) the same concurrent prompts run in rounds interleaved with transfers on and off
+At the 7B KV shape (the ``kv7b`` recipe: 28 layers, 4 KV heads, head size 128, float32) the
+same concurrent prompts run in rounds interleaved with transfers on and off
 (``prefill_finished``), in one engine (in-process engine core, so its steps can be timed).
 Transfers are switched off for a round by turning the scheduler's ``need_send_cache`` off.
 Prefix caching is off (the second run of a pair would skip its prefill).
@@ -30,7 +30,7 @@ Last line, one JSON object:
   * ``tcp_zmq_ratio_7b``: the data plane over UCX's TCP transport (``UCX_TLS=tcp``, the
     stand-in for two hosts without RDMA), offer to ack, against bare ZeroMQ, between two
     processes holding a synthetic 7B-shaped cache (omni_runtime/devtools/synthetic_ar.py);
-  * ``receiver_rss_peak_mb``, ``ar_rss_growth_mb``; the tiny model's step ratios (``*_tiny``).
+  * ``receiver_rss_peak_mb``, ``ar_rss_growth_mb``.
 """
 
 from __future__ import annotations
@@ -163,6 +163,8 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
                 best = min(best, time.perf_counter() - t0)
             bare.remove_remote(name)
             conn.send(best)
+        elif cmd[0] == "split":  # the receiver's time reading and assembling, so far
+            conn.send((receiver.read_seconds, receiver.assemble_seconds, receiver.num_delivered))
         elif cmd[0] == "stop":
             break
     stop.set()
@@ -265,8 +267,13 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[flo
     return times
 
 
+def _split(pipe) -> tuple[float, float, int]:
+    pipe.send(("split",))
+    return pipe.recv()
+
+
 def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
-            kv_bytes: int) -> dict:
+            kv_bytes: int, pipe) -> dict:
     from omni_runtime.transfers.ledger import TransferObserver
 
     llm, core = _engine(model, endpoint, prompt_tokens, args.requests, kv_bytes, args.io_cpus)
@@ -288,6 +295,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     _round(llm, core, make(98), False, None)
     resolved.clear()
     rss0 = _rss_mb()
+    split0 = _split(pipe)
     on, off, cpu_on, cpu_off = [], [], [], []
     for r in range(rounds):
         prompts = make(r)
@@ -297,6 +305,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
                   f"{[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
+    split1 = _split(pipe)
     bad = [t for t in resolved if t.outcome.value != "acked"]
     if bad:
         raise RuntimeError(f"transfers not acked: {[(t.request_id, t.reason) for t in bad]}")
@@ -326,6 +335,10 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "ar_cpu_s_per_transfer": max(0.0, statistics.fmean(cpu_on) - statistics.fmean(cpu_off))
             / args.requests,
             "copy_out_s_per_transfer": copy_s,
+            # The receiver's time per round reading (posted to done, summed over the reads
+            # in flight) and assembling.
+            "rx_read_s": (split1[0] - split0[0]) / rounds,
+            "rx_assemble_s": (split1[1] - split0[1]) / rounds,
             "rss_growth_mb": rss1 - rss0}
 
 
@@ -489,7 +502,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the second pair runs off first)")
-    parser.add_argument("--tiny-rounds", type=int, default=1)
     parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
     parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")
     parser.add_argument("--skip-tcp", action="store_true", help="no UCX_TLS=tcp measurement")
@@ -498,16 +510,15 @@ def main(argv: list[str] | None = None) -> None:
     _bind_engine_openmp(engine_cpus)
     started = time.monotonic()
 
-    from omni_runtime.devtools.tiny_model import ensure_kv7b_model, ensure_tiny_model
+    from omni_runtime.devtools.tiny_model import ensure_kv7b_model
 
-    kv7b, tiny = str(ensure_kv7b_model()), str(ensure_tiny_model())
+    kv7b = str(ensure_kv7b_model())
     ctx = mp.get_context("spawn")
     proc, pipe, endpoint, raw_endpoint = _start_receiver(ctx, args.io_cpus)
     try:
         big = measure(kv7b, endpoint, args, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
-                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5))
-        small = measure(tiny, endpoint, args, prompt_tokens=256, rounds=args.tiny_rounds,
-                        kv_bytes=64 << 20)
+                      kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5),
+                      pipe=pipe)
         raw_s, raw_send_cpu = raw_zmq(raw_endpoint, big["bytes_per_round"], args.requests,
                                       args.io_cpus)
         nixl_s = bare_nixl(pipe, big["bytes_per_round"], args.requests, args.io_cpus)
@@ -532,13 +543,13 @@ def main(argv: list[str] | None = None) -> None:
         "handoff_to_ack_s_7b": round(ours, 4),
         "raw_zmq_s_7b": round(raw_s, 4),
         "bare_nixl_s_7b": round(nixl_s, 4),
+        "receiver_read_s_7b": round(big["rx_read_s"], 4),
+        "receiver_assemble_s_7b": round(big["rx_assemble_s"], 4),
         "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
         "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),
         "mean_step_off_s_7b": round(big["mean_step_off_s"], 4),
-        "step_ratio_tiny": round(small["step_ratio"], 4),
-        "handoff_step_ratio_tiny": round(small["handoff_step_ratio"], 4),
-        "ar_rss_growth_mb": round(big["rss_growth_mb"] + small["rss_growth_mb"], 1),
+        "ar_rss_growth_mb": round(big["rss_growth_mb"], 1),
         "receiver_rss_peak_mb": round(receiver_peak, 1),
         "engine_cpus": engine_cpus,
         "io_cpus": args.io_cpus,

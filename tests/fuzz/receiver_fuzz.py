@@ -1,61 +1,58 @@
 #!/usr/bin/env python3
-"""Coverage-guided fuzzing (atheris) of the KV receiver's whole handling path: each input is
-turned into a ZeroMQ multipart message, sent from a DEALER to a real KVReceiver over TCP on
-127.0.0.1, and must be answered; the receiver must stay alive and its inbox within its bound.
+"""Coverage-guided fuzzing (atheris) of the KV receiver's control-message handler, with the
+receiver alive: each input becomes one control message (hello, read, verdict or raw frames),
+sent from a DEALER over TCP on 127.0.0.1 to a real KVReceiver that serves a synthetic AR
+rank's registered KV cache (real NIXL). Reads it takes on are really read, get their verdict
+and their final answer. Every hello and read must be answered, never ``internal_error``; the
+receiver thread must stay alive, its inbox within its bound, no read left behind, and the
+process's memory must not keep growing.
 
     python tests/fuzz/receiver_fuzz.py [libFuzzer flags] [CORPUS_DIR ...]
-    python tests/fuzz/receiver_fuzz.py --write-seeds DIR    # valid transfers as seeds
+    python tests/fuzz/receiver_fuzz.py --write-seeds DIR    # valid messages as seeds
 
 Input format (so mutations reach every field): byte 0 picks the mode.
 * raw (bit 7 clear): ``n = byte0 % 5`` frames (0 means one empty frame), each but the last
   prefixed by a 2-byte big-endian length; the last frame takes the rest.
-* field (bit 7 set): a valid transfer whose header field number ``byte1`` is replaced by a
-  JSON value built from the remaining bytes (an int, a float, a string, a list, an object of
-  such, null or a boolean), optionally with a truncated or flipped data frame.
+* field (bit 7 set): a valid message of kind ``byte0 & 3`` (hello, read, verdict, read) with
+  field number ``byte1`` (of its body, its ``compat`` or ``block_format``) replaced by a JSON
+  value built from the remaining bytes (an int, a float, a string, a list, an object of such,
+  null or a boolean). Bit 6: a hello's metadata frame replaced by garbage, a read's second
+  frame added. Bit 5: a read taken on gets ``commit: false``. Bit 4: no replacement (the
+  valid message itself).
 Run by tests/runtime/test_fuzz_receiver.py for a bounded time, longer by ``make fuzz``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import resource
 import struct
 import sys
+import time
 from pathlib import Path
 
 import atheris
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # transport_fixtures
+
 with atheris.instrument_imports(include=["omni_runtime.kv.transport"]):
-    import numpy as np
     import zmq
 
-    from omni_runtime.kv.transport import KVInbox, KVPayload, KVReceiver
-    from omni_runtime.kv.transport.wire import (
-        HEADER_FIELDS,
-        REJECT_CODES,
-        checksum,
-        data_view,
-        encode_header,
-    )
+    from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVReceiver
+    from omni_runtime.kv.transport.protocol import encode_hello, encode_verdict, Verdict
 
-STAGE = "fuzzed"
+from transport_fixtures import MODEL, SyntheticAR, read_body  # noqa: E402
+
+STAGE = "talker"
 INBOX_BYTES = 256 << 10
 MAX_PAYLOAD = 64 << 10
-REPLY_WAIT_MS = 10_000
-FIELDS = sorted(HEADER_FIELDS) + ["external_request_id", "unknown_field"]
+REPLY_WAIT_S = 10.0
 #: RSS the process may grow by after warm-up (libFuzzer's -rss_limit_mb bounds it too).
 RSS_GROWTH_LIMIT_MB = 256
-
-
-def valid_frames(rid: str = "seed", seq_len: int = 3, algo: str = "crc32") -> list[bytes]:
-    kv = np.arange(2 * 2 * 1 * seq_len * 4, dtype=np.float32).reshape(2, 2, 1, seq_len, 4)
-    payload = KVPayload(rid, seq_len, kv, pipeline="p", from_stage="ar",
-                        trace_context={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
-    data = data_view(payload.kv)
-    return [encode_header(payload, transfer_id=1, to_stage=STAGE,
-                          digest=checksum(algo, data)), bytes(data)]
+KINDS = ("hello", "read", "verdict", "read")
 
 
 def json_value(data: bytes, depth: int = 0):
@@ -76,62 +73,125 @@ def json_value(data: bytes, depth: int = 0):
     if kind == 5:
         return bool(rest and rest[0] & 1)
     if kind == 6:
-        return [int(b) for b in rest[:6]]  # shape-like lists
+        return [[int(b), 1 + (rest[i + 1] if i + 1 < len(rest) else 0) % 4]
+                for i, b in enumerate(rest[:6:2])]  # run-like lists
     return None
-
-
-def frames_from(data: bytes) -> list[bytes]:
-    if not data:
-        return [b""]
-    mode = data[0]
-    if mode & 0x80:
-        frames = valid_frames(rid=f"f{len(data)}", seq_len=1 + (mode & 3))
-        header = json.loads(frames[0])
-        field = FIELDS[data[1] % len(FIELDS)] if len(data) > 1 else "v"
-        header[field] = json_value(data[2:])
-        raw = json.dumps(header, allow_nan=True).encode()
-        body = frames[1]
-        if mode & 0x40:
-            body = body[: len(body) // 2]
-        if mode & 0x20 and body:
-            body = bytes([body[0] ^ 0xFF]) + body[1:]
-        return [raw, body] if not (mode & 0x10) else [raw, body, b"extra"]
-    n = mode % 5
-    if n == 0:
-        return [b""]
-    frames, rest = [], data[1:]
-    for _ in range(n - 1):
-        size = int.from_bytes(rest[:2], "big") if len(rest) >= 2 else 0
-        frames.append(rest[2:2 + size])
-        rest = rest[2 + size:]
-    frames.append(rest)
-    return frames
 
 
 class Harness:
     def __init__(self) -> None:
-        self.receiver = KVReceiver("tcp://127.0.0.1:0", KVInbox(max_bytes=INBOX_BYTES, ttl_s=30),
-                                   stage=STAGE, pipeline="p", max_payload_bytes=MAX_PAYLOAD)
+        self.ar = SyntheticAR(layers=2, blocks=16, heads=2, block_size=4, head_size=8)
+        self.receiver = KVReceiver(
+            "tcp://127.0.0.1:0", KVInbox(max_bytes=INBOX_BYTES, ttl_s=30), stage=STAGE,
+            pipeline="p", max_payload_bytes=MAX_PAYLOAD, slot_bytes=8192, slots=2,
+            expect={"model": MODEL})
         self.receiver.start()
         self.ctx = zmq.Context()
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(self.receiver.endpoint)
+        self.hello = dataclasses.replace(self.ar.hello, to_stage=STAGE)
         self.count = 0
+        self.tid = 1 << 20
         self.rss_base_kb: int | None = None
+        self.send(encode_hello(self.hello))
+        assert self.reply()["type"] == "hello_ok"
+
+    # ------------------------------------------------------------------ the peer
+    def send(self, frames: list[bytes]) -> None:
+        self.dealer.send_multipart(frames)
+
+    def reply(self) -> dict:
+        """The next reply; the AR's agent is progressed meanwhile (UCX serves a read of its
+        memory only then, as the AR's sender thread does)."""
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while not self.dealer.poll(1):
+            if time.monotonic() > deadline:
+                raise AssertionError("no answer from the receiver")
+            self.ar.agent.progress()
+        reply = json.loads(self.dealer.recv())
+        assert reply["type"] in ("hello_ok", "read_done", "ok", "rejected"), reply
+        if reply["type"] == "rejected":
+            assert reply["code"] in REJECT_CODES, reply
+            if reply["code"] == "internal_error":
+                raise AssertionError(f"internal_error (a receiver bug): {reply}")
+        return reply
+
+    # ------------------------------------------------------------------ one input
+    def message(self, data: bytes) -> tuple[str, list[bytes], bool]:
+        """(kind, frames, commit) of an input."""
+        if not data:
+            return "raw", [b""], True
+        mode = data[0]
+        if not mode & 0x80:
+            n = mode % 5
+            if n == 0:
+                return "raw", [b""], True
+            frames, rest = [], data[1:]
+            for _ in range(n - 1):
+                size = int.from_bytes(rest[:2], "big") if len(rest) >= 2 else 0
+                frames.append(rest[2:2 + size])
+                rest = rest[2 + size:]
+            frames.append(rest)
+            return "raw", frames, True
+        kind = KINDS[mode & 3]
+        self.tid += 1
+        if kind == "hello":
+            frames = encode_hello(self.hello)
+        elif kind == "read":
+            frames = [json.dumps(read_body(self.ar, self.tid, f"f{self.tid}", [3, 9, 4],
+                                           10)).encode()]
+        else:
+            frames = encode_verdict(Verdict(self.ar.name, self.tid, True))
+        body = json.loads(frames[0])
+        if not mode & 0x10 and len(data) > 1:
+            fields = [(None, k) for k in sorted(body)] + [(None, "extra")]
+            for nested in ("compat", "block_format"):
+                if isinstance(body.get(nested), dict):
+                    fields += [(nested, k) for k in sorted(body[nested])]
+            nested, key = fields[data[1] % len(fields)]
+            (body[nested] if nested else body)[key] = json_value(data[2:])
+        frames = [json.dumps(body, allow_nan=True).encode(), *frames[1:]]
+        if mode & 0x40:
+            frames = [frames[0], b"\x01garbage"] if kind == "hello" else frames + [b"x"]
+        return kind, frames, not mode & 0x20
 
     def one(self, data: bytes) -> None:
-        frames = frames_from(data)
-        self.dealer.send_multipart(frames)
-        if not self.dealer.poll(REPLY_WAIT_MS):
-            raise AssertionError(f"no answer to {len(frames)} frames {[f[:80] for f in frames]}")
-        reply = json.loads(self.dealer.recv())
-        assert reply["status"] in ("ok", "rejected"), reply
-        assert reply["status"] == "ok" or reply["code"] in REJECT_CODES, reply
-        if reply["code"] == "internal_error":
-            raise AssertionError(f"internal_error (a receiver bug) for {frames!r}: {reply}")
-        assert self.receiver.running, f"receiver thread died: {getattr(self.receiver, 'died', None)}"
+        kind, frames, commit = self.message(data)
+        self.send(frames)
+        marker = f"marker-{self.count}"
+        self.send([json.dumps({"v": 2, "type": marker}).encode()])
+        replies = []
+        while True:  # the message's own replies come before the marker's
+            reply = self.reply()
+            if reply["type"] == "rejected" and marker in reply["reason"]:
+                break
+            replies.append(reply)
+        if kind in ("hello", "read"):
+            try:
+                body = json.loads(frames[0])
+            except ValueError:
+                body = {}
+            tid = body.get("transfer_id") if isinstance(body, dict) else None
+            if kind == "read" and not replies and isinstance(tid, int) \
+                    and not isinstance(tid, bool):
+                replies.append(self.reply())  # taken on: answered once read
+            assert replies, f"a {kind} went unanswered: {frames!r}"
+            if replies[-1]["type"] == "read_done":
+                self.send(encode_verdict(Verdict(body["agent"], tid, commit)))
+                final = self.reply()
+                assert final["transfer_id"] == tid, final
+                assert final["type"] == ("ok" if commit else "rejected") or (
+                    final["type"] == "rejected" and final["code"] in ("inbox_full",
+                                                                      "shard_mismatch")), final
+                self.receiver.inbox.get(f"f{tid}")  # consumed: the inbox stays free
+        assert self.receiver.running, f"receiver thread died: {self.receiver.died}"
         assert self.receiver.inbox.bytes <= INBOX_BYTES
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while self.receiver._reads:  # every read resolved (a short deadline: soon)
+            assert time.monotonic() < deadline, "a read was left behind"
+            if self.dealer.poll(1):
+                self.reply()
         self.count += 1
         if self.count % 1000 == 0:
             rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -143,12 +203,13 @@ class Harness:
 
 def write_seeds(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    for i, algo in enumerate(("crc32", "xxh3_64")):
-        header, body = valid_frames(f"seed-{i}", algo=algo)
-        (directory / f"valid-{algo}").write_bytes(bytes([2]) + len(header).to_bytes(2, "big")
-                                                  + header + body)
-    for field_no in range(len(FIELDS)):
-        (directory / f"field-{field_no}").write_bytes(bytes([0x80, field_no, 4]) + b"abcd")
+    for i, kind in enumerate(("hello", "read", "verdict")):
+        (directory / f"valid-{kind}").write_bytes(bytes([0x90 | i, 0]))
+        for field_no in range(40):
+            (directory / f"{kind}-field-{field_no}").write_bytes(
+                bytes([0x80 | i, field_no, 4]) + b"abcd")
+    (directory / "read-abort").write_bytes(bytes([0xB1, 0]))
+    (directory / "raw-json").write_bytes(bytes([1]) + b'{"v": 2, "type": "read"}')
 
 
 def main() -> None:

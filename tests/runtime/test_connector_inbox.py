@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from omni_runtime.kv.transport import InboxFull, KVInbox, KVPayload
+from omni_runtime.kv.transport.protocol import Rejected
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 
 STAGE = "talker"
@@ -187,8 +188,6 @@ def test_shards_are_assembled_and_delivered_only_when_every_one_is_stored(setup)
 
 
 def test_a_resent_shard_overwrites_its_slice_and_a_mismatched_one_is_refused(setup):
-    from omni_runtime.kv.transport.wire import Rejected
-
     inbox, _, _ = setup
     whole, (s0, s1) = shards("t")
     inbox.put(s0)
@@ -205,8 +204,6 @@ def test_a_resent_shard_overwrites_its_slice_and_a_mismatched_one_is_refused(set
 
 
 def test_a_newer_attempt_supersedes_an_unfinished_older_one(setup):
-    from omni_runtime.kv.transport.wire import Rejected
-
     inbox, _, registry = setup
     _, (old0, old1) = shards("t", attempt=1)
     newer, (new0, new1) = shards("t", attempt=2)
@@ -239,3 +236,22 @@ def test_an_assembly_whose_shards_never_all_come_expires_and_is_counted(setup):
     assert inbox.expire() == 1
     assert inbox.bytes == 0
     assert sample(registry, "omni_kv_receiver_evicted_total", reason="expired") == 1
+
+
+def test_has_room_answers_as_put_would(setup):
+    """What the receiver asks before it reads a transfer: the room a started assembly
+    reserved and the bytes a replaced payload frees count (put() is the authority)."""
+    inbox, _, _ = setup  # 1024 bytes
+    inbox.put(payload("a", seq_len=6))  # 768 bytes
+    assert inbox.has_room("a", 0, 1, 1024) is True  # replaces a: fits alone
+    assert inbox.has_room("b", 0, 1, 257) is False
+    assert inbox.has_room("b", 0, 1, 256) is True
+    inbox.get("a")
+    whole, (s0, s1) = shards("t")  # 512 bytes a shard, 1024 assembled
+    assert inbox.has_room("t", 0, 2, s0.nbytes) is True
+    inbox.put(s0)  # reserves 1024: full
+    assert inbox.has_room("t", 0, 2, s1.nbytes) is True  # in its own reservation
+    assert inbox.has_room("t", 1, 2, s1.nbytes) is False  # another attempt has none
+    assert inbox.has_room("u", 0, 1, 1) is False
+    inbox.put(s1)
+    np.testing.assert_array_equal(inbox.get("t").kv, whole)

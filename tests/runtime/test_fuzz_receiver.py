@@ -1,7 +1,9 @@
-"""The KV receiver's whole handling path under coverage-guided fuzzing (atheris; the harness
-is tests/fuzz/receiver_fuzz.py): a bounded run here, a long one with ``make fuzz``. The
-harness fails the run when a message goes unanswered, is answered ``internal_error``, the
-receiver thread dies, the inbox exceeds its bound or the process's memory keeps growing."""
+"""The KV receiver's control-message handler under coverage-guided fuzzing (atheris; the
+harness is tests/fuzz/receiver_fuzz.py), with the receiver alive and reading a synthetic AR's
+registered cache over real NIXL: a bounded run here, a long one with ``make fuzz``. The
+harness fails the run when a hello or read goes unanswered, a message is answered
+``internal_error``, a read taken on is left behind, the receiver thread dies, the inbox exceeds
+its bound or the process's memory keeps growing."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 
-import numpy as np
 import pytest
 
 from omni_runtime.kv.cpu_affinity import (
@@ -82,17 +81,19 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(setting, words):
 def test_the_senders_threads_run_on_its_io_cpus():
     """The sender's I/O thread and ZeroMQ's are bound to io_cpus, whatever the binding of the
     thread that created the sender (the engine's OpenMP master, in a vLLM worker)."""
-    from omni_runtime.kv.transport import KVInbox, KVPayload, KVReceiver, KVSender
+    from omni_runtime.kv.transport import KVInbox, KVReceiver, KVSender
+
+    from transport_fixtures import SLOT_BYTES, SyntheticAR
 
     cpus = sorted(os.sched_getaffinity(0))
     io = cpus[-1:]
-    inbox = KVInbox()
-    rx = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="p", stage="next").start()
-    sender = KVSender({"next": rx.endpoint}, pipeline="p", stage="ar", io_cpus=io)
+    ar = SyntheticAR()
+    rx = KVReceiver("tcp://127.0.0.1:0", KVInbox(), pipeline="p", stage="next",
+                    slot_bytes=SLOT_BYTES, slots=1).start()
+    sender = KVSender({"next": rx.endpoint}, hello=ar.hello, agent=ar.agent, io_cpus=io)
     try:
-        sender.submit(KVPayload("r1", 2, np.ones((1, 2, 1, 2, 4), np.float32), pipeline="p",
-                                from_stage="ar"))
-        assert sender.wait(10.0) and sender.poll() == (["r1"], {})
+        sender.submit(ar.offer("r1", [1], 2))
+        assert sender.wait(10.0) and sender.poll() == {"r1": (0, None)}
         names = {}
         for tid in os.listdir("/proc/self/task"):
             with open(f"/proc/self/task/{tid}/comm") as f:
@@ -105,3 +106,4 @@ def test_the_senders_threads_run_on_its_io_cpus():
     finally:
         sender.close()
         rx.close()
+        ar.close()

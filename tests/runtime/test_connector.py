@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -440,6 +441,27 @@ def test_queued_behind_the_cap_past_the_deadline_says_so(fake, ar, make_sender):
     assert fake.recv()[1]["request_id"] == "a"  # never answered
     acked, failed = collect(sender, 2)
     assert "no ack" in failed["a"] and "queued" in failed["b"]
+
+
+def test_a_transfer_whose_time_ran_out_in_the_queue_is_never_offered(fake, ar, make_sender):
+    """The cap frees (an ack) after a queued transfer's deadline passed but before the I/O
+    thread expired it: it is not offered with no time left, and its failure says it was
+    queued (fixed: it was offered, then failed "no ack"). The I/O thread is made slow in the
+    ack's metrics callback until the deadline has passed: a mock of the delay only."""
+    gate = threading.Event()
+    sender = make_sender(ar, {STAGE: fake.endpoint}, max_in_flight=1,
+                         observe_bytes=lambda _n: gate.wait(WAIT))
+    sender.submit(ar.offer("a", [1], 2))
+    sender.submit(ar.offer("b", [2], 2), timeout_s=0.3)
+    identity, read = fake.recv()
+    fake.send(identity, "ok", read)
+    assert collect(sender, 1) == (["a"], {})  # reported; the thread is in the callback now
+    deadline = sender._latest["b"].deadline
+    wait_for(lambda: time.monotonic() > deadline, what="b's deadline")
+    gate.set()
+    acked, failed = collect(sender, 1)
+    assert failed["b"].startswith("still queued for stage talker")
+    assert fake.nothing_within(0.2)
 
 
 def test_a_resubmit_supersedes_the_older_transfer_of_the_request(fake, ar, make_sender):

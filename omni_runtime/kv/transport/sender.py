@@ -427,6 +427,11 @@ class KVSender:
             if not self._current(t):
                 ep.queue.popleft()  # answered elsewhere, superseded or cancelled
                 continue
+            if time.monotonic() >= t.deadline:
+                # Its time ran out while it waited here (the loop expires after it pumps):
+                # an offer now would only be refused; _expire reports it as queued.
+                ep.queue.popleft()
+                continue
             if not t.sent_at:
                 t.sent_at = time.time()
             read = ReadRequest(
@@ -571,7 +576,9 @@ class KVSender:
         ep = next(e for e in eps if e.stage in t.waiting)
         if ep.stage in t.sent_to:
             return f"no ack from stage {ep.stage} at {ep.address} within {t.timeout:g}s"
-        if len(ep.in_flight) >= self.max_in_flight:
+        if ep.ready or len(ep.in_flight) >= self.max_in_flight:
+            # Connected and accepted: it waited for room under max_in_flight (the unacked
+            # transfers ahead of it may have just expired too: their count is no test).
             return (f"still queued for stage {ep.stage} behind {len(ep.in_flight)} unacked "
                     f"transfers after {t.timeout:g}s")
         return (f"stage {ep.stage} unreachable at {ep.address}: not connected within "

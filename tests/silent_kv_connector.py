@@ -17,8 +17,11 @@ from omni_runtime.kv.connector import OmniKVConnector
 
 
 class SilentOmniKVConnector(OmniKVConnector):
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        return None  # no NIXL agent, no sender: nothing is ever offered
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        # Keep vLLM's bookkeeping of the metadata; start no extraction or send.
+        # Keep vLLM's bookkeeping of the metadata; offer nothing.
         super(OmniKVConnector, self).bind_connector_metadata(connector_metadata)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,

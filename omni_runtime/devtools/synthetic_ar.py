@@ -21,8 +21,14 @@ import torch
 from omni_runtime.kv.layout import DTYPE_NAMES
 from omni_runtime.kv.transport import KVSender, Offer
 from omni_runtime.kv.transport.nixl_agent import KVAgent
-from omni_runtime.kv.transport.protocol import Affine, BlockFormat, Compat, Hello, Region
-from omni_runtime.kv.worker_side import block_runs
+from omni_runtime.kv.transport.protocol import (
+    Affine,
+    BlockFormat,
+    Compat,
+    Hello,
+    Region,
+    block_runs,
+)
 
 
 def block_format(layout: str, heads: int, block_size: int, head_size: int,

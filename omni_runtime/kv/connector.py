@@ -41,6 +41,7 @@ from omni_runtime.kv.metadata import (  # noqa: F401  (public names)
     ShardAnswers,
 )
 from omni_runtime.kv.scheduler_side import OmniKVConnectorScheduler
+from omni_runtime.kv.stats import OmniKVStatsMixin, known_to_stages
 from omni_runtime.kv.worker_side import OmniKVConnectorWorker, extra_config
 
 if TYPE_CHECKING:
@@ -60,8 +61,11 @@ def find_omni_connector(connector: Any) -> OmniKVConnector | None:
     return None
 
 
-class OmniKVConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
+    """See the module docstring. Its figures also go through vLLM's own connector-stats path
+    (:class:`~omni_runtime.kv.stats.OmniKVStatsMixin`: a plain ``vllm serve`` logs them and
+    shows them on ``/metrics``): the scheduler half records each transfer once, its ranks'
+    answers combined."""
 
     #: Marks the connector for OmniARScheduler, which finds it without importing this module.
     omni_kv_connector = True
@@ -75,7 +79,8 @@ class OmniKVConnector(KVConnectorBase_V1):
         self.scheduler_half: OmniKVConnectorScheduler | None = None
         self.worker_half: OmniKVConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_half = OmniKVConnectorScheduler(world_size)
+            self.scheduler_half = OmniKVConnectorScheduler(
+                world_size, self.omni_kv_stats, known_to_stages(vllm_config))
         else:
             self.worker_half = OmniKVConnectorWorker(vllm_config, kv_cache_config)
 
@@ -83,8 +88,8 @@ class OmniKVConnector(KVConnectorBase_V1):
     def hand_off(self, hand_offs: list[HandOff]) -> None:
         self.scheduler_half.hand_off(hand_offs)
 
-    def withdraw(self, request_id: str, attempt: int) -> None:
-        self.scheduler_half.withdraw(request_id, attempt)
+    def withdraw(self, request_id: str, attempt: int, outcome: str = "failed") -> None:
+        self.scheduler_half.withdraw(request_id, attempt, outcome)
 
     def hold_on_finish(self, request_id: str) -> None:
         self.scheduler_half.hold_on_finish(request_id)

@@ -65,8 +65,8 @@ class ShardAnswers:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        #: request id -> (attempt, {rank: reason}, failure already reported)
-        self._partial: dict[str, tuple[int, dict[int, str | None], bool]] = {}
+        #: request id -> (attempt, {rank: its answer}, failure already reported)
+        self._partial: dict[str, tuple[int, dict[int, Answer], bool]] = {}
 
     def combine(self, by_rank: Mapping[int, Mapping[str, Answer]]) -> dict[str, Answer]:
         if self.world_size == 1:
@@ -81,16 +81,18 @@ class ShardAnswers:
                 elif attempt < current[0]:
                     continue  # a superseded attempt: resolves nothing
                 seen, reported = current[1], current[2]
-                seen[rank] = answer.reason
+                seen[rank] = answer
                 if answer.reason is not None and not reported:
-                    result[rid] = Answer(attempt, f"tensor-parallel rank {rank}: {answer.reason}")
+                    result[rid] = Answer(attempt, f"tensor-parallel rank {rank}: {answer.reason}",
+                                         seconds=answer.seconds)
                     reported = True
                 if len(seen) < self.world_size:
                     self._partial[rid] = (attempt, seen, reported)
                     continue
                 self._partial.pop(rid, None)
-                if not reported:
-                    result[rid] = Answer(attempt)  # every rank's shard was acked
+                if not reported:  # every rank's shard was acked
+                    result[rid] = Answer(attempt, nbytes=sum(a.nbytes for a in seen.values()),
+                                         seconds=max(a.seconds for a in seen.values()))
         return result
 
     def __len__(self) -> int:

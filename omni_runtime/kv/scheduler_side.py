@@ -12,26 +12,49 @@ from __future__ import annotations
 
 from typing import Any
 
+import time
+
 from omni_runtime.kv.metadata import OmniKVConnectorMetadata, OmniKVWorkerMetadata, ShardAnswers
+from omni_runtime.kv.stats import OTHER_STAGE, KVStatsRecorder
 from omni_runtime.sched.handoff import Answer, HandOff
 
 
 class OmniKVConnectorScheduler:
-    def __init__(self, world_size: int) -> None:
+    """``stats``: where each resolution is recorded for vLLM's connector-stats path
+    (kv/stats.py), once per transfer (the ranks' answers combined); ``to_stage``: the stage
+    a transfer goes to, or ``other`` when it fans out to several (their per-edge figures are
+    the ``omni_kv_edge_*`` families')."""
+
+    def __init__(self, world_size: int, stats: KVStatsRecorder | None = None,
+                 to_stages: tuple[str, ...] = ()) -> None:
         self._hand_offs: list[HandOff] = []
         self._withdrawn: dict[str, int] = {}
         self._hold: set[str] = set()
         self.shard_answers = ShardAnswers(world_size)
+        self._stats = stats
+        self._to_stage = to_stages[0] if len(to_stages) == 1 else OTHER_STAGE
+        #: Handed off, not resolved: request id -> (attempt, when), for the stats' durations
+        #: of transfers the scheduler resolves itself.
+        self._in_flight: dict[str, tuple[int, float]] = {}
 
     def hand_off(self, hand_offs: list[HandOff]) -> None:
         """The scheduler's hand-offs for the step being scheduled."""
         self._hand_offs.extend(hand_offs)
+        if self._stats is not None:
+            now = time.monotonic()
+            for h in hand_offs:
+                self._in_flight[h.request_id] = (h.attempt, now)
 
-    def withdraw(self, request_id: str, attempt: int) -> None:
-        """A handed-off transfer the scheduler resolved itself (expiry, reset, shutdown): its
-        blocks may be re-used from the next step on; the workers refuse to commit any read of
-        it from that step's start (the fence, kv/transport/sender.py)."""
+    def withdraw(self, request_id: str, attempt: int, outcome: str = "failed") -> None:
+        """A handed-off transfer the scheduler resolved itself (``outcome``: expired, or
+        failed at a reset or shutdown): its blocks may be re-used from the next step on; the
+        workers refuse to commit any read of it from that step's start (the fence,
+        kv/transport/sender.py)."""
         self._withdrawn[request_id] = attempt
+        started = self._in_flight.get(request_id)
+        if started is not None and started[0] == attempt:
+            del self._in_flight[request_id]
+            self._stats.record(outcome, 0, time.monotonic() - started[1], self._to_stage)
 
     def hold_on_finish(self, request_id: str) -> None:
         """The next request_finished() of this request keeps its blocks (held)."""
@@ -47,7 +70,15 @@ class OmniKVConnectorScheduler:
                          if isinstance(m, OmniKVWorkerMetadata)), None)
         if meta is None:
             return {}
-        return self.shard_answers.combine(meta.by_rank())
+        answers = self.shard_answers.combine(meta.by_rank())
+        if self._stats is not None:
+            for rid, answer in answers.items():
+                started = self._in_flight.get(rid)
+                if started is not None and started[0] == answer.attempt:
+                    del self._in_flight[rid]
+                    self._stats.record("acked" if answer.acked else "failed", answer.nbytes,
+                                       answer.seconds, self._to_stage)
+        return answers
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
         hand_offs, self._hand_offs = self._hand_offs, []

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -35,7 +36,7 @@ from omni_runtime.kv.cpu_affinity import transport_cpus
 from omni_runtime.kv.layout import UnsupportedKVCache, probe_block_format
 from omni_runtime.kv.metadata import OmniKVConnectorMetadata
 from omni_runtime.kv.transport.payload import vllm_external_request_id
-from omni_runtime.kv.transport.protocol import Compat, Hello, Region
+from omni_runtime.kv.transport.protocol import Compat, Hello, Region, block_runs
 from omni_runtime.sched.handoff import Answer, HandOff
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
@@ -66,6 +67,8 @@ class OmniKVConnectorWorker:
         self._entry_bytes = 0  # payload bytes per token (every layer's K and V of this shard)
         self._block_size = 0
         self._local: dict[str, Answer] = {}  # answers made here, without the sender
+        #: Offered, not yet answered: request id -> (attempt, payload bytes, offered at).
+        self._offered: dict[str, tuple[int, int, float]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ start-up
@@ -149,6 +152,9 @@ class OmniKVConnectorWorker:
         sender = self._sender
         for rid, attempt in meta.withdrawn.items():
             sender.cancel(rid, attempt)
+            offered = self._offered.get(rid)
+            if offered is not None and offered[0] <= attempt:
+                del self._offered[rid]
         for hand_off in meta.hand_offs:
             self._offer(hand_off)
 
@@ -165,10 +171,11 @@ class OmniKVConnectorWorker:
             # receivers busy with a transfer the scheduler expires on its next step.
             self._answer(h, "deadline passed before the send started")
             return
+        nbytes = h.seq_len * self._entry_bytes
+        self._offered[h.request_id] = (h.attempt, nbytes, time.monotonic())
         self._sender.submit(
             Offer(request_id=h.request_id, attempt=h.attempt, seq_len=h.seq_len,
-                  runs=block_runs(h.block_ids[:needed]),
-                  nbytes=h.seq_len * self._entry_bytes,
+                  runs=block_runs(h.block_ids[:needed]), nbytes=nbytes,
                   external_request_id=vllm_external_request_id(
                       h.request_id, randomized=self._randomized_ids),
                   trace_context=dict(h.trace_headers) if h.trace_headers else None),
@@ -188,8 +195,15 @@ class OmniKVConnectorWorker:
         with self._lock:
             answers, self._local = self._local, {}
         if self._sender is not None:
+            now = time.monotonic()
             for rid, (attempt, reason) in self._sender.poll().items():
-                answers[rid] = Answer(attempt, reason)
+                offered = self._offered.get(rid)
+                nbytes = seconds = 0
+                if offered is not None and offered[0] == attempt:
+                    del self._offered[rid]
+                    nbytes = offered[1] if reason is None else 0
+                    seconds = now - offered[2]
+                answers[rid] = Answer(attempt, reason, nbytes, seconds)
         return answers
 
     def shutdown(self) -> None:
@@ -200,18 +214,6 @@ class OmniKVConnectorWorker:
                 logger.exception("closing the KV sender failed")
         if self._agent is not None:
             self._agent.close()
-
-
-def block_runs(block_ids: Any) -> tuple[tuple[int, int], ...]:
-    """``block_ids`` as runs of consecutive ids: ((first, count), ...)."""
-    runs: list[list[int]] = []
-    for b in block_ids:
-        b = int(b)
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1][1] += 1
-        else:
-            runs.append([b, 1])
-    return tuple((first, count) for first, count in runs)
 
 
 def _on_cpus(cpus: Any, make: Any) -> Any:

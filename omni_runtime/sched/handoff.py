@@ -46,10 +46,13 @@ class HandOff:
 @dataclass(frozen=True, slots=True)
 class Answer:
     """A worker's answer about one attempt of a transfer: delivered (``reason`` None) or
-    failed with the reason."""
+    failed with the reason; with the payload bytes delivered (every rank's together, once
+    combined) and the seconds from the worker's offer to the answer (the slowest rank's)."""
 
     attempt: int
     reason: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
 
     @property
     def acked(self) -> bool:

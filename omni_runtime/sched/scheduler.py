@@ -376,7 +376,7 @@ class OmniKVTransferMixin:
         re-used from the next step on, so the workers must refuse to commit a receiver's read
         of it from then on (the block guarantee at a distance, kv/worker_side.py)."""
         if transfer.handed_off_at is not None:
-            self._omni.withdraw(transfer.request_id, transfer.attempt)
+            self._omni.withdraw(transfer.request_id, transfer.attempt, transfer.outcome.value)
 
     def _release(self, transfer: Transfer) -> None:
         """Give back the blocks a transfer that has just resolved kept (exactly once: the

@@ -141,10 +141,20 @@ def test_under_multi_connector_the_stats_are_rebuilt_by_class_name():
 @pytest.fixture
 def clean_registry(monkeypatch):
     """Prometheus families in the global registry (where vLLM's metric types register),
-    dropped again after the test; no multiprocess directory unless a test sets one."""
+    dropped again after the test; no multiprocess directory unless a test sets one. The
+    contract's families an earlier test of this process registered there (an in-process
+    scheduler's observers) are set aside meanwhile and put back after."""
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    names = REGISTRY._names_to_collectors
+    earlier = {names[n] for n in (RESOLVED_FAMILY, BYTES_FAMILY,
+                                  BYTES_FAMILY + "_count", BYTES_FAMILY + "_sum")
+               if n in names}
+    for collector in earlier:
+        REGISTRY.unregister(collector)
     yield
     kv_stats._unregister_ours()
+    for collector in earlier:
+        REGISTRY.register(collector)
 
 
 def _config(endpoints=("talker", "code2wav"), stage="thinker", timeout=30, connector=None):
@@ -453,3 +463,47 @@ def test_as_omni_stage_runs_it_each_contract_family_is_exported_once(serve):
     assert sizes and all("engine" not in s.labels for s in sizes)
     assert _value_in(text, HANDOFF_FAMILY + "_count", engine="0", stage=STAGE,
                      to_stage=TO_STAGE, outcome="failed") == 1
+
+
+@pytest.mark.parametrize("composed", [False, True], ids=["alone", "under-multi-connector"])
+def test_a_plain_vllm_serve_with_the_real_connector_shows_its_transfers(tmp_path, composed):
+    """The real OmniKVConnector (NIXL: a receiver in this process reads the server's KV
+    cache), no omni-stage: vLLM's periodic log line and /metrics count every transfer the
+    receiver stored, with its payload bytes; alone and as a MultiConnector's child beside
+    vLLM's ExampleConnector."""
+    from omni_runtime.kv.connector_config import kv_transfer_config
+    from omni_runtime.kv.transport import KVInbox, KVReceiver
+
+    inbox = KVInbox()
+    receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage=TO_STAGE).start()
+    try:
+        config = kv_transfer_config({TO_STAGE: receiver.endpoint})
+        if composed:
+            storage = tmp_path / "example-connector"
+            storage.mkdir()
+            example = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+            config = {"kv_connector": "MultiConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"connectors": [example, config]}}
+        server = Server(tmp_path, config, multiproc=False)
+        server.cmd[server.cmd.index("--additional-config") + 1] = json.dumps(
+            {"omni_kv_config": {"stage_name": STAGE, "need_send_cache": True,
+                                "kv_transfer_criteria": {"type": "prefill_finished"}}})
+        server.start()
+        try:
+            logged = _run_three_requests_and_wait_for_the_log(server)
+            assert logged == {"Acked": 3, "Failed": 0}
+            assert receiver.num_delivered == 3
+            stored = sum(p["bytes"] for p in inbox.list())
+            text = _poll_metrics(server, RESOLVED_FAMILY, 3, outcome="acked")
+            labels = {"model_name": MODEL, "engine": "0", "stage": STAGE, "to_stage": TO_STAGE}
+            assert _value_in(text, BYTES_FAMILY + "_count", **labels) == 3
+            assert _value_in(text, BYTES_FAMILY + "_sum", **labels) == stored
+            assert _value_in(text, HANDOFF_FAMILY + "_count", **labels, outcome="acked") == 3
+            if composed:
+                log = server.log_path.read_text(errors="replace")
+                assert "OmniKVConnector={" in log
+        finally:
+            server.stop()
+    finally:
+        receiver.close()

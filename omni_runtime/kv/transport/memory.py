@@ -38,12 +38,15 @@ def empty_huge(nbytes: int) -> mmap.mmap:
 
 class PayloadPool:
     """Arrays for payloads, on re-used slabs. Thread-safe: a slab may come back from any
-    thread (whichever drops the last view of its array)."""
+    thread (whichever drops the last view of its array). ``pinned``: slabs in page-locked
+    memory (a receiver assembling on a GPU copies each payload to the host: pinned, that copy
+    runs at the bus's speed, pageable it is staged by the driver), pinned once per slab."""
 
-    def __init__(self, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, max_bytes: int = 1 << 30, *, pinned: bool = False) -> None:
         self.max_bytes = max_bytes
+        self.pinned = pinned
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int, mmap.mmap]] = []  # (size, id, slab), by size
+        self._free: list[tuple[int, int, object]] = []  # (size, id, slab), by size
         self._free_bytes = 0
         self.reused = 0
         self.mapped = 0
@@ -56,11 +59,14 @@ class PayloadPool:
         if nbytes < HUGE_PAGE_BYTES:
             return np.empty(shape, dtype)  # small: the allocator's own re-use is enough
         slab = self._take(nbytes)
-        root = np.frombuffer(slab, dtype=dtype, count=nbytes // dtype.itemsize)
+        if self.pinned:
+            root = slab.numpy()[:nbytes].view(dtype)
+        else:
+            root = np.frombuffer(slab, dtype=dtype, count=nbytes // dtype.itemsize)
         weakref.finalize(root, self._give_back, slab)
         return root.reshape(shape)
 
-    def _take(self, nbytes: int) -> mmap.mmap:
+    def _take(self, nbytes: int):
         with self._lock:
             # The smallest free slab that fits, if it is not more than twice the size.
             i = bisect.bisect_left(self._free, (nbytes,))
@@ -70,16 +76,21 @@ class PayloadPool:
                 self.reused += 1
                 return slab
             self.mapped += 1
+        if self.pinned:
+            import torch
+
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return empty_huge(nbytes)
 
-    def _give_back(self, slab: mmap.mmap) -> None:
-        size = len(slab)
+    def _give_back(self, slab) -> None:
+        size = slab.numel() if self.pinned else len(slab)
         with self._lock:
             if self._free_bytes + size <= self.max_bytes:
                 bisect.insort(self._free, (size, id(slab), slab))
                 self._free_bytes += size
                 return
-        slab.close()
+        if not self.pinned:
+            slab.close()
 
     @property
     def free_bytes(self) -> int:

@@ -579,3 +579,15 @@ def decode_reply(raw: bytes) -> Reply | None:
 
 def blocks_needed(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
+
+
+def block_runs(block_ids: Any) -> tuple[tuple[int, int], ...]:
+    """``block_ids`` as a read's runs of consecutive ids: ((first, count), ...)."""
+    runs: list[list[int]] = []
+    for b in block_ids:
+        b = int(b)
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return tuple((first, count) for first, count in runs)

@@ -117,6 +117,7 @@ class _Read:
     handle: Any = None
     phase: str = "queued"  # queued -> reading -> verdict
     started: float = 0.0  # monotonic, when the first chunk was posted
+    posted: float = 0.0  # perf_counter, when the current chunk was posted
 
     @property
     def key(self) -> tuple[str, int]:
@@ -161,8 +162,10 @@ class KVReceiver:
         self.agent_idle_ttl_s = agent_idle_ttl_s
         self.metrics = metrics if metrics is not None else NullReceiverObserver()
         self.inbox.bind_metrics(self.metrics)
-        #: Payload memory, re-used once consumers drop what they took (memory.py).
-        self.pool = PayloadPool(max_bytes=self.inbox.max_bytes)
+        #: Payload memory, re-used once consumers drop what they took (memory.py); pinned
+        #: when the assembly runs on a GPU (each payload is copied to it from the device).
+        self.pool = PayloadPool(max_bytes=self.inbox.max_bytes,
+                                pinned=staging_device.startswith("cuda"))
         self.inbox.bind_allocator(self.pool.empty)
         # A no-op tracer unless a tracer provider is installed globally (or one is passed).
         self._tracer = tracer if tracer is not None else trace.get_tracer(INSTRUMENTATION_NAME)
@@ -185,6 +188,10 @@ class KVReceiver:
         self.num_replies_lost = 0
         self.num_internal_errors = 0
         self.num_aborted = 0
+        #: Seconds the thread spent with READs posted (post to DONE seen) and assembling
+        #: (benchmarks split a transfer's time with them).
+        self.read_seconds = 0.0
+        self.assemble_seconds = 0.0
         #: Why the thread died (None while it runs or after a normal close()).
         self.died: str | None = None
 
@@ -566,10 +573,13 @@ class KVReceiver:
         for job in [j for j in self._reads.values() if j.phase == "reading"]:
             state = self._agent.state(job.handle)
             if state == DONE:
+                done = time.perf_counter()
+                self.read_seconds += done - job.posted
                 self._agent.release(job.handle)
                 job.handle = None
                 try:
                     self._assemble(job)
+                    self.assemble_seconds += time.perf_counter() - done
                 except Exception as e:
                     self.num_internal_errors += 1
                     logger.exception("KV receiver: assembling a transfer failed")
@@ -626,6 +636,7 @@ class KVReceiver:
                     local.append((job.slot.addr + staged, count * block_bytes,
                                   self._staging.device_id))
                     staged += count * block_bytes
+        job.posted = time.perf_counter()
         try:
             job.handle = self._agent.read(
                 np.array(local, dtype=np.uint64), self._staging.mem_type,

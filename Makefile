@@ -78,13 +78,13 @@ demo: setup
 demo-scheduler: setup
 	$(PY) -m omni_runtime.devtools.demo
 
-# Every benchmark that runs on this CPU machine; benchmarks/gpu_kv_copy.py needs a CUDA
+# Every benchmark that runs on this CPU machine; benchmarks/gpu_kv_data_path.py needs a CUDA
 # device (`make bench-gpu` on a GPU machine).
 bench: setup
-	@for b in $(filter-out benchmarks/gpu_kv_copy.py,$(wildcard benchmarks/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(filter-out benchmarks/gpu_kv_data_path.py,$(wildcard benchmarks/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
 
 bench-gpu: setup
-	$(PY) benchmarks/gpu_kv_copy.py
+	$(PY) benchmarks/gpu_kv_data_path.py
 
 # Alert rules, dashboards and the chart's copies, from monitoring/omni_mixin.
 dashboards: setup

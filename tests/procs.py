@@ -96,7 +96,9 @@ class VllmServer:
             p for p in (str(Path(__file__).resolve().parent), self.env.get("PYTHONPATH")) if p)
         silent_connector = {
             "kv_connector": "SilentOmniKVConnector", "kv_connector_module_path": "silent_kv_connector",
-            "kv_role": "kv_producer", "kv_connector_extra_config": {"endpoints": {}},
+            # An endpoint the connector needs to start; the silent one never contacts it.
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"endpoints": {"next": "tcp://127.0.0.1:9"}},
         }
         self.cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

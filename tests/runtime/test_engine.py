@@ -66,7 +66,8 @@ def test_with_transfers_off_greedy_outputs_equal_the_stock_scheduler(make_llm):
 
 @pytest.fixture
 def silent_endpoint():
-    """A ZeroMQ ROUTER that takes every transfer and never answers (a receiver that hangs)."""
+    """A ZeroMQ ROUTER that takes every message and never answers (a receiver that hangs:
+    not even the hello is answered)."""
     import zmq
 
     ctx = zmq.Context()

@@ -142,19 +142,25 @@ def test_under_multi_connector_the_stats_are_rebuilt_by_class_name():
 def clean_registry(monkeypatch):
     """Prometheus families in the global registry (where vLLM's metric types register),
     dropped again after the test; no multiprocess directory unless a test sets one. The
-    contract's families an earlier test of this process registered there (an in-process
-    scheduler's observers) are set aside meanwhile and put back after."""
+    observability layer's families an earlier test of this process registered there (an
+    in-process scheduler's) are set aside meanwhile and put back after."""
+    from omni_runtime.observability import metrics as obs
+
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    names = REGISTRY._names_to_collectors
-    earlier = {names[n] for n in (RESOLVED_FAMILY, BYTES_FAMILY,
-                                  BYTES_FAMILY + "_count", BYTES_FAMILY + "_sum")
-               if n in names}
-    for collector in earlier:
-        REGISTRY.unregister(collector)
+    earlier = obs._families.pop(REGISTRY, None)
+    if earlier is not None:
+        earlier.unregister()
     yield
     kv_stats._unregister_ours()
-    for collector in earlier:
-        REGISTRY.register(collector)
+    if earlier is not None:
+        left = obs._families.pop(REGISTRY, None)  # a test's own, if it left one
+        if left is not None:
+            left.unregister()
+        for collector in (earlier.transfers, earlier.held_blocks, earlier.oldest,
+                          earlier.started, earlier.resolved, earlier.duration, earlier.hold,
+                          earlier.bytes):
+            REGISTRY.register(collector)
+        obs._families[REGISTRY] = earlier
 
 
 def _config(endpoints=("talker", "code2wav"), stage="thinker", timeout=30, connector=None):

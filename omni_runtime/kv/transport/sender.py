@@ -581,5 +581,9 @@ class KVSender:
             # transfers ahead of it may have just expired too: their count is no test).
             return (f"still queued for stage {ep.stage} behind {len(ep.in_flight)} unacked "
                     f"transfers after {t.timeout:g}s")
+        if ep.connections:
+            # Connected, but the receiver never accepted this connection's hello (it hangs).
+            return (f"no ack from stage {ep.stage} at {ep.address} to this sender's hello "
+                    f"within {t.timeout:g}s")
         return (f"stage {ep.stage} unreachable at {ep.address}: not connected within "
                 f"{t.timeout:g}s")

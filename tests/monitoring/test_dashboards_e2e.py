@@ -164,7 +164,7 @@ def complete(ar: StageProcess, prompt: str, max_tokens: int = 4) -> None:
 
 
 def send_malformed_frame(kv_port: int) -> dict:
-    """A transfer whose header is not JSON, from a raw ZeroMQ DEALER; the receiver's reply."""
+    """A control message that is not JSON, from a raw ZeroMQ DEALER; the receiver's reply."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -188,7 +188,7 @@ def traffic(stages, operator, prometheus):
                                ("One more for the dashboards", 1)):
         complete(ar, prompt, max_tokens)
     reply = send_malformed_frame(receiver.kv_port)
-    assert reply["status"] == "rejected" and reply["code"] == "malformed_header", reply
+    assert reply["type"] == "rejected" and reply["code"] == "malformed", reply
     user = operator["user"]
     create_pipeline(user, pipeline_body())
     create_pipeline(user, pipeline_body(RESTRICTED))

@@ -45,3 +45,18 @@ def test_the_gpu_build_keeps_the_bases_vllm_and_checks_its_version():
     assert "vllm.__version__" in install and "${VLLM_VERSION}" in install
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in dependencies if re.match(r"(vllm|torch)\b", d)]
+
+
+def test_both_builds_carry_nixl_and_the_cpu_build_keeps_its_torch():
+    """The KV data plane needs NIXL: the build fails unless it loads (GPU: vLLM's image's own),
+    and the CPU build installs it without its dependencies, which would pull a CUDA torch over
+    the CPU one, at the version the Makefile's set-up pins."""
+    (install,) = [r for r in _directives("RUN") if "case \"$TARGET_DEVICE\"" in r]
+    cpu_branch = re.search(r"cpu\)\s*(.*?);;", install).group(1)
+    assert re.search(r'pip install -q --no-deps "nixl==\$\{NIXL_VERSION\}" '
+                     r'"nixl-cu12==\$\{NIXL_VERSION\}"', cpu_branch)
+    assert "from nixl._api import nixl_agent" in install.split("esac", 1)[1], \
+        "checked after the case: in both builds"
+    args = dict(a.split("=", 1) for a in _directives("ARG") if "=" in a)
+    pinned = re.search(r"^NIXL_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert args["NIXL_VERSION"] == pinned

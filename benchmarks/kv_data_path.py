@@ -12,7 +12,7 @@ CPUs are split as vLLM's CPU binding does on a real host: the engine's OpenMP th
 ``--engine-cpus``; the connector's threads (``io_cpus``), the receiving process and every
 reference on ``--io-cpus``. Default: the last CPU for I/O, the others for the engine.
 
-    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 2]
+    python benchmarks/kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--rounds 1]
 
 Last line, one JSON object:
   * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
@@ -289,10 +289,9 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     make = lambda r: [{"prompt_token_ids": [int(x) for x in  # noqa: E731
                        np.random.default_rng(r * 100 + i).integers(3, vocab, prompt_tokens)]}
                       for i in range(args.requests)]
-    # Warm-up, both ways (the receiver's hello and NIXL's wire-up; the first round after
-    # start-up is the slowest whichever way it runs).
+    # Warm-up, transfers on: the receiver's hello, NIXL's wire-up, the payload pool's slabs,
+    # and the first round after start-up, the slowest whichever way it runs.
     _round(llm, core, make(99), True, None)
-    _round(llm, core, make(98), False, None)
     resolved.clear()
     rss0 = _rss_mb()
     split0 = _split(pipe)
@@ -453,7 +452,7 @@ def _tcp_ar(conn, io_cpus: list[int], prompt_tokens: int, count: int) -> None:
     endpoint, raw_endpoint = conn.recv()
     blocks = prompt_tokens // 16
     ar = SyntheticAR(**SHAPE_7B, block_size=16, num_blocks=blocks * count + 1,
-                     dtype=torch.float32, stage="ar", pipeline="bench")
+                     dtype=torch.float32, stage="ar", pipeline="bench", seed=None)
     sender = ar.sender({"next": endpoint}, io_cpus=io_cpus)
 
     def one_round(tag: str) -> float:
@@ -501,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs at the 7B shape (the second pair runs off first)")
+    parser.add_argument("--rounds", type=int, default=1, help="on/off pairs at the 7B shape (every second pair runs off first); one keeps the run under a minute")
     parser.add_argument("--engine-cpus", help="the engine's OpenMP CPUs, e.g. 0 or 0-2")
     parser.add_argument("--io-cpus", help="the transport's and the receiver's CPUs, e.g. 3")
     parser.add_argument("--skip-tcp", action="store_true", help="no UCX_TLS=tcp measurement")

@@ -45,9 +45,13 @@ def payload(rid: str, seq_len: int = 8, **kw) -> KVPayload:
 
 
 def value(registry, name, **labels):
-    v = registry.get_sample_value(name, {"stage": STAGE, "model_name": "", **labels})
-    assert v is not None, (name, labels)
-    return v
+    """Sum of the samples of ``name`` with these labels (over any others, e.g. the receiver
+    families' ``from_stage``)."""
+    want = {"stage": STAGE, "model_name": "", **labels}
+    found = [s.value for m in registry.collect() for s in m.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in want.items())]
+    assert found, (name, labels)
+    return sum(found)
 
 
 def free_port() -> int:
@@ -548,7 +552,7 @@ def test_metric_labels_are_bounded_and_never_carry_request_ids(receiver, dealer,
     dealer.send([b"junk"])
     dealer.reply()
     receiver.inbox.get("nope", timeout_s=0)
-    allowed = {"stage", "model_name", "outcome", "reason", "thread", "le"}
+    allowed = {"stage", "model_name", "outcome", "reason", "thread", "from_stage", "le"}
     for family in registry.collect():
         for s in family.samples:
             assert set(s.labels) <= allowed, s

@@ -1,0 +1,223 @@
+"""Reading the stages' metrics (omni_operator/health.py) from the pods listed at the API
+emulator, and what the reconcile makes of it: status, printer column, events, writes.
+
+The pods' /metrics are `metrics_pages.PageServer`s (HTTP servers on 127.0.0.1 serving the text a
+sending stage serves): these tests are about the operator's reading, timing and transitions;
+tests/operator/test_transfer_health_e2e.py runs the same against real stage processes.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from metrics_pages import PageServer, ar_page, create_pod
+from omni_operator.health import PodMetricsSource, TransferHealth
+from omni_operator.kinds import EVENT, NETWORKPOLICY
+from omni_operator.reconcile import Reconciler
+from omni_operator.resync import Resync
+from omnip_support import NAMESPACE, complete_rollout, create_pipeline, make_kube, pipeline_body, status
+
+SENDERS = ("thinker", "talker")
+
+
+@pytest.fixture
+def pages():
+    servers: dict[str, PageServer] = {}
+
+    def make(name: str, page: str = "", delay: float = 0.0) -> PageServer:
+        servers[name] = PageServer(page, delay)
+        return servers[name]
+
+    yield make
+    for server in servers.values():
+        server.stop()
+
+
+def events(kube, reason: str | None = None) -> list[dict]:
+    items = kube.request("list", "Event", "GET", EVENT.collection_path(NAMESPACE))["items"]
+    return [e for e in items if reason is None or e["reason"] == reason]
+
+
+def condition(kube, ctype: str = "TransfersHealthy") -> dict:
+    return next((c for c in status(kube).get("conditions", []) if c["type"] == ctype), {})
+
+
+def setup_pipeline(kube, pages, stuck_seconds: int = 120) -> dict[str, PageServer]:
+    """The default 3-stage pipeline with one pod per stage, each pod's /metrics a PageServer."""
+    create_pipeline(kube, pipeline_body(observability={"alerts": {"stuckTransferSeconds": stuck_seconds}}))
+    servers = {}
+    for stage in (*SENDERS, "code2wav"):
+        page = ar_page(stage) if stage in SENDERS else 'omni_kv_received_total{stage="code2wav",outcome="delivered"} 0.0\n'
+        servers[stage] = pages(stage, page)
+        create_pod(kube, "tiny", stage, f"tiny-{stage}-0", servers[stage].port)
+    return servers
+
+
+def test_a_slow_and_a_dead_pod_delay_no_other_pod(kube, emulator, pages):
+    create_pipeline(kube, pipeline_body())
+    fast = [pages(f"fast{i}", ar_page(active=i)) for i in range(6)]
+    for i, server in enumerate(fast):
+        create_pod(kube, "tiny", "thinker", f"tiny-thinker-{i}", server.port)
+    slow = pages("slow", ar_page(), delay=5.0)
+    create_pod(kube, "tiny", "talker", "tiny-talker-slow", slow.port)
+    dead = pages("dead")
+    dead.stop()  # nothing listens on its port any more
+    create_pod(kube, "tiny", "talker", "tiny-talker-dead", dead.port)
+    create_pod(kube, "tiny", "talker", "tiny-talker-pending", 1, phase="Pending")  # no IP yet: not read
+    source = PodMetricsSource(make_kube(emulator.url), timeout=0.5, concurrency=4)
+    try:
+        started = time.monotonic()
+        reading = source.read([(NAMESPACE, "tiny")])[(NAMESPACE, "tiny")]
+        elapsed = time.monotonic() - started
+    finally:
+        source.close()
+    # One timeout (0.5 s) for the slow pod, in parallel with everything else; not 5 s.
+    assert elapsed < 2.0, elapsed
+    thinker = reading.stages["thinker"]
+    assert sorted(p.pod for p in thinker.pods) == [f"tiny-thinker-{i}" for i in range(6)]
+    assert sum(p.states["active"] for p in thinker.pods) == sum(range(6))
+    talker = reading.stages["talker"]
+    assert talker.pods == ()
+    why = dict(talker.unreadable)
+    assert set(why) == {"tiny-talker-slow", "tiny-talker-dead"}
+    assert "timed out" in why["tiny-talker-slow"] and "refused" in why["tiny-talker-dead"]
+
+
+def test_a_pod_not_ready_that_cannot_be_read_is_left_to_the_ready_condition(kube, emulator, pages):
+    create_pipeline(kube, pipeline_body())
+    dead = pages("dead")
+    dead.stop()
+    create_pod(kube, "tiny", "thinker", "tiny-thinker-0", dead.port, ready=False)
+    source = PodMetricsSource(make_kube(emulator.url), timeout=0.5)
+    try:
+        reading = source.read([(NAMESPACE, "tiny")])[(NAMESPACE, "tiny")]
+    finally:
+        source.close()
+    assert reading.stages["thinker"] == type(reading.stages["thinker"])((), ())
+
+
+def test_stuck_then_recovered_status_column_and_one_event_each(kube, emulator, pages):
+    servers = setup_pipeline(kube, pages, stuck_seconds=30)
+    client = make_kube(emulator.url)
+    health = TransferHealth(PodMetricsSource(client, timeout=2.0))
+    reconciler = Reconciler(client, health=health)
+    resync = Resync(reconciler, [NAMESPACE], interval=3600)
+    try:
+        resync.run_once()
+        for stage in (*SENDERS, "code2wav"):
+            complete_rollout(kube, stage)
+        resync.run_once()
+        assert status(kube)["transfersHealth"] == "ok"
+        assert (condition(kube)["status"], condition(kube)["reason"]) == ("True", "TransfersFlowing")
+        thinker = status(kube)["stages"][0]
+        assert thinker["name"] == "thinker" and thinker["transfers"]["pods"] == 1 and thinker["transfers"]["active"] == 0
+
+        # The talker's transfer has been active for 45 s: past the pipeline's 30 s threshold.
+        servers["talker"].page = ar_page("talker", active=1, oldest_active=time.time() - 45)
+        resync.run_once()
+        assert status(kube)["transfersHealth"] == "stuck 1"
+        cond = condition(kube)
+        assert (cond["status"], cond["reason"]) == ("False", "TransferStuck") and "stage talker" in cond["message"]
+        (warning,) = events(kube, "TransferStuck")
+        assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == "tiny"
+
+        # Still stuck, a resync later: no new event, and nothing written at all.
+        writes = client.writes
+        outcome = reconciler.reconcile(NAMESPACE, "tiny")
+        resync.run_once()
+        assert client.writes == writes and outcome.writes == 0
+        assert len(events(kube, "TransferStuck")) == 1
+
+        # It resolves: one Normal event, the column says ok again.
+        servers["talker"].page = ar_page("talker", resolved={"acked": 1})
+        resync.run_once()
+        assert status(kube)["transfersHealth"] == "ok"
+        (recovered,) = events(kube, "TransfersRecovered")
+        assert recovered["type"] == "Normal" and "was TransferStuck" in recovered["message"]
+    finally:
+        health.close()
+        client.close()
+
+
+def test_failing_transfers_and_unreadable_metrics(kube, emulator, pages):
+    servers = setup_pipeline(kube, pages)
+    client = make_kube(emulator.url)
+    health = TransferHealth(PodMetricsSource(client, timeout=0.5), failing_ratio=0.1)
+    reconciler = Reconciler(client, health=health)
+    resync = Resync(reconciler, [NAMESPACE], interval=3600)
+    try:
+        servers["thinker"].page = ar_page(resolved={"acked": 100, "failed": 1})
+        resync.run_once()
+        servers["thinker"].page = ar_page(resolved={"acked": 108, "failed": 3})  # 2 of 10 in the interval
+        resync.run_once()
+        assert status(kube)["transfersHealth"] == "failing 20%"
+        assert status(kube)["stages"][0]["transfers"]["failed"] == 2
+        assert len(events(kube, "TransfersFailing")) == 1
+        # Then the talker's pod stops answering: nothing is known to be wrong, nothing right.
+        servers["thinker"].page = ar_page(resolved={"acked": 200, "failed": 3})
+        servers["talker"].stop()
+        resync.run_once()
+        cond = condition(kube)
+        assert (cond["status"], cond["reason"]) == ("Unknown", "MetricsUnavailable")
+        assert "pod tiny-talker-0" in cond["message"] and status(kube)["transfersHealth"] == "unknown"
+        assert status(kube)["stages"][1]["transfers"] == {"pods": 0, "unreadablePods": 1}
+        assert events(kube, "TransfersRecovered") == []  # Unknown is no recovery
+    finally:
+        health.close()
+        client.close()
+
+
+def test_nothing_changed_means_no_write_with_health_reading_on(kube, emulator, pages):
+    servers = setup_pipeline(kube, pages)
+    servers["thinker"].page = ar_page(active=2, oldest_active=time.time() - 3, held=1, held_blocks=4,
+                                      oldest_held=time.time() - 3)
+    client = make_kube(emulator.url)
+    health = TransferHealth(PodMetricsSource(client))
+    resync = Resync(Reconciler(client, health=health), [NAMESPACE], interval=3600)
+    try:
+        resync.run_once()
+        resync.run_once()
+        before = client.writes
+        for _ in range(3):
+            resync.run_once()
+        assert client.writes == before
+        assert status(kube)["stages"][0]["transfers"]["heldBlocks"] == 4
+    finally:
+        health.close()
+        client.close()
+
+
+def test_only_the_pods_of_the_pipelines_asked_for_are_read(kube, emulator, pages):
+    create_pipeline(kube, pipeline_body())
+    mine, other = pages("mine", ar_page()), pages("other", ar_page())
+    create_pod(kube, "tiny", "thinker", "tiny-thinker-0", mine.port)
+    create_pod(kube, "other", "thinker", "other-thinker-0", other.port)
+    source = PodMetricsSource(make_kube(emulator.url))
+    try:
+        readings = source.read([(NAMESPACE, "tiny")])
+    finally:
+        source.close()
+    assert list(readings) == [(NAMESPACE, "tiny")] and mine.hits == 1 and other.hits == 0
+
+
+def test_the_network_policy_lets_the_operator_reach_the_http_port_only(kube, emulator):
+    create_pipeline(kube, pipeline_body())
+    peer = {"namespace": "omni-system", "labels": {"app.kubernetes.io/name": "omni-pipeline",
+                                                   "app.kubernetes.io/component": "operator"}}
+    client = make_kube(emulator.url)
+    try:
+        Reconciler(client, operator_peer=peer).reconcile(NAMESPACE, "tiny")
+    finally:
+        client.close()
+    rules = kube.get(NETWORKPOLICY, NAMESPACE, "tiny")["spec"]["ingress"]
+    operator_rules = [r for r in rules if any("namespaceSelector" in f for f in r.get("from", []))]
+    assert operator_rules == [{
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "omni-system"}},
+                  "podSelector": {"matchLabels": peer["labels"]}}],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }]
+    # The kv port is still only the pipeline's own pods'.
+    kv = [r for r in rules if r["ports"] == [{"protocol": "TCP", "port": 9600}]]
+    assert kv == [{"from": [{"podSelector": {"matchLabels": {"omnipipeline.dev/pipeline": "tiny"}}}],
+                   "ports": [{"protocol": "TCP", "port": 9600}]}]

@@ -20,13 +20,20 @@ family                                               type      labels (besides s
 was unreachable, or the send gave up) or ``expired`` (the transfer's deadline passed with this
 edge unanswered). A transfer cancelled before hand-off never reached an edge.
 
-The data path feeds them through :class:`EdgeMetrics` (docs/metrics.md, "Per-edge
-families"): :meth:`EdgeMetrics.started` when it takes a transfer, :meth:`EdgeMetrics.resolved`
-once per edge as that edge answers (or :meth:`EdgeMetrics.record` when it tracks the transfer
-itself), :meth:`EdgeMetrics.dropped` for an attempt superseded before its edges answered.
+Who feeds them (docs/metrics.md, "Per-edge families"):
+
+* a stage with one downstream stage: its ledger (:class:`LedgerEdgeObserver`, attached by
+  ``build_observers``): with one edge, the transfer's fate is the edge's; the data path adds
+  only the bytes (:func:`edge_bytes_observer`);
+* a stage that fans out: the data path, through the :class:`EdgeMetrics` that
+  :func:`data_path_edge_metrics` gives it: :meth:`EdgeMetrics.started` when it takes a transfer,
+  :meth:`EdgeMetrics.resolved` once per edge as that edge answers (or
+  :meth:`EdgeMetrics.record` when it tracks the transfer itself), :meth:`EdgeMetrics.dropped`
+  for an attempt superseded before its edges answered.
+
 Every method is thread-safe and never raises: the sender's I/O thread and the engine's thread
 may both call it. The in-flight state kept here is one entry per unresolved (transfer, edge):
-bounded by the transfers the data path has in flight.
+bounded by the transfers in flight.
 
 Multiprocess mode as in :mod:`.metrics`: gauges ``livemostrecent`` (each write supersedes a
 dead or earlier process's value), counters and histograms summed over processes. The scheduler
@@ -52,7 +59,13 @@ from omni_runtime.observability.metrics import (
     _Latest,
     duration_buckets,
 )
-from omni_runtime.transfers.ledger import DEFAULT_TIMEOUT_SECONDS
+from omni_runtime.transfers.ledger import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Outcome,
+    Transfer,
+    TransferLedger,
+    TransferObserver,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -201,21 +214,21 @@ class EdgeMetrics:
                 edge.refresh()
 
     def resolved(self, transfer_id: Hashable, to_stage: str, outcome: str, *,
-                 nbytes: int | None = None) -> None:
+                 nbytes: int | None = None, duration_s: float | None = None) -> None:
         """The edge of ``transfer_id`` toward ``to_stage`` resolved with ``outcome`` (acked,
         failed, expired); ``nbytes``: the payload delivered (acked only). Its duration runs
-        from :meth:`started`; an edge never started is counted without a duration. Call it once
-        per edge and attempt."""
+        from :meth:`started` unless ``duration_s`` says otherwise; an edge never started is
+        counted with ``duration_s`` only. Call it once per edge and attempt."""
         with self._lock:
             edge = self._edge(to_stage)
             if edge is None or not self._known_outcome(outcome):
                 return
             begun = edge.inflight.pop(transfer_id, None)
-            if begun is None:
-                self._count(edge, outcome, None, nbytes)
-                return
-            edge.refresh()
-            self._count(edge, outcome, max(0.0, self._monotonic() - begun[1]), nbytes)
+            if begun is not None:
+                edge.refresh()
+                if duration_s is None:
+                    duration_s = self._monotonic() - begun[1]
+            self._count(edge, outcome, duration_s, nbytes)
 
     def dropped(self, transfer_id: Hashable) -> None:
         """Forget the unresolved edges of ``transfer_id`` without counting them (an attempt
@@ -269,15 +282,64 @@ class EdgeMetrics:
             logger.warning("%s", message)
 
 
-def edge_metrics_from_endpoints(
+class LedgerEdgeObserver(TransferObserver):
+    """Feeds the per-edge families of a stage with exactly one downstream stage from its ledger:
+    with one edge, a transfer's hand-off, resolution and outcome are its edge's (the duration
+    runs from the hand-off). A stage that fans out needs the data path, which alone knows
+    each edge's answer (:func:`data_path_edge_metrics`). Bytes per edge come from the data path
+    in either case (the ledger does not see payloads)."""
+
+    def __init__(self, edges: EdgeMetrics) -> None:
+        if len(edges.to_stages) != 1:
+            raise ValueError("LedgerEdgeObserver feeds a stage with exactly one downstream stage")
+        self.edges = edges
+        self.to_stage = edges.to_stages[0]
+
+    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        self.edges.started(transfer.attempt, at=ledger.wall_time(transfer.handed_off_at))
+
+    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
+        if transfer.handed_off_at is None:
+            return  # cancelled (or failed at marking) before any edge was tried
+        if transfer.outcome is Outcome.CANCELLED:
+            self.edges.dropped(transfer.attempt)
+            return
+        self.edges.resolved(transfer.attempt, self.to_stage, transfer.outcome.value,
+                            duration_s=max(0.0, transfer.resolved_at - transfer.handed_off_at))
+
+
+def data_path_edge_metrics(
     *, stage: str, model_name: str, endpoints: Iterable[str],
     deadline_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
     registry: CollectorRegistry | None = REGISTRY,
-) -> EdgeMetrics:
-    """:class:`EdgeMetrics` for the downstream stages named by the connector's ``endpoints``
-    (``{stage: address}``: its keys)."""
-    return EdgeMetrics(stage=stage, model_name=model_name, to_stages=list(endpoints),
+) -> EdgeMetrics | None:
+    """The :class:`EdgeMetrics` the data path feeds, for the downstream stages named by the
+    connector's ``endpoints`` (``{stage: address}``: its keys), or None when the ledger feeds
+    them itself (exactly one downstream stage: :class:`LedgerEdgeObserver`, attached by
+    :func:`omni_runtime.observability.observers.build_observers`), so nothing is counted twice.
+    Per-edge bytes are the data path's in either case: :func:`edge_bytes_observer`."""
+    to_stages = list(dict.fromkeys(endpoints))
+    if len(to_stages) < 2:
+        return None
+    return EdgeMetrics(stage=stage, model_name=model_name, to_stages=to_stages,
                        deadline_seconds=deadline_seconds, registry=registry)
+
+
+def edge_bytes_observer(
+    *, stage: str, model_name: str, to_stage: str, registry: CollectorRegistry | None = REGISTRY,
+) -> Callable[[int], None]:
+    """``observe(num_bytes)`` for ``omni_kv_edge_transfer_bytes{to_stage}``: a payload delivered
+    to ``to_stage`` (for the data path of a stage with one downstream stage, whose other edge
+    families the ledger feeds; with several, :meth:`EdgeMetrics.resolved` takes ``nbytes``).
+    Writes no gauge (safe from another process than the scheduler's)."""
+    fams = _families_for(registry, _registered_buckets(registry))
+    return fams.bytes.labels(stage, model_name, to_stage).observe
+
+
+def _registered_buckets(registry: CollectorRegistry | None) -> tuple[float, ...]:
+    with _families_lock:
+        fams = _families.get(registry) if registry is not None else next(iter(_unregistered.values()), None)
+    return fams.buckets if fams is not None else duration_buckets(DEFAULT_TIMEOUT_SECONDS)
 
 
 def build_registry(*, stage: str = "stage", model_name: str = "model",

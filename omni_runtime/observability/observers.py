@@ -50,14 +50,17 @@ def build_observers(
     observers: list[TransferObserver] = [
         TransferMetrics(stage=stage, model_name=model_name, deadline_seconds=timeout_seconds)
     ]
-    # The per-edge families' series, one set per downstream stage, exist from start-up (at 0)
-    # even though the data path, which feeds them, starts on the first hand-off.
+    # The per-edge families' series, one set per downstream stage, exist from start-up (at 0).
+    # With one downstream stage the ledger feeds them (the transfer's fate is its edge's);
+    # a stage that fans out needs the data path (edge_metrics.data_path_edge_metrics).
     to_stages = downstream_stages(vllm_config)
     if to_stages:
-        from omni_runtime.observability.edge_metrics import EdgeMetrics
+        from omni_runtime.observability.edge_metrics import EdgeMetrics, LedgerEdgeObserver
 
-        EdgeMetrics(stage=stage, model_name=model_name, to_stages=to_stages,
-                    deadline_seconds=timeout_seconds)
+        edges = EdgeMetrics(stage=stage, model_name=model_name, to_stages=to_stages,
+                            deadline_seconds=timeout_seconds)
+        if len(edges.to_stages) == 1:
+            observers.append(LedgerEdgeObserver(edges))
     tracer = resolve_tracer(vllm_config)
     if tracer is not None:
         observers.append(TransferTracing(tracer, stage=stage, model_name=model_name))

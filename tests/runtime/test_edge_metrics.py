@@ -259,3 +259,71 @@ def test_a_receiver_without_known_inputs_counts_under_unknown_from_the_start():
     assert rvalue(registry, "omni_kv_received_total", from_stage="unknown", outcome="delivered") == 0
     metrics.delivered(64, from_stage="thinker")
     assert rvalue(registry, "omni_kv_received_total", from_stage="unknown", outcome="delivered") == 1
+
+
+# ---------------------------------------------------------------------- fed by the ledger (one edge)
+def test_a_single_edge_follows_its_ledger_and_a_fan_out_is_left_to_the_data_path():
+    from omni_runtime.observability.edge_metrics import LedgerEdgeObserver, data_path_edge_metrics
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+
+    registry = CollectorRegistry()
+    mono = Clock(100.0)
+    edges = EdgeMetrics(stage=STAGE, model_name=MODEL, to_stages=["talker"], deadline_seconds=5,
+                        registry=registry)
+    ledger = TransferLedger(5, clock=mono, observers=[LedgerEdgeObserver(edges)])
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
+    ledger.mark("b", Trigger.PREFILL_FINISHED, 8, [1])
+    ledger.mark("c", Trigger.PREFILL_FINISHED, 8, [2])
+    ledger.resolve("c", Outcome.CANCELLED)  # before hand-off: no edge was tried
+    ledger.hand_off_pending()
+    assert value(registry, "omni_kv_edge_transfers_active", to_stage="talker") == 2
+    oldest = value(registry, "omni_kv_edge_oldest_active_start_timestamp_seconds", to_stage="talker")
+    assert oldest == pytest.approx(ledger.wall_time(100.0))
+    mono.t += 0.25
+    ledger.resolve("a", Outcome.ACKED)
+    mono.t += 10
+    assert [t.request_id for t in ledger.expire_due()] == ["b"]
+    assert value(registry, "omni_kv_edge_transfers_active", to_stage="talker") == 0
+    assert value(registry, "omni_kv_edge_transfers_resolved_total", to_stage="talker", outcome="acked") == 1
+    assert value(registry, "omni_kv_edge_transfers_resolved_total", to_stage="talker", outcome="expired") == 1
+    assert value(registry, "omni_kv_edge_transfer_duration_seconds_sum", to_stage="talker",
+                 outcome="acked") == pytest.approx(0.25)
+    for outcome in EDGE_OUTCOMES:  # the cancelled one counted on no edge
+        assert value(registry, "omni_kv_edge_transfer_duration_seconds_count", to_stage="talker",
+                     outcome=outcome) == (1 if outcome in ("acked", "expired") else 0)
+    # One downstream stage: the data path gets no EdgeMetrics (nothing counted twice); several: it does.
+    assert data_path_edge_metrics(stage=STAGE, model_name=MODEL, endpoints={"talker": "x"},
+                                  registry=CollectorRegistry()) is None
+    fan_out = data_path_edge_metrics(stage=STAGE, model_name=MODEL, endpoints={"talker": "x", "vocoder": "y"},
+                                     registry=CollectorRegistry())
+    assert fan_out is not None and fan_out.to_stages == ("talker", "vocoder")
+    with pytest.raises(ValueError):
+        LedgerEdgeObserver(fan_out)
+
+
+def test_build_observers_feeds_a_single_edge_from_the_ledger_only():
+    from omni_runtime.observability.edge_metrics import LedgerEdgeObserver
+    from omni_runtime.observability.metrics import TransferMetrics
+    from omni_runtime.observability.observers import build_observers
+
+    def config(endpoints):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"endpoints": endpoints}),
+                               observability_config=None)
+
+    one = build_observers(stage="s1", model_name="m", timeout_seconds=5, vllm_config=config({"talker": "tcp://a:1"}))
+    assert [type(o) for o in one] == [TransferMetrics, LedgerEdgeObserver]
+    two = build_observers(stage="s2", model_name="m", timeout_seconds=5,
+                          vllm_config=config({"talker": "tcp://a:1", "vocoder": "tcp://b:1"}))
+    assert [type(o) for o in two] == [TransferMetrics]
+
+
+def test_edge_bytes_observer_records_bytes_only():
+    from omni_runtime.observability.edge_metrics import edge_bytes_observer
+
+    registry = CollectorRegistry()
+    EdgeMetrics(stage=STAGE, model_name=MODEL, to_stages=["talker"], deadline_seconds=9, registry=registry)
+    edge_bytes_observer(stage=STAGE, model_name=MODEL, to_stage="talker", registry=registry)(4096)
+    assert value(registry, "omni_kv_edge_transfer_bytes_sum", to_stage="talker") == 4096
+    # The families were reused (the deadline's bucket is still there), not re-registered.
+    assert value(registry, "omni_kv_edge_transfer_duration_seconds_bucket", to_stage="talker",
+                 outcome="acked", le="9.0") == 0

@@ -83,7 +83,12 @@ class PageServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the reader timed out and left
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # One server stands for many pods read at once (the benchmark): a listen backlog
+            # of 5 would drop connections and delay them by TCP's 1 s SYN retry.
+            request_queue_size = 256
+
+        self._httpd = Server(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},

@@ -189,8 +189,15 @@ class PrometheusSource:
         data = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"}).encode()
         request = urllib.request.Request(f"{self.url}/api/v1/query", data=data,
                                          headers={"Content-Type": "application/x-www-form-urlencoded"})
-        with urllib.request.urlopen(request, timeout=self.timeout) as resp:
-            body = json.loads(resp.read(MAX_PAGE_BYTES * 4))
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
+                body = json.loads(resp.read(MAX_PAGE_BYTES * 4))
+        except urllib.error.HTTPError as exc:  # Prometheus says why in its JSON body
+            try:
+                detail = json.loads(exc.read(65536)).get("error") or exc.reason
+            except ValueError:
+                detail = exc.reason
+            raise ValueError(f"{exc.code} {detail}") from None
         if body.get("status") != "success":
             raise ValueError(f"{body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
@@ -200,7 +207,8 @@ class PrometheusSource:
         read_at = self.clock()
         if not wanted:
             return {}
-        namespaces = "|".join(re.escape(ns) for ns in sorted({ns for ns, _ in wanted}))
+        # Namespace names are DNS labels: nothing in them is special in a PromQL regex.
+        namespaces = "|".join(sorted({ns for ns, _ in wanted if re.fullmatch(r"[a-z0-9][-a-z0-9]*", ns)}))
         where = f'namespace=~"{namespaces}", pipeline!=""'
         window = f"[{self.window}s]"
         try:

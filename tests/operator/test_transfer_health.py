@@ -221,3 +221,51 @@ def test_the_network_policy_lets_the_operator_reach_the_http_port_only(kube, emu
     kv = [r for r in rules if r["ports"] == [{"protocol": "TCP", "port": 9600}]]
     assert kv == [{"from": [{"podSelector": {"matchLabels": {"omnipipeline.dev/pipeline": "tiny"}}}],
                    "ports": [{"protocol": "TCP", "port": 9600}]}]
+
+
+def test_the_prometheus_reader_against_a_real_prometheus(tmp_path, pages):
+    """The Prometheus-backed reader: gauges, increase() over its window and up == 0, from a real
+    Prometheus scraping two stage pages labelled as the operator's PodMonitor labels them."""
+    import json
+
+    from omni_operator.health import PrometheusSource
+    from omni_operator.model import parse_pipeline
+    from procs import PrometheusServer, wait_until
+
+    thinker = pages("thinker", ar_page(resolved={"acked": 100}))
+    talker = pages("talker", ar_page("talker"))
+    targets = [{"targets": [f"127.0.0.1:{server.port}"],
+                "labels": {"namespace": NAMESPACE, "pipeline": "tiny", "stage": stage, "pod": f"tiny-{stage}-0"}}
+               for stage, server in (("thinker", thinker), ("talker", talker))]
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+              "scrape_configs": [{"job_name": "stages", "honor_labels": True, "static_configs": targets}]}
+    prometheus = PrometheusServer(tmp_path, json.dumps(config))
+    body = pipeline_body()
+    body["metadata"].update(uid="u", generation=1)
+    pipeline = parse_pipeline(body)
+    # A short window, so that the failures below leave it within seconds.
+    health = TransferHealth(PrometheusSource(prometheus.url, window_seconds=5))
+
+    def verdict():
+        health.refresh([body])
+        return health.verdict(pipeline)
+
+    try:
+        wait_until(lambda: verdict().summary == "ok", 30, "both stages scraped")
+        thinker.page = ar_page(active=1, oldest_active=time.time() - 500, resolved={"acked": 100})
+        stuck = wait_until(lambda: (lambda v: v if v.summary == "stuck 1" else None)(verdict()), 30, "stuck")
+        assert stuck.stages["thinker"]["oldestActiveSeconds"] == 300 and "stage thinker" in stuck.message
+        thinker.page = ar_page(resolved={"acked": 110, "failed": 10})
+        failing = wait_until(lambda: (lambda v: v if v.reason == "TransfersFailing" else None)(verdict()), 30,
+                             "failing")
+        assert failing.stages["thinker"]["failed"] >= 10  # increase() over the window, extrapolated
+        talker.stop()
+        thinker.page = ar_page(resolved={"acked": 110, "failed": 10})
+        unknown = wait_until(lambda: (lambda v: v if v.status == "Unknown" else None)(verdict()), 30,
+                             "the talker unscrapable (and the failures out of the window)", interval=0.5)
+        assert "pod tiny-talker-0: Prometheus cannot scrape it (up == 0)" in unknown.message
+    finally:
+        prometheus.stop()
+    # Prometheus gone: the reading says why, nothing is claimed either way.
+    gone = verdict()
+    assert gone.status == "Unknown" and "querying Prometheus at" in gone.message

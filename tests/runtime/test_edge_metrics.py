@@ -327,3 +327,32 @@ def test_edge_bytes_observer_records_bytes_only():
     # The families were reused (the deadline's bucket is still there), not re-registered.
     assert value(registry, "omni_kv_edge_transfer_duration_seconds_bucket", to_stage="talker",
                  outcome="acked", le="9.0") == 0
+
+
+def test_a_receiving_stage_config_names_its_inputs_for_from_stage():
+    """The stage config the operator renders gives a receiving stage its inputs: the
+    from_stage values ReceiverMetrics(from_stages=config.inputs) creates series for."""
+    import yaml
+
+    from omni_operator.local import local_stage_configs
+    from omni_operator.model import parse_pipeline
+    from omni_operator.stage_config import dump_stage_config
+    from omni_runtime.stages.config import StageConfigError, parse_stage_config
+
+    body = {"apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"image": "i", "model": {"name": "m"}, "stages": [
+                {"name": "thinker", "role": "ar", "kvTransfer": {"send": True}},
+                {"name": "vision", "role": "ar", "kvTransfer": {"send": True}},
+                {"name": "talker", "role": "generation", "inputs": ["thinker", "vision"]}]}}
+    ports = {s: {"http": 1, "kv": 2} for s in ("thinker", "vision", "talker")}
+    configs = local_stage_configs(parse_pipeline(body), ports)
+    talker = parse_stage_config(yaml.safe_load(dump_stage_config(configs["talker"])))
+    assert talker.inputs == ("thinker", "vision")
+    assert parse_stage_config(yaml.safe_load(dump_stage_config(configs["thinker"]))).inputs == ()
+    registry = CollectorRegistry()
+    ReceiverMetrics(stage=talker.stage, model_name=talker.model_name, from_stages=talker.inputs, registry=registry)
+    assert {s.labels["from_stage"] for m in registry.collect() for s in m.samples
+            if "from_stage" in s.labels} == {"thinker", "vision"}
+    with pytest.raises(StageConfigError, match="inputs"):
+        parse_stage_config({**configs["talker"], "inputs": ["thinker", 3]})

@@ -152,6 +152,8 @@ class PodMetricsSource:
             if isinstance(result, str):
                 if ready:  # a pod that is not ready yet (or not any more) is the Ready condition's news
                     unreadable.append((pod, result))
+                if uid in self._previous:  # its next good read counts from its last one
+                    seen[uid] = self._previous[uid]
                 continue
             pods.append(pod_reading(pod, self._previous.get(uid), result))
             seen[uid] = result

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .model import Pipeline
-from .transfers import NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
+from .transfers import FAILING, NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
@@ -82,6 +82,36 @@ def transfers_condition(verdict: TransfersVerdict | None, previous: Mapping[str,
             "message": verdict.message, "observedGeneration": generation}
 
 
+def _standing_failure(verdict: TransfersVerdict | None, previous: Mapping[str, Any] | None) -> bool:
+    """A first reading (the reader just started: failures not counted yet) that finds nothing
+    else wrong does not clear a TransfersFailing the previous status reported: no recovery and
+    relapse around an operator restart; the next reading judges it."""
+    if verdict is None or verdict.judged_failing or verdict.status != "True":
+        return False
+    old = _previous_condition(previous, TRANSFERS_HEALTHY) or {}
+    return old.get("status") == "False" and old.get("reason") == FAILING
+
+
+INTERVAL_COUNTS = ("failed", "expired", "rejected")
+
+
+def _with_previous_counts(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A first reading's figures with the counts over the last interval (which it could not
+    take) as the previous status had them."""
+    out = dict(new)
+    old = old or {}
+    for key in INTERVAL_COUNTS:
+        if key in old:
+            out[key] = old[key]
+        elif key == "rejected":
+            out.pop(key, None)
+    if "edges" in out:
+        before = {e.get("toStage"): e for e in old.get("edges") or []}
+        out["edges"] = [{**e, **{k: before[e["toStage"]][k] for k in ("failed", "expired")
+                                 if k in before.get(e["toStage"], {})}} for e in out["edges"]]
+    return out
+
+
 def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, Any]],
                    previous: Mapping[str, Any] | None, now: str,
                    transfers: TransfersVerdict | None = None, *, transfer_health: bool = True) -> dict[str, Any]:
@@ -94,8 +124,11 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
     for stage in pipeline.stages:
         counts, state, detail = stage_state(stage.replicas, deployments.get(stage.name))
         entry: dict[str, Any] = {"name": stage.name, **counts}
+        before = (old_stages.get(stage.name) or {}).get("transfers")
         figures = (None if not transfer_health else transfers.stages.get(stage.name) if transfers is not None
-                   else (old_stages.get(stage.name) or {}).get("transfers"))
+                   else before)
+        if figures and transfers is not None and not transfers.judged_failing:
+            figures = _with_previous_counts(figures, before)
         if figures:
             entry["transfers"] = figures
         stages.append(entry)
@@ -114,10 +147,11 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
         _condition(DEGRADED, bool(failing), "StageFailing" if failing else "AsExpected",
                    "; ".join(failing) if failing else "no stage is failing", gen),
     ]
+    standing = _standing_failure(transfers, previous)
     if transfer_health:
-        conditions.append(transfers_condition(transfers, previous, gen))
+        conditions.append(transfers_condition(None if standing else transfers, previous, gen))
     phase = "Degraded" if failing else "Ready" if all_ready else "Progressing"
-    summary = ("off" if not transfer_health else transfers.summary if transfers is not None
+    summary = ("off" if not transfer_health else transfers.summary if transfers is not None and not standing
                else (previous or {}).get("transfersHealth") or NOT_READ.summary)
     return {
         "observedGeneration": gen,

@@ -332,6 +332,9 @@ class TransfersVerdict:
     message: str
     summary: str  # ok, stuck N, failing P%, unknown, none
     stages: Mapping[str, dict[str, Any]] = field(default_factory=dict)  # name -> transfers status
+    #: False for a first reading (no interval yet: the reader just started): failures were
+    #: not counted, so a previous TransfersFailing stands until the next reading says.
+    judged_failing: bool = True
 
     @property
     def unhealthy(self) -> bool:
@@ -403,14 +406,15 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
     if reading.error:
         unknown.insert(0, reading.error)
 
+    judged = reading.interval > 0
     if stuck:
-        return TransfersVerdict("False", STUCK, "; ".join(stuck), f"stuck {stuck_pods}", stages)
+        return TransfersVerdict("False", STUCK, "; ".join(stuck), f"stuck {stuck_pods}", stages, judged)
     if failing:
         return TransfersVerdict("False", FAILING, "; ".join(failing), f"failing {round(worst_share * 100)}%",
-                                stages)
+                                stages, judged)
     if unknown:
-        return TransfersVerdict("Unknown", UNAVAILABLE, "; ".join(unknown)[:1000], "unknown", stages)
-    return TransfersVerdict("True", HEALTHY, "no transfer stuck or failing", "ok", stages)
+        return TransfersVerdict("Unknown", UNAVAILABLE, "; ".join(unknown)[:1000], "unknown", stages, judged)
+    return TransfersVerdict("True", HEALTHY, "no transfer stuck or failing", "ok", stages, judged)
 
 
 NOT_READ = TransfersVerdict("Unknown", UNAVAILABLE, "the stages' metrics have not been read yet", "unknown")

@@ -245,3 +245,28 @@ def test_status_carries_the_verdict_and_keeps_it_between_readings():
     # Without health reading there is no condition at all.
     off = compute_status(p, {}, None, T0, None, transfer_health=False)
     assert off["transfersHealth"] == "off" and all(c["type"] != "TransfersHealthy" for c in off["conditions"])
+
+
+def test_an_operator_restart_does_not_clear_a_failing_pipeline_for_one_round():
+    """Its first reading has no interval (no previous sample): failures are not counted, so
+    TransfersFailing stands (no recovery event, no relapse) until the next reading judges."""
+    p = pipeline()
+    before = healthy_pages(p, resolved={"acked": 100, "failed": 10})
+    now = healthy_pages(p, resolved={"acked": 110, "failed": 20})
+    failing = compute_status(p, {}, None, T0, transfers_verdict(p, reading(now, before)))
+    assert failing["transfersHealth"] == "failing 50%"
+    # The operator restarts: its first reading knows no previous sample.
+    first = transfers_verdict(p, reading(now, None, interval=0.0))
+    assert first.status == "True" and not first.judged_failing
+    after_restart = compute_status(p, {}, failing, "2026-01-01T00:10:00Z", first)
+    assert status_patch(failing, after_restart) == {}
+    # The next reading judges: still failing, or recovered.
+    later = healthy_pages(p, resolved={"acked": 200, "failed": 20})
+    recovered = compute_status(p, {}, after_restart, "2026-01-01T00:11:00Z",
+                               transfers_verdict(p, reading(later, now)))
+    assert recovered["transfersHealth"] == "ok"
+    # A first reading that finds a transfer stuck says so at once.
+    stuck = healthy_pages(p)
+    stuck["thinker"] = {"thinker-0": ar_page(active=1, oldest_active=NOW - 999)}
+    assert compute_status(p, {}, failing, T0, transfers_verdict(p, reading(stuck, None, interval=0.0)))[
+        "transfersHealth"] == "stuck 1"

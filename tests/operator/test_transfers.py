@@ -270,3 +270,29 @@ def test_an_operator_restart_does_not_clear_a_failing_pipeline_for_one_round():
     stuck["thinker"] = {"thinker-0": ar_page(active=1, oldest_active=NOW - 999)}
     assert compute_status(p, {}, failing, T0, transfers_verdict(p, reading(stuck, None, interval=0.0)))[
         "transfersHealth"] == "stuck 1"
+
+
+def test_every_status_field_is_in_the_crds_status_schema():
+    """The API server prunes what its structural schema does not name: a field missing there
+    would be dropped from every write and differ again at the next reconcile (a write each time)."""
+    from omni_operator import crd
+    from omni_operator.validation import validate
+
+    p = pipeline(stages=FAN_OUT)
+    before = {"thinker": {"thinker-0": ar_page(resolved={"acked": 1}, edges={"talker": {}, "vocoder": {}})},
+              "talker": {"talker-0": 'omni_kv_received_total{from_stage="thinker",outcome="rejected"} 1.0\n'}}
+    now = {"thinker": {"thinker-0": ar_page(active=1, held=1, held_blocks=3, oldest_active=NOW - 50, oldest_held=NOW - 9,
+                                            resolved={"acked": 3, "failed": 1, "expired": 1},
+                                            edges={"talker": {"acked": 2}, "vocoder": {"failed": 1, "active": 1,
+                                                                                       "oldest": NOW - 50}})},
+           "talker": {"talker-0": 'omni_kv_received_total{from_stage="thinker",outcome="rejected"} 3.0\n'}}
+    verdict = transfers_verdict(p, reading(now, before, unreadable={"thinker": [("thinker-1", "timed out")]}))
+    status = compute_status(p, {}, None, T0, verdict)
+    transfers = status["stages"][0]["transfers"]
+    assert {"unreadablePods", "edges", "heldBlocks", "oldestHeldSeconds"} <= set(transfers)
+    assert status["stages"][1]["transfers"]["rejected"] == 2
+    body = pipeline_body(stages=FAN_OUT)
+    body["status"] = status
+    assert validate(crd.openapi_schema(), body) == []
+    body["status"]["stages"][0]["transfers"]["bogus"] = 1  # the check has teeth
+    assert any("bogus" in e for e in validate(crd.openapi_schema(), body))

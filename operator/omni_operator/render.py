@@ -103,6 +103,11 @@ def render_networkpolicy(pipeline: Pipeline, operator_peer: Mapping[str, Any] | 
     ingress: list[dict[str, Any]] = [
         # KV caches are only accepted from the pipeline's own stages.
         {"from": [{"podSelector": pods}], "ports": [{"protocol": "TCP", "port": naming.KV_PORT}]},
+        # The KV bytes themselves: a receiving stage's NIXL agent reads the sender's registered
+        # memory over UCX, which (on TCP) listens in this range only (UCX_TCP_PORT_RANGE, set
+        # on every stage container): the pipeline's own pods alone may reach it.
+        {"from": [{"podSelector": pods}],
+         "ports": [{"protocol": "TCP", "port": naming.KV_DATA_PORTS[0], "endPort": naming.KV_DATA_PORTS[1]}]},
         # The HTTP API and /metrics stay reachable for clients and Prometheus.
         {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}]},
     ]
@@ -187,6 +192,9 @@ def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
         {"name": "OMNI_POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}},
         # The pods run as a non-root user with no home directory; caches go to the /tmp volume.
         {"name": "HOME", "value": "/tmp"},
+        # UCX (under NIXL) listens for KV reads only where the NetworkPolicy lets the
+        # pipeline's pods in; the CRD refuses the name in stages[].env.
+        {"name": naming.KV_DATA_PORT_RANGE_ENV, "value": naming.KV_DATA_PORT_RANGE},
     ]
     if pipeline.model.cache_claim:
         env.append({"name": "HF_HOME", "value": f"{pipeline.model.cache_mount_path}/huggingface"})

@@ -82,7 +82,7 @@ def measure(steps: int, repeats: int) -> dict:
         off = build(OmniARScheduler, N, kv)
         on = build(OmniARScheduler, N, kv, keep_observers=True)
         kinds = sorted(type(o).__name__ for o in on.transfer_ledger.observers)
-        assert kinds == ["TransferMetrics", "TransferTracing"], kinds
+        assert kinds == ["LedgerEdgeObserver", "TransferMetrics", "TransferTracing"], kinds
         assert not off.transfer_ledger.observers
         plan = decode_plan(N, steps)
         acks = {"off": [], "on": []}

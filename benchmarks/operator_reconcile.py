@@ -1,10 +1,19 @@
-"""How many API calls the operator makes, and how fast it reconciles.
+"""How many API calls the operator makes, and how fast it reconciles and reads transfer health.
 
 Counts, at the (emulated) API server, the requests made by reconciling a 3-stage pipeline:
 its creation, a reconcile with nothing to change (target: no write), and a change to one
 stage; then times reconciling --pipelines pipelines from scratch. The server is the kmock-
 based emulator of tests/operator (there is no Kubernetes API server here), so the wall time
 measures the operator's own work plus local HTTP, not a real cluster's latency.
+
+Then transfer health: --health-pipelines pipelines of 3 stages x 2 pods (600 pods by default),
+every pod's /metrics served by one fake endpoint (tests/operator/metrics_pages.py: a sending
+stage's omni_kv_* families after 400 lines of vLLM's own, as a real page has them), and the
+operator (the resync timer: list pipelines, read every pod's metrics, reconcile every
+pipeline) in a process of its own, so that its RSS is its own. Two rounds settle it (the
+first creates the children and writes every status), then one resync is timed with nothing
+changed: its wall time, its API writes (target: 0) and the operator's RSS. Target on this
+machine: that resync within 10 s.
 
 Prints one JSON object as its last line. Besides the rates it gives the process's CPU time per
 pipeline (the operator's and the emulator's thread together: the whole cost of a reconcile
@@ -15,15 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import resource
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "operator"))
 
-from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body  # noqa: E402
+from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, patch_pipeline,  # noqa: E402
+                           pipeline_body)
 from k8s_emulator import EmulatorThread  # noqa: E402
+from metrics_pages import PageServer, ar_page, create_pod  # noqa: E402
 from omni_operator.reconcile import Reconciler  # noqa: E402
 
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
@@ -34,9 +47,105 @@ def server_calls(emu: EmulatorThread, since: int) -> tuple[int, int]:
     return len(requests), sum(1 for r in requests if str(r.method.value) in WRITE_METHODS)
 
 
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def operator_process(url: str, pipe) -> None:
+    """The operator's side: the resync timer's round (list, read every pod, reconcile)."""
+    from omni_operator.health import PodMetricsSource, TransferHealth
+    from omni_operator.resync import Resync
+
+    kube = make_kube(url, OPERATOR_TOKEN)
+    health = TransferHealth(PodMetricsSource(kube))
+    resync = Resync(Reconciler(kube, health=health), [NAMESPACE], interval=3600)
+    try:
+        while True:
+            command = pipe.recv()
+            if command == "stop":
+                break
+            started = time.perf_counter()
+            resync.run_once()
+            elapsed = time.perf_counter() - started
+            reading = health.reading(NAMESPACE, "h000")
+            pipe.send({"resync_s": elapsed, "read_s": health.last_round_seconds,
+                       "pods_read_h000": sum(len(st.pods) for st in reading.stages.values()) if reading else 0,
+                       "rss_mib": rss_mib(), "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    finally:
+        health.close()
+        kube.close()
+
+
+def health_benchmark(pipelines: int) -> dict:
+    stages = [
+        {"name": "thinker", "role": "ar", "replicas": 2, "gpus": 1, "kvTransfer": {"send": True}},
+        {"name": "talker", "role": "ar", "replicas": 2, "inputs": ["thinker"], "kvTransfer": {"send": True}},
+        {"name": "code2wav", "role": "generation", "replicas": 2, "gpus": 0, "inputs": ["talker"]},
+    ]
+    # A transfer in flight for 400 s (the 300-600 s age step: the age it reports stays put for
+    # the whole run), under a threshold it does not reach: a steady, healthy pipeline.
+    page = ar_page(active=1, held=1, held_blocks=16, oldest_active=time.time() - 400, oldest_held=time.time() - 400,
+                   resolved={"acked": 12345, "failed": 3}, vllm_lines=400)
+    server = PageServer(page)
+    context = multiprocessing.get_context("spawn")
+    try:
+        with EmulatorThread() as emu:
+            user = make_kube(emu.url)
+            user.request("create", "Namespace", "POST", "/api/v1/namespaces",
+                         body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+            pods = 0
+            for i in range(pipelines):
+                name = f"h{i:03d}"
+                create_pipeline(user, pipeline_body(name=name, stages=stages,
+                                                    observability={"alerts": {"stuckTransferSeconds": 3600}}))
+                for stage in stages:
+                    for r in range(stage["replicas"]):
+                        create_pod(user, name, stage["name"], f"{name}-{stage['name']}-{r}", server.port)
+                        pods += 1
+            parent, child = context.Pipe()
+            proc = context.Process(target=operator_process, args=(emu.url, child))
+            proc.start()
+            try:
+                rounds = []
+                for _ in range(3):
+                    mark = len(emu.calls(OPERATOR_TOKEN))
+                    parent.send("round")
+                    result = parent.recv()
+                    calls = emu.calls(OPERATOR_TOKEN)[mark:]
+                    result["writes"] = sum(1 for c in calls if c.verb in ("create", "patch", "update", "delete"))
+                    result["pod_lists"] = sum(1 for c in calls if c.resource == "pods" and c.verb == "list")
+                    rounds.append(result)
+                parent.send("stop")
+            finally:
+                proc.join(60)
+            user.close()
+            hits = server.hits
+    finally:
+        server.stop()
+    timed = rounds[-1]
+    return {
+        "health_pipelines": pipelines,
+        "health_pods": pods,
+        "metrics_reads": hits,
+        "resync_s": round(timed["resync_s"], 2),
+        "resync_read_s": round(timed["read_s"], 2),
+        "resync_writes": timed["writes"],
+        "resync_pod_lists": timed["pod_lists"],
+        "first_round_writes": rounds[0]["writes"],
+        "operator_rss_mib": round(timed["rss_mib"], 1),
+        "operator_max_rss_mib": round(timed["max_rss_mib"], 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=int, default=100)
+    parser.add_argument("--health-pipelines", type=int, default=100,
+                        help="pipelines of 3 stages x 2 pods for the transfer-health resync (0: skip)")
     args = parser.parse_args()
 
     with EmulatorThread() as emu:
@@ -77,6 +186,7 @@ def main() -> None:
         user.close()
         operator_client.close()
 
+    health = health_benchmark(args.health_pipelines) if args.health_pipelines else {}
     print(json.dumps({
         "create_calls": create_calls,
         "create_writes": create_writes,
@@ -90,6 +200,7 @@ def main() -> None:
         "noop_writes_100": noop_total_writes,
         "create_cpu_ms": round(1000 * create_cpu / args.pipelines, 1),
         "noop_cpu_ms": round(1000 * noop_cpu / args.pipelines, 1),
+        **health,
         "load_1m": round(os.getloadavg()[0], 2),
     }))
 

@@ -12,8 +12,10 @@ from . import metrics as m
 from .config import Config
 
 STAGE_BY = ", ".join(m.STAGE_LABELS)
+EDGE_BY = STAGE_BY + ", to_stage"
 # Alert labels name the stage; descriptions refer to these labels.
 WHERE = "{{ $labels.namespace }}/{{ $labels.pipeline }} stage {{ $labels.stage }}"
+EDGE = WHERE + " to stage {{ $labels.to_stage }}"
 
 
 def _alert(
@@ -96,6 +98,44 @@ def kv_transfer_rules(cfg: Config) -> list[dict[str, Any]]:
     ]
 
 
+def kv_edge_rules(cfg: Config) -> list[dict[str, Any]]:
+    """The stuck and failing conditions per edge of the pipeline graph: the alert's labels
+    name the edge (`stage` sends to `to_stage`), so a fan-out says which of its edges is bad."""
+    stuck_expr = f"""
+time() - ({m.KV_EDGE_OLDEST_START} > 0)
+  > {cfg.stuck_transfer_seconds}
+"""
+    failure_expr = f"""
+(
+  sum by ({EDGE_BY}) (rate({m.KV_EDGE_RESOLVED}{{outcome=~"failed|expired"}}[{cfg.failure_rate_window}]))
+/
+  sum by ({EDGE_BY}) (rate({m.KV_EDGE_RESOLVED}[{cfg.failure_rate_window}]))
+) > {cfg.failure_ratio}
+"""
+    return [
+        _alert(
+            cfg,
+            "OmniKVEdgeTransferStuck",
+            stuck_expr,
+            cfg.edge_stuck_for,
+            "warning",
+            "KV transfers to one downstream stage are stuck.",
+            f"The oldest KV transfer from {EDGE} (pod {{{{ $labels.pod }}}}) has been unanswered "
+            "for {{ $value | humanizeDuration }}.",
+        ),
+        _alert(
+            cfg,
+            "OmniKVEdgeFailureRateHigh",
+            failure_expr,
+            cfg.failure_rate_for,
+            "warning",
+            "Many KV transfers to one downstream stage fail or expire.",
+            f"{{{{ $value | humanizePercentage }}}} of the KV transfers from {EDGE} resolved "
+            f"in the last {cfg.failure_rate_window} failed or expired.",
+        ),
+    ]
+
+
 def stage_rules(cfg: Config) -> list[dict[str, Any]]:
     # Stage targets are the ones the scrape labels with their pipeline.
     down_expr = 'up{pipeline!=""} == 0'
@@ -167,6 +207,7 @@ def rule_groups(cfg: Config = Config()) -> dict[str, Any]:
     return {
         "groups": [
             {"name": "omni-pipeline.kv-transfers", "rules": kv_transfer_rules(cfg)},
+            {"name": "omni-pipeline.kv-edges", "rules": kv_edge_rules(cfg)},
             {"name": "omni-pipeline.stages", "rules": stage_rules(cfg)},
             {"name": "omni-pipeline.operator", "rules": operator_rules(cfg)},
         ]

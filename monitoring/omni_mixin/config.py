@@ -28,6 +28,9 @@ class Config:
     failure_ratio: float | str = 0.05
     failure_rate_window: str = "10m"
     failure_rate_for: str = "10m"
+    # The same two conditions per edge (the alert names the downstream stage, `to_stage`),
+    # with the same thresholds.
+    edge_stuck_for: str = "1m"
     stage_down_for: str = "5m"
     # A KV transport thread that ended: a stage stopping on purpose exits within seconds of
     # it (its series then disappears), so one still at 0 after this long died.

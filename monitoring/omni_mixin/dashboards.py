@@ -148,6 +148,80 @@ def kv_transfers(cfg: Config = Config()) -> dict[str, Any]:
             ],
         ),
     ]
+    by_edge = "{{pipeline}}/{{stage}} -> {{to_stage}}"
+    rows.append(Row(
+        "Per edge (sending stage -> to_stage)",
+        [
+            Panel(
+                "Transfers in flight per edge",
+                "Transfers handed off and not yet answered by each downstream stage. A "
+                "transfer to two stages is in flight on each edge until that edge answers.",
+                [(
+                    f"sum by (pipeline, stage, to_stage) ({m.KV_EDGE_ACTIVE}{{{SEL}}})",
+                    by_edge,
+                )],
+                width=8,
+            ),
+            Panel(
+                "Age of the oldest unanswered transfer per edge",
+                "Time since the oldest transfer still unanswered by the downstream stage was "
+                "handed off. The red line is OmniKVEdgeTransferStuck's threshold.",
+                [(
+                    f"max by (pipeline, stage, to_stage) (time() - ({m.KV_EDGE_OLDEST_START}{{{SEL}}} > 0))",
+                    by_edge,
+                )],
+                unit="s",
+                width=8,
+                threshold=float(cfg.stuck_transfer_seconds),
+            ),
+            Panel(
+                "Failed or expired share per edge",
+                "Of the transfers each edge resolved, the share that failed or expired. "
+                "OmniKVEdgeFailureRateHigh fires above its ratio.",
+                [(
+                    f'sum by (pipeline, stage, to_stage) (rate({m.KV_EDGE_RESOLVED}{{{SEL}, outcome=~"failed|expired"}}[{RATE}]))'
+                    f" / sum by (pipeline, stage, to_stage) (rate({m.KV_EDGE_RESOLVED}{{{SEL}}}[{RATE}]))",
+                    by_edge,
+                )],
+                unit="percentunit",
+                width=8,
+                threshold=float(cfg.failure_ratio),
+            ),
+            Panel(
+                "Resolutions per edge by outcome",
+                "Edges resolved per second: acked (that stage stored it), failed, expired.",
+                [(
+                    f"sum by (pipeline, stage, to_stage, outcome) (rate({m.KV_EDGE_RESOLVED}{{{SEL}}}[{RATE}]))",
+                    by_edge + " {{outcome}}",
+                )],
+                unit="ops",
+                width=8,
+                stack=True,
+            ),
+            Panel(
+                "Delivered transfer duration per edge (p95)",
+                "Hand-off to the downstream stage's ack, p95 per edge.",
+                [(
+                    f"histogram_quantile(0.95, sum by (le, pipeline, stage, to_stage) "
+                    f'(rate({m.KV_EDGE_DURATION}_bucket{{{SEL}, outcome="acked"}}[{RATE}])))',
+                    by_edge,
+                )],
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Received per upstream stage",
+                "Transfers a receiving stage answered per second, by the stage that sent "
+                "them (from_stage) and outcome.",
+                [(
+                    f"sum by (pipeline, stage, from_stage, outcome) (rate({m.KV_RECEIVED}{{{SEL}}}[{RATE}]))",
+                    "{{pipeline}}/{{from_stage}} -> {{stage}} {{outcome}}",
+                )],
+                unit="ops",
+                width=8,
+            ),
+        ],
+    ))
     return dashboard(
         "omni-kv-transfers",
         "Omni KV transfers",

@@ -15,6 +15,15 @@ KV_RESOLVED = "omni_kv_transfers_resolved_total"  # counter, label outcome
 KV_DURATION = "omni_kv_transfer_duration_seconds"  # histogram, label outcome
 KV_HOLD_DURATION = "omni_kv_hold_duration_seconds"  # histogram
 KV_BYTES = "omni_kv_transfer_bytes"  # histogram (worker side)
+# Per edge of the pipeline graph (label to_stage, the downstream stage): one transfer to two
+# stages resolves once in the families above and once per edge in these.
+KV_EDGE_ACTIVE = "omni_kv_edge_transfers_active"  # gauge, label to_stage
+KV_EDGE_OLDEST_START = "omni_kv_edge_oldest_active_start_timestamp_seconds"  # gauge, to_stage
+KV_EDGE_RESOLVED = "omni_kv_edge_transfers_resolved_total"  # counter, labels to_stage, outcome
+KV_EDGE_DURATION = "omni_kv_edge_transfer_duration_seconds"  # histogram, to_stage, outcome
+KV_EDGE_BYTES = "omni_kv_edge_transfer_bytes"  # histogram, to_stage
+# Receiving stage: transfers answered, labels from_stage (the sender) and outcome.
+KV_RECEIVED = "omni_kv_received_total"
 # Receiving stage: transfers it refused (bad payload, unknown request, full), label reason.
 KV_RECEIVER_REJECTED = "omni_kv_receiver_rejected_total"
 # Either stage: 1 while the KV transport's thread runs, label thread = sender, receiver.
@@ -36,3 +45,6 @@ VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 # name. Together with the metrics' own `stage` and `model_name` they identify a stage.
 SCRAPE_LABELS = ("namespace", "pod", "pipeline", "stage")
 STAGE_LABELS = ("namespace", "pipeline", "stage", "model_name")
+# The bounded labels that name an edge of the pipeline graph (one value per edge, fixed at
+# start-up): the downstream stage on the sending side, the upstream one on the receiving side.
+EDGE_LABELS = ("to_stage", "from_stage")

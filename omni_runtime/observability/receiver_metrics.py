@@ -1,8 +1,14 @@
 """Prometheus metrics of a receiving stage's KV connector (receiver and inbox).
 
 Same style as the metric contract (omni_runtime/observability/metrics.py): prefix ``omni_``, base units,
-``_total`` counters, labels ``stage`` and ``model_name`` plus at most one bounded label
-(``outcome``, ``reason``); never a request id. Every child is bound at construction, so every
+``_total`` counters, labels ``stage`` and ``model_name`` plus bounded labels (``outcome``,
+``reason``, and ``from_stage`` on the per-edge families); never a request id.
+
+Per edge: ``omni_kv_received_total`` and ``omni_kv_received_bytes`` carry ``from_stage``, the
+sending stage, one value per input of the stage (``from_stages``, known at start-up from the
+stage config's ``inputs``), plus ``unknown`` for a transfer whose sender is not one of them or
+was not named (a malformed frame, or a caller that does not pass it). When the stage has exactly
+one input, a transfer the caller does not attribute is that input's. Every child is bound at construction, so every
 series exists (at 0) from the first scrape. Gauges are set to absolute values read from the
 inbox and use the ``livemostrecent`` multiprocess mode, so a restarted process's values
 supersede a dead one's; counters and histograms are summed over processes (see
@@ -15,7 +21,9 @@ method as its ``observe_bytes`` callback rather than defining the family twice.
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -32,13 +40,18 @@ WAIT_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
 
+#: ``from_stage`` of a transfer not attributed to one of the stage's inputs.
+UNKNOWN_FROM_STAGE = "unknown"
+EDGE_LABELS: tuple[str, ...] = BASE_LABELS + ("from_stage",)
+
 FAMILIES: tuple[Family, ...] = (
-    Family("omni_kv_received_total", "counter", BASE_LABELS + ("outcome",),
-           "Incoming KV transfers answered: delivered (stored and acked) or rejected."),
+    Family("omni_kv_received_total", "counter", EDGE_LABELS + ("outcome",),
+           "Incoming KV transfers answered, by sending stage: delivered (stored and acked) or "
+           "rejected."),
     Family("omni_kv_receiver_rejected_total", "counter", BASE_LABELS + ("reason",),
            "Incoming KV transfers rejected, by reason."),
-    Family("omni_kv_received_bytes", "histogram", BASE_LABELS,
-           "Payload size of delivered incoming KV transfers."),
+    Family("omni_kv_received_bytes", "histogram", EDGE_LABELS,
+           "Payload size of delivered incoming KV transfers, by sending stage."),
     Family("omni_kv_receiver_buffered_payloads", "gauge", BASE_LABELS,
            "KV payloads stored in the inbox, not yet consumed."),
     Family("omni_kv_receiver_buffered_bytes", "gauge", BASE_LABELS,
@@ -57,12 +70,12 @@ class _Families:
         r = registry
         # prometheus_client appends _total to counter names itself.
         self.received = Counter("omni_kv_received", help_["omni_kv_received_total"],
-                                BASE_LABELS + ("outcome",), registry=r)
+                                EDGE_LABELS + ("outcome",), registry=r)
         self.rejected = Counter("omni_kv_receiver_rejected",
                                 help_["omni_kv_receiver_rejected_total"],
                                 BASE_LABELS + ("reason",), registry=r)
         self.received_bytes = Histogram("omni_kv_received_bytes", help_["omni_kv_received_bytes"],
-                                        BASE_LABELS, registry=r, buckets=BYTES_BUCKETS)
+                                        EDGE_LABELS, registry=r, buckets=BYTES_BUCKETS)
         self.payloads = Gauge("omni_kv_receiver_buffered_payloads",
                               help_["omni_kv_receiver_buffered_payloads"], BASE_LABELS,
                               registry=r, multiprocess_mode=GAUGE_MODE)
@@ -95,15 +108,23 @@ def _families_for(registry: CollectorRegistry | None) -> _Families:
 
 class ReceiverMetrics:
     """The receiver families for one stage, children bound once (thread-safe: the receiver
-    thread and consumer threads call it)."""
+    thread and consumer threads call it).
 
-    def __init__(self, *, stage: str, model_name: str = "",
+    ``from_stages``: the stage's inputs (the bounded ``from_stage`` values); their series
+    exist from construction, at 0 (``unknown``'s too when there is none)."""
+
+    def __init__(self, *, stage: str, model_name: str = "", from_stages: Iterable[str] = (),
                  registry: CollectorRegistry | None = REGISTRY) -> None:
         fams = _families_for(registry)
         base = (stage, model_name)
-        self._received = {o: fams.received.labels(*base, o) for o in RECEIVE_OUTCOMES}
+        self._fams, self._base = fams, base
+        self.from_stages = tuple(dict.fromkeys(s for s in from_stages if s != UNKNOWN_FROM_STAGE))
+        self._lock = threading.Lock()
+        # from_stage -> ({outcome: counter child}, bytes child); `unknown` added on first use.
+        self._edges: dict[str, tuple[dict[str, object], object]] = {}
+        for name in self.from_stages or (UNKNOWN_FROM_STAGE,):
+            self._edge(name)
         self._rejected = {c: fams.rejected.labels(*base, c) for c in REJECT_CODES}
-        self._bytes = fams.received_bytes.labels(*base)
         self._payloads = fams.payloads.labels(*base)
         self._buffered = fams.bytes.labels(*base)
         self._evicted = {r: fams.evicted.labels(*base, r) for r in EVICTION_REASONS}
@@ -112,12 +133,31 @@ class ReceiverMetrics:
                                            thread="receiver", registry=registry)
         self.set_inbox(0, 0)  # also supersedes a dead process's gauge values
 
-    def delivered(self, nbytes: int) -> None:
-        self._received["delivered"].inc()
-        self._bytes.observe(nbytes)
+    def _edge(self, from_stage: str | None) -> tuple[dict[str, object], object]:
+        if from_stage is None and len(self.from_stages) == 1:
+            from_stage = self.from_stages[0]
+        if from_stage not in self.from_stages:
+            from_stage = UNKNOWN_FROM_STAGE
+        edge = self._edges.get(from_stage)
+        if edge is None:
+            with self._lock:
+                edge = self._edges.get(from_stage)
+                if edge is None:
+                    labels = (*self._base, from_stage)
+                    edge = ({o: self._fams.received.labels(*labels, o) for o in RECEIVE_OUTCOMES},
+                            self._fams.received_bytes.labels(*labels))
+                    self._edges[from_stage] = edge
+        return edge
 
-    def rejected(self, code: str) -> None:
-        self._received["rejected"].inc()
+    def delivered(self, nbytes: int, from_stage: str | None = None) -> None:
+        """A transfer from ``from_stage`` was stored and acked (``nbytes``: its payload)."""
+        counters, size = self._edge(from_stage)
+        counters["delivered"].inc()
+        size.observe(nbytes)
+
+    def rejected(self, code: str, from_stage: str | None = None) -> None:
+        """A transfer (from ``from_stage``, when its header named one) was refused with ``code``."""
+        self._edge(from_stage)[0]["rejected"].inc()
         self._rejected[code].inc()
 
     def set_inbox(self, payloads: int, nbytes: int) -> None:
@@ -134,11 +174,13 @@ class ReceiverMetrics:
         self._thread_up(up)
 
 
-def build_registry(*, stage: str = "stage", model_name: str = "model"
+def build_registry(*, stage: str = "stage", model_name: str = "model",
+                   from_stages: Iterable[str] = ("previous",),
                    ) -> tuple[CollectorRegistry, ReceiverMetrics]:
     """A private registry with every receiver family (series at zero), for tools that check
     dashboard and alert queries against the real names."""
     registry = CollectorRegistry()
-    metrics = ReceiverMetrics(stage=stage, model_name=model_name, registry=registry)
+    metrics = ReceiverMetrics(stage=stage, model_name=model_name, from_stages=from_stages,
+                              registry=registry)
     metrics.thread_up(True)  # the thread-state series exists once a receiver thread runs
     return registry, metrics

@@ -54,6 +54,9 @@ class StageConfig:
     #: checked where they are used, at engine start-up (omni_runtime/kv/cpu_affinity.py).
     kv_io_cpus: str | tuple[int, ...] | None = None
     downstream: tuple[Downstream, ...] = ()
+    #: The upstream stages (the stage config's ``inputs``): the bounded ``from_stage`` values
+    #: of a receiving stage's metrics (ReceiverMetrics(from_stages=...)).
+    inputs: tuple[str, ...] = ()
     http_port: int = DEFAULT_HTTP_PORT
     kv_port: int = DEFAULT_KV_PORT
     #: AR stages only (vLLM's --otlp-traces-endpoint); a receiving stage's span exports
@@ -144,6 +147,9 @@ def parse_stage_config(raw: Any) -> StageConfig:
     # `omni-pipeline validate` check a pipeline with: what they accept, the stage runs.
     for problem in engine_args_problems(engine_args, sends_kv=kv_send):
         raise StageConfigError(str(problem))
+    inputs = _get(raw, "inputs", list, "", [])
+    if not all(isinstance(name, str) and name for name in inputs):
+        raise StageConfigError(f"inputs must be a list of stage names, got {inputs!r}")
     config = StageConfig(
         pipeline=_get(raw, "pipeline", str, ""),
         stage=_get(raw, "stage", str, ""),
@@ -157,6 +163,7 @@ def parse_stage_config(raw: Any) -> StageConfig:
         kv_timeout_seconds=float(timeout) if timeout is not None else None,
         kv_io_cpus=_io_cpus(kv.get("ioCpus"), kv_send),
         downstream=tuple(downstream),
+        inputs=tuple(inputs),
         http_port=_port(ports, "http", DEFAULT_HTTP_PORT),
         kv_port=_port(ports, "kv", DEFAULT_KV_PORT),
         otlp_endpoint=_optional_str(tracing, "otlpEndpoint", "observability.tracing."),

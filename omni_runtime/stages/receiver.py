@@ -51,7 +51,8 @@ class ReceiverStage:
             self.inbox,
             pipeline=config.pipeline,
             stage=config.stage,
-            metrics=ReceiverMetrics(stage=config.stage, model_name=config.model_name),
+            metrics=ReceiverMetrics(stage=config.stage, model_name=config.model_name,
+                                    from_stages=config.inputs),
             expect={"model": config.model_name},
         )
         self._stopping = threading.Event()

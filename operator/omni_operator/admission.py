@@ -63,10 +63,12 @@ class Admitted:
         return [c for c in self.children if podmonitor_available or c["kind"] != PODMONITOR.kind]
 
 
-def admit(body: Any) -> Admitted:
+def admit(body: Any, *, operator_peer: Mapping[str, Any] | None = None) -> Admitted:
     """The pipeline, typed and checked, and its rendered children; SpecError listing every
-    problem otherwise."""
-    result = _admission(body)
+    problem otherwise. ``operator_peer``: where the operator's own pods are
+    (``{"namespace", "labels"}``), which the NetworkPolicy names (`render.render_networkpolicy`):
+    a setting of the operator, not of the pipeline, checked here with the policy it shapes."""
+    result = _admission(body, operator_peer)
     if isinstance(result, Admitted):
         return result
     raise SpecError(list(result))
@@ -74,18 +76,19 @@ def admit(body: Any) -> Admitted:
 
 def problems_of(body: Any) -> list[Problem]:
     """Every problem (empty: the pipeline is admitted). Never raises on any JSON value."""
-    result = _admission(body)
+    result = _admission(body, None)
     return [] if isinstance(result, Admitted) else list(result)
 
 
-def _admission(body: Any) -> Admitted | tuple[Problem, ...]:
+def _admission(body: Any, operator_peer: Mapping[str, Any] | None) -> Admitted | tuple[Problem, ...]:
     if not isinstance(body, dict):
         return (Problem("<root>", "must be an OmniPipeline object (apiVersion, kind, metadata, spec)"),)
     identity = _identity(body)
     if identity:
         return tuple(identity)
     key = _cache_key(body)
-    return _cached(key) if key is not None else _check(body)
+    peer = json.dumps(operator_peer, sort_keys=True) if operator_peer else None
+    return _cached(key, peer) if key is not None else _check(body, operator_peer)
 
 
 def _identity(body: Mapping[str, Any]) -> list[Problem]:
@@ -112,15 +115,15 @@ def _cache_key(body: Mapping[str, Any]) -> str | None:
 
 
 @functools.lru_cache(maxsize=512)
-def _cached(key: str) -> Admitted | tuple[Problem, ...]:
+def _cached(key: str, peer: str | None) -> Admitted | tuple[Problem, ...]:
     parts = json.loads(key)
     body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": parts["metadata"]}
     if parts["spec"] is not None:
         body["spec"] = parts["spec"]
-    return _check(body)
+    return _check(body, json.loads(peer) if peer else None)
 
 
-def _check(body: dict[str, Any]) -> Admitted | tuple[Problem, ...]:
+def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None) -> Admitted | tuple[Problem, ...]:
     view = server_view(body)
     found = pipeline_view_problems(view)
     if found:
@@ -133,7 +136,8 @@ def _check(body: dict[str, Any]) -> Admitted | tuple[Problem, ...]:
         problems += _stage_pod_fields(f"spec.stages[{i}]", stage)
     if problems:
         return tuple(problems)
-    children = tuple(with_last_applied(child) for child in render_children(pipeline, podmonitor_available=True))
+    children = tuple(with_last_applied(child) for child in render_children(
+        pipeline, podmonitor_available=True, operator_peer=operator_peer))
     problems = _rendered_children(pipeline, children)
     if problems:
         return tuple(problems)

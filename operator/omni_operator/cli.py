@@ -2,6 +2,7 @@
 
     omni-pipeline validate PATH...   each document of each file (a directory: its YAML files)
     omni-pipeline up FILE            every stage as a local process on 127.0.0.1
+    omni-pipeline status FILE        the transfer health of a pipeline `up` runs
 
 ``validate`` runs the operator's own check (``admission.admit``: the CRD's schema and CEL
 rules, the graph rules, Kubernetes' schemas for the pod fields and the rendered objects) and
@@ -11,7 +12,9 @@ including an empty file, a file with no document, and a document of another kind
 however malformed, ends in a traceback.
 
 ``up`` takes the same file ``kubectl apply`` takes and hands it to the local supervisor
-(``local.py``).
+(``local.py``). ``status`` reads the stages of a pipeline ``up`` runs and prints the
+per-stage and per-edge transfer table the operator's status is computed from
+(``local_status.py``); exit code 0 healthy, 1 stuck or failing, 3 unknown, 2 not running.
 """
 from __future__ import annotations
 
@@ -68,25 +71,42 @@ def cmd_validate(paths: list[Path], out: TextIO) -> int:
 def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
     from .local import UpOptions, run_pipeline
 
+    pipeline = _load_one(args.file, out)
+    if pipeline is None:
+        return 2
+    options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after)
+    return run_pipeline(pipeline, options, out)
+
+
+def _load_one(path: Path, out: TextIO):
+    """The pipeline of a file holding exactly one valid OmniPipeline, else None (reported)."""
     try:
-        documents = [d for d in load_documents(read_text(args.file)) if d.error is not None or d.value is not None]
+        documents = [d for d in load_documents(read_text(path)) if d.error is not None or d.value is not None]
     except DocumentError as exc:
-        print(f"{args.file}: {exc}", file=out)
-        return 2
+        print(f"{path}: {exc}", file=out)
+        return None
     if len(documents) != 1:
-        print(f"{args.file}: expected one OmniPipeline, found {len(documents)} documents", file=out)
-        return 2
+        print(f"{path}: expected one OmniPipeline, found {len(documents)} documents", file=out)
+        return None
     document = documents[0]
     try:
         if document.error is not None:
             raise SpecError([Problem("<document>", document.error)])
-        pipeline = admit(document.value).pipeline
+        return admit(document.value).pipeline
     except SpecError as exc:
         for problem in exc.problems:
-            print(f"{args.file}: {problem}", file=out)
-        return 2
-    options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after)
-    return run_pipeline(pipeline, options, out)
+            print(f"{path}: {problem}", file=out)
+        return None
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
+    from .local_status import NOT_RUNNING, show_status
+
+    pipeline = _load_one(args.file, out)
+    if pipeline is None:
+        return NOT_RUNNING
+    return show_status(pipeline, out, workdir=Path(args.workdir) if args.workdir else None,
+                       interval=args.interval, failing_ratio=args.failing_ratio)
 
 
 def _one_line(text: str) -> str:
@@ -105,13 +125,29 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--keep", action="store_true", help="keep the temporary directory")
     u.add_argument("--demo", type=int, default=0, metavar="N", help="send N requests to the AR stage once all stages are ready")
     u.add_argument("--exit-after", type=float, metavar="SECONDS", help="stop the pipeline after this long (unattended runs)")
+    s = sub.add_parser("status", help="the transfer health of a pipeline that `omni-pipeline up` runs")
+    s.add_argument("file", type=Path)
+    s.add_argument("--workdir", help="the `up --workdir` of the pipeline (default: found by its name)")
+    s.add_argument("--interval", type=_non_negative, default=5.0, metavar="SECONDS",
+                   help="read twice, this far apart: failed and expired count over it (0: read once)")
+    s.add_argument("--failing-ratio", type=float, default=0.05, metavar="R",
+                   help="share of the interval's transfers that may fail or expire (the operator's default)")
     return parser
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "validate":
         return cmd_validate(args.paths, sys.stdout)
+    if args.command == "status":
+        return cmd_status(args, sys.stdout)
     return cmd_up(args, sys.stdout)
 
 

@@ -133,5 +133,11 @@ class Kube:
                             f"{PIPELINE_BASE}/namespaces/{namespace}/{PLURAL}/{name}/status",
                             body=patch, content_type=MERGE_PATCH)
 
+    # Stage pods (read on the resync timer, for their metrics' addresses) ---------------------
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        result = self.request("list", "Pod", "GET", f"/api/v1/namespaces/{namespace}/pods",
+                              query={"labelSelector": label_selector})
+        return list((result or {}).get("items") or [])
+
     def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("create", "Event", "POST", f"/api/v1/namespaces/{namespace}/events", body=body)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from .local_status import forget_endpoints, record_endpoints
 from .model import Pipeline, find_cycle
 from .stage_config import dump_stage_config, render_stage_config
 
@@ -273,6 +274,8 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"omni-{pipeline.name}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     local = LocalPipeline(pipeline, workdir, args.host)
+    # Where `omni-pipeline status FILE` finds the stages (removed at exit).
+    record_endpoints(pipeline, workdir, {s.name: s.url for s in local.table_order()})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -319,6 +322,7 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
         return 0
     finally:
         local.stop()
+        forget_endpoints(pipeline, workdir)
         if not args.workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
 

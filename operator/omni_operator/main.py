@@ -1,12 +1,15 @@
 """`omni-operator`: start the operator, cluster-wide or for listed namespaces.
 
 Serves the operator's metrics on --metrics-port (/metrics) and kopf's liveness probe on
---liveness-port (/healthz).
+--liveness-port (/healthz). On its resync timer it reads the stages' transfer metrics, from
+each stage pod's /metrics or, with --prometheus-url, from Prometheus (docs/operator.md,
+"Transfer health").
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -16,13 +19,17 @@ import kopf
 from prometheus_client import start_http_server
 
 from .handlers import build_registry
+from .health import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, PodMetricsSource, PrometheusSource, TransferHealth
 from .kube import Kube
 from .metrics import OperatorMetrics
 from .reconcile import Reconciler
 from .resync import Resync
+from .transfers import DEFAULT_FAILING_RATIO
 
 log = logging.getLogger("omni_operator")
 NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+LABEL = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                   r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?=([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
 @dataclass
@@ -35,6 +42,20 @@ class Options:
     resync_seconds: float = 60.0
     verbose: bool = False
     debug: bool = False
+    transfer_health: bool = True
+    prometheus_url: str | None = None  # None: read each stage pod's /metrics
+    metrics_timeout: float = DEFAULT_TIMEOUT_S
+    metrics_concurrency: int = DEFAULT_CONCURRENCY
+    failing_ratio: float = DEFAULT_FAILING_RATIO
+    # Where the operator's own pods are, for the pipelines' NetworkPolicy (both or neither).
+    operator_namespace: str | None = None
+    operator_pod_labels: dict[str, str] | None = None
+
+    @property
+    def operator_peer(self) -> dict | None:
+        if self.operator_namespace and self.operator_pod_labels:
+            return {"namespace": self.operator_namespace, "labels": dict(self.operator_pod_labels)}
+        return None
 
     @property
     def clusterwide(self) -> bool:
@@ -53,6 +74,22 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--liveness-port", type=int, default=8081, help="port of kopf's /healthz (0 disables)")
     parser.add_argument("--resync-seconds", type=float, default=60.0,
                         help="reconcile every pipeline this often, to refresh status and repair drift")
+    health = parser.add_argument_group("transfer health (read on the resync timer)")
+    health.add_argument("--no-transfer-health", dest="transfer_health", action="store_false",
+                        help="do not read the stages' transfer metrics (no TransfersHealthy condition)")
+    health.add_argument("--prometheus-url", metavar="URL",
+                        help="read them from this Prometheus' query API instead of each pod's /metrics")
+    health.add_argument("--metrics-timeout-seconds", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help="timeout of one read of a pod's /metrics (or of a Prometheus query, x2.5)")
+    health.add_argument("--metrics-concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+                        help="pods read at once")
+    health.add_argument("--transfers-failing-ratio", type=float, default=DEFAULT_FAILING_RATIO, metavar="R",
+                        help="share of the transfers resolved over a resync interval that may fail or expire "
+                             "before TransfersHealthy turns False (TransfersFailing)")
+    health.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE") or None,
+                        help="namespace of the operator's pods (default: $POD_NAMESPACE); with "
+                             "--operator-pod-labels, each pipeline's NetworkPolicy lets them reach the http port")
+    health.add_argument("--operator-pod-labels", metavar="K=V,...", help="labels selecting the operator's pods")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -64,10 +101,43 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
             parser.error(f"{flag} {port}: must be from 0 to 65535")
     if args.resync_seconds <= 0:
         parser.error("--resync-seconds must be positive")
+    if args.metrics_timeout_seconds <= 0:
+        parser.error("--metrics-timeout-seconds must be positive")
+    if not 1 <= args.metrics_concurrency <= 1024:
+        parser.error("--metrics-concurrency must be from 1 to 1024")
+    if not 0 <= args.transfers_failing_ratio < 1:
+        parser.error("--transfers-failing-ratio must be at least 0 and below 1")
+    if args.prometheus_url and not re.match(r"^https?://[^\s/]+", args.prometheus_url):
+        parser.error(f"--prometheus-url {args.prometheus_url!r}: not an http(s) URL")
+    if args.operator_namespace and not NAMESPACE.match(args.operator_namespace):
+        parser.error(f"--operator-namespace {args.operator_namespace!r}: not a namespace name")
+    labels = None
+    if args.operator_pod_labels:
+        pairs = [p for p in args.operator_pod_labels.split(",") if p]
+        bad = [p for p in pairs if not LABEL.match(p)]
+        if bad or not pairs:
+            parser.error(f"--operator-pod-labels: not KEY=VALUE label pairs: {', '.join(bad) or args.operator_pod_labels}")
+        labels = dict(p.split("=", 1) for p in pairs)
     return Options(namespaces=list(dict.fromkeys(args.namespace)), metrics_host=args.metrics_host,
                    metrics_port=args.metrics_port, liveness_host=args.liveness_host,
                    liveness_port=args.liveness_port, resync_seconds=args.resync_seconds,
-                   verbose=args.verbose, debug=args.debug)
+                   verbose=args.verbose, debug=args.debug, transfer_health=args.transfer_health,
+                   prometheus_url=args.prometheus_url, metrics_timeout=args.metrics_timeout_seconds,
+                   metrics_concurrency=args.metrics_concurrency, failing_ratio=args.transfers_failing_ratio,
+                   operator_namespace=args.operator_namespace, operator_pod_labels=labels)
+
+
+def build_health(options: Options, kube: Kube) -> TransferHealth | None:
+    """The transfer-health reader the options ask for (None: off)."""
+    if not options.transfer_health:
+        return None
+    if options.prometheus_url:
+        # increase() over at least a minute: shorter windows miss samples at a 15 s scrape.
+        source = PrometheusSource(options.prometheus_url, window_seconds=max(options.resync_seconds, 60.0),
+                                  timeout=2.5 * options.metrics_timeout)
+    else:
+        source = PodMetricsSource(kube, timeout=options.metrics_timeout, concurrency=options.metrics_concurrency)
+    return TransferHealth(source, failing_ratio=options.failing_ratio)
 
 
 def operator_settings() -> kopf.OperatorSettings:
@@ -86,7 +156,8 @@ def run(options: Options, *, kube: Kube | None = None, metrics: OperatorMetrics 
     """Run the operator until stop_flag is set (or forever); blocks the calling thread."""
     metrics = metrics or OperatorMetrics()
     kube = kube or Kube.from_environment(on_call=metrics.api_call)
-    reconciler = Reconciler(kube, metrics)
+    health = build_health(options, kube)
+    reconciler = Reconciler(kube, metrics, health=health, operator_peer=options.operator_peer)
     resync = Resync(reconciler, options.namespaces or None, options.resync_seconds)
     server = None
     if options.metrics_port:
@@ -107,6 +178,8 @@ def run(options: Options, *, kube: Kube | None = None, metrics: OperatorMetrics 
         )
     finally:
         resync.stop()
+        if health is not None:
+            health.close()
         if server is not None:
             server.shutdown()
             server.server_close()

@@ -9,6 +9,7 @@ rules for `engineArgs` (`omni_contract.engine_args`, the very check `omni-stage`
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -167,7 +168,10 @@ def graph_problems(pipeline: Pipeline) -> list[Problem]:
         if stage.kv.io_cpus is not None:
             problems += _io_cpus(f"{where}.kvTransfer.ioCpus", stage.kv.io_cpus)
         for problem in engine_args_problems(stage.engine_args, sends_kv=stage.kv.send):
-            key = f".{problem.key}" if problem.key else ""
+            # A key that is no flag name may hold anything: one with a newline or another
+            # unprintable character is named quoted, so the field stays one printable line.
+            key = "" if not problem.key else f".{problem.key}" if problem.key.isprintable() \
+                else f"[{json.dumps(problem.key)}]"
             problems.append(Problem(f"{where}.engineArgs{key}", problem.message))
     cycle = find_cycle({s.name: list(s.inputs) for s in pipeline.stages})
     if cycle:

@@ -3,6 +3,14 @@ from __future__ import annotations
 
 HTTP_PORT = 8000
 KV_PORT = 9600
+#: The KV data plane's ports (inclusive): NIXL reads the KV blocks over UCX, and over TCP (no
+#: RDMA) UCX listens on ports of its own, which UCX_TCP_PORT_RANGE confines to this range
+#: (measured: about 2 ports per NIXL agent, one agent per tensor-parallel rank). Every stage
+#: container gets the variable; the pipeline's NetworkPolicy opens the range to its own pods.
+KV_DATA_PORTS = (9700, 9731)
+KV_DATA_PORT_RANGE_ENV = "UCX_TCP_PORT_RANGE"
+#: The variable's value, UCX's syntax: "FIRST-LAST".
+KV_DATA_PORT_RANGE = f"{KV_DATA_PORTS[0]}-{KV_DATA_PORTS[1]}"
 CONFIG_DIR = "/etc/omni"
 CONFIG_KEY = "stage.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"

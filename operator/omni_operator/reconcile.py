@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from . import API_VERSION, KIND, naming
 from .admission import Admitted, admit
@@ -36,6 +36,10 @@ from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
 from .model import Pipeline
 from .status import compute_status, invalid_status, status_patch
+from .transfers import TRANSFERS_HEALTHY
+
+if TYPE_CHECKING:
+    from .health import TransferHealth
 
 log = logging.getLogger("omni_operator")
 
@@ -102,10 +106,17 @@ def child_selector(pipeline_name: str) -> str:
 
 class Reconciler:
     def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
-                 clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0):
+                 clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0,
+                 health: TransferHealth | None = None, operator_peer: Mapping[str, Any] | None = None):
         self.kube = kube
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
+        # The last reading of the stages' transfer metrics (refreshed by the resync timer);
+        # None: the status carries no transfer health.
+        self.health = health
+        # Where the operator's own pods are ({"namespace", "labels"}): the pipelines'
+        # NetworkPolicy lets them reach the stages' http port (render.render_networkpolicy).
+        self.operator_peer = operator_peer
         self.addon_cache_seconds = addon_cache_seconds
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
@@ -153,6 +164,8 @@ class Reconciler:
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
             self.metrics.set_phase(namespace, name, None)
+            if self.health is not None:
+                self.health.forget(namespace, name)
 
     def child_needs_reconcile(self, child: Mapping[str, Any], deleted: bool) -> bool:
         """Whether an event about a child should trigger its pipeline's reconcile."""
@@ -184,7 +197,7 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
-            admitted = admit(body)
+            admitted = admit(body, operator_peer=self.operator_peer)
         except SpecError as exc:
             return self._refuse(body, "InvalidSpec", str(exc))
         pipeline = admitted.pipeline
@@ -244,11 +257,32 @@ class Reconciler:
             return refused
         deployments = {stage.name: current.get((DEPLOYMENT.kind, naming.stage_name(pipeline.name, stage.name)))
                        for stage in pipeline.stages}
-        status = compute_status(pipeline, deployments, body.get("status"), self.clock())
+        verdict = self.health.verdict(pipeline) if self.health is not None else None
+        status = compute_status(pipeline, deployments, body.get("status"), self.clock(), transfers=verdict,
+                                transfer_health=self.health is not None)
         outcome.phase = status["phase"]
         if self._write_status(body, status):
             outcome.writes += 1
+            outcome.writes += self._transfer_events(body, status)
         return outcome
+
+    def _transfer_events(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> int:
+        """One Warning event when TransfersHealthy turns False (or changes reason while False),
+        one Normal event when it turns True again; the number posted."""
+        def condition(st: Mapping[str, Any] | None) -> Mapping[str, Any]:
+            return next((c for c in (st or {}).get("conditions") or [] if c.get("type") == TRANSFERS_HEALTHY), {})
+
+        old, new = condition(body.get("status")), condition(status)
+        if new.get("status") == "False" and (old.get("status") != "False" or old.get("reason") != new.get("reason")):
+            log.warning("%s/%s: %s: %s", body["metadata"].get("namespace"), body["metadata"]["name"],
+                        new.get("reason"), new.get("message"))
+            self._post_event(body, "Warning", new["reason"], new.get("message", ""))
+            return 1
+        if new.get("status") == "True" and old.get("status") == "False":
+            self._post_event(body, "Normal", "TransfersRecovered",
+                             f"no transfer stuck or failing any more (was {old.get('reason')}: {old.get('message', '')})")
+            return 1
+        return 0
 
     def _owned_children(self, pipeline: Pipeline, podmonitors: bool) -> dict[tuple[str, str], dict[str, Any]]:
         selector = child_selector(pipeline.name)
@@ -318,13 +352,13 @@ class Reconciler:
         outcome = Outcome(result, phase="Failed")
         if ready.get("reason") != reason or ready.get("message") != message:
             log.warning("%s/%s: %s: %s", meta.get("namespace"), meta["name"], reason, message)
-            self._post_warning(body, reason, message)
+            self._post_event(body, "Warning", reason, message)
             outcome.writes += 1
         if self._write_status(body, invalid_status(gen, message, previous, self.clock(), reason)):
             outcome.writes += 1
         return outcome
 
-    def _post_warning(self, body: Mapping[str, Any], reason: str, message: str) -> None:
+    def _post_event(self, body: Mapping[str, Any], event_type: str, reason: str, message: str) -> None:
         meta = body["metadata"]
         now = self.clock()
         namespace = meta.get("namespace") or "default"
@@ -334,7 +368,7 @@ class Reconciler:
             "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
             "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
                                "namespace": namespace, "uid": meta.get("uid", "")},
-            "type": "Warning",
+            "type": event_type,
             "reason": reason,
             "message": message[:1024],
             "source": {"component": naming.MANAGER},

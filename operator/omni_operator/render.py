@@ -7,7 +7,7 @@ every reconcile.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from . import API_VERSION, KIND, naming
 from .kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
@@ -43,8 +43,10 @@ def _metadata(pipeline: Pipeline, name: str, stage: str | None) -> dict[str, Any
     }
 
 
-def render_children(pipeline: Pipeline, *, podmonitor_available: bool) -> list[dict[str, Any]]:
-    """Every child the pipeline should have, in apply order."""
+def render_children(pipeline: Pipeline, *, podmonitor_available: bool,
+                    operator_peer: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every child the pipeline should have, in apply order. ``operator_peer``: where the
+    operator's own pods are (``{"namespace": ..., "labels": {...}}``), for the NetworkPolicy."""
     children: list[dict[str, Any]] = []
     for stage in pipeline.stages:
         config_text = dump_stage_config(render_stage_config(pipeline, stage.name))
@@ -52,7 +54,7 @@ def render_children(pipeline: Pipeline, *, podmonitor_available: bool) -> list[d
         children.append(render_service(pipeline, stage))
         children.append(render_deployment(pipeline, stage, config_hash(config_text)))
         children.append(render_pdb(pipeline, stage))
-    children.append(render_networkpolicy(pipeline))
+    children.append(render_networkpolicy(pipeline, operator_peer))
     if podmonitor_available and pipeline.observability.metrics:
         children.append(render_podmonitor(pipeline))
     return children
@@ -96,8 +98,30 @@ def render_pdb(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
     }
 
 
-def render_networkpolicy(pipeline: Pipeline) -> dict[str, Any]:
+def render_networkpolicy(pipeline: Pipeline, operator_peer: Mapping[str, Any] | None = None) -> dict[str, Any]:
     pods = {"matchLabels": naming.selector_labels(pipeline.name)}
+    ingress: list[dict[str, Any]] = [
+        # KV caches are only accepted from the pipeline's own stages.
+        {"from": [{"podSelector": pods}], "ports": [{"protocol": "TCP", "port": naming.KV_PORT}]},
+        # The KV bytes themselves: a receiving stage's NIXL agent reads the sender's registered
+        # memory over UCX, which (on TCP) listens in this range only (UCX_TCP_PORT_RANGE, set
+        # on every stage container): the pipeline's own pods alone may reach it.
+        {"from": [{"podSelector": pods}],
+         "ports": [{"protocol": "TCP", "port": naming.KV_DATA_PORTS[0], "endPort": naming.KV_DATA_PORTS[1]}]},
+        # The HTTP API and /metrics stay reachable for clients and Prometheus.
+        {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}]},
+    ]
+    if operator_peer:
+        # The operator reads each stage pod's /metrics on the http port (transfer health):
+        # stated on its own, so that it still holds where the rule above is narrowed, and
+        # no other port (the kv port stays the stages' alone).
+        ingress.append({
+            "from": [{
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_peer["namespace"]}},
+                "podSelector": {"matchLabels": dict(operator_peer["labels"])},
+            }],
+            "ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}],
+        })
     return {
         "apiVersion": NETWORKPOLICY.api_version,
         "kind": NETWORKPOLICY.kind,
@@ -105,12 +129,7 @@ def render_networkpolicy(pipeline: Pipeline) -> dict[str, Any]:
         "spec": {
             "podSelector": pods,
             "policyTypes": ["Ingress"],
-            "ingress": [
-                # KV caches are only accepted from the pipeline's own stages.
-                {"from": [{"podSelector": pods}], "ports": [{"protocol": "TCP", "port": naming.KV_PORT}]},
-                # The HTTP API and /metrics stay reachable for clients and Prometheus.
-                {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}]},
-            ],
+            "ingress": ingress,
         },
     }
 
@@ -173,6 +192,9 @@ def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
         {"name": "OMNI_POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}},
         # The pods run as a non-root user with no home directory; caches go to the /tmp volume.
         {"name": "HOME", "value": "/tmp"},
+        # UCX (under NIXL) listens for KV reads only where the NetworkPolicy lets the
+        # pipeline's pods in; the CRD refuses the name in stages[].env.
+        {"name": naming.KV_DATA_PORT_RANGE_ENV, "value": naming.KV_DATA_PORT_RANGE},
     ]
     if pipeline.model.cache_claim:
         env.append({"name": "HF_HOME", "value": f"{pipeline.model.cache_mount_path}/huggingface"})

@@ -1,4 +1,5 @@
-"""The OmniPipeline's status: a pure function of its stage Deployments.
+"""The OmniPipeline's status: a pure function of its stage Deployments and of the last
+reading of its stages' transfer metrics (``transfers.py``).
 
 Conditions follow the Kubernetes convention (type, status, reason, message,
 lastTransitionTime); a condition keeps its lastTransitionTime while its status is unchanged.
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .model import Pipeline
+from .transfers import FAILING, NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
@@ -62,13 +64,74 @@ def with_transition_times(conditions: list[dict[str, Any]], previous: list[Mappi
     return out
 
 
+def _previous_condition(previous: Mapping[str, Any] | None, ctype: str) -> Mapping[str, Any] | None:
+    return next((c for c in (previous or {}).get("conditions") or [] if c.get("type") == ctype), None)
+
+
+def transfers_condition(verdict: TransfersVerdict | None, previous: Mapping[str, Any] | None,
+                        generation: int) -> dict[str, Any]:
+    """The TransfersHealthy condition: the verdict's, or without a new reading the previous one
+    (status between two resyncs keeps what the last reading said), or "not read yet"."""
+    if verdict is None:
+        old = _previous_condition(previous, TRANSFERS_HEALTHY)
+        if old is not None and old.get("status") in ("True", "False", "Unknown"):
+            return {"type": TRANSFERS_HEALTHY, "status": old["status"], "reason": old.get("reason", ""),
+                    "message": old.get("message", ""), "observedGeneration": generation}
+        verdict = NOT_READ
+    return {"type": TRANSFERS_HEALTHY, "status": verdict.status, "reason": verdict.reason,
+            "message": verdict.message, "observedGeneration": generation}
+
+
+def _standing_failure(verdict: TransfersVerdict | None, previous: Mapping[str, Any] | None) -> bool:
+    """A first reading (the reader just started: failures not counted yet) that finds nothing
+    else wrong does not clear a TransfersFailing the previous status reported: no recovery and
+    relapse around an operator restart; the next reading judges it."""
+    if verdict is None or verdict.judged_failing or verdict.status != "True":
+        return False
+    old = _previous_condition(previous, TRANSFERS_HEALTHY) or {}
+    return old.get("status") == "False" and old.get("reason") == FAILING
+
+
+INTERVAL_COUNTS = ("failed", "expired", "rejected")
+
+
+def _with_previous_counts(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A first reading's figures with the counts over the last interval (which it could not
+    take) as the previous status had them."""
+    out = dict(new)
+    old = old or {}
+    for key in INTERVAL_COUNTS:
+        if key in old:
+            out[key] = old[key]
+        elif key == "rejected":
+            out.pop(key, None)
+    if "edges" in out:
+        before = {e.get("toStage"): e for e in old.get("edges") or []}
+        out["edges"] = [{**e, **{k: before[e["toStage"]][k] for k in ("failed", "expired")
+                                 if k in before.get(e["toStage"], {})}} for e in out["edges"]]
+    return out
+
+
 def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, Any]],
-                   previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
-    """Status from the stage Deployments (keyed by stage name)."""
+                   previous: Mapping[str, Any] | None, now: str,
+                   transfers: TransfersVerdict | None = None, *, transfer_health: bool = True) -> dict[str, Any]:
+    """Status from the stage Deployments (keyed by stage name) and the verdict of the last
+    reading of the stages' transfer metrics (None: no new reading; the previous status's
+    transfer fields stay as they are). ``transfer_health=False``: the operator does not read
+    them (no TransfersHealthy condition, ``transfersHealth: off``)."""
+    old_stages = {st.get("name"): st for st in (previous or {}).get("stages") or []}
     stages, waiting, failing = [], [], []
     for stage in pipeline.stages:
         counts, state, detail = stage_state(stage.replicas, deployments.get(stage.name))
-        stages.append({"name": stage.name, **counts})
+        entry: dict[str, Any] = {"name": stage.name, **counts}
+        before = (old_stages.get(stage.name) or {}).get("transfers")
+        figures = (None if not transfer_health else transfers.stages.get(stage.name) if transfers is not None
+                   else before)
+        if figures and transfers is not None and not transfers.judged_failing:
+            figures = _with_previous_counts(figures, before)
+        if figures:
+            entry["transfers"] = figures
+        stages.append(entry)
         if state == "failing":
             failing.append(f"{stage.name}: {detail}")
         elif state == "progressing":
@@ -84,11 +147,17 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
         _condition(DEGRADED, bool(failing), "StageFailing" if failing else "AsExpected",
                    "; ".join(failing) if failing else "no stage is failing", gen),
     ]
+    standing = _standing_failure(transfers, previous)
+    if transfer_health:
+        conditions.append(transfers_condition(None if standing else transfers, previous, gen))
     phase = "Degraded" if failing else "Ready" if all_ready else "Progressing"
+    summary = ("off" if not transfer_health else transfers.summary if transfers is not None and not standing
+               else (previous or {}).get("transfersHealth") or NOT_READ.summary)
     return {
         "observedGeneration": gen,
         "phase": phase,
         "stagesReady": f"{ready_count}/{len(pipeline.stages)}",
+        "transfersHealth": summary,
         "stages": stages,
         "conditions": with_transition_times(conditions, (previous or {}).get("conditions"), now),
     }
@@ -111,13 +180,20 @@ def invalid_status(generation: int, message: str, previous: Mapping[str, Any] | 
                    generation),
         _condition(DEGRADED, True, reason, message, generation),
     ]
-    return {
+    # Transfer health is about the stages that run, whatever the spec now says: kept as read.
+    transfers = _previous_condition(previous, TRANSFERS_HEALTHY)
+    if transfers is not None:
+        conditions.append(dict(transfers))
+    status = {
         "observedGeneration": generation,
         "phase": "Failed",
         "stagesReady": previous.get("stagesReady", "0/0"),
         "stages": list(previous.get("stages") or []),
         "conditions": with_transition_times(conditions, previous.get("conditions"), now),
     }
+    if "transfersHealth" in previous:
+        status["transfersHealth"] = previous["transfersHealth"]
+    return status
 
 
 def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:

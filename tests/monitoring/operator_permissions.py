@@ -30,6 +30,8 @@ FIXED_METHODS: dict[str, set[Permission]] = {
     "list_pipelines": {(GROUP, PLURAL, "list")},
     "patch_pipeline_status": {(GROUP, f"{PLURAL}/status", "patch")},
     "create_event": {("", "events", "create")},
+    # The resync timer lists the stage pods to read their /metrics (transfer health).
+    "list_pods": {("", "pods", "list")},
     "serves": set(),  # API discovery (GET /apis/<group>/<version>): open to every account
 }
 # kopf posts Kubernetes events for handler warnings and errors.

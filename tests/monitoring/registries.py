@@ -44,12 +44,14 @@ def from_registry(registry) -> dict[str, frozenset[str]]:
 
 
 def runtime() -> dict[str, frozenset[str]]:
-    """The AR stage's families and the receiving stage's."""
+    """The AR stage's families (the ledger's and the per-edge ones) and the receiving stage's."""
+    from omni_runtime.observability.edge_metrics import build_registry as build_edge_registry
     from omni_runtime.observability.receiver_metrics import build_registry as build_receiver_registry
     from omni_runtime.observability.metrics import build_registry
 
     names = from_registry(build_registry(stage="s", model_name="m")[0])
-    names.update(from_registry(build_receiver_registry(stage="s", model_name="m")[0]))
+    names.update(from_registry(build_edge_registry(stage="s", model_name="m", to_stages=["t"])[0]))
+    names.update(from_registry(build_receiver_registry(stage="s", model_name="m", from_stages=["u"])[0]))
     return names
 
 

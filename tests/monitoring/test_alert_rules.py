@@ -19,6 +19,8 @@ EXPECTED = {
     "OmniKVTransferStuck",
     "OmniKVBlocksHeldTooLong",
     "OmniKVTransferFailureRateHigh",
+    "OmniKVEdgeTransferStuck",
+    "OmniKVEdgeFailureRateHigh",
     "OmniStageDown",
     "OmniKVMetricsAbsent",
     "OmniKVTransportThreadDown",
@@ -98,7 +100,11 @@ def test_alerts_group_only_by_bounded_labels():
     """Alert label sets come from the stage identity, never from request or block ids."""
     allowed = set(m.STAGE_LABELS) | set(m.SCRAPE_LABELS) | {"le"}
     for rule in ALERTS:
-        assert grouping_labels(rule["expr"]) <= allowed, rule["alert"]
+        edge = rule["alert"].startswith("OmniKVEdge")
+        assert grouping_labels(rule["expr"]) <= allowed | ({"to_stage"} if edge else set()), rule["alert"]
+        if edge:  # the edge names itself: kept through every aggregation
+            assert "to_stage" in rule["annotations"]["description"]
+            assert "sum by" not in rule["expr"] or "to_stage" in grouping_labels(rule["expr"])
 
 
 def test_alerts_query_only_the_contract_state_and_outcome_values():
@@ -106,7 +112,7 @@ def test_alerts_query_only_the_contract_state_and_outcome_values():
         for name, _labels in selectors(rule["expr"]):
             assert name in {
                 "up", m.KV_TRANSFERS, m.KV_OLDEST_START, m.KV_RESOLVED, m.OPERATOR_RECONCILES,
-                m.KV_TRANSPORT_THREAD_UP,
+                m.KV_TRANSPORT_THREAD_UP, m.KV_EDGE_OLDEST_START, m.KV_EDGE_RESOLVED,
             }, (rule["alert"], name)
     stuck = next(r for r in ALERTS if r["alert"] == "OmniKVTransferStuck")["expr"]
     assert 'state="active"' in stuck and "> 0" in stuck

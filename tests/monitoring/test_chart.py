@@ -147,6 +147,36 @@ def test_operator_arguments_parse_with_the_operators_own_cli():
     assert container["image"] == "registry.example/omni-operator@sha256:" + "a" * 64
 
 
+def test_transfer_health_values_reach_the_operator_and_its_rbac():
+    """Pod reads (the default) need `list pods`; reading Prometheus, or not reading at all,
+    needs nothing beyond the other rules."""
+    from omni_operator.main import parse_args
+
+    pods = ("", "pods", "list")
+    objects = render()
+    deployment, container = _container(objects)
+    options = parse_args(container["args"])
+    assert options.transfer_health and options.prometheus_url is None and options.failing_ratio == 0.05
+    assert pods in operator_permissions.granted(one(objects, "ClusterRole")["rules"])
+    # The NetworkPolicy peer the operator renders selects its own pod.
+    assert options.operator_pod_labels.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert options.operator_pod_labels["app.kubernetes.io/component"] == "operator"
+    env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+    url = "http://prometheus-operated.monitoring.svc:9090"
+    for values in ({"transferHealth": {"prometheusUrl": url, "failingRatio": 0.1}},
+                   {"transferHealth": {"enabled": False}, "watch": {"namespaces": ["ml-team"]}}):
+        objects = render(values)
+        options = parse_args(_container(objects)[1]["args"])
+        if values["transferHealth"].get("enabled", True):
+            assert options.prometheus_url == url and options.failing_ratio == 0.1
+        else:
+            assert not options.transfer_health
+        for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
+            assert pods not in operator_permissions.granted(role["rules"])
+
+
 def test_metrics_service_selects_the_operator_pod():
     objects = render()
     deployment, container = _container(objects)
@@ -264,6 +294,8 @@ def test_rbac_check_is_not_vacuous():
     {"watch": {"namespaces": ["Not_A_Namespace"]}},
     {"logLevel": "trace"},
     {"serviceMonitor": {"interval": "soon"}},
+    {"transferHealth": {"prometheusUrl": "prometheus:9090"}},
+    {"transferHealth": {"failingRatio": 1}},
 ])
 def test_values_schema_rejects_bad_values(bad):
     with helm.Chart.load(CHART) as chart:

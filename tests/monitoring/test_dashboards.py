@@ -114,6 +114,27 @@ def test_kv_transfers_dashboard_has_the_issue_panels():
         assert defaults["thresholds"]["steps"][-1]["value"] == 300
 
 
+def test_kv_transfers_dashboard_has_a_per_edge_row():
+    rows = [p["title"] for p in KV["panels"] if p["type"] == "row"]
+    assert rows[-1].startswith("Per edge")
+    by_title = {p["title"]: p for p in panels(KV)}
+    edge_panels = {
+        "Transfers in flight per edge",
+        "Age of the oldest unanswered transfer per edge",
+        "Failed or expired share per edge",
+        "Resolutions per edge by outcome",
+        "Delivered transfer duration per edge (p95)",
+        "Received per upstream stage",
+    }
+    assert set(by_title) >= edge_panels
+    for title in edge_panels - {"Received per upstream stage"}:
+        (query,) = panel_queries({"panels": [by_title[title]]})
+        assert "to_stage" in grouping_labels(query), title
+    assert "from_stage" in grouping_labels(by_title["Received per upstream stage"]["targets"][0]["expr"])
+    age = by_title["Age of the oldest unanswered transfer per edge"]["fieldConfig"]["defaults"]
+    assert age["thresholds"]["steps"][-1]["value"] == 300
+
+
 def test_pipelines_dashboard_has_the_issue_panels():
     titles = {p["title"] for p in panels(PIPELINES)}
     assert titles >= {
@@ -156,7 +177,7 @@ def test_every_queried_metric_and_label_exists(known_metrics, expr):
 
 @pytest.mark.parametrize("expr", ALL_QUERIES + ALERT_EXPRS)
 def test_grouping_only_by_bounded_labels(expr):
-    allowed = set(m.STAGE_LABELS) | registries.SCRAPE_LABELS | {
+    allowed = set(m.STAGE_LABELS) | registries.SCRAPE_LABELS | set(m.EDGE_LABELS) | {
         "le", "state", "trigger", "outcome", "result", "reason", "finished_reason"
     }
     assert grouping_labels(expr) <= allowed, expr

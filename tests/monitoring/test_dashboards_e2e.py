@@ -46,7 +46,8 @@ pytestmark = pytest.mark.engine
 NAMESPACE, PIPELINE, MODEL = "e2e", "tiny", "tiny-qwen2"
 RESTRICTED = "restricted"  # a namespace where the operator may not create Deployments
 OPERATOR_POD = {"__meta_kubernetes_namespace": "omni-system", "__meta_kubernetes_pod_name": "omni-operator-7c9d-x2"}
-AGE_PANELS = {"Age of the oldest active transfer", "Age of the oldest held transfer"}
+AGE_PANELS = {"Age of the oldest active transfer", "Age of the oldest held transfer",
+              "Age of the oldest unanswered transfer per edge"}
 
 
 def pipeline_body(namespace: str = NAMESPACE) -> dict:

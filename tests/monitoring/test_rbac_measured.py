@@ -120,6 +120,9 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool) -> list[ApiC
             del stages[0]["inputs"]
             patch_pipeline(user, "tiny", {"spec": {"stages": stages}})
             wait_for(lambda: status(user).get("phase") == "Progressing", what="the spec valid again")
+            # A resync round with the pipeline present reads its stage pods' metrics (list pods).
+            wait_for(lambda: any(c.verb == "list" and c.resource == "pods" for c in emu.calls(OPERATOR_TOKEN)),
+                     what="a resync round's list of the stage pods")
             user.patch(DEPLOYMENT, NAMESPACE, "tiny-talker", {"spec": {"replicas": 5}})
             wait_for(lambda: user.get(DEPLOYMENT, NAMESPACE, "tiny-talker")["spec"]["replicas"] == 1,
                      what="the hand edit reverted")

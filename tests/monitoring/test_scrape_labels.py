@@ -20,7 +20,7 @@ from .promql_names import grouping_labels, selectors
 PROMETHEUS_TARGET_LABELS = {"job", "instance"}
 # Labels of the series themselves that queries may use beyond the scrape's.
 OWN_LABELS = {"le", "state", "trigger", "outcome", "result", "reason", "finished_reason",
-              "model_name", "engine", "verb", "kind", "phase"}
+              "model_name", "engine", "verb", "kind", "phase", *m.EDGE_LABELS}
 PIPELINE = {
     "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline",
     "metadata": {"name": "tiny", "namespace": "team-a", "uid": "u-1", "generation": 1},

@@ -34,7 +34,8 @@ def test_crd_names_and_printer_columns():
     (version,) = manifest["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns == {"Ready": ".status.stagesReady", "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
+    assert columns == {"Ready": ".status.stagesReady", "Phase": ".status.phase",
+                       "Transfers": ".status.transfersHealth", "Age": ".metadata.creationTimestamp"}
 
 
 def _walk(node, path="schema"):

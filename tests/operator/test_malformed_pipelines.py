@@ -125,6 +125,8 @@ CASES = [
     ("env-value-number", edit(stage(0, env=[{"name": "WORKERS", "value": 8}])), "spec.stages[0].env[0].value", CRD, "must be a string"),
     ("env-name-with-space", edit(stage(0, env=[{"name": "MY VAR", "value": "1"}])), "spec.stages[0].env[0].name", CRD, "does not match"),
     ("env-reserved-name", edit(stage(0, env=[{"name": "OMNI_STAGE", "value": "x"}])), "spec.stages[0].env[0].name", CRD, "OMNI_"),
+    ("env-ucx-port-range", edit(stage(0, env=[{"name": "LOG", "value": "1"}, {"name": "UCX_TCP_PORT_RANGE", "value": "20000-20100"}])),
+     "spec.stages[0].env[1].name", CRD, "the operator sets UCX_TCP_PORT_RANGE to 9700-9731"),
     ("env-as-map", edit(stage(0, env={"HF_HOME": "/models"})), "spec.stages[0].env", CRD, "must be a list"),
     # integers beyond their format
     ("replicas-beyond-int32", edit(stage(0, replicas=2**40)), "spec.stages[0].replicas", CRD, "maximum"),

@@ -148,8 +148,9 @@ def test_validation_would_catch_a_broken_child():
     deployment["spec"]["replicas"] = 2**40  # beyond int32
     assert [f for f, _ in check_object(deployment)] == ["spec.replicas"]
     deployment["spec"]["replicas"] = 1
-    deployment["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "X", "valueFrom": {"secretRef": {}}})
-    assert [f for f, _ in check_object(deployment)] == ["spec.template.spec.containers[0].env[8].valueFrom"]
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    env.append({"name": "X", "valueFrom": {"secretRef": {}}})
+    assert [f for f, _ in check_object(deployment)] == [f"spec.template.spec.containers[0].env[{len(env) - 1}].valueFrom"]
 
 
 def test_the_last_guard_names_the_stage(monkeypatch):
@@ -239,6 +240,7 @@ def test_env_names_pipeline_stage_and_downstream():
     assert env["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == "tiny-talker.team-a.svc:9600"
     assert env_of(container(kids, "code2wav"))["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == ""
     assert not any(name.startswith("OTEL_") for name in env)  # no tracing configured
+    assert env["UCX_TCP_PORT_RANGE"]["value"] == "9700-9731"
 
 
 def test_otlp_env_when_tracing_is_set():
@@ -277,10 +279,49 @@ def test_rendering_is_deterministic():
 def test_networkpolicy_limits_kv_port_to_pipeline_pods():
     policy = children(pipeline_body())[("NetworkPolicy", "tiny")]["spec"]
     assert policy["podSelector"] == {"matchLabels": {naming.PIPELINE_LABEL: "tiny"}}
-    kv_rule, http_rule = policy["ingress"]
+    kv_rule, data_rule, http_rule = policy["ingress"]
     assert kv_rule == {"from": [{"podSelector": {"matchLabels": {naming.PIPELINE_LABEL: "tiny"}}}],
                        "ports": [{"protocol": "TCP", "port": 9600}]}
+    # The KV data plane's UCX ports: a range, from the pipeline's own pods only.
+    assert data_rule == {"from": [{"podSelector": {"matchLabels": {naming.PIPELINE_LABEL: "tiny"}}}],
+                         "ports": [{"protocol": "TCP", "port": 9700, "endPort": 9731}]}
     assert "from" not in http_rule and http_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+
+def test_every_stage_s_ucx_listens_inside_the_range_the_networkpolicy_opens():
+    """UCX_TCP_PORT_RANGE on every stage container is exactly the range the policy opens to the
+    pipeline's pods: what UCX binds (the receiver's NIXL reads connect there) is reachable, and
+    nothing else is opened."""
+    kids = children(pipeline_body())
+    rules = kids[("NetworkPolicy", "tiny")]["spec"]["ingress"]
+    opened = [(p["port"], p.get("endPort", p["port"])) for r in rules if "from" in r for p in r["ports"]]
+    for stage in ("thinker", "talker", "code2wav"):
+        value = env_of(container(kids, stage))["UCX_TCP_PORT_RANGE"]["value"]
+        first, last = (int(x) for x in value.split("-"))
+        assert (first, last) in opened and (first, last) == naming.KV_DATA_PORTS
+    # The range holds neither the http nor the kv port (each has its own rule), and has room
+    # for the ~2 ports per NIXL agent of a tensor-parallel stage of 8 ranks, twice over.
+    first, last = naming.KV_DATA_PORTS
+    assert not first <= naming.HTTP_PORT <= last and not first <= naming.KV_PORT <= last
+    assert last - first + 1 >= 2 * 8 * 2
+
+
+def test_the_port_range_rule_is_what_the_api_server_accepts():
+    """kubernetes-validate checks the schema (endPort is an int32); the API server's own
+    NetworkPolicyPort rules (ValidateNetworkPolicyPort: endPort only with a numeric port, at
+    least that port, both at most 65535) are restated here, with a broken rule refused."""
+    policy = children(pipeline_body())[("NetworkPolicy", "tiny")]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    assert check_object(policy) == []
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            if "endPort" in port:
+                assert isinstance(port["port"], int) and port["port"] <= port["endPort"] <= 65535
+    broken = copy.deepcopy(policy)
+    broken["spec"]["ingress"][1]["ports"][0]["endPort"] = "9731"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    assert [f for f, _ in check_object(broken)] == ["spec.ingress[1].ports[0].endPort"]
 
 
 def test_stage_config_keys():
@@ -364,3 +405,27 @@ def test_a_valid_shape_is_remembered_and_an_invalid_child_still_refused():
     wrong_kind_string = copy.deepcopy(deployment)
     wrong_kind_string["apiVersion"] = "apps/v2"
     assert check_object(wrong_kind_string) is None  # no such built-in kind: not remembered as valid
+
+
+def test_user_ucx_settings_that_do_not_touch_the_port_range_pass_through():
+    """Only UCX_TCP_PORT_RANGE is the operator's: other UCX tuning (the transports, the NICs)
+    is accepted at the door and reaches the container, after the operator's variables."""
+    from omni_operator.admission import admit
+
+    body = pipeline_body()
+    body["spec"]["stages"][0]["env"] = [{"name": "UCX_TLS", "value": "tcp,cma"},
+                                        {"name": "UCX_NET_DEVICES", "value": "eth0"}]
+    body["metadata"].update(uid="0a0b0c0d-0000-4000-8000-000000000001", generation=1)
+    kids = {(c["kind"], c["metadata"]["name"]): c for c in admit(body).children}
+    names = [e["name"] for e in container(kids, "thinker")["env"]]
+    assert names.count("UCX_TCP_PORT_RANGE") == 1
+    assert names.index("UCX_TCP_PORT_RANGE") < names.index("UCX_TLS") < names.index("UCX_NET_DEVICES")
+
+
+def test_the_crd_refuses_the_port_range_variable_naming_the_operator_s_range():
+    """The CRD's rule is YAML: it must name the variable and the range naming.py sets."""
+    from omni_operator import crd
+
+    text = yaml.safe_dump(crd.crd())
+    assert f"self.name != '{naming.KV_DATA_PORT_RANGE_ENV}'" in text
+    assert f"sets {naming.KV_DATA_PORT_RANGE_ENV} to {naming.KV_DATA_PORT_RANGE}," in text.replace("\n", " ").replace("  ", " ")

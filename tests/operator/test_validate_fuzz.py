@@ -149,3 +149,13 @@ def test_unmutated_examples_are_valid(tmp_path, example):
 def test_a_document_label_survives_any_name():
     assert Document(0, {"metadata": {"name": "a\nb" * 100}}).label.startswith("document 1 (a b")
     assert Document(2, {"metadata": "x"}).label == "document 3"
+
+
+def test_an_engine_args_key_with_a_newline_stays_on_one_line(tmp_path):
+    """Found by test_mutated_examples: a key that is no flag name is named quoted, so the
+    problem is one line whose field holds no newline."""
+    body = copy.deepcopy(EXAMPLES[0])
+    body["spec"]["stages"][0]["engineArgs"] = {"max\nmodel len": 1}
+    code, lines = run_cli(tmp_path, yaml.safe_dump(body).encode())
+    assert code == 1
+    assert any('engineArgs["max\\nmodel len"]: is not a vLLM flag name' in line for line in lines), lines

@@ -1,7 +1,8 @@
 {{/*
 Rules in the namespaces where OmniPipelines live. Verbs per resource follow the operator's
 calls: its Kube layer gets, lists, creates, patches and deletes children, reads
-OmniPipelines, patches their status and posts events; kopf lists and watches every
+OmniPipelines, patches their status and posts events, and lists the stage pods on the resync
+timer to read their /metrics (transfer health; not when it reads Prometheus); kopf lists and watches every
 resource it has handlers for (OmniPipelines and each child kind) and patches OmniPipelines
 and their status (its handler progress and last-handled state).
 */}}
@@ -30,6 +31,11 @@ and their status (its handler progress and last-handled state).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if and .Values.transferHealth.enabled (not .Values.transferHealth.prometheusUrl) }}
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+{{- end }}
 {{- end }}
 
 {{/*

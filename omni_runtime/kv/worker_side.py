@@ -64,6 +64,7 @@ class OmniKVConnectorWorker:
         self._randomized_ids = not _ids_not_randomized()
         self._sender = None
         self._agent = None
+        self._edges = None  # per-edge metrics fed by this rank (rank 0 of a fan-out)
         self._entry_bytes = 0  # payload bytes per token (every layer's K and V of this shard)
         self._block_size = 0
         self._local: dict[str, Answer] = {}  # answers made here, without the sender
@@ -77,6 +78,10 @@ class OmniKVConnectorWorker:
 
         from omni_runtime.kv.transport import KVSender
         from omni_runtime.kv.transport.nixl_agent import KVAgent
+        from omni_runtime.observability.edge_metrics import (
+            data_path_edge_metrics,
+            edge_bytes_observer,
+        )
         from omni_runtime.observability.metrics import transfer_bytes_observer
         from omni_runtime.observability.transport_metrics import thread_up_setter
 
@@ -127,10 +132,31 @@ class OmniKVConnectorWorker:
             regions=tuple(regions), metadata=self._agent.metadata())
         stage = self._kv_cfg.stage_name
         model_name = model_config.served_model_name or model_config.model
+        on_edge = None
+        if self.shard == 0:
+            # The per-edge families (omni_kv_edge_*): fed once, by rank 0 (every rank's shard
+            # travels the same edges; a gauge several ranks wrote would flap). With one
+            # downstream stage the ledger feeds them and the data path adds the bytes; with
+            # several, the data path says what happened on each edge.
+            self._edges = data_path_edge_metrics(
+                stage=stage, model_name=model_name, endpoints=self._endpoints,
+                deadline_seconds=self._kv_cfg.timeout_seconds)
+            if self._edges is None:
+                (only,) = self._endpoints
+                edge_bytes = edge_bytes_observer(stage=stage, model_name=model_name,
+                                                 to_stage=only)
+                on_edge = (lambda rid, attempt, to_stage, outcome, nbytes:
+                           edge_bytes(nbytes) if outcome == "acked" else None)
+            else:
+                edges = self._edges
+                on_edge = (lambda rid, attempt, to_stage, outcome, nbytes: edges.resolved(
+                    (rid, attempt), to_stage, outcome,
+                    nbytes=nbytes if outcome == "acked" else None))
         self._sender = KVSender(
             {s: _zmq_address(a) for s, a in self._endpoints.items()}, hello=hello,
             agent=self._agent, send_timeout_s=max(0.1, 0.95 * self._kv_cfg.timeout_seconds),
             observe_bytes=transfer_bytes_observer(stage=stage, model_name=model_name),
+            on_edge=on_edge,
             # omni_kv_transport_thread_up{thread="sender"}: the AR supervisor's health check.
             on_thread_state=thread_up_setter(stage=stage, model_name=model_name,
                                              thread="sender"),
@@ -155,6 +181,8 @@ class OmniKVConnectorWorker:
             offered = self._offered.get(rid)
             if offered is not None and offered[0] <= attempt:
                 del self._offered[rid]
+                if self._edges is not None:
+                    self._edges.dropped((rid, offered[0]))
         for hand_off in meta.hand_offs:
             self._offer(hand_off)
 
@@ -172,7 +200,12 @@ class OmniKVConnectorWorker:
             self._answer(h, "deadline passed before the send started")
             return
         nbytes = h.seq_len * self._entry_bytes
+        superseded = self._offered.get(h.request_id)
         self._offered[h.request_id] = (h.attempt, nbytes, time.monotonic())
+        if self._edges is not None:
+            if superseded is not None:
+                self._edges.dropped((h.request_id, superseded[0]))
+            self._edges.started((h.request_id, h.attempt))
         self._sender.submit(
             Offer(request_id=h.request_id, attempt=h.attempt, seq_len=h.seq_len,
                   runs=block_runs(h.block_ids[:needed]), nbytes=nbytes,

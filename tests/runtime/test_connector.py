@@ -824,7 +824,7 @@ def test_metric_labels_are_bounded_and_never_carry_request_ids(receiver, ar, mak
     dealer.read(ar, 1, "secret-rejected-id", [1], 2, agent="nobody")  # no hello from it
     assert dealer.reply()["code"] == "unknown_agent"
     receiver.inbox.get("nope", timeout_s=0)
-    allowed = {"stage", "model_name", "outcome", "reason", "thread", "le"}
+    allowed = {"stage", "model_name", "outcome", "reason", "thread", "from_stage", "le"}
     for family in registry.collect():
         for s in family.samples:
             assert set(s.labels) <= allowed, s
@@ -934,3 +934,67 @@ def test_metrics_in_multiprocess_mode(tmp_path):
     assert got["omni_kv_receiver_buffered_bytes{}"] == 1024  # 4 tokens x 256 bytes
     assert got['omni_kv_receiver_wait_seconds_count{"outcome": "timeout"}'] == 1
     assert got['omni_kv_transport_thread_up{"thread": "receiver"}'] == 0  # it stopped
+
+
+# ---------------------------------------------------------------------- per edge
+def test_each_edge_of_a_fan_out_resolves_once_with_its_own_outcome(make_receiver, ar,
+                                                                    make_sender):
+    """Issue 22's per-edge families are fed from here: the sender says, once per transfer
+    and endpoint, how that edge ended (acked with its bytes, failed, expired), whatever the
+    transfer's overall fate; the receiving side counts deliveries and refusals per
+    ``from_stage``."""
+    from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+
+    reg = CollectorRegistry()
+    good = make_receiver(stage="talker", metrics=ReceiverMetrics(
+        stage="talker", registry=reg, from_stages=("ar",)))
+    picky = make_receiver(stage="vocoder", expect={"model": "another-model"})
+    edges: list[tuple] = []
+    sender = make_sender(ar, {"talker": good.endpoint, "vocoder": picky.endpoint},
+                         on_edge=lambda *edge: edges.append(edge))
+    offer = ar.offer("r", [1, 2], 6)
+    sender.submit(offer)
+    acked, failed = collect(sender, 1)
+    assert acked == [] and "vocoder refused this sender: incompatible" in failed["r"]
+    # Each edge once: the refusing one failed; the other acked if its ack came first, else
+    # failed with the transfer (a commit is refused once the transfer failed).
+    by_stage = {e[2]: e for e in edges}
+    assert len(edges) == 2 and by_stage["vocoder"] == ("r", 0, "vocoder", "failed", 0)
+    assert by_stage["talker"] in (("r", 0, "talker", "acked", offer.nbytes),
+                                  ("r", 0, "talker", "failed", 0))
+
+    edges.clear()
+    sender.close()
+    sender = make_sender(ar, {"talker": good.endpoint}, on_edge=lambda *e: edges.append(e))
+    sender.submit(offer)
+    assert collect(sender, 1) == (["r"], {})
+    assert edges == [("r", 0, "talker", "acked", offer.nbytes)]
+    assert sample(reg, "omni_kv_received_total", "talker", from_stage="ar",
+                  outcome="delivered") >= 1
+    assert sample(reg, "omni_kv_received_bytes_count", "talker", from_stage="ar") >= 1
+
+    edges.clear()
+    with zmq.Context() as ctx:
+        silent = ctx.socket(zmq.ROUTER)  # accepts the connection, never answers the hello
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        late = make_sender(ar, {"talker": good.endpoint, "mute": f"tcp://127.0.0.1:{port}"},
+                           on_edge=lambda *edge: edges.append(edge))
+        late.submit(ar.offer("s", [3], 2), timeout_s=0.5)
+        acked, failed = collect(late, 1)
+        silent.close(linger=0)
+    assert "no ack from stage mute" in failed["s"]
+    assert sorted(e[2:4] for e in edges) == [("mute", "expired"), ("talker", "acked")]
+
+
+def test_a_read_refused_counts_its_sending_stage(make_receiver, ar, make_sender):
+    from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+
+    reg = CollectorRegistry()
+    rx = make_receiver(stage=STAGE, max_payload_bytes=64,
+                       metrics=ReceiverMetrics(stage=STAGE, registry=reg, from_stages=("ar",)))
+    sender = make_sender(ar, {STAGE: rx.endpoint})
+    sender.submit(ar.offer("big", [1, 2], 8))
+    acked, failed = collect(sender, 1)
+    assert "oversized" in failed["big"]
+    assert sample(reg, "omni_kv_received_total", from_stage="ar", outcome="rejected") == 1
+    assert sample(reg, "omni_kv_receiver_rejected_total", reason="oversized") == 1

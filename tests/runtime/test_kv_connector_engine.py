@@ -366,3 +366,37 @@ def test_parallelism_the_payload_cannot_describe_is_refused_at_start_up(tp, pp, 
         _check_parallelism(config)
     config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size = 2, 1
     assert _check_parallelism(config) == 2
+
+
+def test_a_fan_out_feeds_the_per_edge_families_once_per_edge(llm_factory):
+    """A stage feeding two receiving stages: every transfer is read by both, and the
+    per-edge families (omni_kv_edge_*, fed by rank 0's data path for a fan-out) count each
+    edge's delivery with its bytes, and nothing is left active on an edge."""
+    from prometheus_client import REGISTRY
+    from vllm import SamplingParams
+
+    def edge_sample(name, **labels):
+        found = [s.value for m in REGISTRY.collect() for s in m.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return sum(found) if found else 0.0
+
+    receivers = {s: KVReceiver("tcp://127.0.0.1:0", KVInbox(), pipeline="p", stage=s).start()
+                 for s in ("talker", "vocoder")}
+    try:
+        before = {s: edge_sample("omni_kv_edge_transfers_resolved_total", to_stage=s,
+                                 outcome="acked") for s in receivers}
+        llm, resolved = llm_factory(endpoints={s: r.endpoint for s, r in receivers.items()},
+                                    omni_kv_config={**PREFILL, "timeout_seconds": 60})
+        llm.generate(["Hello world", "The quick brown fox"], SamplingParams(max_tokens=2))
+        drain_transfers(llm, timeout_s=60)
+        assert [t.outcome for t in resolved] == [Outcome.ACKED] * 2
+        for stage, rx in receivers.items():
+            assert rx.num_delivered == 2
+            stored = sum(p["bytes"] for p in rx.inbox.list())
+            assert edge_sample("omni_kv_edge_transfers_resolved_total", to_stage=stage,
+                               outcome="acked") - before[stage] == 2
+            assert edge_sample("omni_kv_edge_transfers_active", to_stage=stage) == 0
+            assert edge_sample("omni_kv_edge_transfer_bytes_sum", to_stage=stage) >= stored
+    finally:
+        for rx in receivers.values():
+            rx.close()

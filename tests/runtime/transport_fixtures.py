@@ -365,7 +365,12 @@ def collect(sender: KVSender, n: int, timeout: float = WAIT
 
 
 def sample(registry, name, stage: str = STAGE, **labels):
-    return registry.get_sample_value(name, {"stage": stage, "model_name": "", **labels})
+    """Sum of the samples of ``name`` with these labels, over any others (the receiver's
+    ``from_stage``), or None when there is none."""
+    want = {"stage": stage, "model_name": "", **labels}
+    found = [s.value for m in registry.collect() for s in m.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in want.items())]
+    return sum(found) if found else None
 
 
 def rejected_counts(registry, stage: str = STAGE) -> dict[str, float]:

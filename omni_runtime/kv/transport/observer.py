@@ -11,9 +11,10 @@ class ReceiverObserver(Protocol):
     """Called from the receiver thread and from consumer threads: implementations are
     thread-safe and never raise."""
 
-    def delivered(self, nbytes: int) -> None: ...
+    def delivered(self, nbytes: int, from_stage: str | None = None) -> None: ...
 
-    def rejected(self, code: str) -> None: ...
+    def rejected(self, code: str, from_stage: str | None = None) -> None:
+        """``from_stage``: the stage the sender says it is, when the message got that far."""
 
     def set_inbox(self, payloads: int, nbytes: int) -> None: ...
 
@@ -28,10 +29,10 @@ class ReceiverObserver(Protocol):
 class NullReceiverObserver:
     """Reports nothing (tools and tests that do not read receiver metrics)."""
 
-    def delivered(self, nbytes: int) -> None:
+    def delivered(self, nbytes: int, from_stage: str | None = None) -> None:
         pass
 
-    def rejected(self, code: str) -> None:
+    def rejected(self, code: str, from_stage: str | None = None) -> None:
         pass
 
     def set_inbox(self, payloads: int, nbytes: int) -> None:

@@ -360,11 +360,11 @@ class KVReceiver:
             self._reject(router, identity, "internal_error", f"{type(e).__name__}: {e}", tid, rid)
 
     def _reject(self, router, identity: bytes, code: str, reason: str, tid: int | None,
-                rid: str | None, span: Any = None) -> None:
+                rid: str | None, span: Any = None, from_stage: str | None = None) -> None:
         reason = reason[:MAX_REASON_CHARS]
         self.num_rejected += 1
         try:
-            self.metrics.rejected(code)
+            self.metrics.rejected(code, from_stage)
         except Exception:
             logger.exception("KV receiver: counting a rejection failed")
         logger.warning("KV receiver of stage %r rejected %s: %s: %s", self.stage,
@@ -501,7 +501,7 @@ class KVReceiver:
             chunks = self._plan(hello, needed)
         except Rejected as r:
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
-                         span)
+                         span, req.from_stage)
             return
         job = _Read(identity, req, peer, time.monotonic() + req.deadline_in_s, received, span,
                     chunks)
@@ -539,20 +539,21 @@ class KVReceiver:
         if not verdict.commit:
             self.num_aborted += 1
             self._reject(router, identity, "deadline", f"the sender aborted the read: "
-                         f"{verdict.reason}", req.transfer_id, req.request_id, job.span)
+                         f"{verdict.reason}", req.transfer_id, req.request_id, job.span,
+                         req.from_stage)
             return
         try:
             self.inbox.put(payload)
         except InboxFull as e:
             self._reject(router, identity, "inbox_full", str(e), req.transfer_id,
-                         req.request_id, job.span)
+                         req.request_id, job.span, req.from_stage)
             return
         except Rejected as r:  # a shard that does not fit its transfer's other shards
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
-                         job.span)
+                         job.span, req.from_stage)
             return
         self.num_delivered += 1
-        self.metrics.delivered(payload.nbytes)
+        self.metrics.delivered(payload.nbytes, req.from_stage)
         self._end_span(job.span, "delivered")
         self._reply(router, identity, Reply("ok", req.transfer_id, req.request_id))
 
@@ -657,7 +658,7 @@ class KVReceiver:
     def _fail(self, router: zmq.Socket, job: _Read, code: str, reason: str) -> None:
         self._finish(job)
         self._reject(router, job.identity, code, reason, job.request.transfer_id,
-                     job.request.request_id, job.span)
+                     job.request.request_id, job.span, job.request.from_stage)
 
     def _finish(self, job: _Read) -> None:
         """The job leaves: its slot back (or retired), its peer's count down."""

@@ -115,9 +115,12 @@ class KVSender:
     address}); ``hello``: this rank's hello (its ``to_stage`` and ``conn`` are filled in per
     endpoint and connection); ``agent``: the NIXL agent whose memory the receivers read (its
     progress is driven here), or None. ``max_in_flight``: offered, unanswered transfers per
-    endpoint. ``observe_bytes``: called with each acked transfer's size; ``on_thread_state``:
-    True when the I/O thread starts, False when it ends (both from that thread). ``io_cpus``:
-    the CPUs of the I/O thread and ZeroMQ's (keep them off the engine's OpenMP cores)."""
+    endpoint. ``observe_bytes``: called with each acked transfer's size; ``on_edge``: called
+    once per transfer and endpoint as that edge resolves, with ``(request id, attempt, stage,
+    outcome, payload bytes)``, outcome ``acked``, ``failed`` or ``expired`` (the per-edge
+    metrics); ``on_thread_state``: True when the I/O thread starts, False when it ends (all
+    from that thread). ``io_cpus``: the CPUs of the I/O thread and ZeroMQ's (keep them off
+    the engine's OpenMP cores)."""
 
     def __init__(
         self,
@@ -128,6 +131,7 @@ class KVSender:
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         observe_bytes: Callable[[int], None] | None = None,
+        on_edge: Callable[[str, int, str, str, int], None] | None = None,
         on_thread_state: Callable[[bool], None] | None = None,
         io_cpus: Collection[int] | None = None,
     ) -> None:
@@ -142,6 +146,7 @@ class KVSender:
         self.max_in_flight = max_in_flight
         self.send_timeout_s = send_timeout_s
         self._observe_bytes = observe_bytes
+        self._on_edge = on_edge
         self._on_thread_state = on_thread_state
         self._tids = itertools.count(1)
         #: (deadline, transfer id, transfer) of unresolved transfers; the I/O thread's only.
@@ -186,11 +191,16 @@ class KVSender:
                 old.done = True  # superseded: never reported, never committed
             self._answers.pop(offer.request_id, None)  # an unpolled answer of an older attempt
             self._latest[offer.request_id] = t
-            if self._dead or self._closing_deadline is not None:
+            if not (self._dead or self._closing_deadline is not None):
+                self._submitted.append(t)
+                t = None
+            else:
                 self._report_locked(t, self._dead or "sender closed")
-                return
-            self._submitted.append(t)
-        self._kick()
+        if t is None:
+            self._kick()
+            return
+        for stage in sorted(t.waiting):  # refused at once: every edge failed
+            self._edge(t, stage, "failed")
 
     def cancel(self, request_id: str, attempt: int) -> bool:
         """Withdraw the transfer of ``request_id`` (attempt ``attempt`` or earlier): the
@@ -277,18 +287,33 @@ class KVSender:
         self._cond.notify_all()
         return True
 
-    def _report(self, t: _Transfer, failure: str | None) -> None:
+    def _report(self, t: _Transfer, failure: str | None, edges: str = "failed") -> None:
+        """Report ``t``'s answer (once); a failure also ends each edge still waiting, as
+        ``edges`` (another edge's failure, the deadline, the sender closing)."""
         with self._lock:
             reported = self._report_locked(t, failure)
         if not reported:
             return
         if failure is not None:
+            for stage in sorted(t.waiting):
+                self._edge(t, stage, edges)
+            t.waiting.clear()
             logger.warning("KV transfer of request %s failed: %s", t.offer.request_id, failure)
         elif self._observe_bytes is not None:
             try:
                 self._observe_bytes(t.offer.nbytes)
             except Exception:  # metrics must never break delivery
                 logger.exception("observe_bytes failed")
+
+    def _edge(self, t: _Transfer, stage: str, outcome: str) -> None:
+        """One edge of ``t`` resolved (once per edge: callers drop it from ``t.waiting``)."""
+        if self._on_edge is None:
+            return
+        try:
+            self._on_edge(t.offer.request_id, t.offer.attempt, stage, outcome,
+                          t.offer.nbytes if outcome == "acked" else 0)
+        except Exception:  # metrics must never break delivery
+            logger.exception("on_edge failed")
 
     def _current(self, t: _Transfer) -> bool:
         with self._lock:
@@ -519,7 +544,9 @@ class KVSender:
                 continue
             if reply.kind == "ok":
                 del ep.in_flight[t.tid]
-                t.waiting.discard(ep.stage)
+                if ep.stage in t.waiting:
+                    t.waiting.discard(ep.stage)
+                    self._edge(t, ep.stage, "acked")
                 if not t.waiting:
                     self._report(t, None)
             elif reply.code == "unknown_agent":
@@ -570,7 +597,7 @@ class KVSender:
             for ep in eps:  # frees its in-flight slots; queued copies are skipped by _pump
                 ep.in_flight.pop(t.tid, None)
             if why is not None:
-                self._report(t, why)
+                self._report(t, why, edges="expired")
 
     def _timeout_reason(self, t: _Transfer, eps: list[_Endpoint]) -> str:
         ep = next(e for e in eps if e.stage in t.waiting)

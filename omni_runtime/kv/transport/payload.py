@@ -1,20 +1,15 @@
 """A request's KV cache as the next stage gets it: :class:`KVPayload`, one array
 ``[layers, 2 (K, V), kv_heads, seq_len, head_size]`` (Hugging Face ``past_key_values`` order per
-layer), and the checks on it. Pure data (NumPy), no transport.
+layer). Pure data (NumPy), no transport.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-#: The KV layout: [num_layers, 2 (K, V), num_kv_heads, seq_len, head_dim].
-KV_NDIM = 5
-SEQ_AXIS = 3
-#: The axis a tensor-parallel shard splits: each rank holds its own KV heads.
+#: The axis of the payload a tensor-parallel shard splits: each rank holds its own KV heads.
 HEAD_AXIS = 2
 #: Upper bound on ``num_shards`` a receiver accepts (tensor-parallel degrees are small).
 MAX_SHARDS = 64
@@ -80,62 +75,6 @@ class KVPayload:
         if self.dtype_name == "bfloat16":
             return (self.kv.astype(np.uint32) << 16).view(np.float32)
         return self.kv.astype(np.float32)
-
-
-def validate_payload(p: Any) -> str | None:
-    """Why ``p`` cannot be sent (the sender's submit-time check), or None when it can."""
-    if not isinstance(p, KVPayload):
-        return f"not a KVPayload: {type(p).__name__}"
-    if not isinstance(p.request_id, str) or not p.request_id:
-        return "request_id must be a non-empty string"
-    if not isinstance(p.seq_len, int) or isinstance(p.seq_len, bool) or p.seq_len < 0:
-        return "seq_len must be an int >= 0"
-    if not isinstance(p.kv, np.ndarray):
-        return f"kv must be a numpy array, not {type(p.kv).__name__}"
-    name = p.dtype_name
-    if name not in DTYPES or p.kv.dtype != DTYPES[name]:
-        return f"unsupported dtype {name!r} for array dtype {p.kv.dtype} (one of {sorted(DTYPES)})"
-    shape_problem = _shape_problem(list(p.kv.shape), p.seq_len)
-    if shape_problem:
-        return shape_problem
-    shard_problem = _shard_problem(p.shard, p.num_shards)
-    if shard_problem:
-        return shard_problem
-    for key, value in (("trace_context", p.trace_context), ("extra", p.extra)):
-        if value is not None and not isinstance(value, dict):
-            return f"{key} must be a dict or None"
-    for key in ("pipeline", "from_stage", "external_request_id"):
-        if not isinstance(getattr(p, key), str):
-            return f"{key} must be a string"
-    if p.extra:
-        try:
-            json.dumps(p.extra)
-        except (TypeError, ValueError) as e:
-            return f"extra is not JSON-able: {e}"
-    return None
-
-
-def _shape_problem(shape: list[Any], seq_len: int) -> str | None:
-    if len(shape) != KV_NDIM or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        return f"shape must be {KV_NDIM} ints >= 0 [layers, 2, kv_heads, seq_len, head_dim], got {shape}"
-    if shape[1] != 2:
-        return f"shape[1] must be 2 (K, V), got {shape[1]}"
-    if shape[SEQ_AXIS] != seq_len:
-        return f"shape[{SEQ_AXIS}] = {shape[SEQ_AXIS]} does not match seq_len {seq_len}"
-    return None
-
-
-def _shard_problem(shard: Any, num_shards: Any) -> str | None:
-    for name, value in (("shard", shard), ("num_shards", num_shards)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            return f"{name} must be an int, got {type(value).__name__}"
-    if not 1 <= num_shards <= MAX_SHARDS:
-        return f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}"
-    if not 0 <= shard < num_shards:
-        return f"shard must be in [0, num_shards={num_shards}), got {shard}"
-    return None
 
 
 def vllm_external_request_id(request_id: str, *, randomized: bool = True) -> str:

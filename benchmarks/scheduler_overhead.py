@@ -10,8 +10,19 @@ by benchmarks/instrumentation_overhead.py.
 
 The two schedulers step alternately, so that machine noise hits both alike; the reported
 ratio per size is the median of the per-step ratios (robust to bursts of load from elsewhere
-on a shared 2-core machine), next to the ratio of the best total times. Last line: one JSON
-object.
+on a shared 2-core machine), next to the ratio of the best total times.
+
+Churn workload (``churn_ratio_N``): what a serving engine's steady state looks like. N requests
+run; each lives ``CHURN_LIFE`` output tokens (their ends staggered), so about N/50 finish per
+step (5 at 256, 20 at 1024) and as many arrive, prefill in one step, start a
+``prefill_finished`` transfer, hand it off in the next step's ``schedule()`` and have it acked in
+the output of the step after (one step later), then decode and finish. Ours runs with the
+observers a stage runs (metrics in prometheus_client's multiprocess mode, as in the
+engine-core process; tracing on a global SDK tracer provider with a batch span processor, as
+vLLM installs it; the per-edge families of its one downstream stage). Arrivals
+(``add_request``), ``schedule()`` and ``update_from_output()`` are timed; the runner's outputs
+are built outside the timed span, the same for both schedulers (plus the acks for ours).
+Which scheduler steps first alternates. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -23,12 +34,63 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 SENTINEL = 9
 TRANSFER_FRACTION = 0.10
+#: Churn: prompt tokens of each arrival, and its output tokens (its life in steps).
+CHURN_PROMPT = 32
+CHURN_LIFE = 50
+CHURN_TARGET = 1.03
+STEADY_TARGET = 1.02
+
+
+class DroppingExporter:
+    """A span exporter to nowhere: what is measured is our cost and the SDK's, not a network's."""
+
+    def export(self, spans):  # noqa: ANN001
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 0) -> bool:
+        return True
+
+
+_provider = None
+
+
+def production_observability():
+    """The observers' setting of a stage's engine-core process: prometheus_client in
+    multiprocess mode (chosen before anything imports it) and a global SDK tracer provider
+    with a batch span processor (what vLLM installs with ``--otlp-traces-endpoint``),
+    exporting to nowhere. Idempotent; returns the provider."""
+    global _provider
+    if _provider is not None:
+        return _provider
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        assert "prometheus_client" not in sys.modules, "multiprocess mode must come first"
+        directory = tempfile.TemporaryDirectory(prefix="omni-bench-prom-")
+        production_observability.directory = directory  # kept alive with the process
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory.name
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        del os.environ[name]
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from prometheus_client import values
+
+    assert values.ValueClass.__name__ == "MmapedValue", "not in multiprocess mode"
+    _provider = TracerProvider()
+    _provider.add_span_processor(BatchSpanProcessor(DroppingExporter()))
+    trace.set_tracer_provider(_provider)
+    return _provider
 
 
 def build(cls, n: int, kv_config, *, keep_observers: bool = False):
@@ -41,7 +103,7 @@ def build(cls, n: int, kv_config, *, keep_observers: bool = False):
         ),
     )
     if not keep_observers and hasattr(sched, "transfer_ledger"):
-        sched.transfer_ledger._observers.clear()
+        sched.transfer_ledger.remove_observers()
     for i in range(n):
         sched.add_request(make_request(32, max_tokens=100_000, request_id=f"r{i}"))
     step(sched)  # prefill everything (not measured)
@@ -121,22 +183,156 @@ def measure(n: int, steps: int, repeats: int) -> dict:
     }
 
 
+# ---------------------------------------------------------------------- churn
+class Churn:
+    """One scheduler under the churn workload: its requests, arrivals and acks."""
+
+    def __init__(self, cls, n: int, kv_config, *, keep_observers: bool) -> None:
+        from omni_runtime.devtools.sched_harness import make_request, make_scheduler, make_vllm_config
+
+        self._make_request = make_request
+        self.sched = make_scheduler(
+            cls,
+            make_vllm_config(kv_config, max_num_seqs=n, max_num_batched_tokens=max(8192, 40 * n),
+                             num_blocks=n * 8 + 16),
+        )
+        if not keep_observers and hasattr(self.sched, "transfer_ledger"):
+            self.sched.transfer_ledger.remove_observers()
+        self.next_id = 0
+        self.arrivals: list = []
+        self.acks: list = []
+        self.finished = 0
+        self.transfers = 0
+        # The first cohort's ends are staggered over a life, so that as many finish (and
+        # arrive) in every step.
+        for i in range(n):
+            self.sched.add_request(self._new(1 + i % CHURN_LIFE))
+
+    def _new(self, max_tokens: int):
+        self.next_id += 1
+        return self._make_request(CHURN_PROMPT, max_tokens=max_tokens,
+                                  request_id=f"c{self.next_id}")
+
+    def step(self) -> int:
+        """One engine step; returns the nanoseconds spent in the scheduler."""
+        from omni_runtime.devtools.sched_harness import hand_off_attempts, runner_output
+
+        sched, arrivals = self.sched, self.arrivals
+        t0 = time.perf_counter_ns()
+        for request in arrivals:
+            sched.add_request(request)
+        so = sched.schedule()
+        t1 = time.perf_counter_ns()
+        mro = runner_output(so, acked=self.acks)
+        t2 = time.perf_counter_ns()
+        outputs = sched.update_from_output(so, mro)
+        t3 = time.perf_counter_ns()
+        self.acks = hand_off_attempts(so)  # acked in the next step's output
+        self.transfers += len(self.acks)
+        done = sum(o.finish_reason is not None for eco in outputs.values() for o in eco.outputs)
+        self.finished += done
+        self.arrivals = [self._new(CHURN_LIFE) for _ in range(done)]
+        return (t1 - t0) + (t3 - t2)
+
+
+def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_LIFE + 5,
+                  observers: bool = True) -> dict:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    production_observability()
+    kv = {
+        "need_send_cache": True,
+        "kv_transfer_criteria": {"type": "prefill_finished"},
+        "timeout_seconds": 300,
+    }
+    totals: dict[str, list[int]] = {"stock": [], "omni": []}
+    paired: list[float] = []
+    transfers = finished = 0
+    for r in range(repeats):
+        stock = Churn(Scheduler, n, None, keep_observers=False)
+        ours = Churn(OmniARScheduler, n, kv, keep_observers=observers)
+        kinds = sorted(type(o).__name__ for o in ours.sched.transfer_ledger.observers)
+        assert kinds == (["LedgerEdgeObserver", "TransferMetrics", "TransferTracing"]
+                         if observers else []), kinds
+        for _ in range(warmup):
+            stock.step()
+            ours.step()
+        t = {"stock": 0, "omni": 0}
+        base_transfers, base_finished = ours.transfers, ours.finished
+        gc.collect()
+        gc.disable()
+        try:
+            for k in range(steps):
+                order = ((stock, ours) if (k + r) % 2 == 0 else (ours, stock))
+                ns = {}
+                for churn in order:
+                    ns[churn] = churn.step()
+                t["stock"] += ns[stock]
+                t["omni"] += ns[ours]
+                paired.append(ns[ours] / ns[stock])
+        finally:
+            gc.enable()
+        assert stock.finished == ours.finished, (stock.finished, ours.finished)
+        for churn in (stock, ours):  # every slot busy: the finished were replaced
+            assert len(churn.sched.running) + len(churn.arrivals) == n
+        ledger = ours.sched.transfer_ledger
+        assert not ledger.num_held and ledger.num_active <= len(ours.acks)
+        transfers += ours.transfers - base_transfers
+        finished += ours.finished - base_finished
+        totals["stock"].append(t["stock"])
+        totals["omni"].append(t["omni"])
+    best_stock, best_ours = min(totals["stock"]), min(totals["omni"])
+    return {
+        "ratio": statistics.median(paired),
+        "ratio_best_totals": best_ours / best_stock,
+        "stock_step_us": best_stock / steps / 1e3,
+        "omni_step_us": best_ours / steps / 1e3,
+        "transfers_per_step": transfers / repeats / steps,
+        "finished_per_step": finished / repeats / steps,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1024")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--churn-steps", type=int, default=100)
+    parser.add_argument("--workloads", default="steady,churn")
+    parser.add_argument("--churn-observers", choices=("on", "off"), default="on",
+                        help="off: ours without its observers (to tell their share)")
     args = parser.parse_args()
+    workloads = set(args.workloads.split(","))
+    production_observability()  # before vLLM imports prometheus_client
     logging.disable(logging.WARNING)
     result = {}
-    for n in (int(x) for x in args.sizes.split(",")):
-        m = measure(n, args.steps, args.repeats)
-        print(f"# {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
-              f"{m['omni_step_us']:.0f} us/step, {m['transfers']} transfers", file=sys.stderr)
-        result[f"ratio_{n}"] = round(m["ratio"], 4)
-        result[f"ratio_best_totals_{n}"] = round(m["ratio_best_totals"], 4)
-        result[f"stock_step_us_{n}"] = round(m["stock_step_us"], 1)
-    result["target"] = 1.05
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if "steady" in workloads:
+        for n in sizes:
+            m = measure(n, args.steps, args.repeats)
+            print(f"# steady, {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
+                  f"{m['omni_step_us']:.0f} us/step, {m['transfers']} transfers", file=sys.stderr)
+            result[f"ratio_{n}"] = round(m["ratio"], 4)
+            result[f"ratio_best_totals_{n}"] = round(m["ratio_best_totals"], 4)
+            result[f"stock_step_us_{n}"] = round(m["stock_step_us"], 1)
+        result["target"] = STEADY_TARGET
+    if "churn" in workloads:
+        for n in sizes:
+            m = measure_churn(n, args.churn_steps, args.repeats,
+                              observers=args.churn_observers == "on")
+            print(f"# churn, {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
+                  f"{m['omni_step_us']:.0f} us/step, {m['transfers_per_step']:.1f} transfers and "
+                  f"{m['finished_per_step']:.1f} finishes per step", file=sys.stderr)
+            if args.churn_observers == "off":
+                result["churn_observers"] = "off"
+            result[f"churn_ratio_{n}"] = round(m["ratio"], 4)
+            result[f"churn_ratio_best_totals_{n}"] = round(m["ratio_best_totals"], 4)
+            result[f"churn_stock_step_us_{n}"] = round(m["stock_step_us"], 1)
+            result[f"churn_omni_step_us_{n}"] = round(m["omni_step_us"], 1)
+            result[f"churn_transfers_per_step_{n}"] = round(m["transfers_per_step"], 2)
+        result["churn_target"] = CHURN_TARGET
     print(json.dumps(result))
 
 

@@ -56,13 +56,14 @@ from omni_runtime.observability.metrics import (
     BYTES_BUCKETS,
     GAUGE_MODE,
     Family,
+    _Histogram,
     _Latest,
     duration_buckets,
 )
 from omni_runtime.transfers.ledger import (
     DEFAULT_TIMEOUT_SECONDS,
+    Batch,
     Outcome,
-    Transfer,
     TransferLedger,
     TransferObserver,
 )
@@ -143,7 +144,7 @@ class _Edge:
     def __init__(self, fams: _Families, base: tuple[str, str], to_stage: str) -> None:
         labels = (*base, to_stage)
         self.resolved = {o: fams.resolved.labels(*labels, o) for o in EDGE_OUTCOMES}
-        self.duration = {o: fams.duration.labels(*labels, o) for o in EDGE_OUTCOMES}
+        self.duration = {o: _Histogram(fams.duration.labels(*labels, o)) for o in EDGE_OUTCOMES}
         self.bytes = fams.bytes.labels(*labels)
         self.active = _Latest(fams.active.labels(*labels))
         self.oldest = _Latest(fams.oldest.labels(*labels))
@@ -248,6 +249,48 @@ class EdgeMetrics:
             if edge is not None and self._known_outcome(outcome):
                 self._count(edge, outcome, duration_s, nbytes)
 
+    # ------------------------------------------------------------------ batches
+    def started_many(self, to_stage: str, started: Iterable[tuple[Hashable, float]]) -> None:
+        """:meth:`started` toward one edge for each ``(transfer_id, wall time)`` of
+        ``started`` (in start order), with one write per gauge."""
+        now = self._clock()
+        mono_now = self._monotonic()
+        with self._lock:
+            edge = self._edge(to_stage)
+            if edge is None:
+                return
+            inflight = edge.inflight
+            for transfer_id, wall in started:
+                if transfer_id in inflight:
+                    continue
+                if inflight and edge.ordered and wall < next(reversed(inflight.values()))[0]:
+                    edge.ordered = False
+                inflight[transfer_id] = (wall, mono_now - max(0.0, now - wall))
+            edge.refresh()
+
+    def resolved_many(self, to_stage: str,
+                      resolved: Iterable[tuple[Hashable, str, float]]) -> None:
+        """:meth:`resolved` toward one edge for each ``(transfer_id, outcome, duration_s)`` of
+        ``resolved``, with one write per gauge, per counter and per histogram bucket."""
+        with self._lock:
+            edge = self._edge(to_stage)
+            if edge is None:
+                return
+            inflight = edge.inflight
+            durations: dict[str, list[float]] = {}
+            for transfer_id, outcome, duration_s in resolved:
+                if not self._known_outcome(outcome):
+                    continue
+                inflight.pop(transfer_id, None)
+                values = durations.get(outcome)
+                if values is None:
+                    values = durations[outcome] = []
+                values.append(duration_s if duration_s > 0.0 else 0.0)
+            edge.refresh()
+            for outcome, values in durations.items():
+                edge.resolved[outcome].inc(len(values))
+                edge.duration[outcome].observe_many(values)
+
     # ------------------------------------------------------------------ reading (tests, tools)
     def in_flight(self, to_stage: str) -> int:
         with self._lock:
@@ -287,7 +330,10 @@ class LedgerEdgeObserver(TransferObserver):
     with one edge, a transfer's hand-off, resolution and outcome are its edge's (the duration
     runs from the hand-off). A stage that fans out needs the data path, which alone knows
     each edge's answer (:func:`data_path_edge_metrics`). Bytes per edge come from the data path
-    in either case (the ledger does not see payloads)."""
+    in either case (the ledger does not see payloads). Batched: one write per gauge, counter
+    and histogram bucket per batch (a scheduler step's half), as :class:`TransferMetrics`."""
+
+    batched = True
 
     def __init__(self, edges: EdgeMetrics) -> None:
         if len(edges.to_stages) != 1:
@@ -295,17 +341,23 @@ class LedgerEdgeObserver(TransferObserver):
         self.edges = edges
         self.to_stage = edges.to_stages[0]
 
-    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        self.edges.started(transfer.attempt, at=ledger.wall_time(transfer.handed_off_at))
-
-    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        if transfer.handed_off_at is None:
-            return  # cancelled (or failed at marking) before any edge was tried
-        if transfer.outcome is Outcome.CANCELLED:
-            self.edges.dropped(transfer.attempt)
+    def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        if batch.handed_off:
+            wall = ledger.wall_time
+            self.edges.started_many(
+                self.to_stage, [(t.attempt, wall(t.handed_off_at)) for t in batch.handed_off])
+        if not batch.resolved:
             return
-        self.edges.resolved(transfer.attempt, self.to_stage, transfer.outcome.value,
-                            duration_s=max(0.0, transfer.resolved_at - transfer.handed_off_at))
+        resolved = []
+        for t in batch.resolved:
+            if t.handed_off_at is None:
+                continue  # cancelled (or failed at marking) before any edge was tried
+            if t.outcome is Outcome.CANCELLED:
+                self.edges.dropped(t.attempt)
+                continue
+            resolved.append((t.attempt, t.outcome.value, t.resolved_at - t.handed_off_at))
+        if resolved:
+            self.edges.resolved_many(self.to_stage, resolved)
 
 
 def data_path_edge_metrics(

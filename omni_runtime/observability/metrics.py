@@ -10,6 +10,12 @@ PromQL in docs/metrics.md). Design points:
 * Gauges are set to absolute values read from the ledger (O(1) properties), never inc/dec'd:
   a missed callback cannot drift them, and it is what the ``mostrecent`` multiprocess modes
   require.
+* Written once per batch, not per transfer (the observer is a batched one: the scheduler makes
+  each step's half a batch, see ``TransferLedger.begin_batch``): each gauge once (and only if
+  its value changed), each counter once per label value, each histogram once per bucket it
+  gained observations in plus once for its sum. In multiprocess mode every write is a locked
+  mmap write, which per transfer was most of the observer's cost. Outside a batch (a bare
+  ledger, an abort between steps) every operation is a batch of its own.
 * prometheus_client multiprocess mode (the scheduler runs in vLLM's engine-core process, the
   API server process serves /metrics): gauges use ``livemostrecent``. The restarted engine
   process writes every gauge series at construction, so its values supersede any left by a dead
@@ -23,13 +29,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from omni_runtime.transfers.ledger import (
     DEFAULT_TIMEOUT_SECONDS,
+    Batch,
     Outcome,
     Transfer,
     TransferLedger,
@@ -178,12 +186,59 @@ class _Latest:
             self._write(value)
 
 
+class _Histogram:
+    """A bound histogram child that takes a batch of observations in one write per bucket
+    touched plus one for the sum (:meth:`observe_many`), where ``observe`` makes two writes per
+    observation. The result is exactly that of observing each value: prometheus_client keeps
+    a histogram as one value per bucket (the first upper bound not below the observation) and
+    a sum, and cumulates only when it exposes them. It reaches those values through the
+    child's ``_upper_bounds``, ``_buckets`` and ``_sum`` (prometheus_client's layout since
+    0.4); a child laid out otherwise is observed value by value."""
+
+    __slots__ = ("_child", "_bounds", "_buckets", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        bounds = getattr(child, "_upper_bounds", None)
+        buckets = getattr(child, "_buckets", None)
+        total = getattr(child, "_sum", None)
+        if (isinstance(bounds, Sequence) and isinstance(buckets, Sequence) and bounds
+                and len(bounds) == len(buckets) and bounds[-1] == float("inf")
+                and all(hasattr(b, "inc") for b in buckets) and hasattr(total, "inc")):
+            self._bounds: list[float] | None = list(bounds)
+            self._buckets = buckets
+            self._sum = total
+        else:
+            self._bounds = None
+
+    def observe(self, value: float) -> None:
+        self._child.observe(value)
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """Observe every value (each a number >= 0, as durations are here)."""
+        bounds = self._bounds
+        if bounds is None or len(values) == 1:
+            for value in values:
+                self._child.observe(value)
+            return
+        counts: dict[int, int] = {}
+        for value in values:
+            i = bisect_left(bounds, value)  # the first bound >= value, as observe() picks
+            counts[i] = counts.get(i, 0) + 1
+        self._sum.inc(sum(values))
+        buckets = self._buckets
+        for i, n in counts.items():
+            buckets[i].inc(n)
+
+
 class TransferMetrics(TransferObserver):
-    """The metric contract's families for one stage, as a ledger observer.
+    """The metric contract's families for one stage, as a (batched) ledger observer.
 
     ``registry`` defaults to prometheus_client's global one (vLLM serves it, or in
     multiprocess mode the files behind it); tests pass a private ``CollectorRegistry``.
     """
+
+    batched = True
 
     def __init__(
         self,
@@ -199,10 +254,12 @@ class TransferMetrics(TransferObserver):
         fams = _families_for(registry, self.buckets)
         base = (stage, model_name)
         # Children bound once; see the module docstring.
-        self._started = {t: fams.started.labels(*base, t) for t in TRIGGERS}
-        self._resolved = {o: fams.resolved.labels(*base, o) for o in OUTCOMES}
-        self._duration = {o: fams.duration.labels(*base, o) for o in OUTCOMES}
-        self._hold = fams.hold.labels(*base)
+        # Keyed by the enums themselves (a str enum hashes as its value): no .value per use.
+        self._started = {Trigger(t): fams.started.labels(*base, t) for t in TRIGGERS}
+        self._resolved = {Outcome(o): fams.resolved.labels(*base, o) for o in OUTCOMES}
+        self._duration = {Outcome(o): _Histogram(fams.duration.labels(*base, o))
+                          for o in OUTCOMES}
+        self._hold = _Histogram(fams.hold.labels(*base))
         self._bytes = fams.bytes.labels(*base)
         self._pending, self._active, self._held = (
             _Latest(fams.transfers.labels(*base, s)) for s in STATES
@@ -217,46 +274,50 @@ class TransferMetrics(TransferObserver):
             gauge.set(0.0)
 
     # ------------------------------------------------------------------ observer hook
-    def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        self._started[transfer.trigger.value].inc()
-        self._pending.set(ledger.num_pending)
-        if ledger.num_pending == 1:  # the oldest pending changes only when it was empty
-            self._oldest_pending.set(ledger.wall_time(transfer.marked_at))
+    def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        if batch.marked:
+            started = self._started
+            if len(batch.marked) == 1:
+                started[batch.marked[0].trigger].inc()
+            else:
+                counts: dict[Trigger, int] = {}
+                for transfer in batch.marked:
+                    counts[transfer.trigger] = counts.get(transfer.trigger, 0) + 1
+                for trigger, n in counts.items():
+                    started[trigger].inc(n)
+        if batch.resolved:
+            self._count_resolved(batch.resolved)
+        self._refresh(ledger)
 
-    def on_handed_off(self, ledger: TransferLedger, transfer: Transfer) -> None:
+    def _count_resolved(self, resolved: list[Transfer]) -> None:
+        durations: dict[Outcome, list[float]] = {}
+        holds: list[float] = []
+        for t in resolved:
+            took = t.resolved_at - t.marked_at
+            bucket = durations.get(t.outcome)
+            if bucket is None:
+                bucket = durations[t.outcome] = []
+            bucket.append(took if took > 0.0 else 0.0)
+            if t.held_since is not None:
+                held = t.resolved_at - t.held_since
+                holds.append(held if held > 0.0 else 0.0)
+        for outcome, values in durations.items():
+            self._resolved[outcome].inc(len(values))
+            self._duration[outcome].observe_many(values)
+        if holds:
+            self._hold.observe_many(holds)
+
+    def _refresh(self, ledger: TransferLedger) -> None:
+        """Every gauge from the ledger as it is now (a gauge writes only if it changed)."""
         self._pending.set(ledger.num_pending)
         self._active.set(ledger.num_active)
-        self._set_oldest(self._oldest_pending, ledger, "pending")
-        if ledger.num_active == 1:
-            self._oldest_active.set(ledger.wall_time(transfer.handed_off_at))
-
-    def on_held(self, ledger: TransferLedger, transfer: Transfer) -> None:
         self._held.set(ledger.num_held)
         self._held_blocks.set(ledger.num_held_blocks)
-        if ledger.num_held == 1:
-            self._oldest_held.set(ledger.wall_time(transfer.held_since))
-
-    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        outcome = transfer.outcome.value
-        self._resolved[outcome].inc()
-        self._duration[outcome].observe(max(0.0, transfer.resolved_at - transfer.marked_at))
-        # It left pending (never handed off) or active; update only that state.
-        if transfer.handed_off_at is None:
-            self._pending.set(ledger.num_pending)
-            self._set_oldest(self._oldest_pending, ledger, "pending")
-        else:
-            self._active.set(ledger.num_active)
-            self._set_oldest(self._oldest_active, ledger, "active")
-        if transfer.held_since is not None:
-            self._hold.observe(max(0.0, transfer.resolved_at - transfer.held_since))
-            self._held.set(ledger.num_held)
-            self._held_blocks.set(ledger.num_held_blocks)
-            self._set_oldest(self._oldest_held, ledger, "held")
-
-    @staticmethod
-    def _set_oldest(gauge: _Latest, ledger: TransferLedger, phase: str) -> None:
-        entered = ledger.oldest_entered(phase)
-        gauge.set(0.0 if entered is None else ledger.wall_time(entered))
+        wall = ledger.wall_time
+        for gauge, phase in ((self._oldest_pending, "pending"), (self._oldest_active, "active"),
+                             (self._oldest_held, "held")):
+            entered = ledger.oldest_entered(phase)
+            gauge.set(0.0 if entered is None else wall(entered))
 
     # ------------------------------------------------------------------ worker side
     def observe_transfer_bytes(self, num_bytes: int) -> None:

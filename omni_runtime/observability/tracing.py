@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from omni_runtime.transfers.ledger import Outcome, Transfer, TransferLedger, TransferObserver
+from omni_runtime.transfers.ledger import Batch, Outcome, Transfer, TransferLedger, TransferObserver
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +65,24 @@ class TransferTracing(TransferObserver):
     (marking, hand-off and hold times, block counts): an OpenTelemetry span is exported only
     once it ends, so nothing is lost by not opening it at marking, and one call with every
     attribute at once costs about half of opening it early and adding to it at each change
-    (the SDK validates attributes per call). Hand-off and hold cost nothing here.
+    (the SDK validates attributes per call). Hand-off and hold cost nothing here. Batched:
+    the spans of the transfers a scheduler step resolved are built together at the end of
+    that step's half, one after the other (the SDK's code stays warm across them).
     """
+
+    batched = True
 
     def __init__(self, tracer: Tracer, *, stage: str, model_name: str) -> None:
         self._tracer = tracer
         self._stage = stage
         self._model_name = model_name
 
+    def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        for transfer in batch.resolved:
+            self.on_resolved(ledger, transfer)
+
     def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        wall = ledger.wall_time
+        offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
         headers = transfer.trace_headers
         attributes: dict[str, Any] = {
             ATTR_REQUEST_ID: transfer.request_id,
@@ -85,21 +93,23 @@ class TransferTracing(TransferObserver):
             ATTR_BLOCKS: len(transfer.block_ids),
             ATTR_OUTCOME: transfer.outcome.value,
         }
-        if transfer.held_since is not None:
+        held_since = transfer.held_since
+        if held_since is not None:
             attributes[ATTR_HELD_BLOCKS] = transfer.held_blocks
         span = self._tracer.start_span(
             SPAN_NAME,
             # No headers: a root span (extract() of nothing would give the same, slower).
             context=_propagator.extract(headers) if headers else None,
             kind=SpanKind.INTERNAL,
-            start_time=_ns(wall(transfer.marked_at)),
+            start_time=int((transfer.marked_at + offset) * 1e9),
             attributes=attributes,
         )
         if transfer.handed_off_at is not None:
-            span.add_event(EVENT_HANDED_OFF, timestamp=_ns(wall(transfer.handed_off_at)))
-        if transfer.held_since is not None:
-            span.add_event(EVENT_HELD, timestamp=_ns(wall(transfer.held_since)))
-        end = _ns(wall(transfer.resolved_at))
+            span.add_event(EVENT_HANDED_OFF,
+                           timestamp=int((transfer.handed_off_at + offset) * 1e9))
+        if held_since is not None:
+            span.add_event(EVENT_HELD, timestamp=int((held_since + offset) * 1e9))
+        end = int((transfer.resolved_at + offset) * 1e9)
         reason = transfer.reason[:MAX_REASON_CHARS] if transfer.reason else None
         span.add_event(EVENT_RESOLVED, {ATTR_REASON: reason} if reason else None, timestamp=end)
         if transfer.outcome in _ERROR_OUTCOMES:

@@ -205,15 +205,21 @@ class OmniKVTransferMixin:
     # ------------------------------------------------------------------ the step
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         ledger = self.transfer_ledger
-        if ledger.has_unresolved():
-            # Before scheduling, so that blocks freed by expiry serve this step.
-            for transfer in ledger.expire_due():
-                logger.warning(
-                    "KV transfer of request %s expired: %s", transfer.request_id, transfer.reason
-                )
-                self._withdraw(transfer)
-                self._release(transfer)
-        output = super().schedule(*args, **kwargs)
+        # One observer batch per half step: the metrics write once per step, not per transfer.
+        ledger.begin_batch()
+        try:
+            if ledger.has_unresolved():
+                # Before scheduling, so that blocks freed by expiry serve this step.
+                for transfer in ledger.expire_due():
+                    logger.warning(
+                        "KV transfer of request %s expired: %s", transfer.request_id,
+                        transfer.reason
+                    )
+                    self._withdraw(transfer)
+                    self._release(transfer)
+            output = super().schedule(*args, **kwargs)
+        finally:
+            ledger.end_batch()
         if self._payload_requests and output.scheduled_new_reqs:
             self._attach_payloads(output)
         return output
@@ -230,20 +236,27 @@ class OmniKVTransferMixin:
     ) -> dict[int, EngineCoreOutputs]:
         if not self._send:
             return super().update_from_output(scheduler_output, model_runner_output)
-        # The runner's answers concern transfers handed off in this or earlier steps: resolve them
-        # first, so that a request finishing in this step sees its transfer resolved and
-        # frees its blocks at once instead of holding them.
-        answers = self._omni.take_answers(model_runner_output.kv_connector_output)
-        if answers:
-            self._resolve_from_runner(answers)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        # Requests that finished in this step were marked (request_finished) and dropped
-        # from the set below by _free_request; what remains has not finished.
-        if self._awaiting_trigger:
-            if self._criteria is Trigger.PREFILL_FINISHED:
-                self._fire_prefill_finished(scheduler_output)
-            else:
-                self._fire_special_token(outputs)
+        ledger = self.transfer_ledger
+        ledger.begin_batch()  # see schedule()
+        try:
+            # The runner's answers concern transfers handed off in this or earlier steps:
+            # resolve them first, so that a request finishing in this step sees its transfer
+            # resolved and frees its blocks at once instead of holding them.
+            connector_output = model_runner_output.kv_connector_output
+            if connector_output is not None:
+                answers = self._omni.take_answers(connector_output)
+                if answers:
+                    self._resolve_from_runner(answers)
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            # Requests that finished in this step were marked (request_finished) and dropped
+            # from the set below by _free_request; what remains has not finished.
+            if self._awaiting_trigger:
+                if self._criteria is Trigger.PREFILL_FINISHED:
+                    self._fire_prefill_finished(scheduler_output)
+                else:
+                    self._fire_special_token(outputs)
+        finally:
+            ledger.end_batch()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -284,9 +297,9 @@ class OmniKVTransferMixin:
         snapshot names the blocks it is recomputed into (the hand-off reaches the workers in
         a later step, after the recompute's)."""
         requests = self.requests
-        for request_id in self._awaiting_trigger.intersection(
-            scheduler_output.num_scheduled_tokens
-        ):
+        # A dict view & a set iterates the smaller of the two (in C): the requests still
+        # awaiting their trigger, not the step's whole batch.
+        for request_id in scheduler_output.num_scheduled_tokens.keys() & self._awaiting_trigger:
             request = requests[request_id]
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 self._mark(request, Trigger.PREFILL_FINISHED, request.num_prompt_tokens)

@@ -20,6 +20,14 @@ Invariants (checked by the tests after every operation):
     a trigger fire at most once per request. Nothing about a request survives its finish and
     the resolution of its transfer.
 All operations the scheduler calls per request are O(1).
+
+Observers see the changes either one by one (the ``on_*`` hooks, right after each change) or,
+if they set :attr:`TransferObserver.batched`, once per batch (:meth:`TransferObserver.on_batch`,
+every change since the last batch at once). The scheduler wraps each step's two halves in a
+batch (:meth:`TransferLedger.begin_batch` / :meth:`TransferLedger.end_batch`), so the metrics
+write their gauges once per step and their counters and histograms once per step and label,
+not once per transfer; outside a batch, every operation is a batch of its own, so an observer
+sees the ledger as it is after each operation either way.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +104,35 @@ class Transfer:
         return self.held_since is not None
 
 
+@dataclass(slots=True)
+class Batch:
+    """The changes of one batch (a scheduler step's half, or one operation outside a batch),
+    each list in the order the changes happened. A transfer may appear in several lists (marked
+    and handed off in the same batch, say); read its fields for where it ended up."""
+
+    marked: list[Transfer] = field(default_factory=list)
+    handed_off: list[Transfer] = field(default_factory=list)
+    held: list[Transfer] = field(default_factory=list)
+    #: Each with its ``outcome``; if ``held``, its blocks were released.
+    resolved: list[Transfer] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.marked or self.handed_off or self.held or self.resolved)
+
+
 class TransferObserver:
     """Hook for metrics and tracing. Called after each state change, with the ledger already
-    updated (so an observer may read its counts). Methods do nothing by default."""
+    updated (so an observer may read its counts). Methods do nothing by default.
+
+    An observer with ``batched = True`` gets :meth:`on_batch` instead of the ``on_*`` hooks:
+    once per batch, after its last change (the scheduler's step halves are batches; outside a
+    batch, each operation is one), with the ledger as it is then."""
+
+    #: Whether the ledger calls :meth:`on_batch` (True) or the per-change hooks (False).
+    batched: ClassVar[bool] = False
+
+    def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        """Every change since the previous batch ended (only for ``batched`` observers)."""
 
     def on_marked(self, ledger: TransferLedger, transfer: Transfer) -> None:
         pass
@@ -132,7 +166,14 @@ class TransferLedger:
         self.timeout_seconds = float(timeout_seconds)
         self._clock = clock
         self._wall_offset = time.time() - clock()
-        self._observers: list[TransferObserver] = list(observers)
+        # Observers called per change, and those called per batch (see TransferObserver).
+        self._observers: list[TransferObserver] = []
+        self._batched: list[TransferObserver] = []
+        #: The changes of the batch under way, for the batched observers (None: there are none).
+        self._batch: Batch | None = None
+        self._batch_depth = 0
+        for observer in observers:
+            self.add_observer(observer)
         # Insertion-ordered: the first entry of each is the oldest in that state.
         self._pending: OrderedDict[str, Transfer] = OrderedDict()
         self._active: OrderedDict[str, Transfer] = OrderedDict()
@@ -144,11 +185,39 @@ class TransferLedger:
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: TransferObserver) -> None:
-        self._observers.append(observer)
+        if observer.batched:
+            self._batched.append(observer)
+            if self._batch is None:
+                self._batch = Batch()
+        else:
+            self._observers.append(observer)
+
+    def remove_observers(self) -> None:
+        """Detach every observer (benchmarks measure the ledger without them)."""
+        self._observers.clear()
+        self._batched.clear()
+        self._batch = None
 
     @property
     def observers(self) -> tuple[TransferObserver, ...]:
-        return tuple(self._observers)
+        return (*self._observers, *self._batched)
+
+    # ------------------------------------------------------------------ batches
+    def begin_batch(self) -> None:
+        """Start (or nest) a batch: the batched observers hear of its changes at its end."""
+        self._batch_depth += 1
+
+    def end_batch(self) -> None:
+        """End a batch begun with :meth:`begin_batch`; the outermost end tells the batched
+        observers. Call it in a ``finally``: an unended batch would never be reported."""
+        self._batch_depth -= 1
+        if not self._batch_depth and self._batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, Batch()
+        for observer in self._batched:
+            observer.on_batch(self, batch)
 
     # ------------------------------------------------------------------ queries
     def now(self) -> float:
@@ -234,6 +303,10 @@ class TransferLedger:
         self._by_deadline[request_id] = transfer
         for observer in self._observers:
             observer.on_marked(self, transfer)
+        if self._batch is not None:
+            self._batch.marked.append(transfer)
+            if not self._batch_depth:
+                self._flush()
         return transfer
 
     def hand_off_pending(self) -> list[Transfer]:
@@ -243,12 +316,17 @@ class TransferLedger:
         now = self._clock()
         handed = list(self._pending.values())
         self._pending.clear()
+        active = self._active
         for transfer in handed:
             transfer.phase = Phase.ACTIVE
             transfer.handed_off_at = now
-            self._active[transfer.request_id] = transfer
+            active[transfer.request_id] = transfer
             for observer in self._observers:
                 observer.on_handed_off(self, transfer)
+        if self._batch is not None:
+            self._batch.handed_off.extend(handed)
+            if not self._batch_depth:
+                self._flush()
         return handed
 
     def resolve(
@@ -287,6 +365,10 @@ class TransferLedger:
         transfer.resolved_at = self._clock()
         for observer in self._observers:
             observer.on_resolved(self, transfer)
+        if self._batch is not None:
+            self._batch.resolved.append(transfer)
+            if not self._batch_depth:
+                self._flush()
         return transfer
 
     def expire_due(self) -> list[Transfer]:
@@ -294,7 +376,18 @@ class TransferLedger:
         if not self._by_deadline:
             return []
         now = self._clock()
-        expired = []
+        expired: list[Transfer] = []
+        first = next(iter(self._by_deadline.values()))
+        if first.deadline > now:
+            return expired
+        self.begin_batch()  # one batch for the burst, even outside the scheduler's
+        try:
+            self._expire(now, expired)
+        finally:
+            self.end_batch()
+        return expired
+
+    def _expire(self, now: float, expired: list[Transfer]) -> None:
         while self._by_deadline:
             transfer = next(iter(self._by_deadline.values()))
             if transfer.deadline > now:
@@ -307,7 +400,6 @@ class TransferLedger:
                 f"{transfer.phase.value})",
             )
             expired.append(transfer)
-        return expired
 
     def request_finished(self, request_id: str, num_blocks: int, *, aborted: bool) -> bool:
         """The request has finished (stopped, length-capped, aborted or errored).
@@ -331,6 +423,10 @@ class TransferLedger:
         self._held_block_count += num_blocks
         for observer in self._observers:
             observer.on_held(self, transfer)
+        if self._batch is not None:
+            self._batch.held.append(transfer)
+            if not self._batch_depth:
+                self._flush()
         return True
 
     # ------------------------------------------------------------------ introspection

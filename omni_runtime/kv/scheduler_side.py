@@ -70,7 +70,10 @@ class OmniKVConnectorScheduler:
                          if isinstance(m, OmniKVWorkerMetadata)), None)
         if meta is None:
             return {}
-        answers = self.shard_answers.combine(meta.by_rank())
+        if self.shard_answers.world_size == 1 and meta.rank == 0 and not meta.other_ranks:
+            answers = meta.answers  # one rank: its answers are the transfers' (read only)
+        else:
+            answers = self.shard_answers.combine(meta.by_rank())
         if self._stats is not None:
             for rid, answer in answers.items():
                 started = self._in_flight.get(rid)

@@ -49,9 +49,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -120,6 +122,16 @@ class OmniKVTransferMixin:
                 "attention), whose blocks a transfer of group 0's block ids would not cover"
             )
         self._kv_block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
+        # Our connector alone (not composed, its own request_finished) on KV cache managers
+        # that free nothing early and keep no partial tails (full attention): vLLM's
+        # preparation for a connector's request_finished (dropping out-of-window blocks,
+        # finalizing mamba tails, the block ids clipped to the computed tokens) changes
+        # nothing then, and our connector reads none of it. See _connector_finished.
+        self._bare_finish = (
+            cfg.need_send_cache and self._omni is self.connector
+            and _reads_no_finish_blocks(self.connector)
+            and _frees_nothing_early(self.kv_cache_manager)
+        )
         self.transfer_ledger = TransferLedger(cfg.timeout_seconds)
         for observer in build_observers(
             stage=cfg.stage_name,
@@ -171,7 +183,8 @@ class OmniKVTransferMixin:
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         request_id = request.request_id
-        self._payload_requests.discard(request_id)
+        if self._payload_requests:
+            self._payload_requests.discard(request_id)
         if not self._send:
             return super()._free_request(request, delay_free_blocks)
         ledger = self.transfer_ledger
@@ -183,24 +196,47 @@ class OmniKVTransferMixin:
             # still in flight (async scheduling's placeholders), is what exists to ship.
             frontier = request.num_computed_tokens - request.num_output_placeholders
             self._mark(request, Trigger.REQUEST_FINISHED, frontier)
-        num_blocks, pinned = 0, self._pinned.get(request_id)
-        if pinned is None and self._composed and (transfer := ledger.get(request_id)):
+        transfer = ledger.get(request_id)
+        pinned = self._pinned.get(request_id) if self._pinned else None
+        if transfer is None and pinned is None:
+            # Its transfer (if any) has resolved: nothing to hold, nothing pinned.
+            ledger.request_finished(request_id, 0, aborted=not completed)
+        else:
+            self._finish_unresolved(request_id, transfer, pinned, completed)
+        kv_params, ec_params = super()._free_request(request, delay_free_blocks)
+        transfer = getattr(request, _TRANSFER_ATTR, None)
+        if transfer is not None:
+            params = _transfer_params(transfer)
+            kv_params = {**kv_params, **params} if kv_params else params
+        return kv_params, ec_params
+
+    def _finish_unresolved(self, request_id: str, transfer: Transfer | None,
+                           pinned: list[Any] | None, completed: bool) -> None:
+        """A finishing request whose transfer is unresolved (or whose blocks are pinned):
+        hold its blocks until the transfer resolves, or cancel a pending one of an abort."""
+        ledger = self.transfer_ledger
+        if pinned is None and self._composed and transfer is not None:
             pinned = self._pin(transfer)  # see _composed: vLLM frees the request itself
         if pinned is not None:
             num_blocks = len(pinned)  # its transfer's blocks are pinned, not the request's
-        elif ledger.get(request_id) is not None:
+        elif transfer is not None:
             num_blocks = sum(len(g) for g in self.kv_cache_manager.get_block_ids(request_id))
+        else:
+            num_blocks = 0
         hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
         if pinned is not None and ledger.get(request_id) is None:
             self._unpin(request_id)  # cancelled just now
         if hold and pinned is None and self._omni is not None:
             # The interface's delayed free: vLLM keeps the blocks until we free them.
             self._omni.hold_on_finish(request_id)
-        kv_params, ec_params = super()._free_request(request, delay_free_blocks)
-        transfer = getattr(request, _TRANSFER_ATTR, None)
-        if transfer is not None:
-            kv_params = {**(kv_params or {}), **_transfer_params(transfer)}
-        return kv_params, ec_params
+
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        # See _bare_finish in __init__: vLLM's preparation would do nothing, so ask our
+        # connector (held or not) straight away; with other connectors, or KV cache managers
+        # that do free or finalize blocks at a finish, vLLM's own path.
+        if self._bare_finish:
+            return self.connector.request_finished(request, [])
+        return super()._connector_finished(request)
 
     # ------------------------------------------------------------------ the step
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
@@ -362,20 +398,20 @@ class OmniKVTransferMixin:
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
         """The workers' answers, each naming the attempt it answers: one about an earlier
         attempt (or a transfer already resolved) resolves nothing."""
-        ledger = self.transfer_ledger
+        resolve = self.transfer_ledger.resolve
+        acked, failed = Outcome.ACKED, Outcome.FAILED
         for request_id, answer in answers.items():
             reason = answer.reason
-            outcome = Outcome.ACKED if reason is None else Outcome.FAILED
-            transfer = ledger.resolve(
-                request_id, outcome, reason, only_active=True, attempt=answer.attempt
-            )
+            transfer = resolve(request_id, acked if reason is None else failed, reason,
+                               only_active=True, attempt=answer.attempt)
             if transfer is None:
                 logger.debug("ignoring an answer for request %s (attempt %s): not its active "
                              "transfer", request_id, answer.attempt)
                 continue
             if reason is not None:
                 logger.warning("KV transfer of request %s failed: %s", request_id, reason)
-            self._release(transfer)
+            if transfer.held_since is not None or self._pinned:
+                self._release(transfer)  # else nothing to give back: still running, no pin
 
     def _fail_unresolved(self, reason: str, which: Any) -> None:
         for transfer in self.transfer_ledger.unresolved():
@@ -424,6 +460,34 @@ class OmniKVTransferMixin:
                 request = self.requests[new_request.req_id]
                 new_request.__class__ = OmniNewRequestData
                 new_request.additional_information = request.additional_information
+
+
+def _frees_nothing_early(kv_cache_manager: Any) -> bool:
+    """Whether every KV cache manager keeps vLLM's defaults for what a finish prepares for a
+    connector (no skipped blocks to drop, no partial tail to finalize): full attention's."""
+    managers = getattr(getattr(kv_cache_manager, "coordinator", None), "single_type_managers",
+                       None)
+    if not managers:
+        return False
+    base = SingleTypeKVCacheManager
+    return all(
+        type(m).get_num_skipped_tokens is base.get_num_skipped_tokens
+        and type(m).remove_skipped_blocks is base.remove_skipped_blocks
+        and type(m).finalize_partial_tail_offload is base.finalize_partial_tail_offload
+        for m in managers
+    )
+
+
+def _reads_no_finish_blocks(connector: Any) -> bool:
+    """Whether vLLM would call the omni connector's own request_finished (it reads neither
+    the block ids nor anything vLLM prepares for it): not a subclass's override, nor a
+    connector of the hybrid allocator (vLLM calls its request_finished_all_groups)."""
+    if isinstance(connector, SupportsHMA):
+        return False
+    for cls in type(connector).__mro__:
+        if "omni_kv_connector" in vars(cls):  # the omni connector's class (see its marker)
+            return type(connector).request_finished is cls.request_finished
+    return False
 
 
 def _find_omni_connector(connector: Any) -> Any:

@@ -960,3 +960,74 @@ def test_need_send_cache_refuses_to_start_without_what_a_transfer_needs():
         make_scheduler(OmniARScheduler, make_vllm_config(PREFILL), kv_cache_groups=2)
     # Transfers off: any model, no connector needed.
     make_scheduler(OmniARScheduler, make_vllm_config(None), kv_cache_groups=2)
+
+
+# ---------------------------------------------------------------------------- the bare finish
+
+
+def test_the_bare_finish_only_where_vllms_preparation_changes_nothing():
+    """The shortcut past vLLM's preparation for request_finished (_connector_finished) is on
+    only for our connector alone, its own request_finished, over full attention."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    from omni_runtime.kv.connector import OmniKVConnector
+    from omni_runtime.sched import scheduler as sched_mod
+
+    assert omni(ON_FINISH)._bare_finish
+    assert not omni(ON_FINISH, compose_with=DELAYING)._bare_finish
+    assert not make_scheduler(OmniARScheduler, make_vllm_config(None))._bare_finish
+
+    class Overriding(OmniKVConnector):
+        def request_finished(self, request, block_ids):
+            return super().request_finished(request, block_ids)
+
+    assert sched_mod._reads_no_finish_blocks(object.__new__(OmniKVConnector))
+    assert not sched_mod._reads_no_finish_blocks(object.__new__(Overriding))
+
+    class Coordinator:
+        single_type_managers = [object.__new__(SlidingWindowManager)]
+
+    class Manager:
+        coordinator = Coordinator()
+
+    assert not sched_mod._frees_nothing_early(Manager())
+    assert sched_mod._frees_nothing_early(omni(ON_FINISH).kv_cache_manager)
+
+
+@pytest.mark.parametrize("kv", [ON_FINISH, PREFILL], ids=["request_finished", "prefill_finished"])
+def test_the_bare_finish_gives_what_vllms_own_path_gives(kv):
+    """Two schedulers stepped in lock step on the same requests, acks and aborts, one with
+    the bare finish, one through vLLM's _connector_finished: the same outputs (transfer
+    params included), the same transfers, the same free blocks at every step."""
+    rng = random.Random(3)
+    bare, stock_path = omni(kv, num_blocks=400), omni(kv, num_blocks=400)
+    stock_path._bare_finish = False
+    assert bare._bare_finish
+    starts = [free_blocks(s) for s in (bare, stock_path)]
+    for i in range(40):
+        for s in (bare, stock_path):
+            s.add_request(make_request(1 + (i * 7) % 50, max_tokens=1 + i % 6, request_id=f"q{i}"))
+    acks: list = []
+    in_flight: list = []
+    while bare.has_requests():
+        so_b, so_s = bare.schedule(), stock_path.schedule()
+        assert ({r: (h.attempt, h.seq_len, h.block_ids) for r, h in handed_off(so_b).items()}
+                == {r: (h.attempt, h.seq_len, h.block_ids) for r, h in handed_off(so_s).items()})
+        outs = [s.update_from_output(so, runner_output(so, scheduler=s, acked=acks))
+                for s, so in ((bare, so_b), (stock_path, so_s))]
+        assert ({r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[0]).items()}
+                == {r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[1]).items()})
+        in_flight = [rid for rid in in_flight if rid not in acks] + list(handed_off(so_b))
+        acks = [rid for rid in in_flight if rng.random() < 0.5]  # each acked sooner or later
+        live = sorted(r.request_id for r in bare.requests.values() if not r.is_finished())
+        if live and rng.random() < 0.2:
+            victim = rng.choice(live)
+            for s in (bare, stock_path):
+                s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        assert free_blocks(bare) == free_blocks(stock_path)
+        assert repr(bare.transfer_ledger) == repr(stock_path.transfer_ledger)
+        assert stock_path.has_requests() == bare.has_requests()
+    assert [(t.request_id, t.outcome) for t in bare.recorder.resolved] == \
+        [(t.request_id, t.outcome) for t in stock_path.recorder.resolved]
+    for s, start in zip((bare, stock_path), starts):
+        assert_quiescent(s, start)

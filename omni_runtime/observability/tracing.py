@@ -54,10 +54,6 @@ _ERROR_OUTCOMES = frozenset((Outcome.FAILED, Outcome.EXPIRED))
 _propagator = TraceContextTextMapPropagator()
 
 
-def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
-
-
 class TransferTracing(TransferObserver):
     """Ledger observer that records each transfer as an ``omni.kv_transfer`` span.
 

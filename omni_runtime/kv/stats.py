@@ -188,7 +188,10 @@ class KVStatsRecorder:
         with self._lock:
             if self._stats.is_empty():
                 return None
-            return self._stats.clone_and_reset()
+            # Hand over the interval's object and start a new one: what clone_and_reset()
+            # gives, without its copy.copy (the object is ours alone until handed over).
+            taken, self._stats = self._stats, OmniKVConnectorStats()
+            return taken
 
 
 # ====================================================================== the three methods

@@ -156,14 +156,19 @@ def test_metrics_page_shows_vllm_and_omni_families_with_active_and_held_transfer
         meta = r["kv_transfer_params"]["kv_metadata"]
         assert meta["state"] == "active" and meta["seq_len"] == u["prompt_tokens"]
     # Only the contract's labels: no request or block ids anywhere. (The connector's family
-    # on vLLM's stats path carries vLLM's engine label and the bounded to_stage too.)
+    # on vLLM's stats path carries vLLM's engine label and the bounded to_stage too; the
+    # per-edge families carry to_stage, one series set per downstream stage.)
     for name, labels in samples:
         if name.startswith("omni_"):
             keys = {k for k, _ in labels} - {"le"}
-            assert keys in ({"stage", "model_name"}, {"stage", "model_name", "state"},
-                            {"stage", "model_name", "trigger"},
-                            {"stage", "model_name", "outcome"},
-                            {"stage", "model_name", "engine", "to_stage", "outcome"}), (name, keys)
+            allowed = (({"stage", "model_name", "to_stage"},
+                        {"stage", "model_name", "to_stage", "outcome"})
+                       if name.startswith("omni_kv_edge_") else
+                       ({"stage", "model_name"}, {"stage", "model_name", "state"},
+                        {"stage", "model_name", "trigger"},
+                        {"stage", "model_name", "outcome"},
+                        {"stage", "model_name", "engine", "to_stage", "outcome"}))
+            assert keys in allowed, (name, keys)
             assert dict(labels)["stage"] == STAGE and dict(labels)["model_name"] == MODEL
 
 

@@ -155,14 +155,17 @@ def test_metrics_page_shows_vllm_and_omni_families_with_active_and_held_transfer
     for r, u in zip(traffic["responses"], usages):
         meta = r["kv_transfer_params"]["kv_metadata"]
         assert meta["state"] == "active" and meta["seq_len"] == u["prompt_tokens"]
-    # Only the contract's labels: no request or block ids anywhere. (The connector's family
-    # on vLLM's stats path carries vLLM's engine label and the bounded to_stage too.)
+    # Only the contract's labels: no request or block ids anywhere. (The per-edge families
+    # carry the bounded to_stage; the connector's family on vLLM's stats path vLLM's engine
+    # label too.)
     for name, labels in samples:
         if name.startswith("omni_"):
             keys = {k for k, _ in labels} - {"le"}
             assert keys in ({"stage", "model_name"}, {"stage", "model_name", "state"},
                             {"stage", "model_name", "trigger"},
                             {"stage", "model_name", "outcome"},
+                            {"stage", "model_name", "to_stage"},
+                            {"stage", "model_name", "to_stage", "outcome"},
                             {"stage", "model_name", "engine", "to_stage", "outcome"}), (name, keys)
             assert dict(labels)["stage"] == STAGE and dict(labels)["model_name"] == MODEL
 

@@ -33,7 +33,12 @@ The steps, as :func:`plan` takes them:
    active or held; or the pod's drain deadline (its deletionTimestamp: the grace period, the
    transfer timeout plus the stop margins) has passed, in which case the transfers it still
    reported are abandoned and a Warning event says how many.
-4. **Cleanup.** An old revision's stage with no pod left loses its Deployment, ConfigMap and
+4. **No order left.** Where a receiving stage has no surge (a GPU stage's default), its new
+   pods need what its old pods hold, which stay while the old senders send, which keep their
+   floor until new senders are ready, which wait for new receivers. When everything has
+   settled and no step moves, the old senders nothing blocks drain below their floor (the
+   Progressing message says so): availability gives way where no order keeps it.
+5. **Cleanup.** An old revision's stage with no pod left loses its Deployment, ConfigMap and
    KV Service.
 """
 from __future__ import annotations
@@ -206,7 +211,10 @@ def plan(pipeline: Pipeline, targets: Mapping[str, int], workloads: Iterable[Wor
     graph = {s.name: tuple(s.inputs) for s in pipeline.stages}
     limits = {s.name: s.rollout for s in pipeline.stages}
 
-    old_replicas = {s: sum(by_revision[r][s].replicas for r in old_revisions if s in by_revision[r])
+    # An old workload's pods: as many as it is told to have, or still has (a scale-down its
+    # controller has not acted on yet still holds its pods), as the Deployment controller counts.
+    old_replicas = {s: sum(max(by_revision[r][s].replicas, by_revision[r][s].pods)
+                           for r in old_revisions if s in by_revision[r])
                     for s in graph}
     # Terminating pods still hold their node's resources (a GPU stage's maxSurge 0 means no
     # spare GPU): they count against the surge until they are gone.
@@ -264,25 +272,18 @@ def plan(pipeline: Pipeline, targets: Mapping[str, int], workloads: Iterable[Wor
             w = by_revision[revision].get(stage)
             if w is None:
                 continue
-            blocked, notes = [], []
+            blocked = []
             for u in w.inputs:
                 if u not in by_revision[revision] and not pods_of.get((revision, u)):
                     continue  # no such sender in that revision (any more)
-                ok, abandoned = drained(revision, u)
-                if not ok:
+                if not drained(revision, u)[0]:
                     blocked.append(u)
-                notes += abandoned
             if blocked:
                 result.replicas[(revision, stage)] = w.replicas
                 ready_now += w.ready
                 result.waiting.append(f"revision {revision} {stage} stays until its senders "
                                       f"{', '.join(blocked)} have drained their KV transfers")
                 continue
-            if notes:
-                result.events.append(DrainEvent(
-                    key=f"{revision}.{stage}", reason="DrainDeadlinePassed",
-                    message=(f"revision {revision}: the drain deadline passed with KV transfers in flight toward "
-                             f"{stage} ({'; '.join(notes)}); its receivers go now")))
             free.append(w)
         for w in reversed(free):  # the newest old revision keeps pods first: the oldest goes first
             keep_ready = max(0, floor - ready_now)
@@ -293,12 +294,45 @@ def plan(pipeline: Pipeline, targets: Mapping[str, int], workloads: Iterable[Wor
                 result.waiting.append(f"revision {w.revision} {stage}: {want} pods stay until revision "
                                       f"{current} has {floor} ready (maxUnavailable {unavailable})")
 
+    # 4: a rollout no step can move. Where a receiving stage has no surge (a GPU stage by
+    # default), its new pods need the resources its old ones hold, which stay while their
+    # senders send, which stay for their stage's floor until new senders are ready, which wait
+    # for new receivers: no order keeps every floor. Once everything has settled (every pod
+    # ready, none terminating) and this step would change nothing, the old revision's senders
+    # that nothing blocks are drained below their floor, and the message says so.
+    settled = (not any(p.terminating for p in pods)
+               and all(w.ready == w.replicas == w.pods for ws in by_revision.values() for w in ws.values()))
+    unchanged = all(result.replicas.get((w.revision, w.stage), w.replicas) == w.replicas
+                    for ws in by_revision.values() for w in ws.values())
+    if old_revisions and settled and unchanged:
+        for revision in old_revisions:
+            for stage, w in by_revision[revision].items():
+                blocked = any(u in by_revision[revision] and not drained(revision, u)[0] for u in w.inputs)
+                if w.sends and not blocked and result.replicas[(revision, stage)] > 0:
+                    result.replicas[(revision, stage)] = 0
+                    result.waiting.append(
+                        f"revision {revision} {stage} drains below its floor: the stages it sends to have no "
+                        f"maxSurge, and their old pods hold what their new ones need until it has drained")
+
     for revision in old_revisions:
         for stage, w in by_revision[revision].items():
             if (result.replicas[(revision, stage)] == 0 and w.replicas == 0 and w.pods == 0
                     and not pods_of.get((revision, stage))):
                 result.delete.add((revision, stage))
                 del result.replicas[(revision, stage)]
+
+    # A draining pod past its drain deadline with transfers still in flight: they are
+    # abandoned (its receivers stop waiting for it). One event per pod.
+    for pod in pods:
+        load = loads.get(pod.name)
+        if (pod.revision != current and pod.deadline is not None and now >= pod.deadline
+                and load is not None and load.transfers > 0):
+            n = int(load.transfers)
+            result.events.append(DrainEvent(
+                key=f"{pod.revision}.{pod.name}", reason="DrainDeadlinePassed",
+                message=(f"revision {pod.revision}: pod {pod.name} (stage {pod.stage}) passed its drain deadline "
+                         f"with {n} KV transfer{'s' if n != 1 else ''} in flight: {n} abandoned; the receivers "
+                         f"of its revision no longer wait for it")))
 
     # Status: every revision with workloads, the current one first.
     result.revisions.append(RevisionState(current, True, False, [

@@ -3,6 +3,7 @@
     omni-pipeline validate PATH...   each document of each file (a directory: its YAML files)
     omni-pipeline up FILE            every stage as a local process on 127.0.0.1
     omni-pipeline status FILE        the transfer health of a pipeline `up` runs
+    omni-pipeline crd-check --crds DIR PATH...   objects (and what pipelines render) against CRDs
 
 ``validate`` runs the operator's own check (``admission.admit``: the CRD's schema and CEL
 rules, the graph rules, Kubernetes' schemas for the pod fields and the rendered objects) and
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read twice, this far apart: failed and expired count over it (0: read once)")
     s.add_argument("--failing-ratio", type=float, default=0.05, metavar="R",
                    help="share of the interval's transfers that may fail or expire (the operator's default)")
+    from .crd_check import add_parser as add_crd_check
+
+    add_crd_check(sub)
     return parser
 
 
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_validate(args.paths, sys.stdout)
     if args.command == "status":
         return cmd_status(args, sys.stdout)
+    if args.command == "crd-check":
+        from .crd_check import run
+
+        return run(args.crds, args.paths, sys.stdout)
     return cmd_up(args, sys.stdout)
 
 

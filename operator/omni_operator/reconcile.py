@@ -266,11 +266,13 @@ class Reconciler:
             else:
                 current[key] = obj
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
-        kept = {key for key, obj in live.items() if key not in wanted and _old_workload_key(obj) in step.replicas}
+        # An old revision's workload the rollout keeps (its Deployment, ConfigMap, KV Service).
+        kept = {key for key, obj in live.items() if key not in wanted
+                and _old_workload_key(obj, pipeline) in step.replicas}
         for key in sorted(kept):
             obj = live[key]
             if key[0] == DEPLOYMENT.kind:
-                want = step.replicas[_old_workload_key(obj)]
+                want = step.replicas[_old_workload_key(obj, pipeline)]
                 if int((obj.get("spec") or {}).get("replicas", 1)) != want:
                     with _refusals("patch", key[0], key[1]):
                         current[key] = self.kube.patch(DEPLOYMENT, namespace, key[1], {"spec": {"replicas": want}})
@@ -511,16 +513,21 @@ class Reconciler:
         return True
 
 
-def _old_workload_key(obj: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(revision, stage) of a revision's Deployment, ConfigMap or KV Service (an object made
-    before revisions counts as revision "legacy"); None for other children."""
+def _old_workload_key(obj: Mapping[str, Any], pipeline: Pipeline) -> tuple[str, str] | None:
+    """(revision, stage) of an old revision's Deployment, ConfigMap or KV Service, named as the
+    operator names them (an object made before revisions counts as revision "legacy"); None
+    for any other child."""
     if obj.get("kind") not in (DEPLOYMENT.kind, CONFIGMAP.kind, SERVICE.kind):
         return None
-    labels = (obj.get("metadata") or {}).get("labels") or {}
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
     stage = labels.get(naming.STAGE_LABEL)
-    if not stage:
+    revision = labels.get(naming.REVISION_LABEL) or LEGACY
+    if not stage or revision == pipeline.revision:
         return None
-    return (labels.get(naming.REVISION_LABEL) or LEGACY, stage)
+    expected = (naming.stage_name(pipeline.name, stage) if revision == LEGACY
+                else naming.revision_name(pipeline.name, stage, revision))
+    return (revision, stage) if meta.get("name") == expected else None
 
 
 def pod_loads(reading: Any) -> dict[str, PodLoad]:

@@ -150,6 +150,10 @@ def workload_of(deployment: Mapping[str, Any], pipeline: Pipeline) -> Workload |
     if not stage:
         return None
     revision = labels.get(naming.REVISION_LABEL) or LEGACY
+    expected = (naming.stage_name(pipeline.name, stage) if revision == LEGACY
+                else naming.revision_name(pipeline.name, stage, revision))
+    if meta.get("name") != expected:
+        return None  # not a revision's workload (a leftover under another name: deleted)
     notes = meta.get("annotations") or {}
     if naming.INPUTS_ANNOTATION in notes:
         inputs = tuple(i for i in notes[naming.INPUTS_ANNOTATION].split(",") if i)

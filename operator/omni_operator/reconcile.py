@@ -171,6 +171,9 @@ class Reconciler:
                 self._in_sync.pop(key, None)
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
+            for key in [k for k, (child, _, _) in self._replicated.items()
+                        if k[0] == namespace and child["metadata"]["labels"].get(naming.PIPELINE_LABEL) == name]:
+                self._replicated.pop(key, None)
             self.metrics.set_phase(namespace, name, None)
             if self.health is not None:
                 self.health.forget(namespace, name)

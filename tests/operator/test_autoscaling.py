@@ -155,3 +155,26 @@ def test_a_rollout_while_the_autoscaler_raises_the_target(emulator, kube):
         sim.close()
         for op in rig.operators:
             op.close()
+
+
+def test_keda_installed_later_replaces_the_hpa_and_keeps_the_count():
+    """The cluster starts serving KEDA's ScaledObject (found at the next discovery): the stage's
+    HPA gives way to a ScaledObject on the same OmniStageScaler, whose count (the autoscaler's)
+    is kept."""
+    with EmulatorThread() as emu:
+        kube = make_kube(emu.url)
+        kube.request("create", "Namespace", "POST", "/api/v1/namespaces",
+                     body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        create_pipeline(kube, autoscaled_body())
+        reconciler = Reconciler(make_kube(emu.url), addon_cache_seconds=0)  # discover at every reconcile
+        reconciler.reconcile(NAMESPACE, "tiny")
+        assert kube.get(HPA, NAMESPACE, "tiny-code2wav") is not None
+        set_autoscaler_replicas(kube, 4)
+        emu.emulator.serve_keda()
+        outcome = reconciler.reconcile(NAMESPACE, "tiny")
+        assert "create ScaledObject/tiny-code2wav" in outcome.changed
+        assert "delete HorizontalPodAutoscaler/tiny-code2wav" in outcome.changed
+        assert kube.get(STAGESCALER, NAMESPACE, "tiny-code2wav")["spec"]["replicas"] == 4
+        assert kube.get(DEPLOYMENT, NAMESPACE, workload("code2wav", autoscaled_body()))["spec"]["replicas"] == 4
+        reconciler.kube.close()
+        kube.close()

@@ -25,12 +25,13 @@ def render_stage_config(
 ) -> dict[str, Any]:
     """The stage config as a dict.
 
-    `endpoint_for(stage)` gives the host:port of a stage's KV receiver; by default the stage's
-    Service in the pipeline's namespace (a local runner passes 127.0.0.1 addresses).
+    `endpoint_for(stage)` gives the host:port of a stage's KV receiver; by default the KV
+    Service of the stage's revision in the pipeline's namespace, so that a sender only ever
+    reaches receivers of its own revision (a local runner passes 127.0.0.1 addresses).
     """
     if endpoint_for is None:
         def endpoint_for(name: str) -> str:
-            return naming.kv_endpoint(pipeline.name, name, pipeline.namespace)
+            return naming.kv_endpoint(pipeline.name, name, pipeline.namespace, pipeline.revision)
     stage = pipeline.stage(stage_name)
     model: dict[str, Any] = {"name": pipeline.model.name}
     if pipeline.model.path:
@@ -55,6 +56,7 @@ def render_stage_config(
         "kind": CONFIG_KIND,
         "pipeline": pipeline.name,
         "namespace": pipeline.namespace,
+        "revision": pipeline.revision,
         "stage": stage.name,
         "role": stage.role,
         "model": model,

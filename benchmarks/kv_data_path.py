@@ -17,7 +17,7 @@ reference on ``--io-cpus``. Default: the last CPU for I/O, the others for the en
 Last line, one JSON object:
   * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
   * ``handoff_step_ratio_7b``: slowest step on over slowest step off (target <= 1.10);
-  * ``zmq_ratio_7b``: KV bytes/s from hand-off to the AR's ack (the receiver read, assembled,
+  * ``zmq_ratio_7b``: KV bytes/s from hand-off to the AR's ack (the receiver read the blocks,
     was told commit and stored each payload), over a bare ZeroMQ socket sending the same
     bytes between the same two processes, each message answered (target >= 2.0);
   * ``nixl_ratio_7b``: the same over a bare NIXL READ of the same bytes between the same two
@@ -30,6 +30,11 @@ Last line, one JSON object:
   * ``tcp_zmq_ratio_7b``: the data plane over UCX's TCP transport (``UCX_TLS=tcp``, the
     stand-in for two hosts without RDMA), offer to ack, against bare ZeroMQ, between two
     processes holding a synthetic 7B-shaped cache (omni_runtime/devtools/synthetic_ar.py);
+  * ``consumer_get_ms_per_transfer_7b``: what the next stage pays to take a payload (the
+    inbox's ``get``: the layout conversion from the AR's blocks to ``[layers, 2, H, T, D]``,
+    which a host receiver leaves off the ack's path). The next stage takes each round's
+    payloads after the round's acks: the receiving process is pinned to the one I/O CPU
+    here, where a real next stage consumes on CPUs (or a GPU) of its own;
   * ``receiver_rss_peak_mb``, ``ar_rss_growth_mb``.
 """
 
@@ -103,8 +108,9 @@ def _bind_engine_openmp(engine_cpus: list[int]) -> None:
 
 # ---------------------------------------------------------------------- the receiving process
 def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
-    """The receiving stage (a KVReceiver into an inbox a consumer empties), a bare ZeroMQ
-    ROUTER answering each message, and a bare NIXL reader, in one process on ``io_cpus``."""
+    """The receiving stage (a KVReceiver into an inbox the next stage empties on command),
+    a bare ZeroMQ ROUTER answering each message, and a bare NIXL reader, in one process on
+    ``io_cpus``."""
     os.sched_setaffinity(0, io_cpus)  # before any thread starts: all of them inherit it
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
@@ -121,11 +127,11 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
     raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
     stop = threading.Event()
 
-    def consume() -> None:  # the next stage taking what arrives
-        while not stop.is_set():
-            for entry in inbox.list():
-                inbox.get(entry["request_id"])
-            time.sleep(0.005)
+    def consume() -> tuple[int, float]:  # the next stage taking what arrived
+        t0, taken = time.perf_counter(), 0
+        for entry in inbox.list():
+            taken += inbox.get(entry["request_id"]) is not None
+        return taken, time.perf_counter() - t0
 
     def raw_acks() -> None:  # bare ZeroMQ: one reply per message received
         poller = zmq.Poller()
@@ -135,8 +141,7 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
                 ident, _ = raw.recv_multipart(copy=False)
                 raw.send_multipart([ident, b"ok"])
 
-    threads = [threading.Thread(target=consume, name="consume", daemon=True),
-               threading.Thread(target=raw_acks, name="raw-acks", daemon=True)]
+    threads = [threading.Thread(target=raw_acks, name="raw-acks", daemon=True)]
     for t in threads:
         t.start()
     bare = KVAgent(f"bare-reader-{os.getpid()}")
@@ -163,6 +168,8 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
                 best = min(best, time.perf_counter() - t0)
             bare.remove_remote(name)
             conn.send(best)
+        elif cmd[0] == "consume":
+            conn.send(consume())
         elif cmd[0] == "split":  # the receiver's time reading and assembling, so far
             conn.send((receiver.read_seconds, receiver.assemble_seconds, receiver.num_delivered))
         elif cmd[0] == "stop":
@@ -272,6 +279,12 @@ def _split(pipe) -> tuple[float, float, int]:
     return pipe.recv()
 
 
+def _consume(pipe) -> tuple[int, float]:
+    """The next stage takes every stored payload: (how many, seconds)."""
+    pipe.send(("consume",))
+    return pipe.recv()
+
+
 def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             kv_bytes: int, pipe) -> dict:
     from omni_runtime.transfers.ledger import TransferObserver
@@ -292,15 +305,19 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     # Warm-up, transfers on: the receiver's hello, NIXL's wire-up, the payload pool's slabs,
     # and the first round after start-up, the slowest whichever way it runs.
     _round(llm, core, make(99), True, None)
+    _consume(pipe)
     resolved.clear()
     rss0 = _rss_mb()
     split0 = _split(pipe)
-    on, off, cpu_on, cpu_off = [], [], [], []
+    on, off, cpu_on, cpu_off, gets = [], [], [], [], []
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
             times = _round(llm, core, prompts, transfers_on, cpu_on if transfers_on else cpu_off)
             (on if transfers_on else off).append(times)
+            if transfers_on:
+                taken, seconds = _consume(pipe)
+                gets.append(seconds / max(1, taken))
             print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
                   f"{[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
@@ -334,6 +351,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "ar_cpu_s_per_transfer": max(0.0, statistics.fmean(cpu_on) - statistics.fmean(cpu_off))
             / args.requests,
             "copy_out_s_per_transfer": copy_s,
+            "consumer_get_s": statistics.fmean(gets),
             # The receiver's time per round reading (posted to done, summed over the reads
             # in flight) and assembling.
             "rx_read_s": (split1[0] - split0[0]) / rounds,
@@ -544,6 +562,7 @@ def main(argv: list[str] | None = None) -> None:
         "bare_nixl_s_7b": round(nixl_s, 4),
         "receiver_read_s_7b": round(big["rx_read_s"], 4),
         "receiver_assemble_s_7b": round(big["rx_assemble_s"], 4),
+        "consumer_get_ms_per_transfer_7b": round(big["consumer_get_s"] * 1e3, 1),
         "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
         "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),

@@ -8,13 +8,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from omnip_support import pipeline_body
 from omni_operator import naming
 from omni_operator.kube_schema import MIN_KUBERNETES, check_object
 from omni_operator.model import parse_pipeline
 from omni_operator.render import render_children
-from omni_operator.stage_config import render_stage_config
+from omni_operator.stage_config import dump_stage_config, render_stage_config
 
 K8S_VERSION = MIN_KUBERNETES  # the CRD's minimum server version
 
@@ -500,3 +501,31 @@ def test_the_crd_refuses_the_port_range_variable_naming_the_operator_s_range():
     text = yaml.safe_dump(crd.crd())
     assert f"self.name != '{naming.KV_DATA_PORT_RANGE_ENV}'" in text
     assert f"sets {naming.KV_DATA_PORT_RANGE_ENV} to {naming.KV_DATA_PORT_RANGE}," in text.replace("\n", " ").replace("  ", " ")
+
+
+_YAML_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=150),
+    st.sampled_from(["yes", "off", "~", "null", "1e3", "0x1f", "12:30", "", " a", "a: b", "- x", "#c", "x\ny", "é",
+                     "\u2028", "a b " * 40]))
+_YAML_VALUES = st.recursive(_YAML_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=20), inner, max_size=4)), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=150), _YAML_VALUES, min_size=1, max_size=8))
+def test_the_stage_config_text_is_pyyaml_s_whole_document(config):
+    """dump_stage_config builds the YAML an entry at a time (memoised): the text, and so the
+    config hash and the pods, are yaml.safe_dump's of the whole config, whatever it holds."""
+    assert dump_stage_config(config) == yaml.safe_dump(config, sort_keys=True, default_flow_style=False)
+
+
+def test_a_stage_config_entry_that_changes_is_dumped_afresh():
+    """The entry memo is keyed by the value: a changed engineArgs (or name) never gets the
+    text of the one dumped before."""
+    config = render_stage_config(parse(pipeline_body()), "talker")
+    first = dump_stage_config(config)
+    changed = {**config, "engineArgs": {"max-model-len": 2048}, "pipeline": "other"}
+    text = dump_stage_config(changed)
+    assert text == yaml.safe_dump(changed, sort_keys=True, default_flow_style=False) != first
+    assert "max-model-len: 2048" in text and "pipeline: other" in text
+    assert dump_stage_config(config) == first

@@ -17,19 +17,28 @@ reference on ``--io-cpus``. Default: the last CPU for I/O, the others for the en
 Last line, one JSON object:
   * ``step_ratio_7b``: mean engine step time, on over off (target <= 1.03);
   * ``handoff_step_ratio_7b``: slowest step on over slowest step off (target <= 1.10);
-  * ``zmq_ratio_7b``: KV bytes/s from hand-off to the AR's ack (the receiver read, assembled,
+  * ``zmq_ratio_7b``: KV bytes/s from hand-off to the AR's ack (the receiver read the blocks,
     was told commit and stored each payload), over a bare ZeroMQ socket sending the same
     bytes between the same two processes, each message answered (target >= 2.0);
   * ``nixl_ratio_7b``: the same over a bare NIXL READ of the same bytes between the same two
     processes, one READ per transfer (target >= 0.8);
   * ``ar_cpu_ms_per_transfer_7b``: the AR process's CPU time per transfer outside the engine's
-    thread (the connector's sender thread, ZeroMQ's and UCX's threads), on rounds minus off
-    rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
+    threads (the connector's sender thread, ZeroMQ's and UCX's threads; not the engine's main
+    thread nor its idle gloo threads), on rounds minus off rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
     measured here on the same cache: copying the transfer's blocks out to a host buffer plus
     a bare ZeroMQ send of it; their ratio ``ar_cpu_ratio_7b`` (target <= 0.10);
-  * ``tcp_zmq_ratio_7b``: the data plane over UCX's TCP transport (``UCX_TLS=tcp``, the
-    stand-in for two hosts without RDMA), offer to ack, against bare ZeroMQ, between two
-    processes holding a synthetic 7B-shaped cache (omni_runtime/devtools/synthetic_ar.py);
+  * ``synthetic_nixl_ratio_7b``: the data plane alone against the same bare NIXL READ: offer
+    to ack from a synthetic 7B-shaped AR rank (omni_runtime/devtools/synthetic_ar.py) in the
+    AR's process once the engine has stopped (``nixl_ratio_7b`` is measured while the engine
+    decodes on the other CPU, sharing the memory bus, which the bare READ is not);
+  * ``tcp_zmq_ratio_7b``: the data plane over UCX's TCP transport (the synthetic rank's agent
+    on ``UCX_TLS=tcp``, the stand-in for two hosts without RDMA), offer to ack, against bare
+    ZeroMQ;
+  * ``consumer_get_ms_per_transfer_7b``: what the next stage pays to take a payload (the
+    inbox's ``get``: the layout conversion from the AR's blocks to ``[layers, 2, H, T, D]``,
+    which a host receiver leaves off the ack's path). The next stage takes each round's
+    payloads after the round's acks: the receiving process is pinned to the one I/O CPU
+    here, where a real next stage consumes on CPUs (or a GPU) of its own;
   * ``receiver_rss_peak_mb``, ``ar_rss_growth_mb``.
 """
 
@@ -67,6 +76,21 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _engine_side_threads() -> set[int]:
+    """The engine's torch.distributed (gloo) loop threads: idle, no part of a transfer, and
+    a dozen of them: their few milliseconds of jitter per round would swamp the connector's
+    own CPU time."""
+    out = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("gloo"):
+                    out.add(int(tid))
+        except OSError:
+            pass
+    return out
+
+
 def thread_cpu_s() -> dict[int, float]:
     """CPU seconds of each of this process's threads, by thread id (the scheduler's run time,
     in nanoseconds: /proc's tick-based counters are too coarse for a few ms)."""
@@ -102,12 +126,11 @@ def _bind_engine_openmp(engine_cpus: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------- the receiving process
-def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
-    """The receiving stage (a KVReceiver into an inbox a consumer empties), a bare ZeroMQ
-    ROUTER answering each message, and a bare NIXL reader, in one process on ``io_cpus``."""
+def _serve(conn, io_cpus: list[int]) -> None:
+    """The receiving stage (a KVReceiver into an inbox the next stage empties on command),
+    a bare ZeroMQ ROUTER answering each message, and a bare NIXL reader, in one process on
+    ``io_cpus``."""
     os.sched_setaffinity(0, io_cpus)  # before any thread starts: all of them inherit it
-    if ucx_tls:
-        os.environ["UCX_TLS"] = ucx_tls
     import torch
 
     from omni_runtime.kv.transport import KVInbox, KVReceiver
@@ -121,11 +144,11 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
     raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
     stop = threading.Event()
 
-    def consume() -> None:  # the next stage taking what arrives
-        while not stop.is_set():
-            for entry in inbox.list():
-                inbox.get(entry["request_id"])
-            time.sleep(0.005)
+    def consume() -> tuple[int, float]:  # the next stage taking what arrived
+        t0, taken = time.perf_counter(), 0
+        for entry in inbox.list():
+            taken += inbox.get(entry["request_id"]) is not None
+        return taken, time.perf_counter() - t0
 
     def raw_acks() -> None:  # bare ZeroMQ: one reply per message received
         poller = zmq.Poller()
@@ -135,8 +158,7 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
                 ident, _ = raw.recv_multipart(copy=False)
                 raw.send_multipart([ident, b"ok"])
 
-    threads = [threading.Thread(target=consume, name="consume", daemon=True),
-               threading.Thread(target=raw_acks, name="raw-acks", daemon=True)]
+    threads = [threading.Thread(target=raw_acks, name="raw-acks", daemon=True)]
     for t in threads:
         t.start()
     bare = KVAgent(f"bare-reader-{os.getpid()}")
@@ -163,6 +185,8 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
                 best = min(best, time.perf_counter() - t0)
             bare.remove_remote(name)
             conn.send(best)
+        elif cmd[0] == "consume":
+            conn.send(consume())
         elif cmd[0] == "split":  # the receiver's time reading and assembling, so far
             conn.send((receiver.read_seconds, receiver.assemble_seconds, receiver.num_delivered))
         elif cmd[0] == "stop":
@@ -176,9 +200,9 @@ def _serve(conn, io_cpus: list[int], ucx_tls: str | None) -> None:
     conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def _start_receiver(ctx, io_cpus: list[int], ucx_tls: str | None = None):
+def _start_receiver(ctx, io_cpus: list[int]):
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, io_cpus, ucx_tls), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, io_cpus), daemon=True)
     proc.start()
     endpoint, raw_endpoint = parent.recv()
     return proc, parent, endpoint, raw_endpoint
@@ -254,7 +278,8 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[flo
     drain_transfers(llm, timeout_s=60)
     if cpu is not None:  # every thread but the engine's (OMP_NUM_THREADS=1: the main thread)
         after = thread_cpu_s()
-        cpu.append(sum(v - before.get(k, 0.0) for k, v in after.items() if k != main_tid))
+        engine = _engine_side_threads() | {main_tid}
+        cpu.append(sum(v - before.get(k, 0.0) for k, v in after.items() if k not in engine))
         if os.environ.get("KVDP_THREADS"):
             names = {}
             for k in after:
@@ -269,6 +294,12 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[flo
 
 def _split(pipe) -> tuple[float, float, int]:
     pipe.send(("split",))
+    return pipe.recv()
+
+
+def _consume(pipe) -> tuple[int, float]:
+    """The next stage takes every stored payload: (how many, seconds)."""
+    pipe.send(("consume",))
     return pipe.recv()
 
 
@@ -291,16 +322,21 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
                       for i in range(args.requests)]
     # Warm-up, transfers on: the receiver's hello, NIXL's wire-up, the payload pool's slabs,
     # and the first round after start-up, the slowest whichever way it runs.
+    print(f"# engine up", file=sys.stderr, flush=True)
     _round(llm, core, make(99), True, None)
+    _consume(pipe)
     resolved.clear()
     rss0 = _rss_mb()
     split0 = _split(pipe)
-    on, off, cpu_on, cpu_off = [], [], [], []
+    on, off, cpu_on, cpu_off, gets = [], [], [], [], []
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
             times = _round(llm, core, prompts, transfers_on, cpu_on if transfers_on else cpu_off)
             (on if transfers_on else off).append(times)
+            if transfers_on:
+                taken, seconds = _consume(pipe)
+                gets.append(seconds / max(1, taken))
             print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
                   f"{[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
@@ -334,6 +370,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "ar_cpu_s_per_transfer": max(0.0, statistics.fmean(cpu_on) - statistics.fmean(cpu_off))
             / args.requests,
             "copy_out_s_per_transfer": copy_s,
+            "consumer_get_s": statistics.fmean(gets),
             # The receiver's time per round reading (posted to done, summed over the reads
             # in flight) and assembling.
             "rx_read_s": (split1[0] - split0[0]) / rounds,
@@ -439,17 +476,17 @@ def bare_nixl(pipe, nbytes: int, count: int, io_cpus: list[int]) -> float:
         agent.close()
 
 
-# ---------------------------------------------------------------------- over UCX's TCP
-def _tcp_ar(conn, io_cpus: list[int], prompt_tokens: int, count: int) -> None:
-    """A synthetic 7B-shaped AR rank over UCX_TLS=tcp: offers ``count`` transfers, measures
-    offer-to-ack, and bare ZeroMQ to the same receiving process."""
-    os.sched_setaffinity(0, io_cpus)
-    os.environ["UCX_TLS"] = "tcp"
+# ---------------------------------------------------------------------- the data plane alone
+def synthetic_offer_to_ack(endpoint: str, consume, io_cpus: list[int], prompt_tokens: int,
+                           count: int, rounds: int = 3) -> float:
+    """Offer to ack of ``count`` transfers from a synthetic 7B-shaped AR rank in this process
+    (omni_runtime/devtools/synthetic_ar.py): the data plane alone. Best seconds of ``rounds``
+    after a warm-up one (as the bare READ's); ``consume()`` (the next stage taking the
+    payloads) after each round."""
     import torch
 
     from omni_runtime.devtools.synthetic_ar import SyntheticAR
 
-    endpoint, raw_endpoint = conn.recv()
     blocks = prompt_tokens // 16
     ar = SyntheticAR(**SHAPE_7B, block_size=16, num_blocks=blocks * count + 1,
                      dtype=torch.float32, stage="ar", pipeline="bench", seed=None)
@@ -463,37 +500,60 @@ def _tcp_ar(conn, io_cpus: list[int], prompt_tokens: int, count: int) -> None:
         done = {}
         while len(done) < count:
             if not sender.wait(60):
-                raise RuntimeError("tcp transfers not answered within 60 s")
+                raise RuntimeError(f"{tag} transfers not answered within 60 s")
             done.update(sender.poll())
+        seconds = time.perf_counter() - t0
         failed = {k: v for k, v in done.items() if v[1] is not None}
         if failed:
-            raise RuntimeError(f"tcp transfers failed: {failed}")
-        return time.perf_counter() - t0
+            raise RuntimeError(f"{tag} transfers failed: {failed}")
+        consume()
+        return seconds
 
-    one_round("warm")
-    ours = one_round("tcp")
-    nbytes = count * prompt_tokens * ar.entry_bytes
-    raw_s, _ = raw_zmq(raw_endpoint, nbytes, count, io_cpus)
-    sender.close()
-    ar.close()
-    conn.send((ours, raw_s, nbytes))
+    try:
+        one_round("warm")
+        return min(one_round(f"measured-{i}") for i in range(rounds))
+    finally:
+        sender.close()
+        ar.close()
 
 
-def tcp_figures(ctx, io_cpus: list[int], prompt_tokens: int, count: int) -> tuple:
-    proc, pipe, endpoint, raw_endpoint = _start_receiver(ctx, io_cpus, "tcp")
+def _tcp_ar(conn, endpoint: str, io_cpus: list[int], prompt_tokens: int, count: int) -> None:
+    """A process whose synthetic rank has only UCX's TCP transport (set before NIXL loads):
+    the receiver reads it over TCP, the one transport both sides have."""
+    os.environ["UCX_TLS"] = "tcp"
+    os.sched_setaffinity(0, io_cpus)
+
+    def consume() -> None:  # by the parent, which holds the receiving process's pipe
+        conn.send("consume")
+        conn.recv()
+
+    conn.send(synthetic_offer_to_ack(endpoint, consume, io_cpus, prompt_tokens, count,
+                                     rounds=1))
+
+
+def tcp_offer_to_ack(ctx, endpoint: str, pipe, io_cpus: list[int], prompt_tokens: int,
+                     count: int) -> float:
     parent, child = ctx.Pipe()
-    ar = ctx.Process(target=_tcp_ar, args=(child, io_cpus, prompt_tokens, count), daemon=True)
+    ar = ctx.Process(target=_tcp_ar, args=(child, endpoint, io_cpus, prompt_tokens, count),
+                     daemon=True)
     ar.start()
     try:
-        parent.send((endpoint, raw_endpoint))
-        if not parent.poll(60):
-            raise RuntimeError("the UCX_TLS=tcp measurement did not finish within 60 s")
-        return parent.recv()
+        while True:
+            if not parent.poll(60):
+                raise RuntimeError("the UCX_TLS=tcp measurement did not finish within 60 s")
+            message = parent.recv()
+            if message != "consume":
+                return message
+            _consume(pipe)
+            parent.send("ok")
     finally:
         ar.join(10)
         if ar.is_alive():
             ar.kill()
-        _stop_receiver(proc, pipe)
+
+
+def _phase(name: str, started: float) -> None:
+    print(f"# {name} done at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -518,13 +578,19 @@ def main(argv: list[str] | None = None) -> None:
         big = measure(kv7b, endpoint, args, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
                       kv_bytes=int(args.requests * (args.prompt_tokens + 64) * 28 * 4096 * 1.5),
                       pipe=pipe)
+        _phase("engine rounds", started)
         raw_s, raw_send_cpu = raw_zmq(raw_endpoint, big["bytes_per_round"], args.requests,
                                       args.io_cpus)
         nixl_s = bare_nixl(pipe, big["bytes_per_round"], args.requests, args.io_cpus)
+        _phase("bare ZeroMQ and NIXL", started)
+        alone_s = synthetic_offer_to_ack(endpoint, lambda: _consume(pipe), args.io_cpus,
+                                         args.prompt_tokens, args.requests)
+        _phase("synthetic rank", started)
+        tcp_s = None if args.skip_tcp else tcp_offer_to_ack(
+            ctx, endpoint, pipe, args.io_cpus, args.prompt_tokens, args.requests)
+        _phase("UCX over TCP", started)
     finally:
         receiver_peak = _stop_receiver(proc, pipe)
-    tcp = None if args.skip_tcp else tcp_figures(ctx, args.io_cpus, args.prompt_tokens,
-                                                 args.requests)
     ours = big["handoff_to_ack_s"]
     copy_send = big["copy_out_s_per_transfer"] + raw_send_cpu
     result = {
@@ -535,15 +601,17 @@ def main(argv: list[str] | None = None) -> None:
         "ar_cpu_ratio_7b": round(big["ar_cpu_s_per_transfer"] / copy_send, 4),
         "ar_cpu_ms_per_transfer_7b": round(big["ar_cpu_s_per_transfer"] * 1e3, 2),
         "copy_send_cpu_ms_per_transfer_7b": round(copy_send * 1e3, 2),
-        "tcp_zmq_ratio_7b": round(tcp[1] / tcp[0], 4) if tcp else None,
-        "tcp_handoff_to_ack_s_7b": round(tcp[0], 4) if tcp else None,
-        "tcp_raw_zmq_s_7b": round(tcp[1], 4) if tcp else None,
+        "synthetic_nixl_ratio_7b": round(nixl_s / alone_s, 4),
+        "synthetic_offer_to_ack_s_7b": round(alone_s, 4),
+        "tcp_zmq_ratio_7b": round(raw_s / tcp_s, 4) if tcp_s else None,
+        "tcp_offer_to_ack_s_7b": round(tcp_s, 4) if tcp_s else None,
         "kv_bytes_per_round_7b": big["bytes_per_round"],
         "handoff_to_ack_s_7b": round(ours, 4),
         "raw_zmq_s_7b": round(raw_s, 4),
         "bare_nixl_s_7b": round(nixl_s, 4),
         "receiver_read_s_7b": round(big["rx_read_s"], 4),
         "receiver_assemble_s_7b": round(big["rx_assemble_s"], 4),
+        "consumer_get_ms_per_transfer_7b": round(big["consumer_get_s"] * 1e3, 1),
         "decode_step_ratio_7b": round(big["decode_step_ratio"], 4),
         "handoff_step_extra_ms_7b": round(big["handoff_step_extra_s"] * 1e3, 1),
         "mean_step_on_s_7b": round(big["mean_step_on_s"], 4),

@@ -2,7 +2,9 @@
 
 Counts, at the (emulated) API server, the requests made by reconciling a 3-stage pipeline:
 its creation, a reconcile with nothing to change (target: no write), and a change to one
-stage; then times reconciling --pipelines pipelines from scratch. The server is the kmock-
+stage's engine arguments (a new revision: the first step of its rollout, which
+benchmarks/operator_rollout.py follows to the end); then times reconciling --pipelines
+pipelines from scratch. The server is the kmock-
 based emulator of tests/operator (there is no Kubernetes API server here), so the wall time
 measures the operator's own work plus local HTTP, not a real cluster's latency.
 

@@ -10,5 +10,7 @@ the operator: both import this package, which imports only the standard library.
   flags the stage owns, and the one spelling rule (``max-model-len``, ``max_model_len`` and
   ``maxModelLen`` are one flag);
 * :mod:`omni_contract.kv_transfer`: which user ``kv-transfer-config`` the stage can compose
-  with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself.
+  with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself;
+* :mod:`omni_contract.kv_wire`: the KV payload format version (the runtime's protocol
+  ``WIRE_VERSION``), which the operator puts in a pipeline's revision hash.
 """

@@ -41,9 +41,10 @@ VLLM_TTFT = "vllm:time_to_first_token_seconds"
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 
 # Labels that the scrape adds (the operator's PodMonitor, the chart's ServiceMonitor or a
-# plain scrape_config): the stage's Kubernetes namespace and pod, and the OmniPipeline's
-# name. Together with the metrics' own `stage` and `model_name` they identify a stage.
-SCRAPE_LABELS = ("namespace", "pod", "pipeline", "stage")
+# plain scrape_config): the stage's Kubernetes namespace and pod, the OmniPipeline's name,
+# and the pipeline revision the pod runs (during a rollout two revisions' pods are scraped).
+# Together with the metrics' own `stage` and `model_name` they identify a stage.
+SCRAPE_LABELS = ("namespace", "pod", "pipeline", "stage", "revision")
 STAGE_LABELS = ("namespace", "pipeline", "stage", "model_name")
 # The bounded labels that name an edge of the pipeline graph (one value per edge, fixed at
 # start-up): the downstream stage on the sending side, the upstream one on the receiving side.

@@ -30,10 +30,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import API_VERSION, KIND
+from . import API_VERSION, KIND, naming
 from .diff import with_last_applied
 from .errors import Problem, SpecError
-from .kinds import CONFIGMAP, PODMONITOR
+from .kinds import CONFIGMAP, HPA, PODMONITOR, SCALEDOBJECT
 from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod_spec_field, check_value
 from .model import Pipeline, Stage, graph_problems, pipeline_view
 from .objectmeta import metadata_problems
@@ -59,8 +59,13 @@ class Admitted:
     pipeline: Pipeline
     children: tuple[dict[str, Any], ...]
 
-    def children_for(self, *, podmonitor_available: bool) -> list[dict[str, Any]]:
-        return [c for c in self.children if podmonitor_available or c["kind"] != PODMONITOR.kind]
+    def children_for(self, *, podmonitor_available: bool, keda_available: bool = False) -> list[dict[str, Any]]:
+        """The children to apply where the cluster serves (or not) PodMonitors and KEDA's
+        ScaledObjects: an autoscaled stage gets a ScaledObject with KEDA, else an HPA."""
+        skip = {HPA.kind if keda_available else SCALEDOBJECT.kind}
+        if not podmonitor_available:
+            skip.add(PODMONITOR.kind)
+        return [c for c in self.children if c["kind"] not in skip]
 
 
 def admit(body: Any, *, operator_peer: Mapping[str, Any] | None = None) -> Admitted:
@@ -157,6 +162,8 @@ def _stage_pod_fields(where: str, stage: Stage) -> list[Problem]:
 
 def _rendered_children(pipeline: Pipeline, children: tuple[dict[str, Any], ...]) -> list[Problem]:
     stage_of = {f"{pipeline.name}-{s.name}": i for i, s in enumerate(pipeline.stages)}
+    stage_of.update({naming.revision_name(pipeline.name, s.name, pipeline.revision): i
+                     for i, s in enumerate(pipeline.stages)})
     problems = []
     for child in children:
         name = child["metadata"]["name"]

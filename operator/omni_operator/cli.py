@@ -3,6 +3,7 @@
     omni-pipeline validate PATH...   each document of each file (a directory: its YAML files)
     omni-pipeline up FILE            every stage as a local process on 127.0.0.1
     omni-pipeline status FILE        the transfer health of a pipeline `up` runs
+    omni-pipeline crd-check --crds DIR PATH...   objects (and what pipelines render) against CRDs
 
 ``validate`` runs the operator's own check (``admission.admit``: the CRD's schema and CEL
 rules, the graph rules, Kubernetes' schemas for the pod fields and the rendered objects) and
@@ -69,12 +70,20 @@ def cmd_validate(paths: list[Path], out: TextIO) -> int:
 
 
 def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
-    from .local import UpOptions, run_pipeline
+    from .local import UpOptions, file_watcher, run_pipeline
 
     pipeline = _load_one(args.file, out)
     if pipeline is None:
         return 2
-    options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after)
+
+    def reload(path: Path):
+        changed = _load_one(path, out)
+        if changed is None:
+            print(f"{path}: not applied; the running revision stays", file=out, flush=True)
+        return changed
+
+    options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after,
+                        reload=file_watcher(args.file, reload) if args.watch else None, port=args.port)
     return run_pipeline(pipeline, options, out)
 
 
@@ -125,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--keep", action="store_true", help="keep the temporary directory")
     u.add_argument("--demo", type=int, default=0, metavar="N", help="send N requests to the AR stage once all stages are ready")
     u.add_argument("--exit-after", type=float, metavar="SECONDS", help="stop the pipeline after this long (unattended runs)")
+    u.add_argument("--watch", action="store_true",
+                   help="read the file again every second; a new revision rolls out (receivers first, the old one "
+                        "drained by its transfers) behind one stable address, the pipeline's front")
+    u.add_argument("--port", type=int, default=0, help="the front's port with --watch (default: a free one)")
     s = sub.add_parser("status", help="the transfer health of a pipeline that `omni-pipeline up` runs")
     s.add_argument("file", type=Path)
     s.add_argument("--workdir", help="the `up --workdir` of the pipeline (default: found by its name)")
@@ -132,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read twice, this far apart: failed and expired count over it (0: read once)")
     s.add_argument("--failing-ratio", type=float, default=0.05, metavar="R",
                    help="share of the interval's transfers that may fail or expire (the operator's default)")
+    from .crd_check import add_parser as add_crd_check
+
+    add_crd_check(sub)
     return parser
 
 
@@ -148,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_validate(args.paths, sys.stdout)
     if args.command == "status":
         return cmd_status(args, sys.stdout)
+    if args.command == "crd-check":
+        from .crd_check import run
+
+        return run(args.crds, args.paths, sys.stdout)
     return cmd_up(args, sys.stdout)
 
 

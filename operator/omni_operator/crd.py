@@ -13,10 +13,12 @@ from typing import Any
 import yaml
 
 CRD_FILE = "omnipipelines.omnipipeline.dev.yaml"
+#: The second CRD the operator needs: an autoscaled stage's scale target (OmniStageScaler).
+SCALER_CRD_FILE = "omnistagescalers.omnipipeline.dev.yaml"
 
 
-def crd_text() -> str:
-    return resources.files("omni_operator").joinpath("crd", CRD_FILE).read_text(encoding="utf-8")
+def crd_text(file: str = CRD_FILE) -> str:
+    return resources.files("omni_operator").joinpath("crd", file).read_text(encoding="utf-8")
 
 
 @functools.cache

@@ -57,16 +57,26 @@ def is_zero(value: Any) -> bool:
 
 
 def matches(want: Any, have: Any, *, quantity: bool = False) -> bool:
-    """Whether `have` (live) satisfies `want` (desired): a recursive subset comparison."""
+    """Whether `have` (live) satisfies `want` (desired): a recursive subset comparison.
+
+    Plain loops rather than all() over generators: it runs on every field of every child at
+    each reconcile, and the generators cost about as much as the comparisons."""
     if isinstance(want, dict):
         if not isinstance(have, dict):
             return is_zero(have) and all(is_zero(v) for v in want.values())
-        return all(matches(v, have.get(k, _MISSING), quantity=quantity or k in QUANTITY_KEYS)
-                   for k, v in want.items())
+        for key, value in want.items():
+            if not matches(value, have.get(key, _MISSING), quantity=quantity or key in QUANTITY_KEYS):
+                return False
+        return True
     if isinstance(want, list):
         if not isinstance(have, list):
             return not want and is_zero(have)
-        return len(want) == len(have) and all(matches(w, h, quantity=quantity) for w, h in zip(want, have))
+        if len(want) != len(have):
+            return False
+        for w, h in zip(want, have):
+            if not matches(w, h, quantity=quantity):
+                return False
+        return True
     if have is _MISSING or have is None:
         return is_zero(want)
     if quantity and not isinstance(want, bool):

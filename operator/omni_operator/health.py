@@ -33,6 +33,7 @@ from . import naming
 from .model import Pipeline
 from .transfers import (
     DEFAULT_FAILING_RATIO,
+    REQUEST_FAMILIES,
     EDGE_ACTIVE,
     EDGE_OLDEST,
     EDGE_RESOLVED,
@@ -62,7 +63,7 @@ DEFAULT_CONCURRENCY = 32
 MAX_PAGE_BYTES = 8 << 20
 #: Asked of the stage's /metrics (prometheus_client's exposition honours it; others ignore it).
 METRICS_QUERY = urllib.parse.urlencode([("name[]", f) for f in (
-    TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, EDGE_ACTIVE, EDGE_OLDEST, EDGE_RESOLVED, RECEIVED)])
+    TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, EDGE_ACTIVE, EDGE_OLDEST, EDGE_RESOLVED, RECEIVED) + REQUEST_FAMILIES])
 POD_SELECTOR = f"app.kubernetes.io/managed-by={naming.MANAGER},{naming.PIPELINE_LABEL},{naming.STAGE_LABEL}"
 
 
@@ -122,7 +123,7 @@ class PodMetricsSource:
     def read(self, pipelines: Iterable[Key]) -> dict[Key, PipelineReading]:
         wanted = set(pipelines)
         read_at = self.clock()
-        targets: list[tuple[Key, str, str, str, bool, str]] = []  # key, stage, pod, uid, ready, url
+        targets: list[tuple[Key, str, str, str, bool, str, bool]] = []  # key, stage, pod, uid, ready, url, draining
         errors: dict[Key, str] = {}
         for namespace in sorted({ns for ns, _ in wanted}):
             try:
@@ -138,16 +139,23 @@ class PodMetricsSource:
                 labels = meta.get("labels") or {}
                 key = (namespace, labels.get(naming.PIPELINE_LABEL, ""))
                 ip = status.get("podIP")
-                if key not in wanted or status.get("phase") != "Running" or not ip or meta.get("deletionTimestamp"):
+                if key not in wanted or status.get("phase") != "Running" or not ip:
                     continue
                 host = f"[{ip}]" if ":" in ip else ip
                 url = f"http://{host}:{http_port(pod)}/metrics?{METRICS_QUERY}"
                 targets.append((key, labels.get(naming.STAGE_LABEL, ""), meta.get("name", ""),
-                                meta.get("uid") or meta.get("name", ""), _pod_ready(pod), url))
+                                meta.get("uid") or meta.get("name", ""), _pod_ready(pod), url,
+                                bool(meta.get("deletionTimestamp"))))
         results = list(self._pool.map(self._get, [t[5] for t in targets]))
         stages: dict[Key, dict[str, tuple[list[PodReading], list[tuple[str, str]]]]] = {k: {} for k in wanted}
+        draining: dict[Key, dict[str, PodReading]] = {k: {} for k in wanted}
         seen: dict[str, Sample] = {}
-        for (key, stage, pod, uid, ready, _), result in zip(targets, results):
+        for (key, stage, pod, uid, ready, _, terminating), result in zip(targets, results):
+            if terminating:  # draining (an old revision's pod): for the rollout, not the verdict
+                if not isinstance(result, str):
+                    draining[key][pod] = pod_reading(pod, self._previous.get(uid), result)
+                    seen[uid] = result
+                continue
             pods, unreadable = stages[key].setdefault(stage, ([], []))
             if isinstance(result, str):
                 if ready:  # a pod that is not ready yet (or not any more) is the Ready condition's news
@@ -164,7 +172,7 @@ class PodMetricsSource:
             out[key] = PipelineReading(
                 read_at=read_at, interval=read_at - last if last is not None else 0.0,
                 stages={s: StageReading(tuple(p), tuple(u)) for s, (p, u) in stages[key].items()},
-                error=errors.get(key, ""))
+                error=errors.get(key, ""), draining=draining[key])
             self._last_read[key] = read_at
         for key in list(self._last_read):
             if key not in wanted:
@@ -175,7 +183,7 @@ class PodMetricsSource:
 class PrometheusSource:
     """Reads the same figures from Prometheus' query API (see the module docstring)."""
 
-    GAUGES = (TRANSFERS, HELD_BLOCKS, OLDEST, EDGE_ACTIVE, EDGE_OLDEST)
+    GAUGES = (TRANSFERS, HELD_BLOCKS, OLDEST, EDGE_ACTIVE, EDGE_OLDEST) + REQUEST_FAMILIES
 
     def __init__(self, url: str, *, window_seconds: float, timeout: float = 5.0,
                  clock: Callable[[], float] = time.time):
@@ -234,7 +242,7 @@ class PrometheusSource:
                 return None
             return pods.setdefault((key, m.get("stage", ""), m.get("pod", "") or m.get("instance", "")), {
                 "states": {}, "held_blocks": 0.0, "oldest": {}, "increase": {}, "edges": {}, "received": {},
-                "sends": False, "receives": False, "up": None})
+                "sends": False, "receives": False, "up": None, "requests": None})
 
         def value(series: Mapping[str, Any]) -> float:
             v = float(series["value"][1])
@@ -251,6 +259,8 @@ class PrometheusSource:
                 p["states"][m.get("state", "")] = p["states"].get(m.get("state", ""), 0.0) + v
             elif name == HELD_BLOCKS:
                 p["held_blocks"] += v
+            elif name in REQUEST_FAMILIES:
+                p["requests"] = (p["requests"] or 0.0) + v
             elif name == OLDEST and v > 0:
                 p["oldest"][m.get("state", "")] = min(p["oldest"].get(m.get("state", "")) or v, v)
             elif name in (EDGE_ACTIVE, EDGE_OLDEST) and m.get("to_stage"):
@@ -290,6 +300,7 @@ class PrometheusSource:
             readings.append(PodReading(
                 pod=pod, states=p["states"], held_blocks=p["held_blocks"], oldest=p["oldest"],
                 increase=p["increase"], received_increase=p["received"], sends=p["sends"], receives=p["receives"],
+                requests=p["requests"],
                 edges={n: EdgeReading(e["active"], e["oldest"], e["increase"]) for n, e in p["edges"].items()}))
         return {key: PipelineReading(
             read_at=read_at, interval=float(self.window),

@@ -28,8 +28,14 @@ DEPLOYMENT = Kind("Deployment", "apps/v1", "deployments")
 PDB = Kind("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets")
 NETWORKPOLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")
 PODMONITOR = Kind("PodMonitor", "monitoring.coreos.com/v1", "podmonitors", optional=True)
+#: An autoscaled stage's replica count: the stable scale target of its autoscaler (our CRD).
+STAGESCALER = Kind("OmniStageScaler", "omnipipeline.dev/v1alpha1", "omnistagescalers")
+HPA = Kind("HorizontalPodAutoscaler", "autoscaling/v2", "horizontalpodautoscalers")
+SCALEDOBJECT = Kind("ScaledObject", "keda.sh/v1alpha1", "scaledobjects", optional=True)
 EVENT = Kind("Event", "v1", "events")
+POD = Kind("Pod", "v1", "pods")
 
-# Apply order: a stage's ConfigMap before the Deployment that mounts it.
-CHILD_KINDS = (CONFIGMAP, SERVICE, DEPLOYMENT, PDB, NETWORKPOLICY, PODMONITOR)
+# Apply order: a stage's ConfigMap before the Deployment that mounts it; a scaler before the
+# autoscaler that targets it.
+CHILD_KINDS = (CONFIGMAP, SERVICE, DEPLOYMENT, PDB, NETWORKPOLICY, PODMONITOR, STAGESCALER, HPA, SCALEDOBJECT)
 BY_KIND = {k.kind: k for k in CHILD_KINDS}

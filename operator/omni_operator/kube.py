@@ -96,6 +96,11 @@ class Kube:
         return self.request("patch", kind.kind, "PATCH", kind.object_path(namespace, name),
                             body=patch, content_type=MERGE_PATCH)
 
+    def patch_status(self, kind: Kind, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Patch the status subresource of a child (an OmniStageScaler's)."""
+        return self.request("patch", kind.kind, "PATCH", kind.object_path(namespace, name) + "/status",
+                            body=patch, content_type=MERGE_PATCH)
+
     def delete(self, kind: Kind, namespace: str, name: str) -> None:
         try:
             # Background: the Deployment goes at once, the garbage collector removes its pods.

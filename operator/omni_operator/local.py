@@ -7,10 +7,21 @@ renderer), with 127.0.0.1 ports instead of Service addresses, and runs as ``omni
 vLLM). Stages start downstream first, so receivers listen before senders ship; a live table
 shows each stage until Ctrl-C, which stops them upstream first, so that in-flight transfers
 can still land.
+
+With ``--watch`` the file is read again every second, and a change that makes a new revision
+(``model.revision_of``, as on Kubernetes) rolls the local pipeline the operator's way: the new
+revision's stages start, receivers first, each once the ones below it are ready (its own
+ports: its senders only ever reach its receivers); then the pipeline's front (``Front``: one
+stable address forwarding to the current revision's entry stage) switches to it; once no
+request forwarded to the old entry stage is in flight, the old revision drains: its senders
+stop first (SIGTERM: they finish their requests and resolve their KV transfers), and its
+receivers only once their senders have exited (what reached them is saved first).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import os
 import shutil
@@ -24,8 +35,9 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from .local_status import forget_endpoints, record_endpoints
 from .model import Pipeline, find_cycle
@@ -222,10 +234,112 @@ class LocalPipeline:
             self.stages[name].stop(self.stop_timeout)
 
     @property
+    def entry(self) -> LocalStage:
+        """The stage that takes the pipeline's requests: the first AR stage with no inputs."""
+        first = next((s for s in self.pipeline.stages if s.role == "ar" and not s.inputs), self.pipeline.stages[0])
+        return self.stages[first.name]
+
+    def drain(self, out: TextIO) -> dict[str, float]:
+        """Stop every stage, senders first, each receiver once every stage sending to it has
+        exited (SIGTERM drains a sender: its requests finish, its KV transfers resolve); what
+        reached each receiver is saved (``<stage>.arrivals.json``) before it stops. The senders'
+        last counts (delivered, failed)."""
+        totals: collections.Counter[str] = collections.Counter()
+        for name in reversed(self.order):
+            stage = self.stages[name]
+            if stage.role != "ar":
+                page = _get(stage.url + "/v1/kv", timeout=5)
+                (self.workdir / f"{name}.arrivals.json").write_text(page or '{"payloads": []}')
+            elif stage.alive():
+                stage.poll()
+            stage.stop(self.stop_timeout)
+            if stage.role == "ar":
+                totals.update({k: stage.counts.get(k, 0.0) for k in ("delivered", "failed")})
+                print(f"  stopped {name} (drained: its requests finished, its KV transfers resolved)", file=out)
+            else:
+                print(f"  stopped {name} (its senders had exited)", file=out)
+        return dict(totals)
+
+    @property
     def stop_timeout(self) -> float:
         """Long enough for an AR stage's drain (its transfer deadline) and vLLM's own stop
         (30 s), before the runner resorts to SIGKILL."""
         return max(s.kv.timeout_seconds for s in self.pipeline.stages) + 30 + 15
+
+
+# Request headers a client's call carries on to the stage (the rest are the proxy's own).
+FORWARDED_HEADERS = ("Content-Type", "Accept", "Authorization", "X-Request-Id", "traceparent", "tracestate")
+
+
+class Front:
+    """The pipeline's one address while revisions come and go: every request is forwarded to
+    the current revision's entry stage (``target``), whole (a streamed answer arrives at the
+    end), and the requests in flight to each target are counted, so that a rollout drains the
+    old entry stage only once nothing forwarded to it is left."""
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        self.target = ""
+        self.inflight: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Condition()
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                with front._lock:
+                    target = front.target
+                    front.inflight[target] += 1
+                try:
+                    headers = {h: self.headers[h] for h in FORWARDED_HEADERS if self.headers.get(h)}
+                    try:
+                        if not target:  # no revision is ready yet
+                            raise urllib.error.URLError("the pipeline's stages are still starting")
+                        request = urllib.request.Request(target + self.path, data=body, headers=headers,
+                                                         method=self.command)
+                        with urllib.request.urlopen(request, timeout=600) as resp:
+                            status, data, kind = resp.status, resp.read(), resp.headers.get("Content-Type")
+                    except urllib.error.HTTPError as exc:
+                        status, data, kind = exc.code, exc.read(), exc.headers.get("Content-Type")
+                    except (OSError, urllib.error.URLError, ValueError) as exc:
+                        status, data, kind = 502, f"the pipeline's entry stage is unreachable: {exc}".encode(), "text/plain"
+                finally:
+                    with front._lock:
+                        front.inflight[target] -= 1
+                        front._lock.notify_all()
+                self.send_response(status)
+                self.send_header("Content-Type", kind or "application/octet-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _forward
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="omni-front", daemon=True)
+        self._thread.start()
+
+    def switch(self, target: str) -> str:
+        """Forward new requests to ``target``; the previous target."""
+        with self._lock:
+            previous, self.target = self.target, target
+        return previous
+
+    def wait_idle(self, target: str, timeout: float) -> bool:
+        """Wait until no request forwarded to ``target`` is in flight (bounded)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.inflight[target] <= 0, timeout)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -> None:
@@ -267,6 +381,10 @@ class UpOptions:
     keep: bool = False
     demo: int = 0  # requests to send to the AR stage once every stage is ready
     exit_after: float | None = None  # seconds; None: until Ctrl-C
+    #: Read the file again every second: returns the pipeline it now holds (None: unchanged,
+    #: or invalid, reported), to roll to when its revision differs. None: no watching.
+    reload: Callable[[], Pipeline | None] | None = None
+    port: int = 0  # the front's port with reload (0: a free one)
 
 
 def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
@@ -274,8 +392,10 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"omni-{pipeline.name}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     local = LocalPipeline(pipeline, workdir, args.host)
+    front = Front(args.host, args.port) if args.reload is not None else None
     # Where `omni-pipeline status FILE` finds the stages (removed at exit).
-    record_endpoints(pipeline, workdir, {s.name: s.url for s in local.table_order()})
+    record_endpoints(pipeline, workdir, {s.name: s.url for s in local.table_order()},
+                     front=front.url if front is not None else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -283,7 +403,9 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
     last = [""]
 
     def show() -> None:
-        table = render_table(pipeline.name, local.table_order())
+        table = render_table(local.pipeline.name, local.table_order())
+        if front is not None:
+            table += f"\nrevision {local.pipeline.revision}; the pipeline's API: {front.url}"
         if table == last[0]:
             return
         last[0] = table
@@ -303,6 +425,8 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
                 what = "exited" if not s.alive() else f"was not ready after {STARTUP_TIMEOUT_S:g}s"
                 print(f"stage {s.name} {what}; the end of its log ({s.log_path}):\n" + _tail(s.log_path), file=out)
             return 1
+        if front is not None:
+            front.switch(local.entry.url)
         show()
         if args.demo:
             ar = next((s for s in local.table_order() if s.role == "ar"), None)
@@ -317,14 +441,65 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
             if any(not s.alive() for s in local.stages.values()):
                 print("a stage exited; stopping the pipeline", file=out)
                 return 1
+            if args.reload is not None and front is not None:
+                changed = args.reload()
+                if changed is not None and changed.revision != local.pipeline.revision:
+                    local = roll(local, changed, front, env, stop, out, workdir / changed.revision)
+                    record_endpoints(local.pipeline, workdir, {s.name: s.url for s in local.table_order()},
+                                     front=front.url)
         local.poll()
         show()
         return 0
     finally:
         local.stop()
+        if front is not None:
+            front.close()
         forget_endpoints(pipeline, workdir)
         if not args.workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def roll(old: LocalPipeline, pipeline: Pipeline, front: Front, env: dict[str, str], stop: threading.Event,
+         out: TextIO, workdir: Path) -> LocalPipeline:
+    """Roll the local pipeline to ``pipeline``'s revision (see the module docstring), its
+    stage configs and logs in ``workdir``; the pipeline now running (the old one if the new
+    revision did not come up)."""
+    before, after = old.pipeline.revision, pipeline.revision
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"revision {before} -> {after}: starting its stages, receivers first ({' -> '.join(launch_order(pipeline))})",
+          file=out, flush=True)
+    new = LocalPipeline(pipeline, workdir, old.host)
+    if not new.start(env, stop):
+        print(f"revision {after} did not come up (its logs in {workdir}); revision {before} keeps running", file=out)
+        new.stop()
+        return old
+    previous = front.switch(new.entry.url)
+    print(f"revision {after} is ready; the front forwards to {new.entry.name} at {new.entry.url}", file=out, flush=True)
+    if not front.wait_idle(previous, old.stop_timeout):
+        print(f"requests to revision {before} still in flight after {old.stop_timeout:g}s; draining anyway", file=out)
+    print(f"revision {before}: draining, senders first", file=out, flush=True)
+    totals = old.drain(out)
+    print(f"revision {after} rolled out; revision {before} drained (its KV transfers: "
+          f"{int(totals.get('delivered', 0))} delivered, {int(totals.get('failed', 0))} failed or expired)",
+          file=out, flush=True)
+    return new
+
+
+def file_watcher(path: Path, load: Callable[[Path], Pipeline | None]) -> Callable[[], Pipeline | None]:
+    """A reload for UpOptions: the file's pipeline when its text changed (and is valid)."""
+    seen = [hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""]
+
+    def reload() -> Pipeline | None:
+        try:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            return None
+        if digest == seen[0]:
+            return None
+        seen[0] = digest
+        return load(path)
+
+    return reload
 
 
 def _tail(path: Path, n: int = 3000) -> str:

@@ -35,10 +35,13 @@ def pointer_path(pipeline: Pipeline) -> Path:
     return state_dir() / f"{pipeline.namespace}.{pipeline.name}.json"
 
 
-def record_endpoints(pipeline: Pipeline, workdir: Path, urls: Mapping[str, str]) -> Path:
-    """Write where the stages' HTTP servers listen ({stage: base URL}); returns the pointer."""
+def record_endpoints(pipeline: Pipeline, workdir: Path, urls: Mapping[str, str], front: str | None = None) -> Path:
+    """Write where the stages' HTTP servers listen ({stage: base URL}, those of the revision
+    now running) and, with ``up --watch``, the pipeline's front; returns the pointer."""
     record = {"pipeline": pipeline.name, "namespace": pipeline.namespace, "workdir": str(workdir),
-              "pid": os.getpid(), "stages": dict(urls)}
+              "pid": os.getpid(), "revision": pipeline.revision, "stages": dict(urls)}
+    if front:
+        record["front"] = front
     (workdir / ENDPOINTS_FILE).write_text(json.dumps(record, indent=2) + "\n")
     pointer = pointer_path(pipeline)
     pointer.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

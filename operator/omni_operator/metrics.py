@@ -24,6 +24,7 @@ class OperatorMetrics:
             "omni_operator_api_requests_total", "Kubernetes API requests made, by verb and kind.",
             ["verb", "kind"], registry=self.registry)
         self._phases: dict[tuple[str, str], str] = {}
+        self._counts: dict[str, int] = {p: 0 for p in PHASES}
         self._lock = threading.Lock()
         for phase in PHASES:
             self.pipelines.labels(phase).set(0)
@@ -32,14 +33,18 @@ class OperatorMetrics:
         self.api_calls.labels(verb, kind).inc()
 
     def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
-        """Record a pipeline's phase (None: the pipeline is gone) and refresh the gauge."""
+        """Record a pipeline's phase (None: the pipeline is gone) and refresh the gauge.
+
+        Counted as phases change, not recounted: this runs at every reconcile, and a recount
+        would cost each reconcile a pass over every pipeline."""
         with self._lock:
-            if phase is None:
-                self._phases.pop((namespace, name), None)
-            else:
-                self._phases[(namespace, name)] = phase
-            counts = {p: 0 for p in PHASES}
-            for value in self._phases.values():
-                counts[value] = counts.get(value, 0) + 1
-            for p, n in counts.items():
-                self.pipelines.labels(p).set(n)
+            key = (namespace, name)
+            old = self._phases.pop(key, None) if phase is None else self._phases.get(key)
+            if old == phase:
+                return
+            if phase is not None:
+                self._phases[key] = phase
+            for value, step in ((old, -1), (phase, 1)):
+                if value is not None:
+                    self._counts[value] = self._counts.get(value, 0) + step
+                    self.pipelines.labels(value).set(self._counts[value])

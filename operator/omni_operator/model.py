@@ -9,11 +9,14 @@ rules for `engineArgs` (`omni_contract.engine_args`, the very check `omni-stage`
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from omni_contract.engine_args import engine_args_problems
+from omni_contract.kv_wire import KV_WIRE_VERSION
 
 from . import crd
 from .errors import Problem
@@ -36,6 +39,30 @@ class KvTransfer:
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """How a new revision replaces the old one for a stage (pods above and below its target)."""
+    max_surge: int
+    max_unavailable: int
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One autoscaling signal and its target (per replica; an age for the age signal)."""
+    signal: str
+    target: float
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    min_replicas: int
+    max_replicas: int
+    metrics: tuple[Metric, ...]
+
+    def clamp(self, replicas: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     role: str
@@ -50,6 +77,8 @@ class Stage:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     engine_args: Mapping[str, Any] = field(default_factory=dict)
     env: tuple[Mapping[str, Any], ...] = ()
+    rollout: Rollout = Rollout(0, 1)
+    autoscaling: Autoscaling | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +98,8 @@ class Observability:
     metrics: bool = True
     otlp_endpoint: str | None = None
     stuck_transfer_seconds: int = 120
+    #: The Prometheus that KEDA's triggers query (the autoscaling signals).
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
 
 
 @dataclass(frozen=True)
@@ -84,6 +115,8 @@ class Pipeline:
     observability: Observability
     image_pull_secrets: tuple[str, ...] = ()
     service_account: str | None = None
+    #: The hash of everything the stages must agree on (`revision_of`).
+    revision: str = ""
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -111,7 +144,7 @@ def pipeline_view(body: Mapping[str, Any]) -> Pipeline:
     cache = model.get("cache")
     token = model.get("hubTokenSecretRef")
     observability = spec["observability"]
-    return Pipeline(
+    pipeline = Pipeline(
         name=meta["name"],
         namespace=meta.get("namespace") or "default",
         uid=str(meta.get("uid") or ""),
@@ -133,8 +166,43 @@ def pipeline_view(body: Mapping[str, Any]) -> Pipeline:
             metrics=observability["metrics"],
             otlp_endpoint=(observability.get("tracing") or {}).get("otlpEndpoint") or None,
             stuck_transfer_seconds=observability["alerts"]["stuckTransferSeconds"],
+            **({"prometheus_url": observability["prometheusUrl"]} if observability.get("prometheusUrl") else {}),
         ),
     )
+    return dataclasses.replace(pipeline, revision=revision_of(pipeline))
+
+
+#: A revision is this many hex digits of the hash (a label value and a name suffix).
+REVISION_CHARS = 10
+#: Stage fields that do not make a revision: how many pods, and how they are replaced.
+_NOT_IN_REVISION = ("replicas", "autoscaling", "rollout")
+
+
+def revision_of(pipeline: "Pipeline") -> str:
+    """The pipeline's revision: a hash of everything its stages must agree on, from the typed
+    view that every rendered pod comes from (so two specs that render the same pods have the
+    same revision, whatever defaults they spell out): the images, the model, every stage's
+    template (all of it but replicas, autoscaling and rollout), the observability the stages
+    are configured with, and the KV payload format version (omni_contract.kv_wire, the
+    runtime protocol's WIRE_VERSION). A new revision gets workloads of its own."""
+    view = dataclasses.asdict(pipeline)
+    for key in ("name", "namespace", "uid", "generation", "revision"):
+        view.pop(key)
+    view["observability"].pop("prometheus_url")
+    for stage in view["stages"]:
+        for key in _NOT_IN_REVISION:
+            stage.pop(key)
+    view["kv_wire_version"] = KV_WIRE_VERSION
+    text = json.dumps(view, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:REVISION_CHARS]
+
+
+def _quantity_float(value: Any) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    from .quantities import parse_quantity
+
+    return float(parse_quantity(str(value)))
 
 
 def _stage(raw: Mapping[str, Any], default_image: str) -> Stage:
@@ -153,7 +221,23 @@ def _stage(raw: Mapping[str, Any], default_image: str) -> Stage:
         tolerations=tuple(raw.get("tolerations") or ()),
         engine_args=dict(raw.get("engineArgs") or {}),
         env=tuple(raw.get("env") or ()),
+        rollout=_rollout(raw.get("rollout") or {}, raw["gpus"]),
+        autoscaling=_autoscaling(raw.get("autoscaling")),
     )
+
+
+def _rollout(raw: Mapping[str, Any], gpus: int) -> Rollout:
+    # GPUs are scarce: by default a GPU stage is replaced in place (no spare GPU needed), a
+    # CPU stage surges one pod and never goes below its count (the Deployment defaults before).
+    surge, unavailable = (0, 1) if gpus > 0 else (1, 0)
+    return Rollout(int(raw.get("maxSurge", surge)), int(raw.get("maxUnavailable", unavailable)))
+
+
+def _autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
+    if not raw:
+        return None
+    return Autoscaling(int(raw["minReplicas"]), int(raw["maxReplicas"]),
+                       tuple(Metric(m["signal"], _quantity_float(m["target"])) for m in raw["metrics"]))
 
 
 def graph_problems(pipeline: Pipeline) -> list[Problem]:

@@ -1,6 +1,8 @@
 """Names and labels of the children, in one place so every module agrees on them."""
 from __future__ import annotations
 
+import hashlib
+
 HTTP_PORT = 8000
 KV_PORT = 9600
 #: The KV data plane's ports (inclusive): NIXL reads the KV blocks over UCX, and over TCP (no
@@ -18,8 +20,15 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 MANAGER = "omni-operator"
 PIPELINE_LABEL = "omnipipeline.dev/pipeline"
 STAGE_LABEL = "omnipipeline.dev/stage"
+REVISION_LABEL = "omnipipeline.dev/revision"
 CONFIG_HASH_ANNOTATION = "omnipipeline.dev/config-hash"
 LAST_APPLIED_ANNOTATION = "omnipipeline.dev/last-applied"
+#: On a revision's Deployment: the stage's upstream stages and whether it sends KV, so that an
+#: old revision's graph is read from its own objects (the spec only tells the current one's).
+INPUTS_ANNOTATION = "omnipipeline.dev/inputs"
+SENDS_ANNOTATION = "omnipipeline.dev/sends-kv"
+#: A Kubernetes object name (a DNS-1035 label, as a Service name must be) is at most this long.
+MAX_NAME = 63
 
 
 def stage_name(pipeline: str, stage: str) -> str:
@@ -27,20 +36,38 @@ def stage_name(pipeline: str, stage: str) -> str:
     return f"{pipeline}-{stage}"
 
 
-def kv_endpoint(pipeline: str, stage: str, namespace: str) -> str:
-    """host:port of a stage's KV receiver, through its Service."""
-    return f"{stage_name(pipeline, stage)}.{namespace}.svc:{KV_PORT}"
+def revision_name(pipeline: str, stage: str, revision: str) -> str:
+    """Name of one revision's workload of a stage (its Deployment, ConfigMap and KV Service):
+    ``P-S-REVISION``; where that passes 63 characters, ``P-S`` is cut and a hash of it keeps
+    two stages apart (``P-S`` itself always fits: the CRD refuses longer)."""
+    name = f"{stage_name(pipeline, stage)}-{revision}"
+    if len(name) <= MAX_NAME:
+        return name
+    base = stage_name(pipeline, stage)
+    digest = hashlib.sha256(base.encode()).hexdigest()[:6]
+    keep = MAX_NAME - len(revision) - len(digest) - 2
+    return f"{base[:keep].rstrip('-')}-{digest}-{revision}"
 
 
-def selector_labels(pipeline: str, stage: str | None = None) -> dict[str, str]:
-    """Labels that select a pipeline's pods (all of them, or one stage's)."""
+def kv_endpoint(pipeline: str, stage: str, namespace: str, revision: str | None = None) -> str:
+    """host:port of a stage's KV receiver: through its revision's KV Service (a sender only
+    ever reaches receivers of its own revision), or the stage's stable Service."""
+    name = revision_name(pipeline, stage, revision) if revision else stage_name(pipeline, stage)
+    return f"{name}.{namespace}.svc:{KV_PORT}"
+
+
+def selector_labels(pipeline: str, stage: str | None = None, revision: str | None = None) -> dict[str, str]:
+    """Labels that select a pipeline's pods (all of them, one stage's, or one stage's of one
+    revision)."""
     labels = {PIPELINE_LABEL: pipeline}
     if stage is not None:
         labels[STAGE_LABEL] = stage
+    if revision is not None:
+        labels[REVISION_LABEL] = revision
     return labels
 
 
-def common_labels(pipeline: str, stage: str | None = None) -> dict[str, str]:
+def common_labels(pipeline: str, stage: str | None = None, revision: str | None = None) -> dict[str, str]:
     """The standard app.kubernetes.io labels plus the selector labels."""
     labels = {
         "app.kubernetes.io/name": "omni-stage",
@@ -50,5 +77,5 @@ def common_labels(pipeline: str, stage: str | None = None) -> dict[str, str]:
     }
     if stage is not None:
         labels["app.kubernetes.io/component"] = stage
-    labels.update(selector_labels(pipeline, stage))
+    labels.update(selector_labels(pipeline, stage, revision))
     return labels

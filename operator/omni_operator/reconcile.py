@@ -31,10 +31,11 @@ from . import API_VERSION, KIND, naming
 from .admission import Admitted, admit
 from .diff import last_applied, merge_patch
 from .errors import SpecError
-from .kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, PODMONITOR, Kind
+from .kinds import BY_KIND, CHILD_KINDS, CONFIGMAP, DEPLOYMENT, HPA, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER, Kind
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
 from .model import Pipeline
+from .rollout import LEGACY, Plan, PodLoad, plan, pod_of, workload_of
 from .status import compute_status, invalid_status, status_patch
 from .transfers import TRANSFERS_HEALTHY
 
@@ -107,10 +108,13 @@ def child_selector(pipeline_name: str) -> str:
 class Reconciler:
     def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
                  clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0,
-                 health: TransferHealth | None = None, operator_peer: Mapping[str, Any] | None = None):
+                 health: TransferHealth | None = None, operator_peer: Mapping[str, Any] | None = None,
+                 now: Callable[[], float] = time.time):
         self.kube = kube
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
+        # Unix time, for the rollout's drain deadlines (pods' deletionTimestamps).
+        self.now = now
         # The last reading of the stages' transfer metrics (refreshed by the resync timer);
         # None: the status carries no transfer health.
         self.health = health
@@ -121,6 +125,10 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
         self._podmonitors: tuple[float, bool] | None = None
+        self._keda: tuple[float, bool] | None = None
+        # A current-revision Deployment with the rollout's replicas: (its admitted object,
+        # replicas, the copy), so an unchanged one is the same object (not compared again).
+        self._replicated: dict[tuple[str, str], tuple[dict[str, Any], int, dict[str, Any]]] = {}
         # What each pipeline's children should look like, as last rendered: lets a child
         # event be ignored cheaply when the child is still as desired.
         self._desired: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
@@ -163,6 +171,9 @@ class Reconciler:
                 self._in_sync.pop(key, None)
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
+            for key in [k for k, (child, _, _) in self._replicated.items()
+                        if k[0] == namespace and child["metadata"]["labels"].get(naming.PIPELINE_LABEL) == name]:
+                self._replicated.pop(key, None)
             self.metrics.set_phase(namespace, name, None)
             if self.health is not None:
                 self.health.forget(namespace, name)
@@ -175,10 +186,14 @@ class Reconciler:
         if desired is None:
             return True  # not reconciled by this process yet
         want = desired.get((child.get("kind"), meta.get("name")))
+        if child.get("kind") in (DEPLOYMENT.kind, STAGESCALER.kind):
+            # A Deployment of any revision: its rollout state moves the rollout and the status;
+            # a scaler: its autoscaler changed the stage's target.
+            return True
         if want is None:
-            return False  # not a current child (being deleted by us, or not ours)
-        if deleted or child.get("kind") == DEPLOYMENT.kind:
-            return True  # re-create it / refresh the status from its rollout state
+            return False  # not a current child (an old revision's, or being deleted by us, or not ours)
+        if deleted:
+            return True  # re-create it
         return bool(merge_patch(want, child, last_applied(child)))
 
     # -- the reconcile -----------------------------------------------------------------------
@@ -192,6 +207,12 @@ class Reconciler:
         if self._podmonitors is None or now - self._podmonitors[0] > self.addon_cache_seconds:
             self._podmonitors = (now, self.kube.serves(PODMONITOR))
         return self._podmonitors[1]
+
+    def _keda_served(self) -> bool:
+        now = time.monotonic()
+        if self._keda is None or now - self._keda[0] > self.addon_cache_seconds:
+            self._keda = (now, self.kube.serves(SCALEDOBJECT))
+        return self._keda[1]
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         meta = body["metadata"]
@@ -216,31 +237,53 @@ class Reconciler:
 
     def _apply(self, body: dict[str, Any], admitted: Admitted) -> Outcome:
         """Apply the children admission rendered (each with its last-applied record): the
-        very objects it checked."""
+        very objects it checked, the current revision's Deployments with the replicas the
+        rollout gives them; then the rollout's step for the old revisions."""
         pipeline = admitted.pipeline
         namespace, name = pipeline.namespace, pipeline.name
-        podmonitors = self._podmonitors_served()
-        desired = admitted.children_for(podmonitor_available=podmonitors)
-        self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
+        podmonitors, keda = self._podmonitors_served(), self._keda_served()
+        rendered = admitted.children_for(podmonitor_available=podmonitors, keda_available=keda)
         # A pipeline whose spec never changed (generation 1) and that no reconcile has
         # finished yet (no observedGeneration) can own no child but those rendered from this
         # very spec by an attempt that stopped half-way: creating each child finds those
         # (409: read, compare, patch), and none can be undesired. So nothing is listed.
         first = pipeline.generation <= 1 and not (body.get("status") or {}).get("observedGeneration")
-        live = {} if first else self._owned_children(pipeline, podmonitors)
+        live = {} if first else self._owned_children(pipeline, podmonitors, keda)
+        workloads = [w for (kind, _), obj in live.items() if kind == DEPLOYMENT.kind
+                     for w in [workload_of(obj, pipeline)] if w is not None]
+        targets = self._targets(pipeline, live, workloads)
+        step = self._plan(pipeline, targets, workloads)
+        desired = [self._with_replicas(pipeline, child, step) for child in rendered]
+        self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
         outcome = Outcome("unchanged")
         current: dict[tuple[str, str], dict[str, Any]] = {}
         conflicts = []
         for child in desired:
             key = (child["kind"], child["metadata"]["name"])
-            obj = self._apply_one(BY_KIND[child["kind"]], pipeline, child, live.get(key), outcome)
+            create_as = None
+            if child["kind"] == STAGESCALER.kind:  # its replicas are the autoscaler's after this
+                create_as = {**child, "spec": {**child["spec"], "replicas": targets[child["spec"]["stage"]]}}
+            obj = self._apply_one(BY_KIND[child["kind"]], pipeline, child, live.get(key), outcome, create_as)
             if obj is None:
                 conflicts.append(f"{key[0]} {key[1]}")
             else:
                 current[key] = obj
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
+        # An old revision's workload the rollout keeps (its Deployment, ConfigMap, KV Service).
+        kept = {key for key, obj in live.items() if key not in wanted
+                and _old_workload_key(obj, pipeline) in step.replicas}
+        for key in sorted(kept):
+            obj = live[key]
+            if key[0] == DEPLOYMENT.kind:
+                want = step.replicas[_old_workload_key(obj, pipeline)]
+                if int((obj.get("spec") or {}).get("replicas", 1)) != want:
+                    with _refusals("patch", key[0], key[1]):
+                        current[key] = self.kube.patch(DEPLOYMENT, namespace, key[1], {"spec": {"replicas": want}})
+                    outcome.changed.append(f"scale {key[0]}/{key[1]} to {want}")
+                else:
+                    current[key] = obj
         for key, obj in live.items():
-            if key not in wanted:
+            if key not in wanted and key not in kept:
                 with _refusals("delete", key[0], key[1]):
                     self.kube.delete(BY_KIND[key[0]], namespace, key[1])
                 outcome.changed.append(f"delete {key[0]}/{key[1]}")
@@ -248,6 +291,9 @@ class Reconciler:
         if outcome.changed:
             outcome.result = "applied"
             log.info("%s/%s: %s", namespace, name, ", ".join(outcome.changed))
+        for event in step.events:
+            if self._post_event(body, "Warning", event.reason, event.message, name=f"{name}.{event.key}"):
+                outcome.writes += 1
         if conflicts:
             refused = self._refuse(body, "ChildConflict",
                                    "objects with the children's names exist and are not owned by this OmniPipeline: "
@@ -255,16 +301,94 @@ class Reconciler:
             refused.writes += outcome.writes
             refused.changed = outcome.changed + refused.changed
             return refused
-        deployments = {stage.name: current.get((DEPLOYMENT.kind, naming.stage_name(pipeline.name, stage.name)))
+        outcome.writes += self._scaler_status(pipeline, current)
+        deployments = {stage.name: current.get((DEPLOYMENT.kind,
+                                                naming.revision_name(pipeline.name, stage.name, pipeline.revision)))
                        for stage in pipeline.stages}
         verdict = self.health.verdict(pipeline) if self.health is not None else None
+        autoscalers = {s.name: ("KEDA" if keda else "HPA") for s in pipeline.stages if s.autoscaling is not None}
         status = compute_status(pipeline, deployments, body.get("status"), self.clock(), transfers=verdict,
-                                transfer_health=self.health is not None)
+                                transfer_health=self.health is not None, targets=targets, rollout=step,
+                                autoscalers=autoscalers)
         outcome.phase = status["phase"]
         if self._write_status(body, status):
             outcome.writes += 1
             outcome.writes += self._transfer_events(body, status)
         return outcome
+
+    # -- the rollout ---------------------------------------------------------------------------
+    def _targets(self, pipeline: Pipeline, live: Mapping[tuple[str, str], dict[str, Any]],
+                 workloads: list[Any]) -> dict[str, int]:
+        """Each stage's replicas: the spec's, or for an autoscaled stage its scaler's (the
+        autoscaler's), within its bounds. A scaler not created yet starts from the stage's
+        count now, so turning autoscaling on scales nothing down."""
+        targets = {}
+        for stage in pipeline.stages:
+            if stage.autoscaling is None:
+                targets[stage.name] = stage.replicas
+                continue
+            scaler = live.get((STAGESCALER.kind, naming.stage_name(pipeline.name, stage.name)))
+            replicas = ((scaler or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int):
+                running = [w.replicas for w in workloads if w.stage == stage.name and w.revision == pipeline.revision]
+                running = running or [w.replicas for w in workloads if w.stage == stage.name]
+                replicas = max(running) if running else stage.replicas
+            targets[stage.name] = stage.autoscaling.clamp(replicas)
+        return targets
+
+    def _plan(self, pipeline: Pipeline, targets: dict[str, int], workloads: list[Any]) -> Plan:
+        rolling = any(w.revision != pipeline.revision for w in workloads)
+        pods, loads = [], {}
+        if rolling:  # the pods (and their last reading) matter only while an old revision drains
+            for obj in self.kube.list_pods(pipeline.namespace, child_selector(pipeline.name)):
+                pod = pod_of(obj)
+                if pod is not None:
+                    pods.append(pod)
+            reading = self.health.reading(pipeline.namespace, pipeline.name) if self.health is not None else None
+            if reading is not None:
+                loads = pod_loads(reading)
+        return plan(pipeline, targets, workloads, pods, loads, now=self.now(), read_loads=self.health is not None)
+
+    def _with_replicas(self, pipeline: Pipeline, child: dict[str, Any], step: Plan) -> dict[str, Any]:
+        """A current-revision Deployment with the replicas the rollout gives it (the same copy
+        while they do not change); any other child as admitted."""
+        if child["kind"] != DEPLOYMENT.kind:
+            return child
+        stage = child["metadata"]["labels"][naming.STAGE_LABEL]
+        replicas = step.replicas[(pipeline.revision, stage)]
+        key = (pipeline.namespace, child["metadata"]["name"])
+        known = self._replicated.get(key)
+        if known is not None and known[0] is child and known[1] == replicas:
+            return known[2]
+        copy = {**child, "spec": {**child["spec"], "replicas": replicas}}
+        self._replicated[key] = (child, replicas, copy)
+        return copy
+
+    def _scaler_status(self, pipeline: Pipeline, current: Mapping[tuple[str, str], dict[str, Any]]) -> int:
+        """Each OmniStageScaler's status: the stage's pods (all revisions) and their selector,
+        which the scale subresource hands to the autoscaler. Written only when it changed."""
+        writes = 0
+        for stage in pipeline.stages:
+            name = naming.stage_name(pipeline.name, stage.name)
+            scaler = current.get((STAGESCALER.kind, name))
+            if stage.autoscaling is None or scaler is None:
+                continue
+            deployments = [o for (kind, _), o in current.items() if kind == DEPLOYMENT.kind
+                           and (o["metadata"].get("labels") or {}).get(naming.STAGE_LABEL) == stage.name]
+            status = {
+                "replicas": sum(int((d.get("status") or {}).get("replicas") or 0) for d in deployments),
+                "readyReplicas": sum(int((d.get("status") or {}).get("readyReplicas") or 0) for d in deployments),
+                "selector": ",".join(f"{k}={v}" for k, v in naming.selector_labels(pipeline.name, stage.name).items()),
+            }
+            if (scaler.get("status") or {}) != status:
+                try:
+                    self.kube.patch_status(STAGESCALER, pipeline.namespace, name, {"status": status})
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    continue
+                writes += 1
+        return writes
 
     def _transfer_events(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> int:
         """One Warning event when TransfersHealthy turns False (or changes reason while False),
@@ -284,11 +408,11 @@ class Reconciler:
             return 1
         return 0
 
-    def _owned_children(self, pipeline: Pipeline, podmonitors: bool) -> dict[tuple[str, str], dict[str, Any]]:
+    def _owned_children(self, pipeline: Pipeline, podmonitors: bool, keda: bool) -> dict[tuple[str, str], dict[str, Any]]:
         selector = child_selector(pipeline.name)
         found: dict[tuple[str, str], dict[str, Any]] = {}
         for kind in CHILD_KINDS:
-            if kind is PODMONITOR and not podmonitors:
+            if (kind is PODMONITOR and not podmonitors) or (kind is SCALEDOBJECT and not keda):
                 continue
             for obj in self.kube.list(kind, pipeline.namespace, selector):
                 labels = (obj.get("metadata") or {}).get("labels") or {}
@@ -298,11 +422,14 @@ class Reconciler:
         return found
 
     def _apply_one(self, kind: Kind, pipeline: Pipeline, desired: dict[str, Any],
-                   live: dict[str, Any] | None, outcome: Outcome) -> dict[str, Any] | None:
+                   live: dict[str, Any] | None, outcome: Outcome,
+                   create_as: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """``create_as``: the body to create it with, where that holds more than the operator
+        keeps owning (a scaler's initial replicas)."""
         name = desired["metadata"]["name"]
         if live is None:
             try:
-                created = self.kube.create(kind, pipeline.namespace, desired)
+                created = self.kube.create(kind, pipeline.namespace, create_as or desired)
                 outcome.changed.append(f"create {kind.kind}/{name}")
                 return created
             except ApiException as exc:
@@ -358,14 +485,18 @@ class Reconciler:
             outcome.writes += 1
         return outcome
 
-    def _post_event(self, body: Mapping[str, Any], event_type: str, reason: str, message: str) -> None:
+    def _post_event(self, body: Mapping[str, Any], event_type: str, reason: str, message: str,
+                    name: str | None = None) -> bool:
+        """Post an event (best effort); ``name``: a fixed name, so that an event about one
+        fact is posted once however often (and by however many operators) it is seen. Whether
+        one was posted."""
         meta = body["metadata"]
         now = self.clock()
         namespace = meta.get("namespace") or "default"
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "metadata": ({"name": name[:253]} if name else {"generateName": f"{meta['name']}."}) | {"namespace": namespace},
             "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
                                "namespace": namespace, "uid": meta.get("uid", "")},
             "type": event_type,
@@ -379,4 +510,38 @@ class Reconciler:
         try:
             self.kube.create_event(namespace, event)
         except ApiException as exc:  # an event is best effort; the condition carries the news
-            log.warning("could not post event for %s/%s: %s", namespace, meta["name"], exc.status)
+            if exc.status != 409:  # 409: that very event was posted before
+                log.warning("could not post event for %s/%s: %s", namespace, meta["name"], exc.status)
+            return False
+        return True
+
+
+def _old_workload_key(obj: Mapping[str, Any], pipeline: Pipeline) -> tuple[str, str] | None:
+    """(revision, stage) of an old revision's Deployment, ConfigMap or KV Service, named as the
+    operator names them (an object made before revisions counts as revision "legacy"); None
+    for any other child."""
+    if obj.get("kind") not in (DEPLOYMENT.kind, CONFIGMAP.kind, SERVICE.kind):
+        return None
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    stage = labels.get(naming.STAGE_LABEL)
+    revision = labels.get(naming.REVISION_LABEL) or LEGACY
+    if not stage or revision == pipeline.revision:
+        return None
+    expected = (naming.stage_name(pipeline.name, stage) if revision == LEGACY
+                else naming.revision_name(pipeline.name, stage, revision))
+    return (revision, stage) if meta.get("name") == expected else None
+
+
+def pod_loads(reading: Any) -> dict[str, PodLoad]:
+    """What the last reading says of each pod, by name: transfers unresolved (pending or
+    active; held ones are among them) and requests running or queued."""
+    loads = {}
+    for stage in reading.stages.values():
+        for pod in stage.pods:
+            loads[pod.pod] = PodLoad(reading.read_at, pod.states.get("pending", 0.0) + pod.states.get("active", 0.0),
+                                     pod.requests)
+    for pod in getattr(reading, "draining", {}).values():
+        loads[pod.pod] = PodLoad(reading.read_at, pod.states.get("pending", 0.0) + pod.states.get("active", 0.0),
+                                 pod.requests)
+    return loads

@@ -3,6 +3,17 @@
 Rendered objects hold only the fields the operator owns. They omit empty values, because the
 API server drops them too and a difference that can never go away would mean a write on
 every reconcile.
+
+Two lifetimes:
+- the current revision's workload of each stage (``P-S-REV``: ConfigMap, Deployment and, for
+  a receiving stage, its KV Service), which only that revision's senders reach. The
+  Deployment is rendered without ``replicas``: how many pods each revision has at each step
+  of a rollout is the rollout's (``rollout.py``), not the spec's;
+- the stable children, whatever the revision: the stage's Service ``P-S`` (its API) and
+  PodDisruptionBudget, the pipeline's NetworkPolicy and PodMonitor, and for an autoscaled
+  stage its OmniStageScaler ``P-S`` (the autoscaler's scale target) with the autoscaler
+  itself, a KEDA ScaledObject or a HorizontalPodAutoscaler (both are rendered; the reconcile
+  applies the one the cluster serves).
 """
 from __future__ import annotations
 
@@ -10,8 +21,8 @@ import re
 from typing import Any, Mapping
 
 from . import API_VERSION, KIND, naming
-from .kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
-from .model import GPU_RESOURCE, Pipeline, Stage
+from .kinds import CONFIGMAP, DEPLOYMENT, HPA, NETWORKPOLICY, PDB, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER
+from .model import GPU_RESOURCE, Metric, Pipeline, Stage
 from .stage_config import config_hash, dump_stage_config, render_stage_config
 
 RUN_AS_USER = 1000  # the restricted Pod Security profile asks for a non-root user
@@ -34,29 +45,41 @@ def owner_reference(pipeline: Pipeline) -> dict[str, Any]:
     }
 
 
-def _metadata(pipeline: Pipeline, name: str, stage: str | None) -> dict[str, Any]:
+def _metadata(pipeline: Pipeline, name: str, stage: str | None, revision: str | None = None) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": pipeline.namespace,
-        "labels": naming.common_labels(pipeline.name, stage),
+        "labels": naming.common_labels(pipeline.name, stage, revision),
         "ownerReferences": [owner_reference(pipeline)],
     }
 
 
 def render_children(pipeline: Pipeline, *, podmonitor_available: bool,
-                    operator_peer: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+                    operator_peer: Mapping[str, Any] | None = None,
+                    keda_available: bool | None = None) -> list[dict[str, Any]]:
     """Every child the pipeline should have, in apply order. ``operator_peer``: where the
-    operator's own pods are (``{"namespace": ..., "labels": {...}}``), for the NetworkPolicy."""
+    operator's own pods are (``{"namespace": ..., "labels": {...}}``), for the NetworkPolicy.
+    ``keda_available``: which autoscaler an autoscaled stage gets (None: both, as admission
+    checks them; the reconcile keeps the one the cluster serves)."""
     children: list[dict[str, Any]] = []
     for stage in pipeline.stages:
         config_text = dump_stage_config(render_stage_config(pipeline, stage.name))
         children.append(render_configmap(pipeline, stage, config_text))
         children.append(render_service(pipeline, stage))
+        if stage.inputs:  # a receiving stage: its revision's KV Service
+            children.append(render_kv_service(pipeline, stage))
         children.append(render_deployment(pipeline, stage, config_hash(config_text)))
         children.append(render_pdb(pipeline, stage))
     children.append(render_networkpolicy(pipeline, operator_peer))
     if podmonitor_available and pipeline.observability.metrics:
         children.append(render_podmonitor(pipeline))
+    for stage in pipeline.stages:
+        if stage.autoscaling is not None:
+            children.append(render_stage_scaler(pipeline, stage))
+            if keda_available is not False:
+                children.append(render_scaledobject(pipeline, stage))
+            if keda_available is not True:
+                children.append(render_hpa(pipeline, stage))
     return children
 
 
@@ -64,12 +87,16 @@ def render_configmap(pipeline: Pipeline, stage: Stage, config_text: str) -> dict
     return {
         "apiVersion": CONFIGMAP.api_version,
         "kind": CONFIGMAP.kind,
-        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "metadata": _metadata(pipeline, naming.revision_name(pipeline.name, stage.name, pipeline.revision),
+                              stage.name, pipeline.revision),
         "data": {naming.CONFIG_KEY: config_text},
     }
 
 
 def render_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    """The stage's stable Service: its API (``http``) on the stage's ready pods of every
+    revision, so clients keep one address across rollouts. Its ``kv`` port is what KV
+    endpoints named before revisions existed; the current ones name a revision's KV Service."""
     return {
         "apiVersion": SERVICE.api_version,
         "kind": SERVICE.kind,
@@ -81,6 +108,22 @@ def render_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
                 {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                 {"name": "kv", "port": naming.KV_PORT, "targetPort": "kv", "protocol": "TCP"},
             ],
+        },
+    }
+
+
+def render_kv_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    """A receiving stage's KV Service for one revision: the senders of that revision name it
+    in their stage config, so they only ever reach receivers of their own revision."""
+    return {
+        "apiVersion": SERVICE.api_version,
+        "kind": SERVICE.kind,
+        "metadata": _metadata(pipeline, naming.revision_name(pipeline.name, stage.name, pipeline.revision),
+                              stage.name, pipeline.revision),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector_labels(pipeline.name, stage.name, pipeline.revision),
+            "ports": [{"name": "kv", "port": naming.KV_PORT, "targetPort": "kv", "protocol": "TCP"}],
         },
     }
 
@@ -153,6 +196,7 @@ PODMONITOR_TARGET_LABELS = {
     "pod": "__meta_kubernetes_pod_name",
     "pipeline": pod_label_meta(naming.PIPELINE_LABEL),
     "stage": pod_label_meta(naming.STAGE_LABEL),
+    "revision": pod_label_meta(naming.REVISION_LABEL),
 }
 
 
@@ -181,10 +225,12 @@ def render_podmonitor(pipeline: Pipeline) -> dict[str, Any]:
 
 
 def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
-    downstream = [naming.kv_endpoint(pipeline.name, s, pipeline.namespace) for s in pipeline.downstream_of(stage.name)]
+    downstream = [naming.kv_endpoint(pipeline.name, s, pipeline.namespace, pipeline.revision)
+                  for s in pipeline.downstream_of(stage.name)]
     env: list[dict[str, Any]] = [
         {"name": "OMNI_PIPELINE", "value": pipeline.name},
         {"name": "OMNI_STAGE", "value": stage.name},
+        {"name": "OMNI_REVISION", "value": pipeline.revision},
         {"name": "OMNI_STAGE_ROLE", "value": stage.role},
         {"name": "OMNI_STAGE_CONFIG", "value": naming.CONFIG_PATH},
         {"name": "OMNI_DOWNSTREAM_ENDPOINTS", "value": ",".join(downstream)},
@@ -207,7 +253,8 @@ def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
             {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "http/protobuf"},
             {"name": "OTEL_SERVICE_NAME", "value": naming.stage_name(pipeline.name, stage.name)},
             {"name": "OTEL_RESOURCE_ATTRIBUTES",
-             "value": f"omni.pipeline={pipeline.name},omni.stage={stage.name},k8s.namespace.name={pipeline.namespace}"},
+             "value": f"omni.pipeline={pipeline.name},omni.stage={stage.name},omni.revision={pipeline.revision},"
+                      f"k8s.namespace.name={pipeline.namespace}"},
         ]
     env += [dict(item) for item in stage.env]
     return env
@@ -233,7 +280,8 @@ def _probe(period: int, failures: int, timeout: int) -> dict[str, Any]:
 
 
 def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) -> dict[str, Any]:
-    name = naming.stage_name(pipeline.name, stage.name)
+    """The stage's workload of the current revision, without ``replicas`` (the rollout's)."""
+    name = naming.revision_name(pipeline.name, stage.name, pipeline.revision)
     container: dict[str, Any] = {
         "name": "stage",
         "image": stage.image,
@@ -263,7 +311,7 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
         },
     }
     volumes: list[dict[str, Any]] = [
-        {"name": "stage-config", "configMap": {"name": name}},
+        {"name": "stage-config", "configMap": {"name": name}},  # the revision's ConfigMap
         # vLLM and NCCL need a large shared-memory segment; the container default is 64Mi.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": stage.shm_size}},
         {"name": "tmp", "emptyDir": {}},
@@ -302,21 +350,25 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
         pod_spec["imagePullSecrets"] = [{"name": n} for n in pipeline.image_pull_secrets]
     if pipeline.service_account:
         pod_spec["serviceAccountName"] = pipeline.service_account
-    # GPUs are scarce: replace pods in place rather than surge onto GPUs that may not exist.
-    rolling = {"maxSurge": 0, "maxUnavailable": 1} if stage.gpus > 0 else {"maxSurge": 1, "maxUnavailable": 0}
+    # The stage's own limits also bound a pod template change within a revision (GPUs are
+    # scarce: a GPU stage is replaced in place rather than surging onto GPUs that may not exist).
+    rolling = {"maxSurge": stage.rollout.max_surge, "maxUnavailable": stage.rollout.max_unavailable}
+    metadata = _metadata(pipeline, name, stage.name, pipeline.revision)
+    # The revision's graph, read back from its own objects while it drains (rollout.py).
+    metadata["annotations"] = {naming.INPUTS_ANNOTATION: ",".join(stage.inputs),
+                               naming.SENDS_ANNOTATION: "true" if stage.kv.send else "false"}
     return {
         "apiVersion": DEPLOYMENT.api_version,
         "kind": DEPLOYMENT.kind,
-        "metadata": _metadata(pipeline, name, stage.name),
+        "metadata": metadata,
         "spec": {
-            "replicas": stage.replicas,
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": STARTUP_BUDGET_SECONDS,
-            "selector": {"matchLabels": naming.selector_labels(pipeline.name, stage.name)},
+            "selector": {"matchLabels": naming.selector_labels(pipeline.name, stage.name, pipeline.revision)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
                 "metadata": {
-                    "labels": naming.common_labels(pipeline.name, stage.name),
+                    "labels": naming.common_labels(pipeline.name, stage.name, pipeline.revision),
                     "annotations": {
                         # A changed stage config changes the pod template, so the pods roll.
                         naming.CONFIG_HASH_ANNOTATION: stage_config_hash,
@@ -327,3 +379,108 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
             },
         },
     }
+
+
+# ---------------------------------------------------------------------------- autoscaling
+#: Each signal: the PromQL KEDA's trigger runs (labels as the operator's PodMonitor sets them;
+#: ``{sel}`` the stage's series, ``{to}`` the series of the stages sending to it), the external
+#: metric name an HPA asks the metrics adapter for (docs/operator.md gives the adapter's rules),
+#: and the target type: the total over the stage's pods divided by the target is the replicas
+#: (AverageValue), or, for an age, the value itself against the target (Value).
+SIGNALS: dict[str, tuple[str, str, str]] = {
+    "queuedRequests": ("sum(vllm:num_requests_waiting{{{sel}}})", "omni_stage_queued_requests", "AverageValue"),
+    "kvCacheUsage": ("sum(vllm:kv_cache_usage_perc{{{sel}}})", "omni_stage_kv_cache_usage", "AverageValue"),
+    "pendingTransfers": ('sum(omni_kv_transfers{{{sel},state="pending"}})', "omni_stage_pending_transfers",
+                         "AverageValue"),
+    "heldTransfers": ('sum(omni_kv_transfers{{{sel},state="held"}})', "omni_stage_held_transfers", "AverageValue"),
+    "oldestPendingTransferSeconds": (
+        'max(time() - (omni_kv_transfer_oldest_start_timestamp_seconds{{{sel},state="pending"}} > 0)) or vector(0)',
+        "omni_stage_oldest_pending_transfer_seconds", "Value"),
+    "incomingTransfers": ("sum(omni_kv_edge_transfers_active{{{to}}})", "omni_stage_incoming_transfers",
+                          "AverageValue"),
+}
+
+
+def signal_query(pipeline: Pipeline, stage: Stage, signal: str) -> str:
+    """The PromQL of one autoscaling signal of one stage."""
+    where = f'namespace="{pipeline.namespace}",pipeline="{pipeline.name}"'
+    return SIGNALS[signal][0].format(sel=f'{where},stage="{stage.name}"', to=f'{where},to_stage="{stage.name}"')
+
+
+def _number(value: float) -> str:
+    """A target as a plain decimal (KEDA parses a float; Kubernetes a quantity: both take it)."""
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def _scale_target(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    return {"apiVersion": STAGESCALER.api_version, "kind": STAGESCALER.kind,
+            "name": naming.stage_name(pipeline.name, stage.name)}
+
+
+def render_stage_scaler(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    """The stable scale target of the stage's autoscaler. ``spec.replicas`` is not rendered:
+    the autoscaler owns it (the reconcile sets it once, when it creates the object)."""
+    return {
+        "apiVersion": STAGESCALER.api_version,
+        "kind": STAGESCALER.kind,
+        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "spec": {"pipeline": pipeline.name, "stage": stage.name},
+    }
+
+
+def render_hpa(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    """An autoscaling/v2 HorizontalPodAutoscaler on the stage's OmniStageScaler, its signals
+    as External metrics (a metrics adapter serves them from Prometheus). An HPA cannot scale
+    to zero (without the alpha HPAScaleToZero gate): its minReplicas is at least 1."""
+    assert stage.autoscaling is not None
+    metrics = []
+    for metric in stage.autoscaling.metrics:
+        _, name, target_type = SIGNALS[metric.signal]
+        target = ({"type": "AverageValue", "averageValue": _number(metric.target)} if target_type == "AverageValue"
+                  else {"type": "Value", "value": _number(metric.target)})
+        metrics.append({"type": "External", "external": {
+            "metric": {"name": name, "selector": {"matchLabels": {"pipeline": pipeline.name, "stage": stage.name}}},
+            "target": target}})
+    return {
+        "apiVersion": HPA.api_version,
+        "kind": HPA.kind,
+        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "spec": {
+            "scaleTargetRef": _scale_target(pipeline, stage),
+            "minReplicas": max(1, stage.autoscaling.min_replicas),
+            "maxReplicas": stage.autoscaling.max_replicas,
+            "metrics": metrics,
+        },
+    }
+
+
+def render_scaledobject(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
+    """A KEDA ScaledObject on the stage's OmniStageScaler, one Prometheus trigger per signal;
+    minReplicas 0 scales a generation stage to zero (KEDA activates it when a signal rises)."""
+    assert stage.autoscaling is not None
+    triggers = []
+    for metric in stage.autoscaling.metrics:
+        triggers.append({
+            "type": "prometheus",
+            "name": _trigger_name(metric),
+            "metricType": SIGNALS[metric.signal][2],
+            "metadata": {"serverAddress": pipeline.observability.prometheus_url,
+                         "query": signal_query(pipeline, stage, metric.signal),
+                         "threshold": _number(metric.target)},
+        })
+    return {
+        "apiVersion": SCALEDOBJECT.api_version,
+        "kind": SCALEDOBJECT.kind,
+        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "spec": {
+            "scaleTargetRef": _scale_target(pipeline, stage),
+            "minReplicaCount": stage.autoscaling.min_replicas,
+            "maxReplicaCount": stage.autoscaling.max_replicas,
+            "triggers": triggers,
+        },
+    }
+
+
+def _trigger_name(metric: Metric) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", metric.signal).lower()

@@ -6,7 +6,9 @@ It never holds secrets: the hub token reaches the pod as a secretKeyRef environm
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from typing import Any, Callable
 
 import yaml
@@ -25,12 +27,13 @@ def render_stage_config(
 ) -> dict[str, Any]:
     """The stage config as a dict.
 
-    `endpoint_for(stage)` gives the host:port of a stage's KV receiver; by default the stage's
-    Service in the pipeline's namespace (a local runner passes 127.0.0.1 addresses).
+    `endpoint_for(stage)` gives the host:port of a stage's KV receiver; by default the KV
+    Service of the stage's revision in the pipeline's namespace, so that a sender only ever
+    reaches receivers of its own revision (a local runner passes 127.0.0.1 addresses).
     """
     if endpoint_for is None:
         def endpoint_for(name: str) -> str:
-            return naming.kv_endpoint(pipeline.name, name, pipeline.namespace)
+            return naming.kv_endpoint(pipeline.name, name, pipeline.namespace, pipeline.revision)
     stage = pipeline.stage(stage_name)
     model: dict[str, Any] = {"name": pipeline.model.name}
     if pipeline.model.path:
@@ -55,6 +58,7 @@ def render_stage_config(
         "kind": CONFIG_KIND,
         "pipeline": pipeline.name,
         "namespace": pipeline.namespace,
+        "revision": pipeline.revision,
         "stage": stage.name,
         "role": stage.role,
         "model": model,
@@ -74,8 +78,21 @@ def render_stage_config(
 
 
 def dump_stage_config(config: dict[str, Any]) -> str:
-    """Deterministic YAML (sorted keys), so the same config always hashes the same."""
-    return yaml.safe_dump(config, sort_keys=True, default_flow_style=False)
+    """Deterministic YAML (sorted keys), so the same config always hashes the same.
+
+    The text is `yaml.safe_dump(config, sort_keys=True, default_flow_style=False)`, built a
+    top-level key at a time: in block style each key's entry starts at column 0 and does not
+    depend on the others, so the document is their concatenation. Most entries (the model,
+    engine arguments, ports, observability) are the same in every pipeline and every render,
+    and PyYAML is slow (about 1 ms a config), so each entry is dumped once per value."""
+    return "".join(_entry(key, json.dumps(config[key], sort_keys=True)) for key in sorted(config))
+
+
+@functools.lru_cache(maxsize=4096)
+def _entry(key: str, value_json: str) -> str:
+    """One top-level entry, a pure function of its key and its value (a stage config is JSON
+    data: the value is the one its JSON gives back)."""
+    return yaml.safe_dump({key: json.loads(value_json)}, sort_keys=True, default_flow_style=False)
 
 
 def config_hash(text: str) -> str:

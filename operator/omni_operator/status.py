@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from typing import TYPE_CHECKING
+
 from .model import Pipeline
 from .transfers import FAILING, NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
+
+if TYPE_CHECKING:
+    from .rollout import Plan
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
@@ -40,6 +45,8 @@ def stage_state(desired_replicas: int, deployment: Mapping[str, Any] | None) -> 
     generation = int((deployment.get("metadata") or {}).get("generation") or 0)
     observed = int(st.get("observedGeneration") or 0)
     spec_replicas = int((deployment.get("spec") or {}).get("replicas", desired_replicas))
+    if spec_replicas < desired_replicas:
+        return counts, "progressing", f"{spec_replicas}/{desired_replicas} pods started (receivers first, within maxSurge)"
     if observed < generation or spec_replicas != desired_replicas:
         return counts, "progressing", "rollout not yet observed"
     if counts["updatedReplicas"] < desired_replicas or int(st.get("replicas") or 0) > desired_replicas:
@@ -114,16 +121,28 @@ def _with_previous_counts(new: Mapping[str, Any], old: Mapping[str, Any] | None)
 
 def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, Any]],
                    previous: Mapping[str, Any] | None, now: str,
-                   transfers: TransfersVerdict | None = None, *, transfer_health: bool = True) -> dict[str, Any]:
-    """Status from the stage Deployments (keyed by stage name) and the verdict of the last
-    reading of the stages' transfer metrics (None: no new reading; the previous status's
+                   transfers: TransfersVerdict | None = None, *, transfer_health: bool = True,
+                   targets: Mapping[str, int] | None = None, rollout: "Plan | None" = None,
+                   autoscalers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Status from the current revision's stage Deployments (keyed by stage name), the
+    rollout's step (``rollout``: the revisions and what it waits for) and the verdict of the
+    last reading of the stages' transfer metrics (None: no new reading; the previous status's
     transfer fields stay as they are). ``transfer_health=False``: the operator does not read
-    them (no TransfersHealthy condition, ``transfersHealth: off``)."""
+    them (no TransfersHealthy condition, ``transfersHealth: off``). ``targets``: each stage's
+    replicas (the spec's, or its autoscaler's, named in ``autoscalers``)."""
     old_stages = {st.get("name"): st for st in (previous or {}).get("stages") or []}
+    targets = targets or {}
+    autoscalers = autoscalers or {}
+    draining = {entry["name"] for r in (rollout.revisions if rollout else []) if not r.current
+                for entry in r.stages}
     stages, waiting, failing = [], [], []
     for stage in pipeline.stages:
-        counts, state, detail = stage_state(stage.replicas, deployments.get(stage.name))
+        counts, state, detail = stage_state(targets.get(stage.name, stage.replicas), deployments.get(stage.name))
+        if state == "ready" and stage.name in draining:
+            state, detail = "progressing", "an old revision is draining"
         entry: dict[str, Any] = {"name": stage.name, **counts}
+        if stage.name in autoscalers:
+            entry["autoscaler"] = autoscalers[stage.name]
         before = (old_stages.get(stage.name) or {}).get("transfers")
         figures = (None if not transfer_health else transfers.stages.get(stage.name) if transfers is not None
                    else before)
@@ -139,11 +158,16 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
     ready_count = len(pipeline.stages) - len(waiting) - len(failing)
     all_ready = not waiting and not failing
     gen = pipeline.generation
+    rolling = rollout is not None and rollout.rolling
+    progress = list(waiting)
+    if rolling:  # the step: what the rollout to the current revision waits for
+        progress = [f"revision {pipeline.revision}: " + "; ".join(rollout.waiting or waiting or ["finishing"])]
     conditions = [
         _condition(READY, all_ready, "AllStagesReady" if all_ready else "StagesNotReady",
                    "all stages are ready" if all_ready else "; ".join(failing + waiting), gen),
-        _condition(PROGRESSING, bool(waiting), "RollingOut" if waiting else "Complete",
-                   "; ".join(waiting) if waiting else "no rollout in progress", gen),
+        _condition(PROGRESSING, bool(waiting) or rolling,
+                   "RevisionRollingOut" if rolling else "RollingOut" if waiting else "Complete",
+                   "; ".join(progress) if progress else "no rollout in progress", gen),
         _condition(DEGRADED, bool(failing), "StageFailing" if failing else "AsExpected",
                    "; ".join(failing) if failing else "no stage is failing", gen),
     ]
@@ -153,7 +177,7 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
     phase = "Degraded" if failing else "Ready" if all_ready else "Progressing"
     summary = ("off" if not transfer_health else transfers.summary if transfers is not None and not standing
                else (previous or {}).get("transfersHealth") or NOT_READ.summary)
-    return {
+    status = {
         "observedGeneration": gen,
         "phase": phase,
         "stagesReady": f"{ready_count}/{len(pipeline.stages)}",
@@ -161,6 +185,12 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
         "stages": stages,
         "conditions": with_transition_times(conditions, (previous or {}).get("conditions"), now),
     }
+    if pipeline.revision:
+        status["revision"] = pipeline.revision
+    if rollout is not None:
+        status["revisions"] = [{"revision": r.revision, "current": r.current, "draining": r.draining,
+                                "stages": r.stages} for r in rollout.revisions]
+    return status
 
 
 NOT_PROGRESSING = {

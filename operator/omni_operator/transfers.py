@@ -37,6 +37,10 @@ EDGE_RESOLVED = "omni_kv_edge_transfers_resolved_total"
 # ... and a receiving stage's (label from_stage).
 RECEIVED = "omni_kv_received_total"
 FAMILIES = (TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, EDGE_ACTIVE, EDGE_OLDEST, EDGE_RESOLVED, RECEIVED)
+# vLLM's own request gauges: whether a draining AR pod still runs requests (rollout.py).
+REQUESTS_RUNNING = "vllm:num_requests_running"
+REQUESTS_WAITING = "vllm:num_requests_waiting"
+REQUEST_FAMILIES = (REQUESTS_RUNNING, REQUESTS_WAITING)
 
 TRANSFERS_HEALTHY = "TransfersHealthy"
 STUCK, FAILING, UNAVAILABLE = "TransferStuck", "TransfersFailing", "MetricsUnavailable"
@@ -66,6 +70,7 @@ class Sample:
     received: Mapping[str, float] = field(default_factory=dict)  # outcome -> total (receiver)
     sends: bool = False  # the page has the ledger's families (a stage running the omni scheduler)
     receives: bool = False  # the page has the receiver's families
+    requests: float | None = None  # vLLM's requests running and waiting (None: no vLLM on the page)
 
 
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -100,7 +105,13 @@ def parse_metrics(text: str) -> Sample:
     edges: dict[str, dict[str, Any]] = {}
     held_blocks = 0.0
     sends = receives = False
+    requests: float | None = None
     for line in text.splitlines():
+        if line.startswith("vllm:num_requests_"):
+            parsed = _parse_line(line)
+            if parsed is not None and parsed[0] in REQUEST_FAMILIES and parsed[2] == parsed[2]:
+                requests = (requests or 0.0) + parsed[2]
+            continue
         if not line.startswith("omni_kv_"):
             continue
         parsed = _parse_line(line)
@@ -139,7 +150,7 @@ def parse_metrics(text: str) -> Sample:
     return Sample(
         states=states, held_blocks=held_blocks, oldest=oldest, resolved=resolved, received=received,
         edges={k: EdgeSample(v["active"], v["oldest"], v["resolved"]) for k, v in edges.items()},
-        sends=sends, receives=receives,
+        sends=sends, receives=receives, requests=requests,
     )
 
 
@@ -180,6 +191,7 @@ class PodReading:
     received_increase: Mapping[str, float] = field(default_factory=dict)
     sends: bool = False
     receives: bool = False
+    requests: float | None = None  # vLLM's requests running and waiting
 
 
 def pod_reading(pod: str, previous: Sample | None, current: Sample) -> PodReading:
@@ -194,7 +206,7 @@ def pod_reading(pod: str, previous: Sample | None, current: Sample) -> PodReadin
         increase=_increases(previous.resolved if previous is not None else None, current.resolved),
         edges=edges,
         received_increase=_increases(previous.received if previous is not None else None, current.received),
-        sends=current.sends, receives=current.receives,
+        sends=current.sends, receives=current.receives, requests=current.requests,
     )
 
 
@@ -214,6 +226,9 @@ class PipelineReading:
     stages: Mapping[str, StageReading] = field(default_factory=dict)
     #: Why nothing could be read at all (e.g. the Prometheus query failed), else "".
     error: str = ""
+    #: Terminating pods (an old revision draining), by name: read for the rollout's drain,
+    #: left out of the stages' figures and of the verdict.
+    draining: Mapping[str, PodReading] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------- status

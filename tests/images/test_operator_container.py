@@ -10,6 +10,8 @@ configuration does not).
 """
 from __future__ import annotations
 
+import copy
+
 import json
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from procs import free_port, http_get, wait_until
 
 from omni_operator import naming
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, SERVICE
+from omni_operator.model import parse_pipeline
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 KUBECONFIG_DIR = "/var/run/omni-test"
@@ -114,7 +117,8 @@ def test_operator_container_reconciles_a_pipeline_into_its_children(operator_con
     create_pipeline(kube, body)
 
     stages = [s["name"] for s in body["spec"]["stages"]]
-    names = [naming.stage_name("tiny", s) for s in stages]
+    revision = parse_pipeline(copy.deepcopy(body)).revision
+    names = [naming.revision_name("tiny", s, revision) for s in stages]  # the revision's workloads
     deployments = wait_for(lambda: all(kube.get(DEPLOYMENT, NAMESPACE, n) for n in names)
                            and [kube.get(DEPLOYMENT, NAMESPACE, n) for n in names], 60,
                            "the stage Deployments, created by the operator container")
@@ -122,8 +126,8 @@ def test_operator_container_reconciles_a_pipeline_into_its_children(operator_con
         (stage_container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert stage_container["image"] == RUNTIME_IMAGE
         assert stage_container["command"] == ["omni-stage", "--config", naming.CONFIG_PATH]
-    for name in names:
-        assert kube.get(SERVICE, NAMESPACE, name)
+    for stage, name in zip(stages, names):
+        assert kube.get(SERVICE, NAMESPACE, naming.stage_name("tiny", stage))
         config_map = kube.get(CONFIGMAP, NAMESPACE, name)
         assert yaml.safe_load(config_map["data"][naming.CONFIG_KEY])["pipeline"] == "tiny"
     status = wait_for(lambda: (kube.get_pipeline(NAMESPACE, "tiny") or {}).get("status", {}).get("observedGeneration"),

@@ -77,8 +77,10 @@ def pipeline(images, tmp_path_factory):
     deployments = {o["metadata"]["name"]: o for o in children if o["kind"] == "Deployment"}
     started: dict[str, PodContainer] = {}
 
+    revision = parse_pipeline(copy.deepcopy(body)).revision
+
     def start(stage: str, hosts: dict[str, str] | None = None) -> PodContainer:
-        name = naming.stage_name("tiny", stage)
+        name = naming.revision_name("tiny", stage, revision)  # the revision's Deployment and ConfigMap
         started[stage] = start_pod(
             deployments[name]["spec"]["template"]["spec"], pod_name=f"{name}-0", namespace=NAMESPACE,
             config_maps=config_maps, claims={MODELS_CLAIM: models}, hosts=hosts,
@@ -96,11 +98,13 @@ def pipeline(images, tmp_path_factory):
     try:
         receiver = start("receiver")
         wait_healthy(receiver, 120, "the receiver container to be healthy")
-        # The AR stage reaches the receiver by its Service's DNS name, as in the cluster.
-        service = naming.kv_endpoint("tiny", "receiver", NAMESPACE).rsplit(":", 1)[0]
+        # The AR stage reaches the receiver by its revision's KV Service's DNS name, as in the cluster.
+        service = naming.kv_endpoint("tiny", "receiver", NAMESPACE, revision).rsplit(":", 1)[0]
         ar = start("ar", hosts={service: receiver.ip()})
         wait_healthy(ar, 420, "the AR container (vLLM) to be healthy")
-        yield {"ar": ar, "receiver": receiver, "deployments": deployments}
+        yield {"ar": ar, "receiver": receiver,
+               "deployments": {naming.stage_name("tiny", s): deployments[naming.revision_name("tiny", s, revision)]
+                               for s in ("ar", "receiver")}}
     finally:
         for container in started.values():
             container.remove()

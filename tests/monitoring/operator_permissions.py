@@ -30,8 +30,10 @@ FIXED_METHODS: dict[str, set[Permission]] = {
     "list_pipelines": {(GROUP, PLURAL, "list")},
     "patch_pipeline_status": {(GROUP, f"{PLURAL}/status", "patch")},
     "create_event": {("", "events", "create")},
-    # The resync timer lists the stage pods to read their /metrics (transfer health).
+    # The stage pods: their /metrics (transfer health), and which remain while a revision drains.
     "list_pods": {("", "pods", "list")},
+    # An autoscaled stage's OmniStageScaler status (its pods and selector, for the autoscaler).
+    "patch_status": {(GROUP, "omnistagescalers/status", "patch")},
     "serves": set(),  # API discovery (GET /apis/<group>/<version>): open to every account
 }
 # kopf posts Kubernetes events for handler warnings and errors.

@@ -127,10 +127,12 @@ def prometheus(tmp_path_factory, stages, operator):
     pipeline = parse_pipeline({**pipeline_body(), "metadata": {**pipeline_body()["metadata"], "uid": "u-1"}})
     children = render_children(pipeline, podmonitor_available=True)
     (pod_endpoint,) = next(c for c in children if c["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"]
-    deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == DEPLOYMENT.kind}
+    # Each stage's Deployment (its revision's workload, named after the revision).
+    deployments = {c["spec"]["template"]["metadata"]["labels"][naming.STAGE_LABEL]: c
+                   for c in children if c["kind"] == DEPLOYMENT.kind}
     stage_targets = []
     for name, proc in stages.items():
-        deployment = deployments[naming.stage_name(PIPELINE, name)]
+        deployment = deployments[name]
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         stage_targets.append({"targets": [f"127.0.0.1:{proc.http_port}"],
                               "labels": pod_meta(NAMESPACE, f"{deployment['metadata']['name']}-5f6b-{name[:2]}", labels)})

@@ -21,9 +21,9 @@ import pytest
 
 from k8s_emulator import ApiCall, EmulatorThread
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, RunningOperator, complete_rollout, create_pipeline,
-                           make_kube, patch_pipeline, pipeline_body, status, wait_for)
+                           make_kube, patch_pipeline, pipeline_body, status, wait_for, workload)
 from omni_operator import naming
-from omni_operator.kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, EVENT
+from omni_operator.kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, EVENT, SCALEDOBJECT, STAGESCALER
 from omni_operator.model import parse_pipeline
 from omni_operator.render import render_children
 
@@ -73,9 +73,11 @@ def permission(call: ApiCall) -> Permission:
     return (call.group, call.resource, call.verb)
 
 
-def scripted_session(authorize: ChartAuthorizer, clusterwide: bool) -> list[ApiCall]:
-    """Create, adopt, update, break, repair and delete a pipeline; the operator's calls."""
-    with EmulatorThread(podmonitors=True) as emu:  # the Prometheus Operator's CRDs are served
+def scripted_session(authorize: ChartAuthorizer, clusterwide: bool, keda: bool) -> list[ApiCall]:
+    """Create, adopt, update, break, repair and delete a pipeline with an autoscaled stage (its
+    autoscaler a KEDA ScaledObject where ``keda``, else an HPA); the operator's calls."""
+    # the Prometheus Operator's CRDs are served, and KEDA's in one of the two sessions
+    with EmulatorThread(podmonitors=True, keda=keda) as emu:
         emu.emulator.authorize = authorize
         user = make_kube(emu.url, "cluster-admin")
         user.request("create", "Namespace", "POST", "/api/v1/namespaces",
@@ -84,9 +86,13 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool) -> list[ApiC
         # by an earlier operator: under old names (no longer wanted: deleted), and one stage's
         # and the pipeline's own children without the managed-by label (the operator's list
         # misses them; its create conflicts, it reads them and adopts them with a patch).
-        created = create_pipeline(user, pipeline_body())
-        adopt = {"tiny-thinker", "tiny"}
-        for child in render_children(parse_pipeline(created), podmonitor_available=True):
+        body = pipeline_body()
+        body["spec"]["stages"][2]["autoscaling"] = {"maxReplicas": 3, "metrics": [{"signal": "incomingTransfers",
+                                                                                   "target": 2}]}
+        created = create_pipeline(user, body)
+        thinker = workload("thinker", body)
+        adopt = {thinker, "tiny", "tiny-code2wav"}
+        for child in render_children(parse_pipeline(created), podmonitor_available=True, keda_available=keda):
             kind = BY_KIND[child["kind"]]
             leftover = copy.deepcopy(child)
             leftover["metadata"]["name"] += "-old"
@@ -98,18 +104,22 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool) -> list[ApiC
         op = RunningOperator(emu.url, [] if clusterwide else [NAMESPACE], resync_seconds=0.5).start()
         try:
             wait_for(lambda: status(user).get("stagesReady") == "0/3", what="the first status")
-            wait_for(lambda: not [o for k in CHILD_KINDS for o in user.list(k, NAMESPACE, "")
-                                  if o["metadata"]["name"].endswith("-old")], what="the leftovers deleted")
-            adopted = user.get(DEPLOYMENT, NAMESPACE, "tiny-thinker")
+            wait_for(lambda: not [o for k in CHILD_KINDS if k is not SCALEDOBJECT or keda
+                                  for o in user.list(k, NAMESPACE, "") if o["metadata"]["name"].endswith("-old")],
+                     what="the leftovers deleted")
+            adopted = user.get(DEPLOYMENT, NAMESPACE, thinker)
             assert adopted["metadata"]["labels"]["app.kubernetes.io/managed-by"] == naming.MANAGER
+            # The autoscaled stage's scaler: created with the stage's count, its status written.
+            wait_for(lambda: (user.get(STAGESCALER, NAMESPACE, "tiny-code2wav").get("status") or {}).get("selector"),
+                     what="the scaler's status")
             # The Deployment controller's part: a rollout completes; the status follows.
-            complete_rollout(user, "thinker")
+            complete_rollout(user, "code2wav")
             wait_for(lambda: status(user).get("stagesReady") == "1/3", what="one stage ready")
             # Update one stage; then an invalid spec (a cycle): Ready=False and a Warning event.
-            stages = pipeline_body()["spec"]["stages"]
-            stages[2]["replicas"] = 2
+            stages = copy.deepcopy(body["spec"]["stages"])
+            stages[1]["replicas"] = 2
             patch_pipeline(user, "tiny", {"spec": {"stages": stages}})
-            wait_for(lambda: user.get(DEPLOYMENT, NAMESPACE, "tiny-code2wav")["spec"]["replicas"] == 2,
+            wait_for(lambda: user.get(DEPLOYMENT, NAMESPACE, workload("talker", body))["spec"]["replicas"] == 2,
                      what="the update applied")
             stages[0]["inputs"] = ["code2wav"]
             patch_pipeline(user, "tiny", {"spec": {"stages": stages}})
@@ -123,8 +133,8 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool) -> list[ApiC
             # A resync round with the pipeline present reads its stage pods' metrics (list pods).
             wait_for(lambda: any(c.verb == "list" and c.resource == "pods" for c in emu.calls(OPERATOR_TOKEN)),
                      what="a resync round's list of the stage pods")
-            user.patch(DEPLOYMENT, NAMESPACE, "tiny-talker", {"spec": {"replicas": 5}})
-            wait_for(lambda: user.get(DEPLOYMENT, NAMESPACE, "tiny-talker")["spec"]["replicas"] == 1,
+            user.patch(DEPLOYMENT, NAMESPACE, workload("talker", body), {"spec": {"replicas": 5}})
+            wait_for(lambda: user.get(DEPLOYMENT, NAMESPACE, workload("talker", body))["spec"]["replicas"] == 2,
                      what="the hand edit reverted")
             user.request("delete", "OmniPipeline", "DELETE",
                          f"/apis/omnipipeline.dev/v1alpha1/namespaces/{NAMESPACE}/omnipipelines/tiny")
@@ -149,7 +159,9 @@ MODES = {"cluster-wide": (True, {}), "namespaced": (False, {"watch": {"namespace
 def measured(request):
     clusterwide, values = MODES[request.param]
     authorize = ChartAuthorizer(render(values))
-    return clusterwide, authorize, scripted_session(authorize, clusterwide)
+    # Without KEDA an autoscaled stage gets an HPA, with it a ScaledObject: both sessions' calls.
+    calls = scripted_session(authorize, clusterwide, keda=False) + scripted_session(authorize, clusterwide, keda=True)
+    return clusterwide, authorize, calls
 
 
 def test_the_operator_works_under_the_charts_rbac_and_uses_all_of_it(measured):

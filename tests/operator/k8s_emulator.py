@@ -40,7 +40,9 @@ import kmock
 from kmock._internal import apps, dicts, enums, parsing, rendering
 
 CRD_PLURAL = "omnipipeline.dev/v1alpha1/omnipipelines"
+SCALERS = "omnipipeline.dev/v1alpha1/omnistagescalers"
 PODMONITORS = "monitoring.coreos.com/v1/podmonitors"
+SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
 
 
 def _parse_path(path: str) -> parsing.ParsedPath:
@@ -162,6 +164,16 @@ class ResourceVersionedEmulator(kmock.KubernetesEmulator):
         self.resources.load_bundled()
         self.resources[CRD_PLURAL] = kmock.ResourceInfo(
             kind="OmniPipeline", singular="omnipipeline", namespaced=True, shortnames={"omnip"},
+            verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
+        # The operator's second CRD (installed with the first): an autoscaled stage's scale target.
+        self.resources[SCALERS] = kmock.ResourceInfo(
+            kind="OmniStageScaler", singular="omnistagescaler", namespaced=True, shortnames={"omniss"},
+            verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status", "scale"})
+
+    def serve_keda(self) -> None:
+        """Pretend KEDA's CRDs are installed."""
+        self.resources[SCALEDOBJECTS] = kmock.ResourceInfo(
+            kind="ScaledObject", singular="scaledobject", namespaced=True, shortnames={"so"},
             verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
 
     def serve_podmonitors(self) -> None:
@@ -458,8 +470,9 @@ class EmulatorThread:
     `kubernetes` client, so the server must not share the test's (or kopf's) event loop.
     """
 
-    def __init__(self, podmonitors: bool = False):
+    def __init__(self, podmonitors: bool = False, keda: bool = False):
         self.podmonitors = podmonitors
+        self.keda = keda
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="k8s-emulator", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -496,6 +509,8 @@ class EmulatorThread:
         async with ResourceVersionedEmulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
             if self.podmonitors:
                 emulator.serve_podmonitors()
+            if self.keda:
+                emulator.serve_keda()
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()

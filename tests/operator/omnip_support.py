@@ -10,9 +10,11 @@ from typing import Any, Callable
 import kubernetes
 
 from omni_operator import main as operator_main
+from omni_operator import naming
 from omni_operator.kinds import DEPLOYMENT
 from omni_operator.kube import Kube
 from omni_operator.metrics import OperatorMetrics
+from omni_operator.model import parse_pipeline
 
 NAMESPACE = "team-a"
 PIPELINES = "/apis/omnipipeline.dev/v1alpha1/namespaces/{ns}/omnipipelines"
@@ -82,14 +84,58 @@ def status(kube: Kube, name: str = "tiny", namespace: str = NAMESPACE) -> dict:
     return (kube.get_pipeline(namespace, name) or {}).get("status") or {}
 
 
-def complete_rollout(kube: Kube, stage: str, pipeline: str = "tiny", namespace: str = NAMESPACE) -> None:
-    """Stand in for the Deployment controller (no kube-controller-manager here)."""
-    name = f"{pipeline}-{stage}"
-    dep = kube.get(DEPLOYMENT, namespace, name)
-    kube.request("patch", "Deployment", "PATCH", DEPLOYMENT.object_path(namespace, name) + "/status",
-                 body={"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": 1,
-                                  "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
-                 content_type="application/merge-patch+json")
+def revision(body: dict | None = None) -> str:
+    """The revision of a pipeline body (pipeline_body() by default)."""
+    return parse_pipeline(copy.deepcopy(body or pipeline_body())).revision
+
+
+def workload(stage: str, body: dict | None = None) -> str:
+    """The name of a stage's workload (Deployment, ConfigMap, KV Service) of a body's revision."""
+    body = body or pipeline_body()
+    return naming.revision_name(body["metadata"]["name"], stage, revision(body))
+
+
+def complete_rollout(kube: Kube, stage: str, pipeline: str = "tiny", namespace: str = NAMESPACE) -> int:
+    """Stand in for the Deployment controller (no kube-controller-manager here): every
+    Deployment of the stage (any revision) has all its pods ready. How many it reported."""
+    deployments = kube.list(DEPLOYMENT, namespace, f"{naming.PIPELINE_LABEL}={pipeline},{naming.STAGE_LABEL}={stage}")
+    changed = 0
+    for dep in deployments:
+        replicas = int(dep["spec"].get("replicas", 1))
+        status = {"observedGeneration": dep["metadata"]["generation"], "replicas": replicas,
+                  "readyReplicas": replicas, "updatedReplicas": replicas, "availableReplicas": replicas}
+        if {k: (dep.get("status") or {}).get(k) for k in status} != status:
+            kube.request("patch", "Deployment", "PATCH", DEPLOYMENT.object_path(namespace, dep["metadata"]["name"]) + "/status",
+                         body={"status": status}, content_type="application/merge-patch+json")
+            changed += 1
+    return changed
+
+
+def complete_all(kube: Kube, stages: tuple[str, ...] = ("thinker", "talker", "code2wav"), pipeline: str = "tiny",
+                 namespace: str = NAMESPACE, reconcile: Callable[[], Any] | None = None, timeout: float = 20.0,
+                 until: Callable[[], bool] | None = None) -> None:
+    """Stand in for the Deployment controller until ``until`` holds (default: every
+    Deployment of the pipeline has all its pods, at least one, ready): report each
+    Deployment's pods ready, and let the operator act on it (``reconcile``; else the running
+    operator's own watch): receivers first takes a round per stage, an old revision's drain
+    one per step."""
+    deadline = time.monotonic() + timeout
+
+    def all_ready() -> bool:
+        return all(int((d.get("status") or {}).get("readyReplicas") or 0) == int(d["spec"].get("replicas", 1))
+                   and int(d["spec"].get("replicas", 1)) > 0
+                   for d in kube.list(DEPLOYMENT, namespace, f"{naming.PIPELINE_LABEL}={pipeline}"))
+
+    while True:
+        changed = sum(complete_rollout(kube, stage, pipeline, namespace) for stage in stages)
+        if reconcile is not None:
+            reconcile()
+        if not changed and (until or all_ready)():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("the stages did not all become ready")
+        if reconcile is None:
+            time.sleep(0.05)  # the running operator reacts to the Deployment events; poll again
 
 
 class RunningOperator:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from k8s_emulator import ApiCall
-from omnip_support import NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, patch_pipeline, pipeline_body, status, wait_for
+from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, patch_pipeline, pipeline_body, status,
+                           wait_for, workload)
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT
 from omni_operator.kube import ApiException
 from omni_operator.reconcile import Reconciler
@@ -51,7 +52,7 @@ def test_a_refused_child_is_reported_once_and_not_retried(kube, reconciler, emul
     assert outcome.result == "rejected" and outcome.phase == "Failed"
     condition = ready(kube)
     assert (condition["status"], condition["reason"]) == ("False", "ChildRejected")
-    assert f"create Deployment tiny-thinker ({code})" in condition["message"]
+    assert f"create Deployment {workload('thinker')} ({code})" in condition["message"]
     assert INVALID in condition["message"]  # the server's own words
     assert status(kube)["phase"] == "Failed"
     assert len(events(kube, "ChildRejected")) == 1
@@ -71,23 +72,23 @@ def test_a_new_generation_is_tried_again(kube, reconciler, emulator):
     emulator.emulator.refuse = None  # the user fixes what was refused ...
     assert reconciler.reconcile(NAMESPACE, "tiny").result == "rejected"  # ... same generation: not retried
     stages = pipeline_body()["spec"]["stages"]
-    stages[0]["replicas"] = 2
+    stages[2]["replicas"] = 2
     patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})  # ... and changes the spec
     assert reconciler.reconcile(NAMESPACE, "tiny").result == "applied"
-    assert kube.get(DEPLOYMENT, NAMESPACE, "tiny-thinker")["spec"]["replicas"] == 2
+    assert kube.get(DEPLOYMENT, NAMESPACE, workload("code2wav"))["spec"]["replicas"] == 2
     assert ready(kube)["reason"] == "StagesNotReady"
 
 
 def test_a_refused_patch_is_rejected_too(kube, reconciler, emulator):
     create_pipeline(kube, pipeline_body())
     reconciler.reconcile(NAMESPACE, "tiny")
-    kube.patch(CONFIGMAP, NAMESPACE, "tiny-talker", {"data": {"stage.yaml": "edited: by hand\n"}})
+    kube.patch(CONFIGMAP, NAMESPACE, workload("talker"), {"data": {"stage.yaml": "edited: by hand\n"}})
     emulator.emulator.refuse = lambda call: (
-        (422, 'ConfigMap "tiny-talker" is invalid: data: Too long')
+        (422, f'ConfigMap "{workload("talker")}" is invalid: data: Too long')
         if call.verb == "patch" and call.resource == "configmaps" else None)
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
     assert outcome.result == "rejected"
-    assert "patch ConfigMap tiny-talker (422)" in ready(kube)["message"]
+    assert f"patch ConfigMap {workload('talker')} (422)" in ready(kube)["message"]
 
 
 @pytest.mark.parametrize("code", [429, 500, 503])
@@ -127,5 +128,5 @@ def test_running_operator_reports_a_422_once_with_bounded_calls(kube, start_oper
     assert deployment_creates(emulator, OPERATOR_TOKEN) == 1
     assert len(events(kube, "ChildRejected")) == 1
     condition = ready(kube)
-    assert "Deployment tiny-thinker" in condition["message"] and "is invalid" in condition["message"]
+    assert f"Deployment {workload('thinker')}" in condition["message"] and "is invalid" in condition["message"]
     assert status(kube)["observedGeneration"] == 1

@@ -58,18 +58,21 @@ def test_operator_dir_is_not_a_package():
     assert not os.path.exists(os.path.join(REPO, "operator", "__init__.py"))
 
 
-def test_every_copy_of_the_crd_is_identical():
-    source = crd.crd_text()
+@pytest.mark.parametrize("file", [crd.CRD_FILE, crd.SCALER_CRD_FILE])
+def test_every_copy_of_the_crd_is_identical(file):
+    source = crd.crd_text(file)
+    name = yaml.safe_load(source)["metadata"]["name"]
     copies = []
     for root, dirs, files in os.walk(REPO):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "__pycache__")]
-        for name in files:
-            path = os.path.join(root, name)
-            if name.endswith((".yaml", ".yml")) and "omni_operator" not in path:
+        for name_ in files:
+            path = os.path.join(root, name_)
+            if name_.endswith((".yaml", ".yml")) and "omni_operator" not in path:
                 with open(path, encoding="utf-8", errors="replace") as f:
                     text = f.read()
-                if "name: omnipipelines.omnipipeline.dev" in text and "CustomResourceDefinition" in text:
+                if f"name: {name}" in text and "CustomResourceDefinition" in text:
                     copies.append((path, text))
+    assert copies, f"no copy of {name} (the Helm chart carries one)"
     for path, text in copies:
         assert yaml.safe_load(text) == yaml.safe_load(source), f"{path} differs from the operator's CRD; copy it again"
     assert yaml.safe_load(source)["kind"] == "CustomResourceDefinition"

@@ -34,7 +34,7 @@ def test_crd_names_and_printer_columns():
     (version,) = manifest["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns == {"Ready": ".status.stagesReady", "Phase": ".status.phase",
+    assert columns == {"Ready": ".status.stagesReady", "Phase": ".status.phase", "Revision": ".status.revision",
                        "Transfers": ".status.transfersHealth", "Age": ".metadata.creationTimestamp"}
 
 

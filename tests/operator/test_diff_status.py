@@ -141,3 +141,24 @@ def test_transition_time_kept_while_status_unchanged():
     ready = next(c for c in third["conditions"] if c["type"] == "Ready")
     assert ready["lastTransitionTime"] == LATER
     assert set(status_patch(second, third)) == {"phase", "stagesReady", "stages", "conditions"}
+
+
+def test_the_phase_gauge_counts_pipelines_as_their_phases_change():
+    """The gauge is kept by counting changes (not by a recount at each reconcile): it still
+    says how many pipelines are in each phase as they move, repeat and go away."""
+    from omni_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+
+    def gauge() -> dict[str, float]:
+        return {p: metrics.registry.get_sample_value("omni_operator_pipelines", {"phase": p})
+                for p in ("Progressing", "Ready", "Degraded", "Failed")}
+
+    for name in ("a", "b", "c"):
+        metrics.set_phase("ns", name, "Progressing")
+    metrics.set_phase("ns", "a", "Ready")
+    metrics.set_phase("ns", "a", "Ready")
+    metrics.set_phase("other", "a", "Failed")
+    metrics.set_phase("ns", "b", None)
+    metrics.set_phase("ns", "gone-before-it-came", None)
+    assert gauge() == {"Progressing": 1, "Ready": 1, "Degraded": 0, "Failed": 1}

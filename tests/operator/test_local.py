@@ -100,3 +100,84 @@ def test_the_table_reads_the_stage_metrics():
     row = next(line for line in table.splitlines() if line.startswith("ar "))
     assert row.split()[:6] == ["ar", "ar", "yes", "1/2/2", "7", "3"]
     assert "waiting" in next(line for line in table.splitlines() if line.startswith("rx "))
+
+
+def test_the_front_forwards_to_the_current_revision_and_counts_what_is_in_flight():
+    """The front of `up --watch`: requests reach the entry stage it points at (headers a
+    stage reads carried on), a switch sends new ones to the new target, and waiting for the
+    old target to be idle waits for the requests still there (real sockets; two small
+    servers stand in for two revisions' entry stages)."""
+    import threading
+    import urllib.error
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from omni_operator.local import Front
+
+    release = threading.Event()
+
+    def server(name: str, hold: bool):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if hold:
+                    release.wait(10)  # a request the old revision is still answering
+                reply = f"{name}:{self.path}:{self.headers.get('X-Request-Id')}:{body.decode()}".encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    (old, old_url), (new, new_url) = server("old", True), server("new", False)
+    front = Front("127.0.0.1")
+    try:
+        try:  # before any revision is ready: an answer that says so, not a dropped connection
+            urllib.request.urlopen(front.url + "/health", timeout=5)
+            raise AssertionError("answered 200 with no stage behind it")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 502 and b"still starting" in exc.read()
+        front.switch(old_url)
+
+        def post(rid: str) -> str:
+            req = urllib.request.Request(front.url + "/v1/completions", data=b"{}", method="POST",
+                                         headers={"X-Request-Id": rid, "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=20) as resp:
+                return resp.read().decode()
+
+        answers: list[str] = []
+        slow = threading.Thread(target=lambda: answers.append(post("r1")))
+        slow.start()
+        from omnip_support import wait_for
+
+        wait_for(lambda: front.inflight[old_url] == 1, what="r1 in flight at the old target")
+        assert not front.wait_idle(old_url, 0.2)
+        assert front.switch(new_url) == old_url
+        assert post("r2") == "new:/v1/completions:r2:{}"  # new requests go to the new target
+        release.set()
+        assert front.wait_idle(old_url, 10)
+        slow.join(10)
+        assert answers == ["old:/v1/completions:r1:{}"]
+    finally:
+        release.set()
+        front.close()
+        old.shutdown()
+        new.shutdown()
+
+
+def test_the_watcher_reports_a_changed_file_once(tmp_path):
+    from omni_operator.local import file_watcher
+
+    path = tmp_path / "p.yaml"
+    path.write_text("a: 1\n")
+    loads = []
+    reload = file_watcher(path, lambda p: loads.append(p.read_text()) or p.read_text())
+    assert reload() is None and loads == []
+    path.write_text("a: 2\n")
+    assert reload() == "a: 2\n" and reload() is None and loads == ["a: 2\n"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from omnip_support import (NAMESPACE, complete_rollout, create_pipeline, make_kube, patch_pipeline, pipeline_body,
+from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body, workload,
                            status, wait_for)
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, PDB, SERVICE
 from omni_operator.reconcile import Reconciler
@@ -32,14 +32,15 @@ def test_create_status_metrics_and_liveness(kube, start_operator):
     op = start_operator()
     create_pipeline(kube, pipeline_body())
     wait_for(lambda: status(kube).get("stagesReady") == "0/3", what="the first status")
-    assert sorted(children(kube, DEPLOYMENT)) == ["tiny-code2wav", "tiny-talker", "tiny-thinker"]
-    for stage in STAGES:
-        complete_rollout(kube, stage)
-    # Deployment events bring the status up to date without waiting for the resync timer.
+    assert sorted(children(kube, DEPLOYMENT)) == sorted(workload(s) for s in STAGES)
+    # Deployment events bring the status up to date without waiting for the resync timer, and
+    # start each sender once its receivers are ready.
+    complete_all(kube)
     wait_for(lambda: status(kube).get("phase") == "Ready", what="phase Ready")
     assert ready_condition(kube)["status"] == "True"
     body = urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'omni_operator_reconciles_total{result="applied"} 1.0' in body
+    # The create, then talker started once code2wav was ready, then thinker once talker was.
+    assert 'omni_operator_reconciles_total{result="applied"} 3.0' in body
     assert 'omni_operator_pipelines{phase="Ready"} 1.0' in body
     assert "omni_operator_reconcile_duration_seconds_count" in body
     with urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5) as response:
@@ -55,21 +56,22 @@ def test_update_one_stage_touches_only_its_children(kube, start_operator):
     stages[2]["replicas"] = 3
     patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
     wait_for(lambda: status(kube).get("observedGeneration") == 2, what="generation 2 observed")
-    assert children(kube, DEPLOYMENT)["tiny-code2wav"]["spec"]["replicas"] == 3
+    assert children(kube, DEPLOYMENT)[workload("code2wav")]["spec"]["replicas"] == 3
     after = versions(kube)
-    assert {key for key in before if before[key] != after[key]} == {("Deployment", "tiny-code2wav")}
+    assert {key for key in before if before[key] != after[key]} == {("Deployment", workload("code2wav"))}
 
 
 def test_hand_edit_and_delete_of_a_child_are_repaired(kube, start_operator):
     start_operator()
     create_pipeline(kube, pipeline_body())
     wait_for(lambda: status(kube).get("stagesReady") == "0/3", what="the first status")
-    kube.patch(DEPLOYMENT, NAMESPACE, "tiny-talker", {"spec": {"replicas": 7}})
-    wait_for(lambda: kube.get(DEPLOYMENT, NAMESPACE, "tiny-talker")["spec"]["replicas"] == 1, what="replicas put back")
+    kube.patch(DEPLOYMENT, NAMESPACE, workload("code2wav"), {"spec": {"replicas": 7}})
+    wait_for(lambda: kube.get(DEPLOYMENT, NAMESPACE, workload("code2wav"))["spec"]["replicas"] == 1,
+             what="replicas put back")
     kube.delete(SERVICE, NAMESPACE, "tiny-thinker")
     wait_for(lambda: kube.get(SERVICE, NAMESPACE, "tiny-thinker"), what="the Service re-created")
-    kube.patch(CONFIGMAP, NAMESPACE, "tiny-code2wav", {"data": {"stage.yaml": "stage: evil\n"}})
-    wait_for(lambda: "stage: code2wav" in kube.get(CONFIGMAP, NAMESPACE, "tiny-code2wav")["data"]["stage.yaml"],
+    kube.patch(CONFIGMAP, NAMESPACE, workload("code2wav"), {"data": {"stage.yaml": "stage: evil\n"}})
+    wait_for(lambda: "stage: code2wav" in kube.get(CONFIGMAP, NAMESPACE, workload("code2wav"))["data"]["stage.yaml"],
              what="the stage config put back")
 
 
@@ -77,16 +79,20 @@ def test_removed_stage_is_cleaned_up(kube, start_operator):
     start_operator()
     create_pipeline(kube, pipeline_body())
     wait_for(lambda: status(kube).get("stagesReady") == "0/3", what="the first status")
+    complete_all(kube)
     stages = pipeline_body()["spec"]["stages"]
     stages[2]["inputs"] = ["thinker"]
     del stages[1]  # drop the talker; code2wav now receives from the thinker
     patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
-    wait_for(lambda: sorted(children(kube, DEPLOYMENT)) == ["tiny-code2wav", "tiny-thinker"], what="talker deleted")
+    new = pipeline_body(stages=stages)
+    # The new revision comes up and the old one (talker's workload with it) drains away.
+    complete_all(kube, STAGES, until=lambda: sorted(children(kube, DEPLOYMENT)) == sorted(
+        workload(s, new) for s in ("code2wav", "thinker")))
     for kind in (CONFIGMAP, SERVICE, PDB):
-        assert "tiny-talker" not in children(kube, kind)
-    wait_for(lambda: status(kube).get("stagesReady") == "0/2", what="status of two stages")
-    thinker = children(kube, CONFIGMAP)["tiny-thinker"]["data"]["stage.yaml"]
-    assert "tiny-code2wav.team-a.svc:9600" in thinker
+        assert not [n for n in children(kube, kind) if n.startswith("tiny-talker")]
+    wait_for(lambda: status(kube).get("stagesReady") == "2/2", what="status of two stages")
+    thinker = children(kube, CONFIGMAP)[workload("thinker", new)]["data"]["stage.yaml"]
+    assert f"{workload('code2wav', new)}.team-a.svc:9600" in thinker
 
 
 def test_invalid_spec_sets_condition_and_event_and_applies_nothing(kube, start_operator):
@@ -128,8 +134,8 @@ def test_deleted_pipeline_is_not_resurrected(kube, start_operator):
     for dep in deployments.values():
         assert dep["metadata"]["ownerReferences"][0]["kind"] == "OmniPipeline"
     writes = op.kube.writes
-    kube.delete(DEPLOYMENT, NAMESPACE, "tiny-thinker")  # as the garbage collector would
-    wait_for(lambda: kube.get(DEPLOYMENT, NAMESPACE, "tiny-thinker") is None, what="the deletion")
+    kube.delete(DEPLOYMENT, NAMESPACE, workload("thinker"))  # as the garbage collector would
+    wait_for(lambda: kube.get(DEPLOYMENT, NAMESPACE, workload("thinker")) is None, what="the deletion")
     assert kube.get_pipeline(NAMESPACE, "tiny") is None
     assert op.kube.writes == writes  # nothing re-created for a pipeline that is gone
 

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body
+from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body,
+                           workload)
 from k8s_emulator import EmulatorThread
 from omni_operator import naming
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
@@ -33,8 +34,10 @@ def test_create_then_noop(kube, reconciler):
     create_pipeline(kube, pipeline_body())
     first = reconciler.reconcile(NAMESPACE, "tiny")
     assert first.result == "applied"
-    assert names(kube, DEPLOYMENT) == ["tiny-code2wav", "tiny-talker", "tiny-thinker"]
-    assert names(kube, SERVICE) == names(kube, CONFIGMAP) == names(kube, PDB) == names(kube, DEPLOYMENT)
+    assert names(kube, DEPLOYMENT) == names(kube, CONFIGMAP) == sorted(workload(s) for s in STAGES)
+    assert names(kube, PDB) == ["tiny-code2wav", "tiny-talker", "tiny-thinker"]
+    # The stable Services, and a KV Service of the revision for each receiving stage.
+    assert names(kube, SERVICE) == sorted(names(kube, PDB) + [workload("code2wav"), workload("talker")])
     assert names(kube, NETWORKPOLICY) == ["tiny"]
     before = dict(reconciler.kube.calls)
     second = reconciler.reconcile(NAMESPACE, "tiny")
@@ -43,53 +46,94 @@ def test_create_then_noop(kube, reconciler):
     assert all(verb in ("get", "list") for verb, _ in new_calls), new_calls
     status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
     assert status["phase"] == "Progressing" and status["stagesReady"] == "0/3" and status["observedGeneration"] == 1
+    # Receivers first: only the last stage has pods until its senders' receivers are ready.
+    assert {d["metadata"]["name"]: d["spec"]["replicas"] for d in kube.list(DEPLOYMENT, NAMESPACE, "")} == \
+        {workload("thinker"): 0, workload("talker"): 0, workload("code2wav"): 1}
 
 
-def test_one_stage_update_touches_only_that_stage(kube, reconciler):
+def test_scaling_a_stage_touches_only_its_deployment(kube, reconciler):
     create_pipeline(kube, pipeline_body())
-    reconciler.reconcile(NAMESPACE, "tiny")
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
     before = writes_of(reconciler.kube)
+    spec = pipeline_body()["spec"]
+    spec["stages"][1]["replicas"] = 3
+    patch_pipeline(kube, "tiny", {"spec": {"stages": spec["stages"]}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.changed == [f"patch Deployment/{workload('talker')}"]  # the same revision: no rollout
+    delta = {k: n - before.get(k, 0) for k, n in writes_of(reconciler.kube).items() if n != before.get(k, 0)}
+    assert delta == {("patch", "Deployment"): 1, ("patch", "OmniPipeline"): 1}
+    assert kube.get(DEPLOYMENT, NAMESPACE, workload("talker"))["spec"]["replicas"] == 3
+    assert kube.get_pipeline(NAMESPACE, "tiny")["status"]["observedGeneration"] == 2
+
+
+def test_a_template_change_makes_a_new_revision_next_to_the_old_one(kube, reconciler):
+    create_pipeline(kube, pipeline_body())
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
+    old = pipeline_body()
     spec = pipeline_body()["spec"]
     spec["stages"][1]["engineArgs"] = {"max-model-len": 2048}
     patch_pipeline(kube, "tiny", {"spec": {"stages": spec["stages"]}})
+    new = pipeline_body(stages=spec["stages"])
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
-    assert sorted(outcome.changed) == ["patch ConfigMap/tiny-talker", "patch Deployment/tiny-talker"]
-    delta = {k: n - before.get(k, 0) for k, n in writes_of(reconciler.kube).items() if n != before.get(k, 0)}
-    assert delta == {("patch", "ConfigMap"): 1, ("patch", "Deployment"): 1, ("patch", "OmniPipeline"): 1}
-    config = kube.get(CONFIGMAP, NAMESPACE, "tiny-talker")["data"]["stage.yaml"]
-    assert "max-model-len: 2048" in config
-    assert kube.get_pipeline(NAMESPACE, "tiny")["status"]["observedGeneration"] == 2
+    # Every stage gets a workload of the new revision (the revision is the whole pipeline's);
+    # nothing of the old one is deleted yet.
+    assert sorted(c for c in outcome.changed if c.startswith("create Deployment")) == \
+        sorted(f"create Deployment/{workload(s, new)}" for s in STAGES)
+    assert not [c for c in outcome.changed if c.startswith("delete")]
+    # The GPU thinker (maxSurge 0, maxUnavailable 1) gives its GPU up first: it drains;
+    # talker, its receiver, stays until it has; code2wav (CPU: maxUnavailable 0) stays until
+    # its new pod is ready.
+    assert {s: kube.get(DEPLOYMENT, NAMESPACE, workload(s, old))["spec"]["replicas"] for s in STAGES} == \
+        {"thinker": 0, "talker": 1, "code2wav": 1}
+    assert {s: kube.get(DEPLOYMENT, NAMESPACE, workload(s, new))["spec"]["replicas"] for s in STAGES} == \
+        {"thinker": 0, "talker": 0, "code2wav": 1}
+    config = kube.get(CONFIGMAP, NAMESPACE, workload("talker", new))["data"]["stage.yaml"]
+    assert "max-model-len: 2048" in config and f"tiny-code2wav-{workload('code2wav', new).rsplit('-', 1)[1]}" in config
+    status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
+    assert status["observedGeneration"] == 2 and status["revision"] == workload("talker", new).rsplit("-", 1)[1]
+    assert [(r["revision"], r["current"], r["draining"]) for r in status["revisions"]] == [
+        (status["revision"], True, False), (workload("talker", old).rsplit("-", 1)[1], False, True)]
 
 
 def test_hand_edited_and_deleted_children_are_put_back(kube, reconciler):
     create_pipeline(kube, pipeline_body())
     reconciler.reconcile(NAMESPACE, "tiny")
-    kube.patch(DEPLOYMENT, NAMESPACE, "tiny-thinker", {"spec": {"replicas": 5}})
+    kube.patch(DEPLOYMENT, NAMESPACE, workload("thinker"), {"spec": {"replicas": 5}})
     kube.patch(SERVICE, NAMESPACE, "tiny-talker", {"spec": {"selector": {"app": "other"}}})
-    kube.patch(CONFIGMAP, NAMESPACE, "tiny-code2wav", {"metadata": {"labels": {"team": "a"}}})  # not an owned field
+    kube.patch(CONFIGMAP, NAMESPACE, workload("code2wav"), {"metadata": {"labels": {"team": "a"}}})  # not an owned field
     kube.delete(PDB, NAMESPACE, "tiny-talker")
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
-    assert sorted(outcome.changed) == ["create PodDisruptionBudget/tiny-talker", "patch Deployment/tiny-thinker",
+    assert sorted(outcome.changed) == ["create PodDisruptionBudget/tiny-talker", f"patch Deployment/{workload('thinker')}",
                                        "patch Service/tiny-talker"]
-    assert kube.get(DEPLOYMENT, NAMESPACE, "tiny-thinker")["spec"]["replicas"] == 1
+    # Put back to what it was before the edit: the receivers-first gate never starts more
+    # senders, and never stops ones that run (1 is the stage's target).
+    assert kube.get(DEPLOYMENT, NAMESPACE, workload("thinker"))["spec"]["replicas"] == 1
     assert kube.get(SERVICE, NAMESPACE, "tiny-talker")["spec"]["selector"] == naming.selector_labels("tiny", "talker")
-    assert kube.get(CONFIGMAP, NAMESPACE, "tiny-code2wav")["metadata"]["labels"]["team"] == "a"
+    assert kube.get(CONFIGMAP, NAMESPACE, workload("code2wav"))["metadata"]["labels"]["team"] == "a"
 
 
 def test_removed_stage_children_are_deleted(kube, reconciler):
+    """Removing a stage changes the graph: a new revision. Once it is up, the old revision
+    drains and goes, the removed stage's workload with it; its stable children go at once."""
     create_pipeline(kube, pipeline_body())
-    reconciler.reconcile(NAMESPACE, "tiny")
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
     stages = pipeline_body()["spec"]["stages"][:2]
     stages[1]["kvTransfer"] = {"send": False}  # nothing downstream of talker any more
     patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
-    assert sorted(outcome.changed) == ["delete ConfigMap/tiny-code2wav", "delete Deployment/tiny-code2wav",
-                                       "delete PodDisruptionBudget/tiny-code2wav", "delete Service/tiny-code2wav",
-                                       "patch ConfigMap/tiny-talker", "patch Deployment/tiny-talker"]
-    assert names(kube, DEPLOYMENT) == ["tiny-talker", "tiny-thinker"]
-    # talker no longer sends to a downstream stage: its config says so (hence the two patches above).
-    talker = kube.get(CONFIGMAP, NAMESPACE, "tiny-talker")["data"]["stage.yaml"]
+    assert sorted(c for c in outcome.changed if c.startswith("delete")) == [
+        "delete PodDisruptionBudget/tiny-code2wav", "delete Service/tiny-code2wav"]
+    new = pipeline_body(stages=stages)
+    # talker no longer sends to a downstream stage: its new revision's config says so.
+    talker = kube.get(CONFIGMAP, NAMESPACE, workload("talker", new))["data"]["stage.yaml"]
     assert "downstream: []" in talker
+    # The new revision comes up; the old one drains (its pods go: none is left here, as no
+    # pod objects exist without a kubelet) and is deleted, code2wav's workload with it.
+    complete_all(kube, ("thinker", "talker", "code2wav"), reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"),
+                 until=lambda: len(names(kube, DEPLOYMENT)) == 2)
+    assert names(kube, DEPLOYMENT) == sorted(workload(s, new) for s in ("thinker", "talker"))
+    assert names(kube, CONFIGMAP) == names(kube, DEPLOYMENT)
+    assert names(kube, SERVICE) == sorted(["tiny-talker", "tiny-thinker", workload("talker", new)])
 
 
 def test_invalid_spec_applies_nothing_and_warns_once(kube, reconciler):
@@ -123,36 +167,34 @@ def test_fixing_an_invalid_spec_applies_it(kube, reconciler):
 
 def test_someone_elses_object_is_never_taken_over(kube, reconciler):
     kube.create(CONFIGMAP, NAMESPACE, {"apiVersion": "v1", "kind": "ConfigMap",
-                                       "metadata": {"name": "tiny-talker", "namespace": NAMESPACE}, "data": {"mine": "yes"}})
+                                       "metadata": {"name": workload("talker"), "namespace": NAMESPACE},
+                                       "data": {"mine": "yes"}})
     create_pipeline(kube, pipeline_body())
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
     assert outcome.result == "conflict"
-    assert kube.get(CONFIGMAP, NAMESPACE, "tiny-talker")["data"] == {"mine": "yes"}
+    assert kube.get(CONFIGMAP, NAMESPACE, workload("talker"))["data"] == {"mine": "yes"}
     ready = next(c for c in kube.get_pipeline(NAMESPACE, "tiny")["status"]["conditions"] if c["type"] == "Ready")
-    assert ready["reason"] == "ChildConflict" and "ConfigMap tiny-talker" in ready["message"]
+    assert ready["reason"] == "ChildConflict" and f"ConfigMap {workload('talker')}" in ready["message"]
 
 
 def test_status_follows_the_deployments(kube, reconciler):
     create_pipeline(kube, pipeline_body())
     reconciler.reconcile(NAMESPACE, "tiny")
-    # Stand in for the Deployment controller: report every rollout complete.
-    for stage in STAGES:
-        dep = kube.get(DEPLOYMENT, NAMESPACE, f"tiny-{stage}")
-        kube.request("patch", "Deployment", "PATCH", DEPLOYMENT.object_path(NAMESPACE, f"tiny-{stage}") + "/status",
-                     body={"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": 1,
-                                      "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
-                     content_type="application/merge-patch+json")
+    # Stand in for the Deployment controller: report every rollout complete (receivers first:
+    # a reconcile starts each sender once its receivers are ready).
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
-    assert outcome.phase == "Ready" and outcome.writes == 1  # the status only
+    assert outcome.phase == "Ready" and outcome.writes == 0  # the status was written as it became so
     status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
     assert status["stagesReady"] == "3/3"
     assert reconciler.metrics.pipelines.labels("Ready")._value.get() == 1
 
 
 def test_last_applied_annotation_has_no_secrets(kube, reconciler):
-    create_pipeline(kube, pipeline_body(model={"name": "org/m", "hubTokenSecretRef": {"name": "hf-token"}}))
+    body = pipeline_body(model={"name": "org/m", "hubTokenSecretRef": {"name": "hf-token"}})
+    create_pipeline(kube, body)
     reconciler.reconcile(NAMESPACE, "tiny")
-    cm = kube.get(CONFIGMAP, NAMESPACE, "tiny-thinker")
+    cm = kube.get(CONFIGMAP, NAMESPACE, workload("thinker", body))
     recorded = json.loads(cm["metadata"]["annotations"][naming.LAST_APPLIED_ANNOTATION])
     assert recorded["data"] == cm["data"]
     assert "HF_TOKEN" not in cm["data"]["stage.yaml"]
@@ -168,7 +210,7 @@ def test_podmonitor_created_when_the_prometheus_operator_is_installed():
         (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
         assert {k: endpoint[k] for k in ("port", "path", "interval", "honorLabels")} == \
             {"port": "http", "path": "/metrics", "interval": "15s", "honorLabels": True}
-        assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"namespace", "pod", "pipeline", "stage"}
+        assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"namespace", "pod", "pipeline", "stage", "revision"}
         # A second reconcile finds the stored PodMonitor (lists of relabelings included) as desired.
         assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0
         patch_pipeline(client, "tiny", {"spec": {"observability": {"metrics": False}}})
@@ -221,7 +263,7 @@ def test_each_step_once_per_reconcile(kube, reconciler, monkeypatch):
     patch_pipeline(kube, "once", {"spec": {"stages": [dict(s, replicas=2) for s in pipeline_body()["spec"]["stages"]]}})
     reconciler.reconcile(NAMESPACE, "once")
     assert counts == {"defaults": 2, "render": 2}
-    assert kube.get(DEPLOYMENT, NAMESPACE, "once-thinker")["spec"]["replicas"] == 2
+    assert kube.get(DEPLOYMENT, NAMESPACE, workload("code2wav", pipeline_body(name="once")))["spec"]["replicas"] == 2
 
 
 def test_a_first_reconcile_lists_nothing_and_a_half_done_one_is_finished(kube, emulator, reconciler, monkeypatch):
@@ -245,12 +287,12 @@ def test_a_first_reconcile_lists_nothing_and_a_half_done_one_is_finished(kube, e
         broken.reconcile(NAMESPACE, "tiny")
     broken.kube.close()
     assert not [c for c in emulator.calls()[calls:] if c.verb == "list"]
-    kube.patch(CONFIGMAP, NAMESPACE, "tiny-thinker", {"data": {"stage.yaml": "edited meanwhile"}})
+    kube.patch(CONFIGMAP, NAMESPACE, workload("thinker"), {"data": {"stage.yaml": "edited meanwhile"}})
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
     assert outcome.result == "applied"
-    assert "patch ConfigMap/tiny-thinker" in outcome.changed
-    assert names(kube, DEPLOYMENT) == ["tiny-code2wav", "tiny-talker", "tiny-thinker"]
-    assert "edited meanwhile" not in kube.get(CONFIGMAP, NAMESPACE, "tiny-thinker")["data"]["stage.yaml"]
+    assert f"patch ConfigMap/{workload('thinker')}" in outcome.changed
+    assert names(kube, DEPLOYMENT) == sorted(workload(s) for s in STAGES)
+    assert "edited meanwhile" not in kube.get(CONFIGMAP, NAMESPACE, workload("thinker"))["data"]["stage.yaml"]
     assert kube.get_pipeline(NAMESPACE, "tiny")["status"]["observedGeneration"] == 1
     assert (reconciler.reconcile(NAMESPACE, "tiny").writes) == 0
 
@@ -259,7 +301,7 @@ def test_a_child_changed_since_it_was_found_in_sync_is_compared_again(kube, reco
     create_pipeline(kube, pipeline_body())
     reconciler.reconcile(NAMESPACE, "tiny")
     assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0  # now remembered in sync
-    kube.patch(DEPLOYMENT, NAMESPACE, "tiny-talker", {"spec": {"replicas": 3}})
+    kube.patch(DEPLOYMENT, NAMESPACE, workload("talker"), {"spec": {"replicas": 3}})
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
-    assert outcome.changed == ["patch Deployment/tiny-talker"]
-    assert kube.get(DEPLOYMENT, NAMESPACE, "tiny-talker")["spec"]["replicas"] == 1
+    assert outcome.changed == [f"patch Deployment/{workload('talker')}"]
+    assert kube.get(DEPLOYMENT, NAMESPACE, workload("talker"))["spec"]["replicas"] == 1

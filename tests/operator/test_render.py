@@ -8,13 +8,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from omnip_support import pipeline_body
 from omni_operator import naming
 from omni_operator.kube_schema import MIN_KUBERNETES, check_object
 from omni_operator.model import parse_pipeline
 from omni_operator.render import render_children
-from omni_operator.stage_config import render_stage_config
+from omni_operator.stage_config import dump_stage_config, render_stage_config
 
 K8S_VERSION = MIN_KUBERNETES  # the CRD's minimum server version
 
@@ -26,7 +27,17 @@ def parse(body: dict):
 
 
 def children(body: dict, podmonitors: bool = True) -> dict[tuple[str, str], dict]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in render_children(parse(body), podmonitor_available=podmonitors)}
+    """The rendered children by (kind, name); a revision's workload (named P-S-REVISION) by
+    its stage's name P-S (its KV Service: P-S/kv), so tests read the same before and after a
+    revision change."""
+    out = {}
+    for c in render_children(parse(body), podmonitor_available=podmonitors):
+        labels, name = c["metadata"]["labels"], c["metadata"]["name"]
+        if naming.REVISION_LABEL in labels:
+            name = naming.stage_name(labels[naming.PIPELINE_LABEL], labels[naming.STAGE_LABEL])
+            name += "/kv" if c["kind"] == "Service" else ""
+        out[(c["kind"], name)] = c
+    return out
 
 
 def container(kids: dict, stage: str, pipeline: str = "tiny") -> dict:
@@ -43,8 +54,14 @@ def test_children_per_stage_and_per_pipeline():
     for stage in ("thinker", "talker", "code2wav"):
         for kind in ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget"):
             assert (kind, f"tiny-{stage}") in kids
+    # A KV Service of the revision for each receiving stage (the first stage receives nothing).
+    assert ("Service", "tiny-talker/kv") in kids and ("Service", "tiny-code2wav/kv") in kids
+    assert ("Service", "tiny-thinker/kv") not in kids
     assert ("NetworkPolicy", "tiny") in kids and ("PodMonitor", "tiny") in kids
-    assert len(kinds) == 3 * 4 + 2
+    assert len(kinds) == 3 * 4 + 2 + 2
+    revision = parse(pipeline_body()).revision
+    real = {c["metadata"]["name"] for c in render_children(parse(pipeline_body()), podmonitor_available=True)}
+    assert {f"tiny-{s}-{revision}" for s in ("thinker", "talker", "code2wav")} <= real
 
 
 def test_podmonitor_only_when_served_and_wanted():
@@ -53,7 +70,8 @@ def test_podmonitor_only_when_served_and_wanted():
 
 
 # The Prometheus Operator's PodMonitor CRD (monitoring.coreos.com/v1) is not among
-# kubernetes-validate's schemas: the fields used are checked against its documented shape.
+# kubernetes-validate's schemas: test_third_party_crds.py checks the rendered PodMonitor against
+# the upstream CRD itself; here, what its relabelings do (the fields used, and their effect).
 PODMETRICSENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "honorLabels", "relabelings",
                              "metricRelabelings", "scheme"}
 RELABEL_FIELDS = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
@@ -93,7 +111,9 @@ def test_podmonitor_gives_each_series_namespace_pod_pipeline_and_stage():
         "pod": ["__meta_kubernetes_pod_name"],
         "pipeline": ["__meta_kubernetes_pod_label_omnipipeline_dev_pipeline"],
         "stage": ["__meta_kubernetes_pod_label_omnipipeline_dev_stage"],
+        "revision": ["__meta_kubernetes_pod_label_omnipipeline_dev_revision"],
     }
+    revision = parse(pipeline_body()).revision
     for stage in ("thinker", "talker", "code2wav"):
         template = kids[("Deployment", f"tiny-{stage}")]["spec"]["template"]
         pod_labels = template["metadata"]["labels"]
@@ -105,7 +125,8 @@ def test_podmonitor_gives_each_series_namespace_pod_pipeline_and_stage():
                 **{"__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k): v
                    for k, v in pod_labels.items()}}
         assert relabel(meta, endpoint["relabelings"]) == {
-            "namespace": "team-a", "pod": f"tiny-{stage}-7d9f-x2", "pipeline": "tiny", "stage": stage}
+            "namespace": "team-a", "pod": f"tiny-{stage}-7d9f-x2", "pipeline": "tiny", "stage": stage,
+            "revision": revision}
 
 
 def test_podmonitor_label_check_has_teeth():
@@ -132,8 +153,8 @@ def test_children_pass_kubernetes_schemas(example):
     kids = render_children(parse(body), podmonitor_available=True)
     assert {c["kind"] for c in kids} >= {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
     for child in kids:
-        if child["kind"] == "PodMonitor":
-            continue  # not a built-in kind: checked against its documented shape above
+        if child["kind"] in ("PodMonitor", "ScaledObject", "OmniStageScaler"):
+            continue  # not built-in kinds: checked against their CRDs in test_third_party_crds.py
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
         assert check_object(child) == [], child["kind"]  # the operator's own pre-render guard agrees
 
@@ -141,7 +162,7 @@ def test_children_pass_kubernetes_schemas(example):
 def test_validation_would_catch_a_broken_child():
     # The check above has teeth: a malformed Deployment is refused by Kubernetes' schema.
     deployment = children(pipeline_body())[("Deployment", "tiny-thinker")]
-    deployment["spec"]["replicas"] = "one"
+    deployment["spec"] = {**deployment["spec"], "replicas": "one"}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
     assert [f for f, _ in check_object(deployment)] == ["spec.replicas"]
@@ -237,7 +258,10 @@ def test_env_names_pipeline_stage_and_downstream():
     env = env_of(container(kids, "thinker"))
     assert env["OMNI_PIPELINE"]["value"] == "tiny"
     assert env["OMNI_STAGE"]["value"] == "thinker"
-    assert env["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == "tiny-talker.team-a.svc:9600"
+    revision = parse(pipeline_body()).revision
+    # A sender reaches the receivers of its own revision only: their revision's KV Service.
+    assert env["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == f"tiny-talker-{revision}.team-a.svc:9600"
+    assert env["OMNI_REVISION"]["value"] == revision
     assert env_of(container(kids, "code2wav"))["OMNI_DOWNSTREAM_ENDPOINTS"]["value"] == ""
     assert not any(name.startswith("OTEL_") for name in env)  # no tracing configured
     assert env["UCX_TCP_PORT_RANGE"]["value"] == "9700-9731"
@@ -259,16 +283,60 @@ def test_hub_token_is_a_secret_ref_and_never_in_a_configmap():
         assert "hf" not in yaml.safe_load(text)["model"].values() and "secret" not in text.lower()
 
 
-def test_config_hash_rolls_only_the_changed_stage():
+def test_a_stage_template_change_is_a_new_revision_of_every_stage():
+    """What the stages must agree on changed (one stage's engine arguments): the whole
+    pipeline gets a new revision, every stage a new workload (named after it), while the
+    stable children (the stage Services, PDBs, the NetworkPolicy, the PodMonitor) stay."""
     before = children(pipeline_body())
     body = pipeline_body()
     body["spec"]["stages"][1]["engineArgs"] = {"max-model-len": 2048}
     after = children(body)
+    assert parse(body).revision != parse(pipeline_body()).revision
     changed = {key for key in before if before[key] != after[key]}
-    assert changed == {("ConfigMap", "tiny-talker"), ("Deployment", "tiny-talker")}
+    workloads = {(k, f"tiny-{s}") for s in ("thinker", "talker", "code2wav") for k in ("ConfigMap", "Deployment")}
+    assert changed == workloads | {("Service", "tiny-talker/kv"), ("Service", "tiny-code2wav/kv")}
     annotation = naming.CONFIG_HASH_ANNOTATION
     assert before[("Deployment", "tiny-talker")]["spec"]["template"]["metadata"]["annotations"][annotation] != \
         after[("Deployment", "tiny-talker")]["spec"]["template"]["metadata"]["annotations"][annotation]
+
+
+def test_replicas_autoscaling_and_rollout_limits_are_no_revision():
+    """How many pods, and how they are replaced, are not what the stages must agree on: the
+    same revision, and (but for the Deployment's strategy and the autoscaler) the same
+    children; the Deployment carries no replicas (the rollout's)."""
+    body = pipeline_body()
+    body["spec"]["stages"][0]["replicas"] = 4
+    body["spec"]["stages"][1]["rollout"] = {"maxSurge": 2}
+    body["spec"]["stages"][2]["autoscaling"] = {"maxReplicas": 3, "metrics": [{"signal": "incomingTransfers", "target": 2}]}
+    assert parse(body).revision == parse(pipeline_body()).revision
+    before, after = children(pipeline_body()), children(body)
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("Deployment", "tiny-talker")}
+    assert after[("Deployment", "tiny-talker")]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 2, "maxUnavailable": 1}
+    assert "replicas" not in after[("Deployment", "tiny-thinker")]["spec"]
+    assert set(after) - set(before) == {("OmniStageScaler", "tiny-code2wav"), ("ScaledObject", "tiny-code2wav"),
+                                        ("HorizontalPodAutoscaler", "tiny-code2wav")}
+
+
+def test_the_kv_payload_format_version_is_part_of_the_revision(monkeypatch):
+    """A new KV payload format (the runtime protocol's WIRE_VERSION, known to the operator as
+    omni_contract.kv_wire.KV_WIRE_VERSION) makes a new revision of the same spec, so its
+    senders only ever reach receivers that speak it; the two constants are one."""
+    from omni_contract import kv_wire
+    from omni_operator import model
+    from omni_runtime.kv.transport import protocol
+
+    assert kv_wire.KV_WIRE_VERSION == protocol.WIRE_VERSION == protocol.Compat.__dataclass_fields__["wire_version"].default
+    before = parse(pipeline_body()).revision
+    monkeypatch.setattr(model, "KV_WIRE_VERSION", kv_wire.KV_WIRE_VERSION + 1)
+    assert parse(pipeline_body()).revision != before
+
+
+def test_revision_names_fit_63_characters_and_stay_apart():
+    long_pipeline, revision = "p" * 30, "0123456789"
+    names = {naming.revision_name(long_pipeline, "s" * 32 + suffix, revision) for suffix in ("a", "b")}
+    assert len(names) == 2 and all(len(n) <= 63 and n.endswith(revision) and n[0].isalpha() for n in names)
+    assert naming.revision_name("tiny", "talker", revision) == f"tiny-talker-{revision}"
 
 
 def test_rendering_is_deterministic():
@@ -330,14 +398,15 @@ def test_stage_config_keys():
                                                "timeoutSeconds": 45}
     body["spec"]["stages"][0]["engineArgs"] = {"max-model-len": 4096}
     config = render_stage_config(parse(body), "thinker")
+    revision = parse(body).revision
     assert config == {
         "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "StageConfig",
-        "pipeline": "tiny", "namespace": "team-a", "stage": "thinker", "role": "ar",
+        "pipeline": "tiny", "namespace": "team-a", "revision": revision, "stage": "thinker", "role": "ar",
         "model": {"name": "tiny-qwen2"},
         "engineArgs": {"max-model-len": 4096},
         "kvTransfer": {"send": True, "criteria": {"type": "special_token", "tokenId": 151645}, "timeoutSeconds": 45},
         "inputs": [],
-        "downstream": [{"stage": "talker", "endpoint": "tiny-talker.team-a.svc:9600"}],
+        "downstream": [{"stage": "talker", "endpoint": f"tiny-talker-{revision}.team-a.svc:9600"}],
         "ports": {"http": 8000, "kv": 9600},
         "observability": {"metrics": True, "tracing": {"otlpEndpoint": None}, "alerts": {"stuckTransferSeconds": 120}},
     }
@@ -358,8 +427,10 @@ def test_io_cpus_are_rendered_into_the_stage_config_only_when_set():
     talker = yaml.safe_load(kids[("ConfigMap", "tiny-talker")]["data"]["stage.yaml"])
     assert thinker["kvTransfer"]["ioCpus"] == "2-3,6"
     assert "ioCpus" not in talker["kvTransfer"]
-    # Left out or "auto": the same config, so an operator upgrade does not restart the pods.
-    assert kids[("ConfigMap", "tiny-talker")] == children(pipeline_body())[("ConfigMap", "tiny-talker")]
+    # Left out or "auto": the same config (the server's default is "auto": the same revision too).
+    auto = pipeline_body()
+    auto["spec"]["stages"][1]["kvTransfer"]["ioCpus"] = "auto"
+    assert children(auto)[("ConfigMap", "tiny-talker")] == children(pipeline_body())[("ConfigMap", "tiny-talker")]
 
 
 def test_the_rendered_io_cpus_reach_the_omni_kv_connector():
@@ -416,8 +487,9 @@ def test_user_ucx_settings_that_do_not_touch_the_port_range_pass_through():
     body["spec"]["stages"][0]["env"] = [{"name": "UCX_TLS", "value": "tcp,cma"},
                                         {"name": "UCX_NET_DEVICES", "value": "eth0"}]
     body["metadata"].update(uid="0a0b0c0d-0000-4000-8000-000000000001", generation=1)
-    kids = {(c["kind"], c["metadata"]["name"]): c for c in admit(body).children}
-    names = [e["name"] for e in container(kids, "thinker")["env"]]
+    (deployment,) = [c for c in admit(body).children
+                     if c["kind"] == "Deployment" and c["metadata"]["labels"][naming.STAGE_LABEL] == "thinker"]
+    names = [e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]]
     assert names.count("UCX_TCP_PORT_RANGE") == 1
     assert names.index("UCX_TCP_PORT_RANGE") < names.index("UCX_TLS") < names.index("UCX_NET_DEVICES")
 
@@ -429,3 +501,31 @@ def test_the_crd_refuses_the_port_range_variable_naming_the_operator_s_range():
     text = yaml.safe_dump(crd.crd())
     assert f"self.name != '{naming.KV_DATA_PORT_RANGE_ENV}'" in text
     assert f"sets {naming.KV_DATA_PORT_RANGE_ENV} to {naming.KV_DATA_PORT_RANGE}," in text.replace("\n", " ").replace("  ", " ")
+
+
+_YAML_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=150),
+    st.sampled_from(["yes", "off", "~", "null", "1e3", "0x1f", "12:30", "", " a", "a: b", "- x", "#c", "x\ny", "é",
+                     "\u2028", "a b " * 40]))
+_YAML_VALUES = st.recursive(_YAML_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=20), inner, max_size=4)), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=150), _YAML_VALUES, min_size=1, max_size=8))
+def test_the_stage_config_text_is_pyyaml_s_whole_document(config):
+    """dump_stage_config builds the YAML an entry at a time (memoised): the text, and so the
+    config hash and the pods, are yaml.safe_dump's of the whole config, whatever it holds."""
+    assert dump_stage_config(config) == yaml.safe_dump(config, sort_keys=True, default_flow_style=False)
+
+
+def test_a_stage_config_entry_that_changes_is_dumped_afresh():
+    """The entry memo is keyed by the value: a changed engineArgs (or name) never gets the
+    text of the one dumped before."""
+    config = render_stage_config(parse(pipeline_body()), "talker")
+    first = dump_stage_config(config)
+    changed = {**config, "engineArgs": {"max-model-len": 2048}, "pipeline": "other"}
+    text = dump_stage_config(changed)
+    assert text == yaml.safe_dump(changed, sort_keys=True, default_flow_style=False) != first
+    assert "max-model-len: 2048" in text and "pipeline: other" in text
+    assert dump_stage_config(config) == first

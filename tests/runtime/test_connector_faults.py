@@ -107,7 +107,7 @@ def test_an_ar_killed_mid_read_fails_the_read_and_the_receiver_serves_on(
     other_sender.submit(other.offer("kept", [3], 4))
     assert collect(other_sender, 1) == (["kept"], {})
 
-    held = hold(receiver, "_assemble")
+    held = hold(receiver, "_chunk_read")
     blocks = list(range(10, 20))
     proc.say(f"offer cut 0 40 {','.join(map(str, blocks))} 5")
     held.wait_entered()  # the first chunk is read; 7 more to go
@@ -198,7 +198,7 @@ def test_an_agent_with_a_read_in_flight_is_not_forgotten(make_receiver, ar, make
     chunks longer than the TTL): the agent stays while its read is in flight, and the rest
     of the read from it succeeds."""
     receiver = make_receiver(agent_idle_ttl_s=0.2, slot_bytes=4096, slots=1)
-    held = hold(receiver, "_assemble")
+    held = hold(receiver, "_chunk_read")
     sender = make_sender(ar, {STAGE: receiver.endpoint})
     blocks = list(range(10))  # 8 blocks a chunk: two chunks per layer
     sender.submit(ar.offer("r", blocks, 40))

@@ -38,8 +38,9 @@ def stage_config(engine_args: dict) -> dict:
     """The AR stage's config as the operator renders it, with these engineArgs (rendered
     from a valid pipeline, the engineArgs then put in: what omni-stage would read)."""
     admitted = admit(with_engine_args({}))
-    name = f"{admitted.pipeline.name}-{PIPELINE['spec']['stages'][_ar_index(PIPELINE)]['name']}"
-    (configmap,) = [c for c in admitted.children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == name]
+    stage = PIPELINE["spec"]["stages"][_ar_index(PIPELINE)]["name"]
+    (configmap,) = [c for c in admitted.children
+                    if c["kind"] == "ConfigMap" and c["metadata"]["labels"]["omnipipeline.dev/stage"] == stage]
     config = yaml.safe_load(configmap["data"]["stage.yaml"])
     config["engineArgs"] = engine_args
     return config

@@ -1,10 +1,12 @@
 {{/*
 Rules in the namespaces where OmniPipelines live. Verbs per resource follow the operator's
-calls: its Kube layer gets, lists, creates, patches and deletes children, reads
-OmniPipelines, patches their status and posts events, and lists the stage pods on the resync
-timer to read their /metrics (transfer health; not when it reads Prometheus); kopf lists and watches every
-resource it has handlers for (OmniPipelines and each child kind) and patches OmniPipelines
-and their status (its handler progress and last-handled state).
+calls: its Kube layer gets, lists, creates, patches and deletes children (an autoscaled
+stage's OmniStageScaler and its HorizontalPodAutoscaler or KEDA ScaledObject among them),
+patches the scalers' status, reads OmniPipelines, patches their status and posts events, and
+lists the stage pods (while an old revision drains, and on the resync timer to read their
+/metrics for transfer health); kopf lists and watches every resource it has handlers for
+(OmniPipelines and each child kind) and patches OmniPipelines and their status (its handler
+progress and last-handled state).
 */}}
 {{- define "omni-pipeline.namespacedRules" -}}
 - apiGroups: ["omnipipeline.dev"]
@@ -28,14 +30,24 @@ and their status (its handler progress and last-handled state).
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["omnipipeline.dev"]
+  resources: ["omnistagescalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["omnipipeline.dev"]
+  resources: ["omnistagescalers/status"]
+  verbs: ["patch"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if and .Values.transferHealth.enabled (not .Values.transferHealth.prometheusUrl) }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
-{{- end }}
 {{- end }}
 
 {{/*

@@ -1,8 +1,10 @@
 """From blocks as the AR's cache holds them to the payload ``[layers, 2, H, seq_len, D]``.
 
 The receiver reads a transfer's blocks as they are (NIXL moves bytes, it does not reorder
-them) into a staging slot: per layer, the transfer's blocks one after another. This module
-turns a staged chunk of layers into its slice of the payload, with the block format the AR
+them): per layer and plane, the transfer's blocks one after another, into a device staging
+slot a chunk at a time, or on the host into the payload's own memory, the whole transfer
+(:class:`StagedKV`, assembled when a consumer takes it). This module turns staged layers
+into their slice of the payload, with the block format the AR
 announced in its hello (:class:`~.protocol.BlockFormat`): for an affine format (every layout
 vLLM 0.32 writes) one strided copy per K and V per chunk (plus one for a partial last block),
 else one gather through the element index.
@@ -10,9 +12,12 @@ else one gather through the element index.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from omni_runtime.kv.transport.payload import DTYPES
 from omni_runtime.kv.transport.protocol import Affine, BlockFormat
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -71,3 +76,30 @@ def _gather(flat: torch.Tensor, index: tuple[int, ...], fmt: BlockFormat, layers
                + (t // B).view(1, tokens, 1) * numel).reshape(-1)
     per_layer = flat.view(layers, fmt.planes * blocks * numel)
     dst.copy_(per_layer.index_select(1, offsets).view(layers, H, tokens, D))
+
+
+@dataclass(eq=False)
+class StagedKV:
+    """A transfer's KV as a host receiver read it, not yet assembled: ``raw`` holds
+    ``num_layers`` x ``planes`` x ``num_blocks`` blocks in that order (the staged order
+    above, the whole transfer at once), in the AR's block format ``fmt``. The payload's
+    ``[layers, 2, H, seq_len, D]`` array is made from it on first use (:meth:`into`)."""
+
+    raw: np.ndarray  # uint8, on registered landing memory (landing.py)
+    fmt: BlockFormat
+    num_layers: int
+    num_blocks: int
+    seq_len: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.fmt.num_kv_heads, self.seq_len, self.fmt.head_size)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return DTYPES[self.fmt.dtype]
+
+    def into(self, out: np.ndarray) -> None:
+        """Assemble into ``out`` (this shape and dtype; any strides a slice gives)."""
+        assemble_chunk(torch.from_numpy(self.raw), self.fmt, self.num_layers, self.num_blocks,
+                       self.seq_len, payload_view(out, self.fmt.dtype))

@@ -82,7 +82,7 @@ class KVInbox:
         self._bytes = 0
         self._cond = threading.Condition(threading.Lock())
         self._metrics: ReceiverObserver | None = None
-        self._allocate = np.empty  # assembled shards' arrays (the receiver binds its pool)
+        self._allocate = np.empty  # payloads' arrays, assembled (the receiver binds its pool)
 
     def bind_metrics(self, metrics: ReceiverObserver | None) -> None:
         """Report size gauges, evictions and get() wait times to ``metrics`` (the receiver
@@ -92,7 +92,8 @@ class KVInbox:
             self._update_gauges()
 
     def bind_allocator(self, allocate) -> None:
-        """Where assembled payloads' arrays come from: ``allocate(shape, dtype)``."""
+        """Where the arrays of payloads assembled in get() come from:
+        ``allocate(shape, dtype)``."""
         self._allocate = allocate
 
     # ------------------------------------------------------------------ producer side
@@ -149,7 +150,7 @@ class KVInbox:
                     raise InboxFull(
                         f"{nbytes} bytes (shard {shard.shard} of {shard.num_shards}) do not "
                         f"fit: {self._bytes} of {self.max_bytes} bytes used")
-                assembly = self._assemblies[key] = ShardAssembly(shard, now, self._allocate)
+                assembly = self._assemblies[key] = ShardAssembly(shard, now)
                 self._bytes += assembly.nbytes
             elif (problem := assembly.mismatch(shard)) is not None:
                 raise Rejected("shard_mismatch", problem)
@@ -207,7 +208,8 @@ class KVInbox:
             ) -> KVPayload | None:
         """The payload of ``request_id`` (the id it was sent under, or its external request
         id), waiting up to ``timeout_s`` for it to arrive; None on timeout. ``remove``
-        (default) consumes it, freeing its bytes."""
+        (default) consumes it, freeing its bytes. The payload comes assembled (``kv`` set):
+        one stored as read is assembled here, on the caller's thread, outside the lock."""
         start = time.monotonic()
         deadline = start + max(0.0, timeout_s)
         with self._cond:
@@ -219,13 +221,15 @@ class KVInbox:
                     if remove:
                         self._remove_locked(key, None)
                     self._observe_wait(time.monotonic() - start, True)
-                    return entry.payload
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._observe_wait(time.monotonic() - start, False)
                     return None
                 # Woken by put(); the loop re-checks (spurious wake-ups, other request ids).
                 self._cond.wait(left)
+        entry.payload.materialize(self._allocate)
+        return entry.payload
 
     def list(self) -> list[dict]:
         """Summaries of the stored payloads, oldest first (for the stage's HTTP endpoint)."""
@@ -237,7 +241,7 @@ class KVInbox:
                 "seq_len": e.payload.seq_len,
                 "bytes": e.nbytes,
                 "dtype": e.payload.dtype_name,
-                "shape": list(e.payload.kv.shape),
+                "shape": list(e.payload.shape),
                 "received_at": e.payload.received_at,
                 "from_stage": e.payload.from_stage,
                 "pipeline": e.payload.pipeline,

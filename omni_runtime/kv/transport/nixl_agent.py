@@ -79,9 +79,10 @@ class KVAgent:
         self._registrations: list[Any] = []
 
     # ------------------------------------------------------------------ memory
-    def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str) -> None:
+    def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
         """Register ``(addr, length, device)`` regions of ``mem_type`` ("DRAM" or "VRAM")
-        with every backend; raises NixlUnavailable naming the cause."""
+        with every backend; raises NixlUnavailable naming the cause. Returns the
+        registration, for :meth:`deregister` (close() deregisters what is left)."""
         try:
             descs = self._agent.get_reg_descs(
                 np.array([[a, n, d] for a, n, d in regions], dtype=np.uint64), mem_type)
@@ -92,6 +93,12 @@ class KVAgent:
                 f"registering {len(regions)} {mem_type} regions ({total} bytes) with NIXL "
                 f"failed: {type(exc).__name__}: {exc}") from None
         self._registrations.append(descs)
+        return descs
+
+    def deregister(self, registration: Any) -> None:
+        """Deregister what one :meth:`register` registered (the memory may be freed then)."""
+        self._registrations = [r for r in self._registrations if r is not registration]
+        self._agent.deregister_memory(registration)
 
     def metadata(self) -> bytes:
         """What a peer needs to read this agent's registered memory (add_remote)."""

@@ -5,7 +5,9 @@ layer). Pure data (NumPy), no transport.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -32,11 +34,15 @@ class KVPayload:
     head_dim] (Hugging Face ``past_key_values`` order per layer), dtype float32, float16, or
     uint16 holding bfloat16 bits. ``dtype`` names the dtype; None derives it from ``kv.dtype``
     (uint16 means bfloat16). The receiver assembles it from the blocks it read (NIXL).
+
+    A payload a receiver stored may not be assembled yet: ``kv`` is None and ``staged``
+    holds the bytes as read (see :meth:`materialize`; the inbox's ``get`` returns payloads
+    materialized). ``shape`` and ``nbytes`` are the assembled array's either way.
     """
 
     request_id: str
     seq_len: int
-    kv: np.ndarray
+    kv: np.ndarray | None
     pipeline: str = ""
     from_stage: str = ""
     trace_context: dict[str, str] | None = None
@@ -56,25 +62,50 @@ class KVPayload:
     #: receiver's inbox assembles the shards of a transfer into one payload (shard 0 of 1).
     shard: int = 0
     num_shards: int = 1
+    #: Not assembled yet (``kv`` is None): anything with the array's ``shape`` and
+    #: ``dtype`` and ``into(out)`` writing it (assemble.StagedKV, shards.ShardAssembly).
+    staged: Any = field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
+                                  compare=False)
+
+    def materialize(self, allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray]
+                    = np.empty) -> np.ndarray:
+        """``kv``, assembling it from ``staged`` into ``allocate(shape, dtype)`` the first
+        time (once, whichever threads ask; the staged bytes are let go then)."""
+        with self._lock:
+            if self.kv is None:
+                kv = allocate(self.staged.shape, self.staged.dtype)
+                self.staged.into(kv)
+                self.kv, self.staged = kv, None
+            return self.kv
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.kv.shape if self.kv is not None else self.staged.shape)
+
+    @property
+    def array_dtype(self) -> np.dtype:
+        return self.kv.dtype if self.kv is not None else np.dtype(self.staged.dtype)
 
     @property
     def dtype_name(self) -> str:
         if self.dtype is not None:
             return self.dtype
         for name, dt in DTYPES.items():
-            if self.kv.dtype == dt:
+            if self.array_dtype == dt:
                 return name
-        return str(self.kv.dtype)
+        return str(self.array_dtype)
 
     @property
     def nbytes(self) -> int:
-        return int(self.kv.nbytes)
+        return int(np.prod(self.shape)) * self.array_dtype.itemsize
 
     def as_float32(self) -> np.ndarray:
         """The KV tensor as float32 (bfloat16 bits widened: they are float32's top half)."""
+        kv = self.materialize()
         if self.dtype_name == "bfloat16":
-            return (self.kv.astype(np.uint32) << 16).view(np.float32)
-        return self.kv.astype(np.float32)
+            return (kv.astype(np.uint32) << 16).view(np.float32)
+        return kv.astype(np.float32)
 
 
 def vllm_external_request_id(request_id: str, *, randomized: bool = True) -> str:

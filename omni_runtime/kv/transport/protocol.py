@@ -16,7 +16,7 @@ AR -> receiver
               stored.
 receiver -> AR
   ``hello_ok`` the hello was accepted (reads may follow on this connection);
-  ``read_done`` the blocks of a ``read`` were read and assembled; the AR answers a verdict;
+  ``read_done`` the blocks of a ``read`` were read (all of them); the AR answers a verdict;
   ``ok``       the payload is stored in the inbox: the transfer's ack;
   ``rejected`` a ``hello`` or ``read`` refused, with a code from :data:`REJECT_CODES`.
 

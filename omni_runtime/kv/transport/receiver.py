@@ -2,10 +2,16 @@
 
 One background thread owns a ZeroMQ ROUTER (the control channel, protocol.py) and a NIXL
 agent. For each ``read`` an AR rank offers, it reads the transfer's blocks straight out of
-the AR's registered KV cache into a registered staging slot (NIXL READ; the AR does no work),
-assembles them into the payload ``[layers, 2, H, seq_len, D]`` (assemble.py), says
-``read_done``, and stores the payload in the inbox only when the AR's verdict says the blocks
-were held for the whole read (``commit``); then it answers ``ok``: the transfer's ack.
+the AR's registered KV cache (NIXL READ; the AR does no work), says ``read_done``, and stores
+the payload in the inbox only when the AR's verdict says the blocks were held for the whole
+read (``commit``); then it answers ``ok``: the transfer's ack. Where the bytes land:
+
+* on the host (``staging_device="cpu"``), in the payload's own registered memory
+  (landing.py), stored as read; the payload's ``[layers, 2, H, seq_len, D]`` array is
+  assembled when a consumer takes it (assemble.StagedKV): on a CPU that conversion costs
+  about as much as the read, and the AR's blocks need not wait for it;
+* on a GPU, in a registered device staging slot a chunk at a time, each chunk assembled on
+  the device into the host payload (assemble.py) before the next is read.
 
 Invariants:
 * ``ok`` is sent only after ``inbox.put`` returned: an acked payload is in the inbox (until
@@ -17,8 +23,9 @@ Invariants:
   ``rejected`` with a code from ``protocol.REJECT_CODES``), unless the transfer's time runs
   out while waiting for the verdict. Bad input of any kind (and even a bug while handling
   it) is logged, counted and answered; it never ends the thread.
-* A staging slot is reused only once the read into it is released; a read past its time is
-  released (NIXL stops it) and its slot reused, or retired when NIXL refuses the release.
+* A staging slot (or landing slab) is reused only once the read into it is released; a read
+  past its time is released (NIXL stops it) and its memory reused, or retired when NIXL
+  refuses the release.
 * Only the receiver thread touches the ROUTER, the NIXL agent and the staging slots (NIXL's
   agent is created without locking); other threads talk to it through an inproc PAIR socket.
 """
@@ -39,8 +46,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from omni_runtime.kv.transport.assemble import assemble_chunk, payload_view
+from omni_runtime.kv.transport.assemble import StagedKV, assemble_chunk, payload_view
 from omni_runtime.kv.transport.inbox import InboxFull, KVInbox
+from omni_runtime.kv.transport.landing import LandingPool, LandingSlab
 from omni_runtime.kv.transport.nixl_agent import DONE, ERROR, KVAgent
 from omni_runtime.kv.transport.observer import NullReceiverObserver, ReceiverObserver
 from omni_runtime.kv.transport.memory import PayloadPool
@@ -111,7 +119,9 @@ class _Read:
     received: float  # unix
     span: Any
     chunks: list[_Chunk]
-    kv: np.ndarray | None = None
+    kv: np.ndarray | None = None  # the payload's array (GPU staging)
+    landing: LandingSlab | None = None  # where the reads land, the payload's (host)
+    raw: np.ndarray | None = None  # the landing slab's array for this transfer
     next_chunk: int = 0
     slot: Slot | None = None
     handle: Any = None
@@ -132,8 +142,10 @@ class KVReceiver:
     ``stage``/``pipeline``: when set, transfers for another destination are refused
     ``wrong_destination``. ``expect``: compatibility fields this stage knows (e.g.
     ``{"model": "Qwen/..."}``): an AR whose hello differs is refused ``incompatible``.
-    ``slot_bytes`` x ``slots``: the registered staging memory (staging.py), on
-    ``staging_device`` (``"cuda:0"`` reads device to device).
+    ``slots``: reads in flight at once; ``slot_bytes``: the most one READ moves (on a GPU,
+    ``slot_bytes`` x ``slots`` is the registered device staging, staging.py);
+    ``staging_device``: ``"cpu"`` reads into host payload memory, ``"cuda:0"`` device to
+    device.
     """
 
     def __init__(
@@ -179,6 +191,7 @@ class KVReceiver:
         self._closed = False
         self._agent: KVAgent | None = None
         self._staging: StagingPool | None = None
+        self._landing: LandingPool | None = None  # host staging only
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently seen first
         self._reads: dict[tuple[str, int], _Read] = {}
         self._queue: deque[_Read] = deque()  # waiting for a staging slot
@@ -189,7 +202,7 @@ class KVReceiver:
         self.num_internal_errors = 0
         self.num_aborted = 0
         #: Seconds the thread spent with READs posted (post to DONE seen) and assembling
-        #: (benchmarks split a transfer's time with them).
+        #: (on a GPU; benchmarks split a transfer's time with them).
         self.read_seconds = 0.0
         self.assemble_seconds = 0.0
         #: Why the thread died (None while it runs or after a normal close()).
@@ -219,6 +232,8 @@ class KVReceiver:
         self._agent = KVAgent(name)
         self._staging = StagingPool(self._agent, slot_bytes=self.slot_bytes, slots=self.slots,
                                     device=self.staging_device)
+        if not self._staging.on_device:
+            self._landing = LandingPool(self._agent, max_free_bytes=self.inbox.max_bytes)
         self._ctrl = self._ctx.socket(zmq.PAIR)
         self._ctrl.bind(self._ctrl_addr)
         self._thread = threading.Thread(target=self._run, name=f"omni-kv-receiver-{self.stage}",
@@ -299,6 +314,8 @@ class KVReceiver:
                             break
                         self._handle(router, frames)  # never raises
                 self._advance(router)
+                if self._landing is not None:
+                    self._landing.collect()  # slabs of payloads consumers assembled
                 self._expire(router, time.monotonic())
                 self.inbox.expire()  # TTL evictions happen even without consumer calls
         except BaseException as e:
@@ -308,6 +325,8 @@ class KVReceiver:
             logger.exception("KV receiver thread of stage %r died", self.stage)
         finally:
             self._drop_all_reads()
+            if self._landing is not None:
+                self._landing.close()
             router.close(linger=0)
             ctrl.close(linger=0)
             self._report_thread(False)
@@ -559,8 +578,13 @@ class KVReceiver:
 
     def _payload(self, job: _Read) -> KVPayload:
         req, hello = job.request, job.peer.hello
+        staged = None
+        if job.raw is not None:
+            fmt = hello.block_format
+            staged = StagedKV(job.raw, fmt, hello.compat.num_layers,
+                              blocks_needed(req.seq_len, fmt.block_size), req.seq_len)
         return KVPayload(
-            request_id=req.request_id, seq_len=req.seq_len, kv=job.kv,
+            request_id=req.request_id, seq_len=req.seq_len, kv=job.kv, staged=staged,
             pipeline=req.pipeline, from_stage=req.from_stage, trace_context=req.trace_context,
             extra={"attempt": req.attempt, "block_size": hello.block_format.block_size},
             dtype=hello.block_format.dtype, to_stage=req.to_stage, sent_at=req.sent_at,
@@ -576,11 +600,10 @@ class KVReceiver:
             if state == DONE:
                 done = time.perf_counter()
                 self.read_seconds += done - job.posted
-                self._agent.release(job.handle)
+                self._agent.release(job.handle)  # done: nothing more lands, whatever it says
                 job.handle = None
                 try:
-                    self._assemble(job)
-                    self.assemble_seconds += time.perf_counter() - done
+                    self._chunk_read(job)
                 except Exception as e:
                     self.num_internal_errors += 1
                     logger.exception("KV receiver: assembling a transfer failed")
@@ -605,9 +628,14 @@ class KVReceiver:
             job.phase = "reading"
             job.started = time.monotonic()
             try:
-                job.kv = self.pool.empty(self._shape(job), DTYPES[job.peer.hello.block_format.dtype])
-            except MemoryError as e:
-                self._fail(router, job, "inbox_full", f"cannot allocate the payload: {e}")
+                if self._landing is not None:
+                    job.landing, job.raw = self._landing.take(self._raw_bytes(job))
+                else:
+                    job.kv = self.pool.empty(self._shape(job),
+                                             DTYPES[job.peer.hello.block_format.dtype])
+            except Exception as e:  # no memory, or NIXL refused to register it
+                self._fail(router, job, "inbox_full", f"cannot allocate the payload: "
+                                                      f"{type(e).__name__}: {e}")
                 continue
             self._post(router, job)
 
@@ -618,25 +646,40 @@ class KVReceiver:
         return (hello.compat.num_layers, 2, fmt.num_kv_heads, job.request.seq_len,
                 fmt.head_size)
 
+    @staticmethod
+    def _raw_bytes(job: _Read) -> int:
+        """The transfer's bytes as read: every layer's planes' blocks (a partial last block
+        whole)."""
+        fmt = job.peer.hello.block_format
+        blocks = blocks_needed(job.request.seq_len, fmt.block_size)
+        return job.peer.hello.compat.num_layers * fmt.planes * blocks * fmt.block_bytes
+
     def _post(self, router: zmq.Socket, job: _Read) -> None:
-        """Post the READ of the job's next chunk into its slot."""
+        """Post the READ of the job's next chunk: into its slot (device staging), or into
+        its place in the transfer's landing slab (host)."""
         chunk = job.chunks[job.next_chunk]
         fmt = job.peer.hello.block_format
         block_bytes = fmt.block_bytes
         (l0, l1), (b0, b1) = chunk.layers, chunk.blocks
         segments = _segments(job.request.runs, b0, b1)  # (payload block, cache block, count)
         remote, local = [], []
-        staged = 0
         regions = job.peer.regions
         planes = fmt.planes
+        # The staged order (layer, plane, block): of the whole transfer in its landing slab
+        # (host), of this chunk in its slot (device).
+        if job.landing is not None:
+            base, row0, block0 = job.landing.addr, 0, 0
+            blocks = blocks_needed(job.request.seq_len, fmt.block_size)
+        else:
+            base, blocks, row0, block0 = job.slot.addr, b1 - b0, l0 * planes, b0
         for layer in range(l0, l1):
-            for plane in range(planes):  # the staged order: layer, plane, block
-                addr, _, device = (int(x) for x in regions[layer * planes + plane])
-                for _, first, count in segments:
+            for plane in range(planes):
+                row = layer * planes + plane
+                addr, _, device = (int(x) for x in regions[row])
+                for payload_block, first, count in segments:
                     remote.append((addr + first * block_bytes, count * block_bytes, device))
-                    local.append((job.slot.addr + staged, count * block_bytes,
-                                  self._staging.device_id))
-                    staged += count * block_bytes
+                    local.append((base + ((row - row0) * blocks + payload_block - block0)
+                                  * block_bytes, count * block_bytes, self._staging.device_id))
         job.posted = time.perf_counter()
         try:
             job.handle = self._agent.read(
@@ -646,6 +689,14 @@ class KVReceiver:
         except Exception as e:
             self._fail(router, job, "read_failed", f"NIXL refused the read of agent "
                                                    f"{job.request.agent}: {type(e).__name__}: {e}")
+
+    def _chunk_read(self, job: _Read) -> None:
+        """The job's current chunk is read: on a GPU, assemble it into the payload now (its
+        slot is read into next); on the host the bytes are where they stay."""
+        if job.kv is not None:
+            started = time.perf_counter()
+            self._assemble(job)
+            self.assemble_seconds += time.perf_counter() - started
 
     def _assemble(self, job: _Read) -> None:
         chunk = job.chunks[job.next_chunk]
@@ -670,8 +721,10 @@ class KVReceiver:
                 self._staging.release(job.slot)
             else:
                 self._staging.retire(job.slot)
+                if job.landing is not None:
+                    self._landing.retire(job.landing)
             job.slot = job.handle = None
-        job.kv = None
+        job.kv = job.landing = job.raw = None
         job.peer.jobs -= 1
 
     def _expire(self, router: zmq.Socket, now: float) -> None:

@@ -1,11 +1,13 @@
-"""The receiver's registered landing memory: a few fixed slots, registered with NIXL once.
+"""The receiver's read slots: at most ``slots`` transfers read at once, each READ at most
+``slot_bytes``.
 
-Registering memory costs (pinning, keys; ~18 ms for 117 MB here), so the receiver registers
-``slots x slot_bytes`` once at start-up and reads every transfer through a slot, in chunks
-of whole layers (or of blocks, for a layer larger than a slot): a transfer of any size
-passes through a bounded, pre-registered area, and at most ``slots`` transfers are read at
-once. A slot whose read could not be released (NIXL refused: the backend may still write
-into it) is retired for good, never reused.
+On a GPU a slot is device memory, registered with NIXL once (registering costs: pinning,
+keys; ~18 ms for 117 MB here): the receiver reads every transfer through a slot, in chunks
+of whole layers (or of blocks, for a layer larger than a slot), and assembles each chunk on
+the device into the host payload. On the host a slot has no memory of its own: reads land
+in the payload's memory (landing.py) and the slot only bounds the reads in flight and the
+size of each. A slot whose read could not be released (NIXL refused: the backend may still
+write into it) is retired for good, never reused.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from omni_runtime.kv.transport.nixl_agent import KVAgent
-from omni_runtime.kv.transport.memory import empty_huge
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ ALIGN = 4096
 @dataclass(eq=False)
 class Slot:
     index: int
-    tensor: torch.Tensor  # uint8, slot_bytes, on the staging device
+    tensor: torch.Tensor | None  # uint8, slot_bytes, on the device; None on the host
 
     @property
     def addr(self) -> int:
@@ -43,23 +44,20 @@ class StagingPool:
             raise ValueError(f"staging needs slots >= 1 of at least {ALIGN} bytes")
         self.slot_bytes = slot_bytes - slot_bytes % ALIGN
         self.device = torch.device(device)
-        self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
-        if self.device.type == "cpu":
-            # Host memory on huge pages where the kernel offers them (fewer pages for UCX to
-            # map per read), faulted in now rather than during the first reads.
-            self._mapping = empty_huge(self.slot_bytes * slots + ALIGN)
-            self._memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.on_device = self.device.type != "cpu"
+        self.mem_type = "VRAM" if self.on_device else "DRAM"
+        self.device_id = self.device.index or 0
+        if not self.on_device:
+            self._slots = [Slot(i, None) for i in range(slots)]
         else:
-            self._memory = torch.empty(self.slot_bytes * slots + ALIGN, dtype=torch.uint8,
-                                       device=self.device)
-        skip = -self._memory.data_ptr() % ALIGN
-        area = self._memory[skip: skip + self.slot_bytes * slots]
-        area.zero_()
-        device_id = self.device.index or 0
-        agent.register([(area.data_ptr(), area.numel(), device_id)], self.mem_type)
-        self.device_id = device_id
-        self._slots = [Slot(i, area[i * self.slot_bytes: (i + 1) * self.slot_bytes])
-                       for i in range(slots)]
+            memory = torch.empty(self.slot_bytes * slots + ALIGN, dtype=torch.uint8,
+                                 device=self.device)
+            skip = -memory.data_ptr() % ALIGN
+            area = memory[skip: skip + self.slot_bytes * slots]
+            area.zero_()
+            agent.register([(area.data_ptr(), area.numel(), self.device_id)], self.mem_type)
+            self._slots = [Slot(i, area[i * self.slot_bytes: (i + 1) * self.slot_bytes])
+                           for i in range(slots)]
         self._free = list(reversed(self._slots))
         self.retired = 0
 

@@ -1,0 +1,118 @@
+"""rollout.plan, the pure function behind every rollout step: the decisions one at a time."""
+from __future__ import annotations
+
+import copy
+
+from omnip_support import pipeline_body
+from omni_operator.model import parse_pipeline
+from omni_operator.rollout import LEGACY, PodLoad, StagePod, Workload, plan, pod_of, workload_of
+
+NOW = 1_800_000_000.0
+OLD = "0000000old"
+
+
+def pipeline(body: dict | None = None):
+    body = copy.deepcopy(body or pipeline_body())
+    body["metadata"]["uid"] = "u"
+    return parse_pipeline(body)
+
+
+def ready(revision: str, stage: str, n: int = 1, inputs: tuple[str, ...] = (), sends: bool = False,
+          replicas: int | None = None, created: str = "2026-01-01T00:00:00Z") -> Workload:
+    replicas = n if replicas is None else replicas
+    return Workload(revision, stage, f"tiny-{stage}-{revision}", replicas=replicas, ready=n, pods=replicas,
+                    inputs=inputs, sends=sends, created=created)
+
+
+def old_pipeline_workloads(**over) -> list[Workload]:
+    """The default pipeline's three stages, one ready pod each, at revision OLD."""
+    ws = {"thinker": ready(OLD, "thinker", sends=True), "talker": ready(OLD, "talker", inputs=("thinker",), sends=True),
+          "code2wav": ready(OLD, "code2wav", inputs=("talker",))}
+    ws.update(over)
+    return list(ws.values())
+
+
+TARGETS = {"thinker": 1, "talker": 1, "code2wav": 1}
+
+
+def draining(stage: str, name: str, started: float = NOW - 10, grace: float = 75) -> StagePod:
+    return StagePod(name, OLD, stage, ready=False, drain_started=started, deadline=started + grace - 45)
+
+
+def test_a_new_pipeline_starts_its_last_receiver_only():
+    p = pipeline()
+    step = plan(p, TARGETS, [], now=NOW)
+    assert step.replicas == {(p.revision, "thinker"): 0, (p.revision, "talker"): 0, (p.revision, "code2wav"): 1}
+    assert any("thinker waits for a ready pod of talker" in w for w in step.waiting)
+
+
+def test_a_receiver_scaled_to_zero_holds_no_sender_back():
+    p = pipeline()
+    step = plan(p, {"thinker": 1, "talker": 1, "code2wav": 0}, [], now=NOW)
+    assert step.replicas[(p.revision, "talker")] == 1 and step.replicas[(p.revision, "code2wav")] == 0
+
+
+def test_an_old_receiver_waits_for_a_reading_taken_after_its_sender_began_draining():
+    p = pipeline()
+    mine = [ready(p.revision, s, inputs=i) for s, i in (("thinker", ()), ("talker", ("thinker",)), ("code2wav", ("talker",)))]
+    gone_thinker = ready(OLD, "thinker", n=0, sends=True)
+    ws = old_pipeline_workloads(thinker=gone_thinker) + mine
+    pod = draining("thinker", "old-thinker-0")
+    before = {"old-thinker-0": PodLoad(read_at=pod.drain_started - 1, transfers=0, requests=0)}
+    after = {"old-thinker-0": PodLoad(read_at=pod.drain_started + 1, transfers=0, requests=0)}
+    busy = {"old-thinker-0": PodLoad(read_at=pod.drain_started + 1, transfers=0, requests=1)}
+    for loads in (before, busy, {}):
+        assert plan(p, TARGETS, ws, [pod], loads, now=NOW).replicas[(OLD, "talker")] == 1
+    assert plan(p, TARGETS, ws, [pod], after, now=NOW).replicas[(OLD, "talker")] == 0
+    # Without transfer health nothing is read: the pod counts once gone, or past its deadline.
+    assert plan(p, TARGETS, ws, [pod], after, now=NOW, read_loads=False).replicas[(OLD, "talker")] == 1
+    assert plan(p, TARGETS, ws, [], {}, now=NOW, read_loads=False).replicas[(OLD, "talker")] == 0
+    late = plan(p, TARGETS, ws, [pod], {"old-thinker-0": PodLoad(NOW, transfers=3)}, now=pod.deadline)
+    assert late.replicas[(OLD, "talker")] == 0
+    (event,) = late.events
+    assert event.key == f"{OLD}.old-thinker-0" and "3 KV transfers in flight: 3 abandoned" in event.message
+
+
+def test_surge_counts_terminating_pods_and_old_pods_not_yet_gone():
+    """A GPU stage (maxSurge 0) of one pod: its new pod waits until the old one is gone, not
+    just told to go."""
+    p = pipeline()
+    mine = [ready(p.revision, "talker", inputs=("thinker",)), ready(p.revision, "code2wav", inputs=("talker",))]
+    told = Workload(OLD, "thinker", "x", replicas=0, ready=1, pods=1, sends=True)
+    ws = old_pipeline_workloads(thinker=told) + mine
+    assert plan(p, TARGETS, ws, [], now=NOW).replicas[(p.revision, "thinker")] == 0
+    terminating = plan(p, TARGETS, old_pipeline_workloads(thinker=ready(OLD, "thinker", n=0, sends=True)) + mine,
+                       [draining("thinker", "old-thinker-0")], now=NOW)
+    assert terminating.replicas[(p.revision, "thinker")] == 0
+    gone = plan(p, TARGETS, old_pipeline_workloads(thinker=ready(OLD, "thinker", n=0, sends=True)) + mine, [], now=NOW)
+    assert gone.replicas[(p.revision, "thinker")] == 1
+    assert (OLD, "thinker") in gone.delete
+
+
+def test_workloads_made_before_revisions_are_the_legacy_revision_with_the_spec_s_graph():
+    p = pipeline()
+    legacy = {"metadata": {"name": "tiny-talker", "labels": {"omnipipeline.dev/pipeline": "tiny",
+                                                           "omnipipeline.dev/stage": "talker"}},
+              "spec": {"replicas": 1}, "status": {"readyReplicas": 1, "replicas": 1}}
+    w = workload_of(legacy, p)
+    assert (w.revision, w.inputs, w.sends) == (LEGACY, ("thinker",), True)
+    pod = pod_of({"metadata": {"name": "x", "labels": {"omnipipeline.dev/stage": "talker"},
+                               "deletionTimestamp": "2027-01-15T08:00:00Z", "deletionGracePeriodSeconds": 75}})
+    assert pod.revision == LEGACY and pod.deadline == pod.drain_started + 30
+
+
+def test_a_settled_rollout_no_step_moves_drains_the_old_senders_and_says_so():
+    body = pipeline_body()
+    for s in body["spec"]["stages"]:
+        s.update(gpus=1, replicas=2)
+    p = pipeline(body)
+    targets = {"thinker": 2, "talker": 2, "code2wav": 2}
+    ws = [ready(OLD, "thinker", 1, sends=True), ready(OLD, "talker", 2, ("thinker",), True),
+          ready(OLD, "code2wav", 2, ("talker",)), ready(p.revision, "thinker", 0), ready(p.revision, "talker", 0),
+          ready(p.revision, "code2wav", 0)]
+    step = plan(p, targets, ws, [], now=NOW)
+    assert step.replicas[(OLD, "thinker")] == 0
+    assert any("thinker drains below its floor" in w for w in step.waiting)
+    # Not while anything still moves (a pod terminating).
+    moving = plan(p, targets, ws, [draining("thinker", "t")], now=NOW)
+    assert moving.replicas[(OLD, "thinker")] == 1

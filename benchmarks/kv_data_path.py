@@ -322,7 +322,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
                       for i in range(args.requests)]
     # Warm-up, transfers on: the receiver's hello, NIXL's wire-up, the payload pool's slabs,
     # and the first round after start-up, the slowest whichever way it runs.
-    print(f"# engine up", file=sys.stderr, flush=True)
+    print("# engine up", file=sys.stderr, flush=True)
     _round(llm, core, make(99), True, None)
     _consume(pipe)
     resolved.clear()

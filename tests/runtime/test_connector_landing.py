@@ -20,6 +20,7 @@ from transport_fixtures import (  # noqa: F401  (fixtures)
     make_receiver,
     make_sender,
     registry,
+    rejected_counts,
 )
 
 
@@ -82,6 +83,27 @@ def test_readers_of_one_stored_payload_share_one_assembly(make_receiver, ar, mak
         t.join()
     assert len(calls) == 1 and all(g is got[0] for g in got)
     np.testing.assert_array_equal(got[0], ar.expected([0, 7], 6))
+
+
+def test_memory_it_cannot_register_refuses_that_transfer_and_the_receiver_serves_on(
+        make_receiver, ar, make_sender, registry):
+    receiver = make_receiver()
+    take = receiver._landing.take
+
+    def refused(nbytes):  # as NIXL refuses memory it cannot register (a memlock limit)
+        raise RuntimeError("registering 1 DRAM regions failed")
+
+    receiver._landing.take = refused
+    sender = make_sender(ar, {STAGE: receiver.endpoint})
+    sender.submit(ar.offer("refused", [1, 2], 8))
+    acked, failed = collect(sender, 1)
+    assert acked == [] and "inbox_full" in failed["refused"]
+    assert "registering" in failed["refused"] and rejected_counts(registry) == {"inbox_full": 1}
+    assert "refused" not in receiver.inbox and receiver._staging.available == receiver.slots
+    receiver._landing.take = take
+    sender.submit(ar.offer("after", [3, 4], 8))
+    assert collect(sender, 1) == (["after"], {})
+    np.testing.assert_array_equal(receiver.inbox.get("after").kv, ar.expected([3, 4], 8))
 
 
 @pytest.fixture

@@ -23,52 +23,32 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
-
-# Multiprocess mode must be chosen before prometheus_client is first imported (vLLM imports
-# it), as the stage launcher does for the engine-core process.
-_MULTIPROC_DIR = tempfile.TemporaryDirectory(prefix="omni-bench-prom-")
-os.environ["PROMETHEUS_MULTIPROC_DIR"] = _MULTIPROC_DIR.name
-for _name in [n for n in os.environ if n.startswith("OTEL_")]:
-    del os.environ[_name]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from scheduler_overhead import production_observability  # noqa: E402
+
+# Multiprocess mode must be chosen before prometheus_client is first imported (vLLM imports
+# it), as the stage launcher does for the engine-core process; with it the SDK tracer
+# provider (a batch span processor exporting to nowhere), as vLLM installs it in the engine
+# core when tracing is on.
+production_observability()
+
 N = 1024
 TARGET = 1.02
 
 
-class _DroppingExporter:
-    """A span exporter to nowhere: what is measured is our cost and the SDK's, not a network's."""
-
-    def export(self, spans):  # noqa: ANN001
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 0) -> bool:
-        return True
-
-
 def measure(steps: int, repeats: int) -> dict:
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from prometheus_client import values
 
     from omni_runtime.sched.scheduler import OmniARScheduler
     from scheduler_overhead import SENTINEL, build, decode_plan, timed_step
 
     assert values.ValueClass.__name__ == "MmapedValue", "not in multiprocess mode"
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(_DroppingExporter()))
-    trace.set_tracer_provider(provider)  # what vLLM does in the engine core when tracing is on
+    provider = production_observability()
 
     kv = {
         "need_send_cache": True,

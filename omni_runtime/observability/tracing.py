@@ -25,6 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from omni_runtime.observability.span_writer import EventSpec, span_writer
 from omni_runtime.transfers.ledger import Batch, Outcome, Transfer, TransferLedger, TransferObserver
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ class TransferTracing(TransferObserver):
     (marking, hand-off and hold times, block counts): an OpenTelemetry span is exported only
     once it ends, so nothing is lost by not opening it at marking, and one call with every
     attribute at once costs about half of opening it early and adding to it at each change
-    (the SDK validates attributes per call). Hand-off and hold cost nothing here. Batched:
+    (the SDK validates attributes per call). Hand-off and hold cost nothing here. A span over
+    is written whole (span_writer.py: on the SDK's own tracer, straight to its processors).
+    Batched:
     the spans of the transfers a scheduler step resolved are built together at the end of
     that step's half, one after the other (the SDK's code stays warm across them).
     """
@@ -69,7 +72,7 @@ class TransferTracing(TransferObserver):
     batched = True
 
     def __init__(self, tracer: Tracer, *, stage: str, model_name: str) -> None:
-        self._tracer = tracer
+        self._writer = span_writer(tracer)
         self._stage = stage
         self._model_name = model_name
 
@@ -89,28 +92,23 @@ class TransferTracing(TransferObserver):
             ATTR_BLOCKS: len(transfer.block_ids),
             ATTR_OUTCOME: transfer.outcome.value,
         }
+        events: list[EventSpec] = []
+        if transfer.handed_off_at is not None:
+            events.append((EVENT_HANDED_OFF, None, int((transfer.handed_off_at + offset) * 1e9)))
         held_since = transfer.held_since
         if held_since is not None:
             attributes[ATTR_HELD_BLOCKS] = transfer.held_blocks
-        span = self._tracer.start_span(
-            SPAN_NAME,
-            # No headers: a root span (extract() of nothing would give the same, slower).
-            context=_propagator.extract(headers) if headers else None,
-            kind=SpanKind.INTERNAL,
-            start_time=int((transfer.marked_at + offset) * 1e9),
-            attributes=attributes,
-        )
-        if transfer.handed_off_at is not None:
-            span.add_event(EVENT_HANDED_OFF,
-                           timestamp=int((transfer.handed_off_at + offset) * 1e9))
-        if held_since is not None:
-            span.add_event(EVENT_HELD, timestamp=int((held_since + offset) * 1e9))
+            events.append((EVENT_HELD, None, int((held_since + offset) * 1e9)))
         end = int((transfer.resolved_at + offset) * 1e9)
         reason = transfer.reason[:MAX_REASON_CHARS] if transfer.reason else None
-        span.add_event(EVENT_RESOLVED, {ATTR_REASON: reason} if reason else None, timestamp=end)
-        if transfer.outcome in _ERROR_OUTCOMES:
-            span.set_status(Status(StatusCode.ERROR, reason))
-        span.end(end_time=end)
+        events.append((EVENT_RESOLVED, {ATTR_REASON: reason} if reason else None, end))
+        self._writer.write(
+            SPAN_NAME,
+            # No headers: a root span (extract() of nothing would give the same, slower).
+            _propagator.extract(headers) if headers else None,
+            SpanKind.INTERNAL, attributes, events,
+            Status(StatusCode.ERROR, reason) if transfer.outcome in _ERROR_OUTCOMES else None,
+            int((transfer.marked_at + offset) * 1e9), end)
 
 
 # ---------------------------------------------------------------------- tracer resolution

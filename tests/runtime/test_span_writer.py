@@ -1,0 +1,188 @@
+"""The SDK span writer (omni_runtime/observability/span_writer.py) gives the span the SDK's own
+start/add_event/end path gives, field for field, under the provider's id generator, sampler,
+span limits and resource; and it steps aside (the API path) for processors that act on a
+span's start or ending. Real SDK providers and processors; ids from a counting generator so
+that both paths draw the same ones."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import (ALWAYS_ON, Decision, ParentBased, Sampler,
+                                              SamplingResult, TraceIdRatioBased)
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from omni_runtime.observability.span_writer import ApiSpanWriter, SdkSpanWriter, span_writer
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+
+
+class Counting(IdGenerator):
+    def __init__(self) -> None:
+        self.n = 0
+
+    def generate_span_id(self) -> int:
+        self.n += 1
+        return self.n
+
+    def generate_trace_id(self) -> int:
+        self.n += 1
+        return (7 << 64) + self.n
+
+
+class Collect(SpanProcessor):
+    """Keeps every span it is given at its end, sampled or not (on_start is the base's)."""
+
+    def __init__(self) -> None:
+        self.spans = []
+
+    def on_end(self, span) -> None:
+        self.spans.append(span)
+
+
+class ActsOnStart(Collect):
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = 0
+
+    def on_start(self, span, parent_context=None) -> None:
+        self.started += 1
+        span.set_attribute("seen.on_start", True)
+
+
+def provider(sampler=ALWAYS_ON, limits=None):
+    p = TracerProvider(sampler=sampler, id_generator=Counting(), span_limits=limits,
+                       resource=Resource.create({"service.name": "omni-test"}))
+    collect = Collect()
+    p.add_span_processor(collect)
+    return p, collect
+
+
+def parent(flags: str = "01"):
+    return TraceContextTextMapPropagator().extract(
+        {"traceparent": f"00-{TRACE_ID}-{PARENT}-{flags}"})
+
+
+SPANS = [  # (parent, attributes, events, status)
+    (None, {"a": 1, "b": "two", "c": 3.5, "d": True},
+     [("handed_off", None, 1_000_100), ("resolved", None, 1_000_900)], None),
+    (parent(), {"gen_ai.request.id": "req-1", "omni.kv_transfer.seq_len": 1024},
+     [("handed_off", None, 1_000_100), ("held", None, 1_000_200),
+      ("resolved", {"omni.kv_transfer.reason": "no answer within 5s"}, 1_000_900)],
+     Status(StatusCode.ERROR, "no answer within 5s")),
+    (None, {"long": "x" * 40, "n": 5, "o": 6, "p": 7},
+     [(f"e{i}", {"k": "v" * 30, "k2": 2, "k3": 3}, 1_000_000 + i) for i in range(5)], None),
+]
+
+
+def write_all(writer) -> None:
+    for ctx, attributes, events, status in SPANS:
+        writer.write("omni.kv_transfer", ctx, SpanKind.INTERNAL, dict(attributes), events,
+                     status, 1_000_000, 1_001_000)
+
+
+def view(span) -> tuple:
+    return (span.to_json(), int(span.context.trace_flags), span.dropped_attributes,
+            span.dropped_events, [dict(e.attributes) for e in span.events])
+
+
+@pytest.mark.parametrize("limits", [None, SpanLimits(max_span_attributes=3,
+                                                      max_span_attribute_length=8,
+                                                      max_events=2, max_event_attributes=1,
+                                                      max_attribute_length=4)],
+                         ids=["default-limits", "tight-limits"])
+def test_the_sdk_writer_gives_the_sdks_own_span(limits):
+    sdk_provider, sdk_spans = provider(limits=limits)
+    api_provider, api_spans = provider(limits=limits)
+    sdk = span_writer(sdk_provider.get_tracer("t", "1.0"))
+    assert isinstance(sdk, SdkSpanWriter)
+    write_all(sdk)
+    write_all(ApiSpanWriter(api_provider.get_tracer("t", "1.0")))
+    assert len(sdk_spans.spans) == len(SPANS)
+    assert [view(s) for s in sdk_spans.spans] == [view(s) for s in api_spans.spans]
+    child = sdk_spans.spans[1]
+    assert format(child.context.trace_id, "032x") == TRACE_ID
+    assert child.parent.is_remote and format(child.parent.span_id, "016x") == PARENT
+
+
+@pytest.mark.parametrize("sampler,flags,expected", [
+    (ParentBased(ALWAYS_ON), "00", 0),  # the request's trace was not sampled
+    (ParentBased(ALWAYS_ON), "01", 3),
+    (TraceIdRatioBased(0.0), "01", 0),
+])
+def test_the_providers_sampler_decides_as_for_the_sdk(sampler, flags, expected):
+    sdk_provider, sdk_spans = provider(sampler)
+    api_provider, api_spans = provider(sampler)
+    for writer, _ in ((span_writer(sdk_provider.get_tracer("t")), sdk_spans),
+                      (ApiSpanWriter(api_provider.get_tracer("t")), api_spans)):
+        for _ in range(3):
+            writer.write("s", parent(flags), SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
+    assert len(sdk_spans.spans) == len(api_spans.spans) == expected
+    assert [view(s) for s in sdk_spans.spans] == [view(s) for s in api_spans.spans]
+
+
+class RecordOnly(Sampler):
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None,
+                      links=None, trace_state=None):
+        return SamplingResult(Decision.RECORD_ONLY, {**(attributes or {}), "sampler": "mine"})
+
+    def get_description(self) -> str:
+        return "RecordOnly"
+
+
+def test_a_recorded_unsampled_span_reaches_the_processors_unsampled_with_the_samplers_attributes():
+    sdk_provider, sdk_spans = provider(RecordOnly())
+    exporter = InMemorySpanExporter()
+    sdk_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    api_provider, api_spans = provider(RecordOnly())
+    span_writer(sdk_provider.get_tracer("t")).write("s", None, SpanKind.INTERNAL, {"a": 1}, [],
+                                                    None, 1, 2)
+    ApiSpanWriter(api_provider.get_tracer("t")).write("s", None, SpanKind.INTERNAL, {"a": 1},
+                                                      [], None, 1, 2)
+    (span,) = sdk_spans.spans
+    assert not span.context.trace_flags.sampled
+    assert dict(span.attributes) == {"a": 1, "sampler": "mine"}
+    assert view(span) == view(api_spans.spans[0])
+    assert exporter.get_finished_spans() == ()  # exporters see sampled spans only
+
+
+def test_a_processor_that_acts_on_start_gets_the_sdk_path_even_when_added_later():
+    p, collect = provider()
+    p.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+    writer = span_writer(p.get_tracer("t"))
+    writer.write("s", None, SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
+    assert "seen.on_start" not in collect.spans[0].attributes
+    acting = ActsOnStart()
+    p.add_span_processor(acting)
+    writer.write("s", None, SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
+    assert acting.started == 1
+    assert acting.spans[0].attributes["seen.on_start"] is True
+    assert len(collect.spans) == 2
+    p.shutdown()
+
+
+def test_a_tracer_that_is_not_the_sdks_is_written_through_the_api():
+    assert isinstance(span_writer(trace_api.NoOpTracer()), ApiSpanWriter)
+    span_writer(trace_api.NoOpTracer()).write("s", None, SpanKind.INTERNAL, {}, [], None, 1, 2)
+
+
+def test_without_a_parent_the_current_contexts_span_is_the_parent_as_for_the_sdk():
+    sdk_provider, sdk_spans = provider()
+    api_provider, api_spans = provider()
+    outer = sdk_provider.get_tracer("t").start_span("outer")
+    with trace_api.use_span(outer, end_on_exit=False):
+        span_writer(sdk_provider.get_tracer("t")).write("s", None, SpanKind.INTERNAL, {}, [],
+                                                        None, 1, 2)
+    outer_api = api_provider.get_tracer("t").start_span("outer")
+    with trace_api.use_span(outer_api, end_on_exit=False):
+        ApiSpanWriter(api_provider.get_tracer("t")).write("s", None, SpanKind.INTERNAL, {}, [],
+                                                          None, 1, 2)
+    assert sdk_spans.spans[0].parent == outer.get_span_context()
+    assert view(sdk_spans.spans[0]) == view(api_spans.spans[0])

@@ -72,11 +72,29 @@ class SdkSpanWriter:
         self._processor = tracer.span_processor
         self._api = ApiSpanWriter(tracer)
         self._unset = Status(StatusCode.UNSET)
+        # Immutable, so one serves every event without attributes.
+        self._no_attributes = BoundedAttributes(immutable=True)
         # The processors last looked at, and whether they all ignore a span's start and its
         # ending. A processor may be added to the provider at any time: the multi-processor
         # then holds a new tuple, looked at on the next span.
         self._seen_processors: Any = None
         self._quiet = False
+
+    def _attributes(self, attributes: Any) -> Any:
+        """The span's attributes as the SDK would keep them. Plain values within the limits
+        (the SDK's checks would change nothing): a plain dict, which the exported span shows
+        read-only as the SDK's does; else the SDK's bounded map, which cleans and bounds."""
+        limits = self._limits
+        most, longest = limits.max_span_attributes, limits.max_span_attribute_length
+        if most is None or len(attributes) <= most:
+            plain = _PLAIN
+            for key, value in attributes.items():
+                if type(value) not in plain or not key or type(key) is not str or (
+                        longest is not None and type(value) is str and len(value) > longest):
+                    break
+            else:
+                return dict(attributes)
+        return BoundedAttributes(most, attributes, immutable=True, max_value_len=longest)
 
     def write(self, name: str, parent: Context | None, kind: SpanKind,
               attributes: dict[str, Any], events: Sequence[EventSpec], status: Status | None,
@@ -112,8 +130,9 @@ class SdkSpanWriter:
         if not decision.is_recording():
             return
         limits = self._limits
+        no_attributes = self._no_attributes
         span_events: Sequence[Any] = tuple(
-            self._event(event_name, BoundedAttributes(
+            self._event(event_name, no_attributes if not event_attributes else BoundedAttributes(
                 limits.max_event_attributes, event_attributes,
                 max_value_len=limits.max_attribute_length, immutable=True), timestamp)
             for event_name, event_attributes, timestamp in events)
@@ -122,9 +141,7 @@ class SdkSpanWriter:
             span_events = self._bounded(limits.max_events, span_events)
         span = self._readable(
             name=name, context=context, parent=parent_span, resource=tracer.resource,
-            attributes=BoundedAttributes(limits.max_span_attributes, sampling.attributes,
-                                         immutable=True,
-                                         max_value_len=limits.max_span_attribute_length),
+            attributes=self._attributes(sampling.attributes),
             events=span_events, links=(), kind=kind, status=status or self._unset,
             start_time=start_ns, end_time=end_ns,
             instrumentation_info=tracer.instrumentation_info,
@@ -132,6 +149,9 @@ class SdkSpanWriter:
         if record_end_metrics:
             record_end_metrics()
         self._processor.on_end(span)
+
+
+_PLAIN = frozenset((str, int, float, bool))
 
 
 def _ignore_start_and_ending(processors: Sequence[Any]) -> bool:

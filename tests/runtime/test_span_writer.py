@@ -77,6 +77,7 @@ SPANS = [  # (parent, attributes, events, status)
      [("handed_off", None, 1_000_100), ("held", None, 1_000_200),
       ("resolved", {"omni.kv_transfer.reason": "no answer within 5s"}, 1_000_900)],
      Status(StatusCode.ERROR, "no answer within 5s")),
+    (None, {"list": [1, 2], "none": None, "tuple": ("a", "b"), "": 1, "ok": 0.5}, [], None),
     (None, {"long": "x" * 40, "n": 5, "o": 6, "p": 7},
      [(f"e{i}", {"k": "v" * 30, "k2": 2, "k3": 3}, 1_000_000 + i) for i in range(5)], None),
 ]

@@ -20,17 +20,20 @@ Last line, one JSON object:
   * ``zmq_ratio_7b``: KV bytes/s from hand-off to the AR's ack (the receiver read the blocks,
     was told commit and stored each payload), over a bare ZeroMQ socket sending the same
     bytes between the same two processes, each message answered (target >= 2.0);
-  * ``nixl_ratio_7b``: the same over a bare NIXL READ of the same bytes between the same two
-    processes, one READ per transfer (target >= 0.8);
+  * ``nixl_ratio_7b``: the same over bare NIXL READs of the same bytes between the same two
+    processes, one READ per transfer, under the same load: the READs start in a round with
+    transfers off as the step starts in which a round with them on hands off, the engine
+    decoding the same batch on its CPUs meanwhile (target >= 0.8). That round's steps carry
+    the READs' memory traffic as the on round's carry the transfers'.
+    ``nixl_idle_ratio_7b``: against the best of 3 such READs with the engine stopped;
   * ``ar_cpu_ms_per_transfer_7b``: the AR process's CPU time per transfer outside the engine's
     threads (the connector's sender thread, ZeroMQ's and UCX's threads; not the engine's main
     thread nor its idle gloo threads), on rounds minus off rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
     measured here on the same cache: copying the transfer's blocks out to a host buffer plus
     a bare ZeroMQ send of it; their ratio ``ar_cpu_ratio_7b`` (target <= 0.10);
-  * ``synthetic_nixl_ratio_7b``: the data plane alone against the same bare NIXL READ: offer
-    to ack from a synthetic 7B-shaped AR rank (omni_runtime/devtools/synthetic_ar.py) in the
-    AR's process once the engine has stopped (``nixl_ratio_7b`` is measured while the engine
-    decodes on the other CPU, sharing the memory bus, which the bare READ is not);
+  * ``synthetic_nixl_ratio_7b``: the data plane alone against the bare READs with the engine
+    stopped: offer to ack from a synthetic 7B-shaped AR rank
+    (omni_runtime/devtools/synthetic_ar.py) in the AR's process once the engine has stopped;
   * ``tcp_zmq_ratio_7b``: the data plane over UCX's TCP transport (the synthetic rank's agent
     on ``UCX_TLS=tcp``, the stand-in for two hosts without RDMA), offer to ack, against bare
     ZeroMQ;
@@ -135,6 +138,7 @@ def _serve(conn, io_cpus: list[int]) -> None:
 
     from omni_runtime.kv.transport import KVInbox, KVReceiver
     from omni_runtime.kv.transport.nixl_agent import DONE, KVAgent
+    from omni_runtime.stages.heap import freeze_startup_heap
 
     inbox = KVInbox(max_bytes=4 << 30)
     receiver = KVReceiver("tcp://127.0.0.1:0", inbox, pipeline="bench", stage="next",
@@ -163,6 +167,7 @@ def _serve(conn, io_cpus: list[int]) -> None:
         t.start()
     bare = KVAgent(f"bare-reader-{os.getpid()}")
     landing = None
+    freeze_startup_heap()  # as the receiving stage does once started (stages/heap.py)
     conn.send((receiver.endpoint, f"tcp://127.0.0.1:{raw_port}"))
     while True:
         cmd = conn.recv()
@@ -251,7 +256,11 @@ class _AckTimes:
         sender._report_locked = stamped
 
 
-def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[float]:
+def _round(llm, core, prompts, transfers_on: bool, cpu: list | None,
+           at_handoff_step=None) -> list[float]:
+    """One round of the prompts; the engine step times. ``at_handoff_step()`` is called as the
+    step starts in which a round with transfers on hands them off (the second: the first
+    prefills every prompt)."""
     from vllm import SamplingParams
 
     from omni_runtime.devtools.offline import drain_transfers
@@ -262,6 +271,8 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[flo
     inner, times = core.step_fn, []
 
     def step():
+        if at_handoff_step is not None and len(times) == 1:
+            at_handoff_step()
         t0 = time.perf_counter()
         out = inner()
         times.append(time.perf_counter() - t0)
@@ -276,9 +287,9 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None) -> list[flo
     finally:
         core.step_fn = inner
     drain_transfers(llm, timeout_s=60)
-    if cpu is not None:  # every thread but the engine's (OMP_NUM_THREADS=1: the main thread)
+    if cpu is not None:  # every thread but the engine's (OMP_NUM_THREADS=1: the main thread) and the references'
         after = thread_cpu_s()
-        engine = _engine_side_threads() | {main_tid}
+        engine = _engine_side_threads() | {main_tid} | _REFERENCE_THREADS
         cpu.append(sum(v - before.get(k, 0.0) for k, v in after.items() if k not in engine))
         if os.environ.get("KVDP_THREADS"):
             names = {}
@@ -326,19 +337,34 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     _round(llm, core, make(99), True, None)
     _consume(pipe)
     resolved.clear()
+    # The reference for hand-off to ack under the same load: in each round with transfers
+    # off, bare READs of the same bytes start as the step starts in which a round with them
+    # on hands off (the engine decoding the same batch on its CPUs meanwhile).
+    spec = core.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = len(core.scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
+    kv_per_token = layers * 2 * spec.num_kv_heads * spec.head_size * 4
+    source = BareSource(args.requests * prompt_tokens * kv_per_token, args.requests,
+                        args.io_cpus)
     rss0 = _rss_mb()
     split0 = _split(pipe)
-    on, off, cpu_on, cpu_off, gets = [], [], [], [], []
-    for r in range(rounds):
-        prompts = make(r)
-        for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
-            times = _round(llm, core, prompts, transfers_on, cpu_on if transfers_on else cpu_off)
-            (on if transfers_on else off).append(times)
-            if transfers_on:
-                taken, seconds = _consume(pipe)
-                gets.append(seconds / max(1, taken))
-            print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: steps "
-                  f"{[round(t, 3) for t in times]}", file=sys.stderr)
+    on, off, cpu_on, cpu_off, gets, bare_loaded = [], [], [], [], [], []
+    try:
+        for r in range(rounds):
+            prompts = make(r)
+            for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
+                times = _round(llm, core, prompts, transfers_on,
+                               cpu_on if transfers_on else cpu_off,
+                               None if transfers_on else lambda: source.ask(pipe, 1))
+                (on if transfers_on else off).append(times)
+                if transfers_on:
+                    taken, seconds = _consume(pipe)
+                    gets.append(seconds / max(1, taken))
+                else:
+                    bare_loaded.append(source.seconds())
+                print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: "
+                      f"steps {[round(t, 3) for t in times]}", file=sys.stderr)
+    finally:
+        source.close()
     rss1 = _rss_mb()
     split1 = _split(pipe)
     bad = [t for t in resolved if t.outcome.value != "acked"]
@@ -351,15 +377,15 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     handoff_extra = statistics.fmean(ts[1] for ts in on) - statistics.median(
         t for ts in off for t in ts[1:])
     # Hand-off to ack, per round: from the first hand-off to the last ack the AR got.
-    spec = core.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layers = len(core.scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
-    kv_per_token = layers * 2 * spec.num_kv_heads * spec.head_size * 4
     spans, nbytes = [], 0
     for i in range(0, len(resolved), args.requests):
         batch = resolved[i:i + args.requests]
         spans.append(max(acks.times[t.request_id] for t in batch)
                      - min(t.handed_off_at for t in batch))
         nbytes = sum(t.seq_len for t in batch) * kv_per_token
+    if nbytes != source.nbytes:
+        raise RuntimeError(f"the rounds moved {nbytes} bytes, the loaded reference read "
+                           f"{source.nbytes}")
     copy_s = _copy_out_seconds(core, args.requests, prompt_tokens)
     llm.llm_engine.engine_core.shutdown()
     return {"step_ratio": mean_on / mean_off, "decode_step_ratio": decode_on / decode_off,
@@ -367,6 +393,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
             "bytes_per_round": nbytes, "handoff_to_ack_s": statistics.median(spans),
+            "bare_loaded_s": statistics.median(bare_loaded),
             "ar_cpu_s_per_transfer": max(0.0, statistics.fmean(cpu_on) - statistics.fmean(cpu_off))
             / args.requests,
             "copy_out_s_per_transfer": copy_s,
@@ -446,34 +473,63 @@ def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]):
     return best, send_cpu / (repeats * count)
 
 
+class BareSource:
+    """``count`` regions of ``nbytes / count`` bytes of host memory in this (the AR's)
+    process, registered with a NIXL agent of their own, that the receiving process reads with
+    bare READs, one per region, when :meth:`ask` says so. While they are read, a thread on the
+    I/O CPUs progresses the agent every millisecond (the connector's sender progresses its own
+    while reads are in flight); that thread's CPU time is the reference's, left out of the
+    AR's (``_REFERENCE_THREADS``)."""
+
+    def __init__(self, nbytes: int, count: int, io_cpus: list[int]) -> None:
+        import torch
+
+        from omni_runtime.kv.transport.nixl_agent import KVAgent
+
+        self.nbytes, self.count, self.size = nbytes, count, nbytes // count
+        self._io_cpus = io_cpus
+        self._source = torch.randn(nbytes // 4)
+        self._agent = KVAgent(f"bare-source-{os.getpid()}")
+        self._agent.register([(self._source.data_ptr(), nbytes, 0)], "DRAM")
+        self._thread: threading.Thread | None = None
+        self._result: list[float] = []
+
+    def ask(self, pipe, repeats: int) -> None:
+        """The receiving process starts reading; :meth:`seconds` gives its best time."""
+        pipe.send(("bare", self._agent.metadata(), self._source.data_ptr(), self.size,
+                   self.count, repeats))
+
+        def progress() -> None:
+            _REFERENCE_THREADS.add(threading.get_native_id())
+            os.sched_setaffinity(0, self._io_cpus)
+            while not pipe.poll(0.001):
+                self._agent.progress()
+            self._result.append(pipe.recv())
+
+        self._thread = threading.Thread(target=progress, name="bare-progress", daemon=True)
+        self._thread.start()
+
+    def seconds(self) -> float:
+        self._thread.join()
+        return self._result.pop()
+
+    def close(self) -> None:
+        self._agent.close()
+
+
+#: Threads of this process that serve the references, not the data plane.
+_REFERENCE_THREADS: set[int] = set()
+
+
 def bare_nixl(pipe, nbytes: int, count: int, io_cpus: list[int]) -> float:
-    """A bare NIXL READ by the receiving process of ``count`` regions of ``nbytes / count``
-    bytes registered here; this process's agent progressed every millisecond, as the
-    connector's sender does (best seconds of 3)."""
-    import torch
-
-    from omni_runtime.kv.transport.nixl_agent import KVAgent
-
-    size = nbytes // count
-    source = torch.randn(nbytes // 4)
-    agent = KVAgent(f"bare-source-{os.getpid()}")
-    agent.register([(source.data_ptr(), nbytes, 0)], "DRAM")
-    stop = threading.Event()
-
-    def progress() -> None:
-        os.sched_setaffinity(0, io_cpus)
-        while not stop.wait(0.001):
-            agent.progress()
-
-    thread = threading.Thread(target=progress, daemon=True)
-    thread.start()
+    """Bare NIXL READs of ``nbytes`` in ``count`` regions by the receiving process, the engine
+    stopped (best seconds of 3)."""
+    source = BareSource(nbytes, count, io_cpus)
     try:
-        pipe.send(("bare", agent.metadata(), source.data_ptr(), size, count, 3))
-        return pipe.recv()
+        source.ask(pipe, 3)
+        return source.seconds()
     finally:
-        stop.set()
-        thread.join()
-        agent.close()
+        source.close()
 
 
 # ---------------------------------------------------------------------- the data plane alone
@@ -597,7 +653,8 @@ def main(argv: list[str] | None = None) -> None:
         "step_ratio_7b": round(big["step_ratio"], 4),
         "handoff_step_ratio_7b": round(big["handoff_step_ratio"], 4),
         "zmq_ratio_7b": round(raw_s / ours, 4),
-        "nixl_ratio_7b": round(nixl_s / ours, 4),
+        "nixl_ratio_7b": round(big["bare_loaded_s"] / ours, 4),
+        "nixl_idle_ratio_7b": round(nixl_s / ours, 4),
         "ar_cpu_ratio_7b": round(big["ar_cpu_s_per_transfer"] / copy_send, 4),
         "ar_cpu_ms_per_transfer_7b": round(big["ar_cpu_s_per_transfer"] * 1e3, 2),
         "copy_send_cpu_ms_per_transfer_7b": round(copy_send * 1e3, 2),
@@ -608,7 +665,8 @@ def main(argv: list[str] | None = None) -> None:
         "kv_bytes_per_round_7b": big["bytes_per_round"],
         "handoff_to_ack_s_7b": round(ours, 4),
         "raw_zmq_s_7b": round(raw_s, 4),
-        "bare_nixl_s_7b": round(nixl_s, 4),
+        "bare_nixl_s_7b": round(big["bare_loaded_s"], 4),
+        "bare_nixl_idle_s_7b": round(nixl_s, 4),
         "receiver_read_s_7b": round(big["rx_read_s"], 4),
         "receiver_assemble_s_7b": round(big["rx_assemble_s"], 4),
         "consumer_get_ms_per_transfer_7b": round(big["consumer_get_s"] * 1e3, 1),

@@ -32,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
 from omni_runtime.stages.config import StageConfig
+from omni_runtime.stages.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class ReceiverStage:
         # Sets up NIXL (its agent, the registered staging memory) before serving: a stage
         # whose memory cannot be registered refuses to start, naming the cause.
         self.receiver.start()
+        freeze_startup_heap()  # heap.py: no full collection of it on the receiver's thread
         logger.info(
             "stage %s/%s: receiving KV on %s, HTTP on %s:%d",
             self.config.pipeline, self.config.stage, self.receiver.endpoint, self.host,

@@ -21,11 +21,13 @@ Last line, one JSON object:
     was told commit and stored each payload), over a bare ZeroMQ socket sending the same
     bytes between the same two processes, each message answered (target >= 2.0);
   * ``nixl_ratio_7b``: the same over bare NIXL READs of the same bytes between the same two
-    processes, one READ per transfer, under the same load: the READs start in a round with
-    transfers off as the step starts in which a round with them on hands off, the engine
-    decoding the same batch on its CPUs meanwhile (target >= 0.8). That round's steps carry
-    the READs' memory traffic as the on round's carry the transfers'.
-    ``nixl_idle_ratio_7b``: against the best of 3 such READs with the engine stopped;
+    processes under the same load: in a round with transfers off, as the step starts in which
+    a round with them on hands off, the receiving process reads the blocks each running
+    request holds in the engine's KV cache, one READ per request, its connection wired up
+    beforehand, while the engine decodes the same batch (target >= 0.8). That round's steps
+    carry the READs' memory traffic as the on round's carry the transfers'.
+    ``nixl_idle_ratio_7b``: against the best of 3 READs of as many bytes from a buffer of
+    their own, the engine stopped;
   * ``ar_cpu_ms_per_transfer_7b``: the AR process's CPU time per transfer outside the engine's
     threads (the connector's sender thread, ZeroMQ's and UCX's threads; not the engine's main
     thread nor its idle gloo threads), on rounds minus off rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
@@ -166,29 +168,44 @@ def _serve(conn, io_cpus: list[int]) -> None:
     for t in threads:
         t.start()
     bare = KVAgent(f"bare-reader-{os.getpid()}")
+    remotes: dict[bytes, str] = {}
     landing = None
     freeze_startup_heap()  # as the receiving stage does once started (stages/heap.py)
     conn.send((receiver.endpoint, f"tcp://127.0.0.1:{raw_port}"))
     while True:
         cmd = conn.recv()
-        if cmd[0] == "bare":  # one READ per transfer of `size` bytes, `count` of them
-            _, metadata, addr, size, count, repeats = cmd
+        if cmd[0] == "bare":  # one READ per transfer: each a list of (addr, length, device)
+            _, metadata, transfers, repeats = cmd
+            size = max(sum(length for _, length, _ in t) for t in transfers)
             if landing is None or landing.numel() < size:
                 landing = torch.empty(size, dtype=torch.uint8).zero_()
                 bare.register([(landing.data_ptr(), size, 0)], "DRAM")
-            name = bare.add_remote(metadata)
-            local = np.array([[landing.data_ptr(), size, 0]], dtype=np.uint64)
+            if metadata not in remotes:  # kept: each agent is wired up once
+                remotes[metadata] = bare.add_remote(metadata)
+            name = remotes[metadata]
+            reads = []
+            for t in transfers:  # into the landing buffer, back to back
+                local, offset = [], landing.data_ptr()
+                for _, length, _ in t:
+                    local.append((offset, length, 0))
+                    offset += length
+                reads.append((np.array(local, dtype=np.uint64), np.array(t, dtype=np.uint64)))
+
+            def read(local, remote) -> None:
+                handle = bare.read(local, "DRAM", remote, "DRAM", name)
+                while (state := bare.state(handle)) != DONE:
+                    assert state != "ERR", "bare NIXL READ failed"
+                bare.release(handle)
+
+            # The connection's wire-up (UCX endpoint, the remote keys) before the clock starts,
+            # as the data plane's is done by the warm-up round.
+            read(reads[0][0][:1], reads[0][1][:1])
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                for i in range(count):
-                    remote = np.array([[addr + i * size, size, 0]], dtype=np.uint64)
-                    handle = bare.read(local, "DRAM", remote, "DRAM", name)
-                    while (state := bare.state(handle)) != DONE:
-                        assert state != "ERR", "bare NIXL READ failed"
-                    bare.release(handle)
+                for local, remote in reads:
+                    read(local, remote)
                 best = min(best, time.perf_counter() - t0)
-            bare.remove_remote(name)
             conn.send(best)
         elif cmd[0] == "consume":
             conn.send(consume())
@@ -287,9 +304,9 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None,
     finally:
         core.step_fn = inner
     drain_transfers(llm, timeout_s=60)
-    if cpu is not None:  # every thread but the engine's (OMP_NUM_THREADS=1: the main thread) and the references'
+    if cpu is not None:  # every thread but the engine's (OMP_NUM_THREADS=1: the main thread)
         after = thread_cpu_s()
-        engine = _engine_side_threads() | {main_tid} | _REFERENCE_THREADS
+        engine = _engine_side_threads() | {main_tid}
         cpu.append(sum(v - before.get(k, 0.0) for k, v in after.items() if k not in engine))
         if os.environ.get("KVDP_THREADS"):
             names = {}
@@ -338,33 +355,28 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     _consume(pipe)
     resolved.clear()
     # The reference for hand-off to ack under the same load: in each round with transfers
-    # off, bare READs of the same bytes start as the step starts in which a round with them
+    # off, bare READs of the same blocks start as the step starts in which a round with them
     # on hands off (the engine decoding the same batch on its CPUs meanwhile).
-    spec = core.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layers = len(core.scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
-    kv_per_token = layers * 2 * spec.num_kv_heads * spec.head_size * 4
-    source = BareSource(args.requests * prompt_tokens * kv_per_token, args.requests,
-                        args.io_cpus)
+    reference = SameBlocksReference(core, prompt_tokens, pipe)
     rss0 = _rss_mb()
     split0 = _split(pipe)
     on, off, cpu_on, cpu_off, gets, bare_loaded = [], [], [], [], [], []
-    try:
-        for r in range(rounds):
-            prompts = make(r)
-            for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
-                times = _round(llm, core, prompts, transfers_on,
-                               cpu_on if transfers_on else cpu_off,
-                               None if transfers_on else lambda: source.ask(pipe, 1))
-                (on if transfers_on else off).append(times)
-                if transfers_on:
-                    taken, seconds = _consume(pipe)
-                    gets.append(seconds / max(1, taken))
-                else:
-                    bare_loaded.append(source.seconds())
-                print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: "
-                      f"steps {[round(t, 3) for t in times]}", file=sys.stderr)
-    finally:
-        source.close()
+    for r in range(rounds):
+        prompts = make(r)
+        for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
+            times = _round(llm, core, prompts, transfers_on,
+                           cpu_on if transfers_on else cpu_off,
+                           None if transfers_on else lambda: reference.ask(pipe))
+            (on if transfers_on else off).append(times)
+            if transfers_on:
+                taken, seconds = _consume(pipe)
+                gets.append(seconds / max(1, taken))
+            else:
+                if not pipe.poll(30):
+                    raise RuntimeError("the reference READs did not finish")
+                bare_loaded.append(pipe.recv())
+            print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: "
+                  f"steps {[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
     split1 = _split(pipe)
     bad = [t for t in resolved if t.outcome.value != "acked"]
@@ -377,15 +389,18 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     handoff_extra = statistics.fmean(ts[1] for ts in on) - statistics.median(
         t for ts in off for t in ts[1:])
     # Hand-off to ack, per round: from the first hand-off to the last ack the AR got.
+    spec = core.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = len(core.scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
+    kv_per_token = layers * 2 * spec.num_kv_heads * spec.head_size * 4
     spans, nbytes = [], 0
     for i in range(0, len(resolved), args.requests):
         batch = resolved[i:i + args.requests]
         spans.append(max(acks.times[t.request_id] for t in batch)
                      - min(t.handed_off_at for t in batch))
         nbytes = sum(t.seq_len for t in batch) * kv_per_token
-    if nbytes != source.nbytes:
+    if nbytes != reference.nbytes:
         raise RuntimeError(f"the rounds moved {nbytes} bytes, the loaded reference read "
-                           f"{source.nbytes}")
+                           f"{reference.nbytes}")
     copy_s = _copy_out_seconds(core, args.requests, prompt_tokens)
     llm.llm_engine.engine_core.shutdown()
     return {"step_ratio": mean_on / mean_off, "decode_step_ratio": decode_on / decode_off,
@@ -473,13 +488,61 @@ def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]):
     return best, send_cpu / (repeats * count)
 
 
+class SameBlocksReference:
+    """Bare NIXL READs of the very bytes a round's transfers read: the blocks each running
+    request holds in the engine's KV cache (the regions the connector's NIXL agent registered,
+    as its hello describes them), one READ per request into the receiving process's buffer,
+    none of the data plane's protocol. On UCX's ``cma`` transport the side whose memory is read
+    needs no progress (omni_runtime/kv/transport/nixl_agent.py), so none is made here."""
+
+    def __init__(self, core, prompt_tokens: int, pipe) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from omni_runtime.kv.transport.protocol import blocks_needed
+
+        sender = get_kv_transfer_group().worker_half._sender
+        self._hello, self._metadata = sender.hello, sender.agent.metadata()
+        self._scheduler = core.scheduler
+        self._blocks = blocks_needed(prompt_tokens, self._hello.block_format.block_size)
+        self.nbytes = 0
+        # Wire the reader up to the connector's agent now, between rounds: connecting takes
+        # the agent's progress, which its sender makes only while its own reads are in flight
+        # (none now, so this thread is the only one progressing it).
+        first = self._hello.regions[0]
+        pipe.send(("bare", self._metadata,
+                   [[(first.addr, self._hello.block_format.block_bytes, first.device)]], 1))
+        deadline = time.monotonic() + 30
+        while not pipe.poll(0.001):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the reference reader could not reach the connector's agent")
+            sender.agent.progress()
+        pipe.recv()
+
+    def ask(self, pipe) -> None:
+        """The receiving process reads the running requests' blocks; ``pipe.recv()`` gives
+        its seconds."""
+        sched, block_bytes = self._scheduler, self._hello.block_format.block_bytes
+        transfers = []
+        for rid in sorted(r.request_id for r in sched.running):
+            ids = sched.kv_cache_manager.get_block_ids(rid)[0][:self._blocks]
+            runs: list[list[int]] = []
+            for b in ids:  # contiguous runs, as a transfer's descriptor has them
+                if runs and runs[-1][0] + runs[-1][1] == b:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([b, 1])
+            transfers.append([(r.addr + first * block_bytes, count * block_bytes, r.device)
+                              for r in self._hello.regions for first, count in runs])
+        self.nbytes = sum(length for t in transfers for _, length, _ in t)
+        pipe.send(("bare", self._metadata, transfers, 1))
+
+
 class BareSource:
     """``count`` regions of ``nbytes / count`` bytes of host memory in this (the AR's)
     process, registered with a NIXL agent of their own, that the receiving process reads with
     bare READs, one per region, when :meth:`ask` says so. While they are read, a thread on the
     I/O CPUs progresses the agent every millisecond (the connector's sender progresses its own
-    while reads are in flight); that thread's CPU time is the reference's, left out of the
-    AR's (``_REFERENCE_THREADS``)."""
+    while reads are in flight)."""
 
     def __init__(self, nbytes: int, count: int, io_cpus: list[int]) -> None:
         import torch
@@ -496,11 +559,11 @@ class BareSource:
 
     def ask(self, pipe, repeats: int) -> None:
         """The receiving process starts reading; :meth:`seconds` gives its best time."""
-        pipe.send(("bare", self._agent.metadata(), self._source.data_ptr(), self.size,
-                   self.count, repeats))
+        base = self._source.data_ptr()
+        pipe.send(("bare", self._agent.metadata(),
+                   [[(base + i * self.size, self.size, 0)] for i in range(self.count)], repeats))
 
         def progress() -> None:
-            _REFERENCE_THREADS.add(threading.get_native_id())
             os.sched_setaffinity(0, self._io_cpus)
             while not pipe.poll(0.001):
                 self._agent.progress()
@@ -515,10 +578,6 @@ class BareSource:
 
     def close(self) -> None:
         self._agent.close()
-
-
-#: Threads of this process that serve the references, not the data plane.
-_REFERENCE_THREADS: set[int] = set()
 
 
 def bare_nixl(pipe, nbytes: int, count: int, io_cpus: list[int]) -> float:

@@ -22,9 +22,10 @@ Last line, one JSON object:
     bytes between the same two processes, each message answered (target >= 2.0);
   * ``nixl_ratio_7b``: the same over bare NIXL READs of the same bytes between the same two
     processes under the same load: in a round with transfers off, as the step starts in which
-    a round with them on hands off, the receiving process reads the blocks each running
-    request holds in the engine's KV cache, one READ per request, its connection wired up
-    beforehand, while the engine decodes the same batch (target >= 0.8). That round's steps
+    a round with them on hands off, the receiving process reads the engine's KV cache blocks
+    the last such round's transfers read (the same addresses, runs and descriptors), one READ
+    per transfer, its connection wired up beforehand, while the engine decodes the same batch
+    (target >= 0.8). That round's steps
     carry the READs' memory traffic as the on round's carry the transfers'.
     ``nixl_idle_ratio_7b``: against the best of 3 READs of as many bytes from a buffer of
     their own, the engine stopped;
@@ -355,22 +356,26 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     _consume(pipe)
     resolved.clear()
     # The reference for hand-off to ack under the same load: in each round with transfers
-    # off, bare READs of the same blocks start as the step starts in which a round with them
-    # on hands off (the engine decoding the same batch on its CPUs meanwhile).
+    # off, bare READs of the cache blocks the last round with them on read (how a request's
+    # blocks lie in the cache varies from round to round, and with it the READs' descriptors)
+    # start as the step starts in which that round handed off, the engine decoding the same
+    # batch on its CPUs meanwhile.
     reference = SameBlocksReference(core, prompt_tokens, pipe)
     rss0 = _rss_mb()
     split0 = _split(pipe)
     on, off, cpu_on, cpu_off, gets, bare_loaded = [], [], [], [], [], []
+    last_blocks: list[list[int]] | None = None  # the last round with transfers on read these
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
             times = _round(llm, core, prompts, transfers_on,
                            cpu_on if transfers_on else cpu_off,
-                           None if transfers_on else lambda: reference.ask(pipe))
+                           None if transfers_on else lambda: reference.ask(pipe, last_blocks))
             (on if transfers_on else off).append(times)
             if transfers_on:
                 taken, seconds = _consume(pipe)
                 gets.append(seconds / max(1, taken))
+                last_blocks = [list(t.block_ids) for t in resolved[-args.requests:]]
             else:
                 if not pipe.poll(30):
                     raise RuntimeError("the reference READs did not finish")
@@ -518,13 +523,17 @@ class SameBlocksReference:
             sender.agent.progress()
         pipe.recv()
 
-    def ask(self, pipe) -> None:
-        """The receiving process reads the running requests' blocks; ``pipe.recv()`` gives
-        its seconds."""
+    def ask(self, pipe, blocks: list[list[int]] | None) -> None:
+        """The receiving process reads ``blocks`` (per transfer, the cache blocks a round with
+        transfers on read: the same addresses in the same runs, so the same descriptors), or
+        else the blocks the running requests hold; ``pipe.recv()`` gives its seconds."""
         sched, block_bytes = self._scheduler, self._hello.block_format.block_bytes
+        if blocks is None:
+            blocks = [sched.kv_cache_manager.get_block_ids(rid)[0]
+                      for rid in sorted(r.request_id for r in sched.running)]
         transfers = []
-        for rid in sorted(r.request_id for r in sched.running):
-            ids = sched.kv_cache_manager.get_block_ids(rid)[0][:self._blocks]
+        for ids in blocks:
+            ids = ids[:self._blocks]
             runs: list[list[int]] = []
             for b in ids:  # contiguous runs, as a transfer's descriptor has them
                 if runs and runs[-1][0] + runs[-1][1] == b:

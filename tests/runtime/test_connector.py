@@ -153,6 +153,23 @@ def test_a_transfer_larger_than_a_staging_slot_is_read_in_chunks(make_receiver, 
     assert receiver._staging.available == 1  # the slot is back
 
 
+def test_by_default_the_host_reads_a_transfer_in_one_read_and_a_device_in_64_mib_chunks(
+        make_receiver, make_ar, make_sender):
+    """On the host a slot bounds only the size of a READ (UCX's cma copies inside the post):
+    the default lets a whole 7B request's KV through in one; on a device the slots are VRAM
+    staging and keep 64 MiB."""
+    assert KVReceiver("tcp://127.0.0.1:0", staging_device="cuda:0").slot_bytes == 64 << 20
+    receiver = make_receiver(slot_bytes=None)
+    assert receiver.slot_bytes == 256 << 20 >= 117 << 20
+    ar = make_ar(layers=8, blocks=64)
+    posts = count_posts(receiver)
+    sender = make_sender(ar, {STAGE: receiver.endpoint})
+    sender.submit(ar.offer("whole", list(range(3, 40)), 4 * 37))
+    assert collect(sender, 1) == (["whole"], {})
+    assert posts == [0]
+    assert np.array_equal(receiver.inbox.get("whole").kv, ar.expected(list(range(3, 40)), 4 * 37))
+
+
 def test_tensor_parallel_shards_assemble_into_one_payload(receiver, make_ar, make_sender):
     """Two ranks, each with its half of the KV heads in its own cache, agent and sender:
     the inbox shows the transfer only once both halves are in, heads in rank order."""

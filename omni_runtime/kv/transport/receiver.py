@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import zmq
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
@@ -68,7 +69,8 @@ from omni_runtime.kv.transport.protocol import (
     parse_read,
     parse_verdict,
 )
-from omni_runtime.kv.transport.staging import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Slot, StagingPool
+from omni_runtime.kv.transport.staging import (DEFAULT_HOST_SLOT_BYTES, DEFAULT_SLOT_BYTES,
+                                               DEFAULT_SLOTS, Slot, StagingPool)
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +145,8 @@ class KVReceiver:
     ``wrong_destination``. ``expect``: compatibility fields this stage knows (e.g.
     ``{"model": "Qwen/..."}``): an AR whose hello differs is refused ``incompatible``.
     ``slots``: reads in flight at once; ``slot_bytes``: the most one READ moves (on a GPU,
-    ``slot_bytes`` x ``slots`` is the registered device staging, staging.py);
+    ``slot_bytes`` x ``slots`` is the registered device staging; by default 64 MiB on a
+    device, 256 MiB on the host, staging.py);
     ``staging_device``: ``"cpu"`` reads into host payload memory, ``"cuda:0"`` device to
     device.
     """
@@ -159,7 +162,7 @@ class KVReceiver:
         metrics: ReceiverObserver | None = None,
         tracer: Tracer | None = None,
         expect: dict[str, Any] | None = None,
-        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        slot_bytes: int | None = None,
         slots: int = DEFAULT_SLOTS,
         staging_device: str = "cpu",
         agent_idle_ttl_s: float = DEFAULT_AGENT_IDLE_TTL_S,
@@ -170,6 +173,9 @@ class KVReceiver:
         self.pipeline = pipeline
         self.max_payload_bytes = max_payload_bytes
         self.expect = dict(expect or {})
+        if slot_bytes is None:
+            on_host = torch.device(staging_device).type == "cpu"
+            slot_bytes = DEFAULT_HOST_SLOT_BYTES if on_host else DEFAULT_SLOT_BYTES
         self.slot_bytes, self.slots, self.staging_device = slot_bytes, slots, staging_device
         self.agent_idle_ttl_s = agent_idle_ttl_s
         self.metrics = metrics if metrics is not None else NullReceiverObserver()

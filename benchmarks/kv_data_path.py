@@ -275,10 +275,10 @@ class _AckTimes:
 
 
 def _round(llm, core, prompts, transfers_on: bool, cpu: list | None,
-           at_handoff_step=None) -> list[float]:
-    """One round of the prompts; the engine step times. ``at_handoff_step()`` is called as the
-    step starts in which a round with transfers on hands them off (the second: the first
-    prefills every prompt)."""
+           before_step=None) -> list[float]:
+    """One round of the prompts; the engine step times. ``before_step(k)`` is called as step
+    ``k`` starts (step 0 prefills every prompt; a round with transfers on hands them off in
+    step 1)."""
     from vllm import SamplingParams
 
     from omni_runtime.devtools.offline import drain_transfers
@@ -289,8 +289,8 @@ def _round(llm, core, prompts, transfers_on: bool, cpu: list | None,
     inner, times = core.step_fn, []
 
     def step():
-        if at_handoff_step is not None and len(times) == 1:
-            at_handoff_step()
+        if before_step is not None:
+            before_step(len(times))
         t0 = time.perf_counter()
         out = inner()
         times.append(time.perf_counter() - t0)
@@ -355,31 +355,40 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
     _round(llm, core, make(99), True, None)
     _consume(pipe)
     resolved.clear()
-    # The reference for hand-off to ack under the same load: in each round with transfers
-    # off, bare READs of the cache blocks the last round with them on read (how a request's
-    # blocks lie in the cache varies from round to round, and with it the READs' descriptors)
-    # start as the step starts in which that round handed off, the engine decoding the same
-    # batch on its CPUs meanwhile.
-    reference = SameBlocksReference(core, prompt_tokens, pipe)
+    # The reference for hand-off to ack under the same load, paired with it in the same round:
+    # once every transfer of a round with transfers on has been acked, while the engine still
+    # decodes the same batch on its CPUs (the copies' speed varies from round to round on this
+    # shared memory bus), bare READs of the very cache blocks those transfers read.
+    reference = SameBlocksReference(prompt_tokens, pipe)
     rss0 = _rss_mb()
     split0 = _split(pipe)
     on, off, cpu_on, cpu_off, gets, bare_loaded = [], [], [], [], [], []
-    last_blocks: list[list[int]] | None = None  # the last round with transfers on read these
     for r in range(rounds):
         prompts = make(r)
         for transfers_on in ((True, False) if r % 2 == 0 else (False, True)):
+            base, asked = len(resolved), []
+
+            def after_the_acks(k: int) -> None:
+                if not asked and len(resolved) - base >= args.requests:
+                    reference.ask(pipe, [list(t.block_ids)
+                                         for t in resolved[base:base + args.requests]])
+                    asked.append(k)
+
             times = _round(llm, core, prompts, transfers_on,
                            cpu_on if transfers_on else cpu_off,
-                           None if transfers_on else lambda: reference.ask(pipe, last_blocks))
+                           after_the_acks if transfers_on else None)
             (on if transfers_on else off).append(times)
             if transfers_on:
-                taken, seconds = _consume(pipe)
-                gets.append(seconds / max(1, taken))
-                last_blocks = [list(t.block_ids) for t in resolved[-args.requests:]]
-            else:
+                if not asked:
+                    raise RuntimeError("the round ended before its transfers were acked: no "
+                                       "decode steps left to time the reference under")
                 if not pipe.poll(30):
                     raise RuntimeError("the reference READs did not finish")
                 bare_loaded.append(pipe.recv())
+                print(f"# reference READs from step {asked[0]} of {len(times)}",
+                      file=sys.stderr)
+                taken, seconds = _consume(pipe)
+                gets.append(seconds / max(1, taken))
             print(f"# {Path(model).name} transfers {'on ' if transfers_on else 'off'}: "
                   f"steps {[round(t, 3) for t in times]}", file=sys.stderr)
     rss1 = _rss_mb()
@@ -494,20 +503,19 @@ def _raw_zmq(raw_endpoint: str, nbytes: int, count: int, io_cpus: list[int]):
 
 
 class SameBlocksReference:
-    """Bare NIXL READs of the very bytes a round's transfers read: the blocks each running
-    request holds in the engine's KV cache (the regions the connector's NIXL agent registered,
-    as its hello describes them), one READ per request into the receiving process's buffer,
-    none of the data plane's protocol. On UCX's ``cma`` transport the side whose memory is read
+    """Bare NIXL READs of the very bytes a round's transfers read: their blocks in the engine's
+    KV cache (the regions the connector's NIXL agent registered, as its hello describes them),
+    one READ per transfer into the receiving process's buffer, none of the data plane's
+    protocol. On UCX's ``cma`` transport the side whose memory is read
     needs no progress (omni_runtime/kv/transport/nixl_agent.py), so none is made here."""
 
-    def __init__(self, core, prompt_tokens: int, pipe) -> None:
+    def __init__(self, prompt_tokens: int, pipe) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         from omni_runtime.kv.transport.protocol import blocks_needed
 
         sender = get_kv_transfer_group().worker_half._sender
         self._hello, self._metadata = sender.hello, sender.agent.metadata()
-        self._scheduler = core.scheduler
         self._blocks = blocks_needed(prompt_tokens, self._hello.block_format.block_size)
         self.nbytes = 0
         # Wire the reader up to the connector's agent now, between rounds: connecting takes
@@ -523,14 +531,11 @@ class SameBlocksReference:
             sender.agent.progress()
         pipe.recv()
 
-    def ask(self, pipe, blocks: list[list[int]] | None) -> None:
-        """The receiving process reads ``blocks`` (per transfer, the cache blocks a round with
-        transfers on read: the same addresses in the same runs, so the same descriptors), or
-        else the blocks the running requests hold; ``pipe.recv()`` gives its seconds."""
-        sched, block_bytes = self._scheduler, self._hello.block_format.block_bytes
-        if blocks is None:
-            blocks = [sched.kv_cache_manager.get_block_ids(rid)[0]
-                      for rid in sorted(r.request_id for r in sched.running)]
+    def ask(self, pipe, blocks: list[list[int]]) -> None:
+        """The receiving process reads ``blocks`` (per transfer, the cache blocks it read: the
+        same addresses in the same runs, so the same descriptors); ``pipe.recv()`` gives its
+        seconds."""
+        block_bytes = self._hello.block_format.block_bytes
         transfers = []
         for ids in blocks:
             ids = ids[:self._blocks]

@@ -524,85 +524,64 @@ class SameBlocksReference:
         first = self._hello.regions[0]
         pipe.send(("bare", self._metadata,
                    [[(first.addr, self._hello.block_format.block_bytes, first.device)]], 1))
-        deadline = time.monotonic() + 30
-        while not pipe.poll(0.001):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the reference reader could not reach the connector's agent")
-            sender.agent.progress()
-        pipe.recv()
+        _progress_until_answered(pipe, sender.agent)
 
     def ask(self, pipe, blocks: list[list[int]]) -> None:
         """The receiving process reads ``blocks`` (per transfer, the cache blocks it read: the
         same addresses in the same runs, so the same descriptors); ``pipe.recv()`` gives its
         seconds."""
+        from omni_runtime.kv.transport.protocol import block_runs
+
         block_bytes = self._hello.block_format.block_bytes
         transfers = []
         for ids in blocks:
-            ids = ids[:self._blocks]
-            runs: list[list[int]] = []
-            for b in ids:  # contiguous runs, as a transfer's descriptor has them
-                if runs and runs[-1][0] + runs[-1][1] == b:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([b, 1])
+            runs = block_runs(ids[:self._blocks])  # as a transfer's offer has them
             transfers.append([(r.addr + first * block_bytes, count * block_bytes, r.device)
                               for r in self._hello.regions for first, count in runs])
         self.nbytes = sum(length for t in transfers for _, length, _ in t)
         pipe.send(("bare", self._metadata, transfers, 1))
 
 
-class BareSource:
-    """``count`` regions of ``nbytes / count`` bytes of host memory in this (the AR's)
-    process, registered with a NIXL agent of their own, that the receiving process reads with
-    bare READs, one per region, when :meth:`ask` says so. While they are read, a thread on the
-    I/O CPUs progresses the agent every millisecond (the connector's sender progresses its own
-    while reads are in flight)."""
-
-    def __init__(self, nbytes: int, count: int, io_cpus: list[int]) -> None:
-        import torch
-
-        from omni_runtime.kv.transport.nixl_agent import KVAgent
-
-        self.nbytes, self.count, self.size = nbytes, count, nbytes // count
-        self._io_cpus = io_cpus
-        self._source = torch.randn(nbytes // 4)
-        self._agent = KVAgent(f"bare-source-{os.getpid()}")
-        self._agent.register([(self._source.data_ptr(), nbytes, 0)], "DRAM")
-        self._thread: threading.Thread | None = None
-        self._result: list[float] = []
-
-    def ask(self, pipe, repeats: int) -> None:
-        """The receiving process starts reading; :meth:`seconds` gives its best time."""
-        base = self._source.data_ptr()
-        pipe.send(("bare", self._agent.metadata(),
-                   [[(base + i * self.size, self.size, 0)] for i in range(self.count)], repeats))
-
-        def progress() -> None:
-            os.sched_setaffinity(0, self._io_cpus)
-            while not pipe.poll(0.001):
-                self._agent.progress()
-            self._result.append(pipe.recv())
-
-        self._thread = threading.Thread(target=progress, name="bare-progress", daemon=True)
-        self._thread.start()
-
-    def seconds(self) -> float:
-        self._thread.join()
-        return self._result.pop()
-
-    def close(self) -> None:
-        self._agent.close()
+def _progress_until_answered(pipe, agent, timeout_s: float = 60.0):
+    """The receiving process's answer to what was just sent it, ``agent`` (whose memory it
+    reads) progressed every millisecond meanwhile, as the connector's sender progresses its own
+    while reads of it are in flight (and a new connection to it needs)."""
+    deadline = time.monotonic() + timeout_s
+    while not pipe.poll(0.001):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no answer from the receiving process within {timeout_s} s")
+        agent.progress()
+    return pipe.recv()
 
 
 def bare_nixl(pipe, nbytes: int, count: int, io_cpus: list[int]) -> float:
-    """Bare NIXL READs of ``nbytes`` in ``count`` regions by the receiving process, the engine
-    stopped (best seconds of 3)."""
-    source = BareSource(nbytes, count, io_cpus)
+    """Bare NIXL READs by the receiving process of ``count`` regions of ``nbytes / count``
+    bytes registered here, with an agent of their own progressed from a thread on the I/O
+    CPUs, the engine stopped (best seconds of 3)."""
+    import torch
+
+    from omni_runtime.kv.transport.nixl_agent import KVAgent
+
+    size = nbytes // count
+    source = torch.randn(nbytes // 4)
+    agent = KVAgent(f"bare-source-{os.getpid()}")
+    agent.register([(source.data_ptr(), nbytes, 0)], "DRAM")
+    result: list[float] = []
+
+    def progress() -> None:
+        os.sched_setaffinity(0, io_cpus)
+        result.append(_progress_until_answered(pipe, agent))
+
     try:
-        source.ask(pipe, 3)
-        return source.seconds()
+        base = source.data_ptr()
+        pipe.send(("bare", agent.metadata(), [[(base + i * size, size, 0)] for i in range(count)],
+                   3))
+        thread = threading.Thread(target=progress, name="bare-progress", daemon=True)
+        thread.start()
+        thread.join()
+        return result[0]
     finally:
-        source.close()
+        agent.close()
 
 
 # ---------------------------------------------------------------------- the data plane alone

@@ -7,6 +7,7 @@ import pytest
 
 from k8s_emulator import EmulatorThread
 from omni_operator.kube import Kube
+from omni_operator.reconcile import Reconciler
 from omnip_support import NAMESPACE, RunningOperator, make_kube
 
 
@@ -23,6 +24,14 @@ def kube(emulator: EmulatorThread) -> Iterator[Kube]:
     client.request("create", "Namespace", "POST", "/api/v1/namespaces",
                    body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     yield client
+    client.close()
+
+
+@pytest.fixture
+def reconciler(emulator: EmulatorThread) -> Iterator[Reconciler]:
+    """A reconciler with a client of its own on the emulator (the operator's identity)."""
+    client = make_kube(emulator.url)
+    yield Reconciler(client)
     client.close()
 
 

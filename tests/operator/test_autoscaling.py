@@ -4,8 +4,6 @@ OmniStageScaler's spec.replicas, as the scale subresource does) owns each autosc
 replica count; the operator renders it, reads it and never overwrites it."""
 from __future__ import annotations
 
-import pytest
-
 from cluster_sim import Clock, SimCluster
 from k8s_emulator import EmulatorThread
 from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body, revision,
@@ -27,13 +25,6 @@ def autoscaled_body(replicas: int = 2, **autoscaling) -> dict:
 def set_autoscaler_replicas(kube, replicas: int, stage: str = "code2wav") -> None:
     """What the HPA or KEDA does through the scale subresource: spec.replicas of the target."""
     kube.patch(STAGESCALER, NAMESPACE, f"tiny-{stage}", {"spec": {"replicas": replicas}})
-
-
-@pytest.fixture
-def reconciler(emulator):
-    client = make_kube(emulator.url)
-    yield Reconciler(client)
-    client.close()
 
 
 def test_an_autoscaled_stage_follows_its_autoscaler_and_the_operator_never_writes_its_count(kube, reconciler):

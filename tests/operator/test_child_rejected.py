@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 from k8s_emulator import ApiCall
-from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, patch_pipeline, pipeline_body, status,
+from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, patch_pipeline, pipeline_body, status,
                            wait_for, workload)
 from omni_operator.kinds import CONFIGMAP, DEPLOYMENT
 from omni_operator.kube import ApiException
-from omni_operator.reconcile import Reconciler
 
 INVALID = 'Deployment.apps "tiny-thinker" is invalid: spec.template.spec.containers[0].image: Required value'
 
@@ -35,13 +34,6 @@ def events(kube, reason: str) -> list[dict]:
 
 def deployment_creates(emulator, user: str | None = None) -> int:
     return sum(1 for c in emulator.calls(user) if c.verb == "create" and c.resource == "deployments")
-
-
-@pytest.fixture
-def reconciler(emulator):
-    client = make_kube(emulator.url)
-    yield Reconciler(client)
-    client.close()
 
 
 @pytest.mark.parametrize("code", [400, 403, 422])

@@ -23,13 +23,6 @@ def writes_of(kube):
     return {key: n for key, n in kube.calls.items() if key[0] in ("create", "patch", "delete")}
 
 
-@pytest.fixture
-def reconciler(emulator):
-    client = make_kube(emulator.url)
-    yield Reconciler(client)
-    client.close()
-
-
 def test_create_then_noop(kube, reconciler):
     create_pipeline(kube, pipeline_body())
     first = reconciler.reconcile(NAMESPACE, "tiny")

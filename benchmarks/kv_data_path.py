@@ -21,14 +21,14 @@ Last line, one JSON object:
     was told commit and stored each payload), over a bare ZeroMQ socket sending the same
     bytes between the same two processes, each message answered (target >= 2.0);
   * ``nixl_ratio_7b``: the same over bare NIXL READs of the same bytes between the same two
-    processes under the same load: in a round with transfers off, as the step starts in which
-    a round with them on hands off, the receiving process reads the engine's KV cache blocks
-    the last such round's transfers read (the same addresses, runs and descriptors), one READ
-    per transfer, its connection wired up beforehand, while the engine decodes the same batch
-    (target >= 0.8). That round's steps
-    carry the READs' memory traffic as the on round's carry the transfers'.
+    processes under the same load, paired with them in the same round: once the round's
+    transfers are acked, while the engine still decodes the same batch, the receiving process
+    reads the very cache blocks those transfers read (the same addresses, runs and
+    descriptors), one READ per transfer, its connection wired up beforehand (target >= 0.8).
     ``nixl_idle_ratio_7b``: against the best of 3 READs of as many bytes from a buffer of
     their own, the engine stopped;
+  * ``mean_handoff_to_ack_s_7b``: a transfer's own hand-off to ack, the mean over the
+    round's transfers (``handoff_to_ack_s_7b`` is the round's, first hand-off to last ack);
   * ``ar_cpu_ms_per_transfer_7b``: the AR process's CPU time per transfer outside the engine's
     threads (the connector's sender thread, ZeroMQ's and UCX's threads; not the engine's main
     thread nor its idle gloo threads), on rounds minus off rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
@@ -412,6 +412,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
         spans.append(max(acks.times[t.request_id] for t in batch)
                      - min(t.handed_off_at for t in batch))
         nbytes = sum(t.seq_len for t in batch) * kv_per_token
+    each = [acks.times[t.request_id] - t.handed_off_at for t in resolved]
     if nbytes != reference.nbytes:
         raise RuntimeError(f"the rounds moved {nbytes} bytes, the loaded reference read "
                            f"{reference.nbytes}")
@@ -422,6 +423,7 @@ def measure(model: str, endpoint: str, args, *, prompt_tokens: int, rounds: int,
             "handoff_step_ratio": max(max(ts) for ts in on) / max(max(ts) for ts in off),
             "mean_step_on_s": mean_on, "mean_step_off_s": mean_off,
             "bytes_per_round": nbytes, "handoff_to_ack_s": statistics.median(spans),
+            "mean_handoff_to_ack_s": statistics.fmean(each),
             "bare_loaded_s": statistics.median(bare_loaded),
             "ar_cpu_s_per_transfer": max(0.0, statistics.fmean(cpu_on) - statistics.fmean(cpu_off))
             / args.requests,
@@ -716,6 +718,7 @@ def main(argv: list[str] | None = None) -> None:
         "tcp_offer_to_ack_s_7b": round(tcp_s, 4) if tcp_s else None,
         "kv_bytes_per_round_7b": big["bytes_per_round"],
         "handoff_to_ack_s_7b": round(ours, 4),
+        "mean_handoff_to_ack_s_7b": round(big["mean_handoff_to_ack_s"], 4),
         "raw_zmq_s_7b": round(raw_s, 4),
         "bare_nixl_s_7b": round(big["bare_loaded_s"], 4),
         "bare_nixl_idle_s_7b": round(nixl_s, 4),

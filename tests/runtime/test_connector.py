@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVReceiver
 from omni_runtime.kv.transport.protocol import MAX_MESSAGE_BYTES, encode_hello
+from omni_runtime.kv.transport.nixl_agent import IN_PROGRESS
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 
 from transport_fixtures import (  # noqa: F401 (fixtures)
@@ -168,6 +169,53 @@ def test_by_default_the_host_reads_a_transfer_in_one_read_and_a_device_in_64_mib
     assert collect(sender, 1) == (["whole"], {})
     assert posts == [0]
     assert np.array_equal(receiver.inbox.get("whole").kv, ar.expected(list(range(3, 40)), 4 * 37))
+
+
+def test_offers_that_arrive_together_are_answered_read_by_read(make_receiver, make_ar,
+                                                               make_sender):
+    """Four offers queued at once, four slots free: each read is answered (``read_done``)
+    before the next is posted, so the AR's verdict and the ack of the first transfer travel
+    while the next one is read; started all together, the first ack waited for every copy
+    (on the host UCX's cma copies inside the post). The receiver's post and reply are
+    observed; its real agent's READ is made to return only once done, as cma's does when
+    it is not split up (on a loaded machine UCX may finish some of it in a later progress
+    call: reads then overlap, as a GPU's do)."""
+    receiver = make_receiver(slot_bytes=None, slots=4)
+    ar = make_ar(layers=2, blocks=1024)  # 1024 blocks of 512 B a layer: 1 MiB a transfer
+    events: list[tuple[str, str]] = []
+    post, reply, agent = receiver._post, receiver._reply, receiver._agent
+    read = agent.read
+
+    def read_done_in_the_post(*args):
+        handle = read(*args)
+        wait_for(lambda: agent.state(handle) != IN_PROGRESS, what="the READ", interval=0)
+        return handle
+
+    agent.read = read_done_in_the_post
+
+    def logged_post(router, job):
+        events.append(("post", job.request.request_id))
+        return post(router, job)
+
+    def logged_reply(router, identity, answer):
+        events.append((answer.kind, answer.request_id))
+        return reply(router, identity, answer)
+
+    receiver._post, receiver._reply = logged_post, logged_reply
+    sender = make_sender(ar, {STAGE: receiver.endpoint}, max_in_flight=4)
+    # Wired up first (hello, UCX endpoint), so the four offers below arrive together.
+    sender.submit(ar.offer("warm", [0], 4))
+    assert collect(sender, 1) == (["warm"], {})
+    ids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(ids):
+        blocks = list(range(1 + i * 250, 1 + (i + 1) * 250))
+        sender.submit(ar.offer(rid, blocks, 4 * 250))
+    assert collect(sender, 4) == (ids, {})
+    order = [e for e in events if e[1] in ids and e[0] in ("post", "read_done")]
+    assert [e[0] for e in order] == ["post", "read_done"] * 4, order
+    for rid in ids:
+        assert np.array_equal(receiver.inbox.get(rid).kv[0, 0, 0, :4],
+                              ar.expected([1 + ids.index(rid) * 250], 4)[0, 0, 0])
 
 
 def test_tensor_parallel_shards_assemble_into_one_payload(receiver, make_ar, make_sender):

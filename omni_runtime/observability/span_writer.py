@@ -27,7 +27,7 @@ missing, so an SDK that changes them costs speed, never a span.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace as trace_api
@@ -36,7 +36,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 #: (name, attributes or None, timestamp in ns) of one span event.
-EventSpec = tuple[str, "Mapping[str, Any] | None", int]
+EventSpec = tuple[str, Mapping[str, Any] | None, int]
 
 
 class ApiSpanWriter:

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
@@ -69,8 +68,8 @@ from omni_runtime.kv.transport.protocol import (
     parse_read,
     parse_verdict,
 )
-from omni_runtime.kv.transport.staging import (DEFAULT_HOST_SLOT_BYTES, DEFAULT_SLOT_BYTES,
-                                               DEFAULT_SLOTS, Slot, StagingPool)
+from omni_runtime.kv.transport.staging import (DEFAULT_SLOTS, Slot, StagingPool,
+                                               default_slot_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +173,7 @@ class KVReceiver:
         self.max_payload_bytes = max_payload_bytes
         self.expect = dict(expect or {})
         if slot_bytes is None:
-            on_host = torch.device(staging_device).type == "cpu"
-            slot_bytes = DEFAULT_HOST_SLOT_BYTES if on_host else DEFAULT_SLOT_BYTES
+            slot_bytes = default_slot_bytes(staging_device)
         self.slot_bytes, self.slots, self.staging_device = slot_bytes, slots, staging_device
         self.agent_idle_ttl_s = agent_idle_ttl_s
         self.metrics = metrics if metrics is not None else NullReceiverObserver()

@@ -28,6 +28,12 @@ DEFAULT_SLOT_BYTES = 64 << 20
 #: 0.0995 s (synthetic rank, medians of 6 rounds each, side by side).
 DEFAULT_HOST_SLOT_BYTES = 256 << 20
 DEFAULT_SLOTS = 4
+
+
+def default_slot_bytes(device: str) -> int:
+    """A slot's size unless one is given: VRAM staging on a device, a bound on one READ on
+    the host."""
+    return DEFAULT_HOST_SLOT_BYTES if torch.device(device).type == "cpu" else DEFAULT_SLOT_BYTES
 #: Slot starts are aligned for the widest dtype and for DMA engines.
 ALIGN = 4096
 

@@ -178,6 +178,7 @@ def run(options: Options, *, kube: Kube | None = None, metrics: OperatorMetrics 
         )
     finally:
         resync.stop()
+        reconciler.close()
         if health is not None:
             health.close()
         if server is not None:

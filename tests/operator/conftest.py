@@ -31,7 +31,9 @@ def kube(emulator: EmulatorThread) -> Iterator[Kube]:
 def reconciler(emulator: EmulatorThread) -> Iterator[Reconciler]:
     """A reconciler with a client of its own on the emulator (the operator's identity)."""
     client = make_kube(emulator.url)
-    yield Reconciler(client)
+    reconciler = Reconciler(client)
+    yield reconciler
+    reconciler.close()
     client.close()
 
 

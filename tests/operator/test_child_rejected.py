@@ -52,7 +52,8 @@ def test_a_refused_child_is_reported_once_and_not_retried(kube, reconciler, emul
     writes = reconciler.kube.writes
     for _ in range(5):  # resync rounds and child events of the same generation
         assert reconciler.reconcile(NAMESPACE, "tiny").result == "rejected"
-    assert deployment_creates(emulator) == creates == 1  # never asked again
+    # The Deployments are written together (one wave): each asked once, never again.
+    assert deployment_creates(emulator) == creates == len(pipeline_body()["spec"]["stages"])
     assert reconciler.kube.writes == writes  # no status rewrite, no second event
     assert len(events(kube, "ChildRejected")) == 1
 
@@ -117,7 +118,8 @@ def test_running_operator_reports_a_422_once_with_bounded_calls(kube, start_oper
     assert [c for c in later if c.verb in ("create", "patch", "update", "delete")] == []
     # Reads: a resync round lists the pipelines and gets the one it reconciles.
     assert len([c for c in later if c.verb in ("get", "list")]) <= 3 * (rounds + 2), later[:10]
-    assert deployment_creates(emulator, OPERATOR_TOKEN) == 1
+    # Once per Deployment (one wave of writes), never again.
+    assert deployment_creates(emulator, OPERATOR_TOKEN) == len(pipeline_body()["spec"]["stages"])
     assert len(events(kube, "ChildRejected")) == 1
     condition = ready(kube)
     assert f"Deployment {workload('thinker')}" in condition["message"] and "is invalid" in condition["message"]

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
-from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body,
+from omnip_support import (NAMESPACE, OPERATOR_TOKEN, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body,
                            workload)
 from k8s_emulator import EmulatorThread
 from omni_operator import naming
@@ -270,7 +271,7 @@ def test_a_first_reconcile_lists_nothing_and_a_half_done_one_is_finished(kube, e
     real_create = broken.kube.create
 
     def create_then_stop(kind, namespace, body):
-        if len(made) == 5:
+        if len(made) >= 5:  # creates run together (a wave): any past the fifth fails
             raise RuntimeError("the operator stopped here")
         made.append(body["metadata"]["name"])
         return real_create(kind, namespace, body)
@@ -298,3 +299,43 @@ def test_a_child_changed_since_it_was_found_in_sync_is_compared_again(kube, reco
     outcome = reconciler.reconcile(NAMESPACE, "tiny")
     assert outcome.changed == [f"patch Deployment/{workload('talker')}"]
     assert kube.get(DEPLOYMENT, NAMESPACE, workload("talker"))["spec"]["replicas"] == 1
+
+
+def test_a_pipelines_children_are_written_in_waves_each_wave_at_once(kube, emulator):
+    """What the pods or other children refer to is created first (configs, Services,
+    budgets, policy), then the Deployments; the writes of one wave are in flight together."""
+    create_pipeline(kube, pipeline_body())
+    reconciler = Reconciler(make_kube(emulator.url, OPERATOR_TOKEN))
+    guard, in_flight, most, started, overlap = threading.Lock(), [0], [0], [False], threading.Event()
+    real_create = reconciler.kube.create
+
+    def create(kind, namespace, body):
+        with guard:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            first, started[0] = not started[0], True
+            if in_flight[0] >= 2:
+                overlap.set()
+        try:
+            if first:  # waits (bounded) for a second write: one after the other, none comes
+                overlap.wait(10)
+            return real_create(kind, namespace, body)
+        finally:
+            with guard:
+                in_flight[0] -= 1
+
+    reconciler.kube.create = create
+    try:
+        outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    finally:
+        reconciler.close()
+        reconciler.kube.close()
+    assert outcome.result == "applied" and len(outcome.changed) == 15
+    assert 2 <= most[0] <= reconciler.apply_concurrency
+    created = [c.resource for c in emulator.calls(OPERATOR_TOKEN) if c.verb == "create"]
+    assert created.count("deployments") == 3 and len(created) == 15
+    first_deployment = created.index("deployments")
+    assert created[first_deployment:] == ["deployments"] * 3, created
+    # Reported wave by wave in the rendered order, whatever order the answers came in.
+    assert outcome.changed[:2] == [f"create ConfigMap/{workload('thinker')}", "create Service/tiny-thinker"]
+    assert outcome.changed[-3:] == [f"create Deployment/{workload(s)}" for s in STAGES]

@@ -30,7 +30,7 @@ Last line, one JSON object:
   * ``mean_handoff_to_ack_s_7b``: a transfer's own hand-off to ack, the mean over the
     round's transfers (``handoff_to_ack_s_7b`` is the round's, first hand-off to last ack);
   * ``ar_cpu_ms_per_transfer_7b``: the AR process's CPU time per transfer outside the engine's
-    threads (the connector's sender thread, ZeroMQ's and UCX's threads; not the engine's main
+    threads (the connector's sender thread, ZeroMQ's, UCX's and NIXL's progress thread; not the engine's main
     thread nor its idle gloo threads), on rounds minus off rounds; ``copy_send_cpu_ms_per_transfer_7b``: what the AR did per transfer before NIXL,
     measured here on the same cache: copying the transfer's blocks out to a host buffer plus
     a bare ZeroMQ send of it; their ratio ``ar_cpu_ratio_7b`` (target <= 0.10);

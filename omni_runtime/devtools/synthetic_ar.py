@@ -64,7 +64,9 @@ class SyntheticAR:
         self.device = torch.device(device)
         mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
         device_id = self.device.index or 0
-        self.agent = KVAgent(f"{pipeline}.{stage}.tp{shard}.{uuid.uuid4().hex[:12]}")
+        # As the AR's worker makes its agent: NIXL's progress thread serves reads over TCP.
+        self.agent = KVAgent(f"{pipeline}.{stage}.tp{shard}.{uuid.uuid4().hex[:12]}",
+                             progress_thread=True)
         self.agent.register([(c.data_ptr(), c.numel() * c.element_size(), device_id)
                              for c in self.caches], mem_type)
         planes = self.fmt.planes

@@ -112,8 +112,9 @@ class OmniKVConnectorWorker:
                            for p in range(fmt.planes))
         name = (f"{self._pipeline or 'omni'}.{self._kv_cfg.stage_name}.tp{self.shard}."
                 f"{uuid.uuid4().hex[:12]}")
-        # Created from a thread on the transport's CPUs: threads UCX starts inherit them.
-        self._agent = _on_cpus(self._io_cpus, lambda: KVAgent(name))
+        # Created from a thread on the transport's CPUs: threads UCX and NIXL start (its
+        # progress thread, which serves the receivers' reads over TCP) inherit them.
+        self._agent = _on_cpus(self._io_cpus, lambda: KVAgent(name, progress_thread=True))
         # One registration per underlying allocation (layers may be views of one).
         storages: dict[int, tuple[int, int, int]] = {}
         for cache in caches:

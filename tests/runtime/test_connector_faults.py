@@ -222,6 +222,62 @@ def test_registration_failures_name_their_cause():
         agent.close()
 
 
+# ---------------------------------------------------------------------- NIXL's progress thread
+def _thread_cpu_s(tids: set[str]) -> float:
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_agent_with_its_progress_thread_sleeps_while_idle():
+    """NIXL's Python wrapper gives its progress thread a poll timeout of 0 (a thread that
+    spins on a CPU); the AR's agent is made with a real timeout: idle, its threads take
+    next to no CPU. The window is a measurement, not a wait for anything."""
+    before = set(os.listdir("/proc/self/task"))
+    agent = KVAgent("omni-test-progress-idle", progress_thread=True)
+    try:
+        started = set(os.listdir("/proc/self/task")) - before
+        assert started and agent.progresses_itself  # NIXL's progress thread (and UCX's)
+        cpu0, wall0 = _thread_cpu_s(started), time.monotonic()
+        time.sleep(1.0)
+        cpu, wall = _thread_cpu_s(started) - cpu0, time.monotonic() - wall0
+        assert cpu < 0.2 * wall, f"the agent's threads took {cpu:.2f} s of CPU in {wall:.2f} s"
+    finally:
+        agent.close()
+
+
+def test_an_agent_with_its_progress_thread_is_read_over_tcp_without_being_polled(monkeypatch):
+    """Over UCX's TCP transport a remote read is served by the owner's progress: the AR's
+    agent makes it on its own thread, nobody calls its progress() (without that thread the
+    READ would never complete)."""
+    from omni_runtime.kv.transport.nixl_agent import DONE, ERROR
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX as each agent is made
+    source, reader = KVAgent("omni-test-tcp-owner", progress_thread=True), KVAgent("omni-test-tcp-reader")
+    try:
+        data = np.arange(1 << 20, dtype=np.uint8) * 7
+        landing = np.zeros_like(data)
+        source.register([(data.ctypes.data, data.nbytes, 0)], "DRAM")
+        reader.register([(landing.ctypes.data, landing.nbytes, 0)], "DRAM")
+        name = reader.add_remote(source.metadata())
+        handle = reader.read(np.array([[landing.ctypes.data, data.nbytes, 0]], np.uint64), "DRAM",
+                             np.array([[data.ctypes.data, data.nbytes, 0]], np.uint64), "DRAM", name)
+        deadline = time.monotonic() + 20
+        while (state := reader.state(handle)) != DONE:
+            assert state != ERROR and time.monotonic() < deadline, f"the READ is {state}"
+        reader.release(handle)
+        assert np.array_equal(landing, data)
+    finally:
+        reader.close()
+        source.close()
+
+
 # ---------------------------------------------------------------------- the receiver's thread
 class ExplodingObserver(NullReceiverObserver):
     """An observer whose rejection counter raises (a bug on the rejection path itself)."""

@@ -5,17 +5,21 @@ is the transfer engine vLLM's NixlConnector, Dynamo and llm-d move KV with, over
 (``cuda_ipc``) within a node, RDMA across nodes, ``cma`` (one process reading another's
 memory) or TCP on CPUs. This module is the only one that imports it.
 
-The agent runs without NIXL's progress thread: that thread polls without pause (measured: a
-whole core while idle). The side that initiates a transfer progresses it by polling its
-state; the side whose memory is read needs progress only on transports that emulate remote
-reads in software (UCX's TCP): the AR's control thread calls :meth:`KVAgent.progress` while
-reads may be in flight (omni_runtime/kv/transport/sender.py).
+Progress. The side that initiates a transfer progresses it by polling its state; the side
+whose memory is read needs progress only on transports that emulate remote reads in
+software (UCX's TCP). An agent made with ``progress_thread`` (the AR's) has NIXL's own
+progress thread do it: the thread waits on UCX's event descriptor, so it runs when a peer's
+request arrives and not otherwise. NIXL's Python wrapper fixes that thread's poll timeout at
+0, which makes it spin (measured: a whole core while idle), so the agent is made with a
+timeout of :data:`PROGRESS_THREAD_TIMEOUT_US` instead (measured: 1.5 ms of CPU in 2 s idle).
+An agent without it is progressed by whoever calls :meth:`KVAgent.progress`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +29,15 @@ logger = logging.getLogger(__name__)
 
 #: Transfer states as NIXL names them.
 DONE, IN_PROGRESS, ERROR = "DONE", "PROC", "ERR"
+
+
+#: The poll timeout of NIXL's progress thread, in microseconds: how long the thread sleeps when
+#: UCX's event descriptor says nothing (a peer's request over TCP wakes it at once). Only
+#: progress that raises no event waits for it (UCX's own timers).
+PROGRESS_THREAD_TIMEOUT_US = 100_000
+
+# The wrapper's progress-thread timeout is replaced while an agent is made (below): one at a time.
+_MAKING = threading.Lock()
 
 
 class NixlUnavailable(RuntimeError):
@@ -63,11 +76,11 @@ class KVAgent:
     """One NIXL agent with the UCX backend. ``name`` must be unique among the agents that
     talk to each other: a restarted process is a new agent (a stale name is never reused)."""
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), *,
+                 progress_thread: bool = False) -> None:
         api = _nixl_api()
         try:
-            self._agent = api.nixl_agent(
-                name, api.nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+            self._agent = _make_agent(api, name, backends, progress_thread)
         except Exception as exc:
             raise NixlUnavailable(f"cannot create the NIXL agent {name!r} with backends "
                                   f"{list(backends)}: {type(exc).__name__}: {exc}") from None
@@ -76,6 +89,9 @@ class KVAgent:
                 f"NIXL agent {name!r} has none of the backends {list(backends)} (plugins "
                 f"found: {self._agent.get_plugin_list()}): is UCX's plugin in the wheel?")
         self.name = name
+        #: Whether NIXL's thread progresses this agent (else :meth:`progress` must, where a
+        #: peer reads its memory over a transport that needs the owner's progress).
+        self.progresses_itself = progress_thread
         self._registrations: list[Any] = []
 
     # ------------------------------------------------------------------ memory
@@ -164,3 +180,26 @@ class KVAgent:
             except Exception as exc:
                 logger.debug("NIXL: deregistering: %s", exc)
         self._registrations.clear()
+
+
+def _make_agent(api: Any, name: str, backends: Sequence[str], progress_thread: bool) -> Any:
+    """A ``nixl_agent``; with ``progress_thread``, NIXL's progress thread polling with a
+    timeout of :data:`PROGRESS_THREAD_TIMEOUT_US` rather than the wrapper's 0 (the wrapper
+    sets the native config's ``pthrDelay`` itself and takes no value for it: the native
+    constructor it calls is wrapped while the agent is made)."""
+    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+    if not progress_thread:
+        return api.nixl_agent(name, config)
+    bindings = api.nixlBind
+    native = bindings.nixlAgent
+
+    def with_timeout(agent_name: str, native_config: Any) -> Any:
+        native_config.pthrDelay = PROGRESS_THREAD_TIMEOUT_US
+        return native(agent_name, native_config)
+
+    with _MAKING:
+        bindings.nixlAgent = with_timeout
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgent = native

@@ -65,10 +65,11 @@ RECONNECT_IVL_MS = 100
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: While reads of this rank's memory may be in flight, the I/O thread wakes this often to
-#: progress the NIXL agent. Only UCX's TCP transport needs it (RDMA, CUDA IPC and cma read
-#: without the owner); each wake-up costs the AR's CPU. Measured here (7B shape, 4 x 117 MB):
-#: 2 ms -> 3 ms cut the sender's CPU per transfer by more than half and slowed TCP reads
-#: by ~15 % (5 ms: 50 %).
+#: progress a NIXL agent that has no progress thread of its own (the AR's has:
+#: ``KVAgent(progress_thread=True)``, woken by UCX when a peer's request arrives). Only UCX's
+#: TCP transport needs it (RDMA, CUDA IPC and cma read without the owner); each wake-up costs
+#: the AR's CPU. Measured here (7B shape, 4 x 117 MB): 2 ms -> 3 ms cut the sender's CPU per
+#: transfer by more than half and slowed TCP reads by ~15 % (5 ms: 50 %).
 PROGRESS_MS = 3
 #: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0
@@ -396,13 +397,13 @@ class KVSender:
                 if interest[ep.socket] != flags:
                     poller.modify(ep.socket, flags)
                     interest[ep.socket] = flags
-            reading = self.agent is not None and any(ep.in_flight for ep in eps)
+            polled = self.agent is not None and not self.agent.progresses_itself
+            reading = polled and any(ep.in_flight for ep in eps)
             events = dict(poller.poll(PROGRESS_MS if reading else self._next_timeout_ms()))
-            if reading or any(not ep.ready and ep.connections for ep in eps):
+            if polled and (reading or any(not ep.ready and ep.connections for ep in eps)):
                 # Reads of this rank's memory may be in flight (or a hello's wire-up): UCX
                 # serves them over TCP only while this agent makes progress.
-                if self.agent is not None:
-                    self.agent.progress()
+                self.agent.progress()
             if wake in events:
                 while True:
                     try:

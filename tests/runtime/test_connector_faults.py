@@ -252,6 +252,31 @@ def test_an_agent_with_its_progress_thread_sleeps_while_idle():
         agent.close()
 
 
+def test_a_nixl_whose_progress_thread_cannot_be_tamed_gets_none(monkeypatch, caplog):
+    """A NIXL wrapper without the native constructor this module wraps (another release):
+    the agent gets no progress thread (it would spin a core) and says so; its owner
+    progresses it, as the sender does for such an agent."""
+    import types
+
+    from omni_runtime.kv.transport import nixl_agent
+
+    real = nixl_agent._nixl_api()
+    other = types.SimpleNamespace(nixl_agent=real.nixl_agent, nixl_agent_config=real.nixl_agent_config,
+                                  __name__="nixl-without-bindings")
+    monkeypatch.setattr(nixl_agent, "_nixl_api", lambda: other)
+    before = set(os.listdir("/proc/self/task"))
+    agent = KVAgent("omni-test-untamed", progress_thread=True)
+    try:
+        assert not agent.progresses_itself
+        assert "progressed by its owner" in caplog.text
+        started = set(os.listdir("/proc/self/task")) - before
+        cpu0 = _thread_cpu_s(started)
+        time.sleep(0.5)  # a measurement window: no thread of the agent's spins
+        assert _thread_cpu_s(started) - cpu0 < 0.1
+    finally:
+        agent.close()
+
+
 def test_an_agent_with_its_progress_thread_is_read_over_tcp_without_being_polled(monkeypatch):
     """Over UCX's TCP transport a remote read is served by the owner's progress: the AR's
     agent makes it on its own thread, nobody calls its progress() (without that thread the

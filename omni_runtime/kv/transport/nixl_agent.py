@@ -80,7 +80,7 @@ class KVAgent:
                  progress_thread: bool = False) -> None:
         api = _nixl_api()
         try:
-            self._agent = _make_agent(api, name, backends, progress_thread)
+            self._agent, progress_thread = _make_agent(api, name, backends, progress_thread)
         except Exception as exc:
             raise NixlUnavailable(f"cannot create the NIXL agent {name!r} with backends "
                                   f"{list(backends)}: {type(exc).__name__}: {exc}") from None
@@ -182,16 +182,23 @@ class KVAgent:
         self._registrations.clear()
 
 
-def _make_agent(api: Any, name: str, backends: Sequence[str], progress_thread: bool) -> Any:
-    """A ``nixl_agent``; with ``progress_thread``, NIXL's progress thread polling with a
-    timeout of :data:`PROGRESS_THREAD_TIMEOUT_US` rather than the wrapper's 0 (the wrapper
-    sets the native config's ``pthrDelay`` itself and takes no value for it: the native
-    constructor it calls is wrapped while the agent is made)."""
+def _make_agent(api: Any, name: str, backends: Sequence[str], progress_thread: bool) -> tuple[Any, bool]:
+    """A ``nixl_agent``, and whether NIXL's progress thread runs it: with ``progress_thread``,
+    polling with a timeout of :data:`PROGRESS_THREAD_TIMEOUT_US` rather than the wrapper's 0
+    (the wrapper sets the native config's ``pthrDelay`` itself and takes no value for it: the
+    native constructor it calls is wrapped while the agent is made). A NIXL whose wrapper
+    has no such constructor, or whose config has no such field, gets no progress thread (it
+    would spin): its owner progresses it (:meth:`KVAgent.progress`)."""
+    bindings = getattr(api, "nixlBind", None)
+    native = getattr(bindings, "nixlAgent", None)
+    if progress_thread and (native is None or not hasattr(getattr(bindings, "nixlAgentConfig", None),
+                                                          "pthrDelay")):
+        logger.warning("NIXL %s: no way to set its progress thread's poll timeout here; the agent "
+                       "is progressed by its owner instead", getattr(api, "__name__", "?"))
+        progress_thread = False
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
     if not progress_thread:
-        return api.nixl_agent(name, config)
-    bindings = api.nixlBind
-    native = bindings.nixlAgent
+        return api.nixl_agent(name, config), False
 
     def with_timeout(agent_name: str, native_config: Any) -> Any:
         native_config.pthrDelay = PROGRESS_THREAD_TIMEOUT_US
@@ -200,6 +207,6 @@ def _make_agent(api: Any, name: str, backends: Sequence[str], progress_thread: b
     with _MAKING:
         bindings.nixlAgent = with_timeout
         try:
-            return api.nixl_agent(name, config)
+            return api.nixl_agent(name, config), True
         finally:
             bindings.nixlAgent = native

@@ -20,6 +20,9 @@ from .kinds import Kind
 ApiException = kubernetes.client.exceptions.ApiException
 MERGE_PATCH = "application/merge-patch+json"
 PIPELINE_BASE = f"/apis/{API_VERSION}"
+#: (connect, read) seconds for every call: an API server that hangs fails the call (the
+#: reconcile errs and kopf retries it) instead of holding one of the writes in flight forever.
+REQUEST_TIMEOUT = (5.0, 30.0)
 
 
 def load_configuration() -> kubernetes.client.Configuration:
@@ -35,9 +38,11 @@ def load_configuration() -> kubernetes.client.Configuration:
 class Kube:
     """Raw-JSON Kubernetes calls; thread-safe (kopf runs sync handlers in a thread pool)."""
 
-    def __init__(self, api_client: kubernetes.client.ApiClient, on_call: Callable[[str, str], None] | None = None):
+    def __init__(self, api_client: kubernetes.client.ApiClient, on_call: Callable[[str, str], None] | None = None,
+                 request_timeout: tuple[float, float] = REQUEST_TIMEOUT):
         self.api_client = api_client
         self._on_call = on_call
+        self.request_timeout = request_timeout
         self._lock = threading.Lock()
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
 
@@ -69,7 +74,7 @@ class Kube:
         )
         # The body is already JSON-ready (plain dicts): the REST client serialises it as it is,
         # without the generated client's per-value sanitising walk.
-        response = self.api_client.call_api(method, url, headers, body)
+        response = self.api_client.call_api(method, url, headers, body, _request_timeout=self.request_timeout)
         response.read()
         if not 200 <= response.status < 300:
             raise ApiException(http_resp=response)

@@ -102,8 +102,8 @@ def _refusals(verb: str, kind: str, name: str) -> Iterator[None]:
 # kind at once: first what other children or their pods refer to (the stage configs, the
 # Services, disruption budgets and network policy, the scale targets), then the Deployments
 # (their pods mount the configs), then the autoscalers (they target the scalers). Every kind
-# not named is in wave 0. The writes of a wave go out together: a pipeline's 15 creates take
-# the time of two waves of calls, not of 15 calls one after the other.
+# not named is in wave 0. The writes of a wave go out together, APPLY_CONCURRENCY at a time:
+# a 3-stage pipeline's 15 creates (12, then 3) take four round trips, not 15.
 _WAVE_OF_KIND = {DEPLOYMENT.kind: 1, HPA.kind: 2, SCALEDOBJECT.kind: 2}
 APPLY_CONCURRENCY = 4
 
@@ -114,6 +114,12 @@ def _waves(children: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     for child in children:
         waves[_WAVE_OF_KIND.get(child["kind"], 0)].append(child)
     return [wave for wave in waves if wave]
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"({exc.status}) {server_message(exc)}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -135,6 +141,7 @@ class Reconciler:
         # pool started at the first wave with two writes and stopped by close().
         self.apply_concurrency = apply_concurrency
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_closed = False
         self._pool_guard = threading.Lock()
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
@@ -167,9 +174,10 @@ class Reconciler:
 
     # -- entry points ------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the write pool (waiting for writes in flight); a later wave starts another."""
+        """Stop the write pool, once the writes handed to it are done; a reconcile after
+        this writes one child after the other."""
         with self._pool_guard:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._pool_closed = self._pool, None, True
         if pool is not None:
             pool.shutdown(wait=True)
 
@@ -198,7 +206,7 @@ class Reconciler:
 
         Under the pipeline's lock: a reconcile running meanwhile reads what it stored."""
         with self._lock_for(namespace, name):
-            for key in [k for k, (_, want) in self._in_sync.items()
+            for key in [k for k, (_, want) in list(self._in_sync.items())
                         if k[0] == namespace and (want["metadata"].get("labels") or {}).get(naming.PIPELINE_LABEL) == name]:
                 self._in_sync.pop(key, None)
             self._desired.pop((namespace, name), None)
@@ -474,17 +482,29 @@ class Reconciler:
         return current, conflicts
 
     def _all_answered(self, calls: list[Callable[[], Any]]) -> list[Any]:
-        """Each call's result, in order; at most ``apply_concurrency`` in flight. The first
-        failure (in order) is raised once every call has returned."""
-        if len(calls) <= 1 or self.apply_concurrency <= 1:
+        """Each call's result, in order; at most ``apply_concurrency`` in flight. Once every
+        call has returned, a failure is raised: a refusal (ChildRejected: permanent, it
+        must be recorded for its generation) before any other, else the first in order;
+        the others are logged."""
+        with self._pool_guard:  # submitted under the guard: close() waits for them
+            if len(calls) <= 1 or self.apply_concurrency <= 1 or self._pool_closed:
+                futures = None
+            else:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(self.apply_concurrency,
+                                                                       thread_name_prefix="omni-apply")
+                futures = [self._pool.submit(call) for call in calls]
+        if futures is None:
             return [call() for call in calls]
-        with self._pool_guard:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.apply_concurrency,
-                                                                   thread_name_prefix="omni-apply")
-            pool = self._pool
-        futures = [pool.submit(call) for call in calls]
         concurrent.futures.wait(futures)
+        failures = [f.exception() for f in futures if f.exception() is not None]
+        if failures:
+            first = next((e for e in failures if isinstance(e, ChildRejected)), failures[0])
+            others = [_one_line(e) for e in failures if e is not first]
+            if others:
+                log.warning("%d more child writes of the same wave failed: %s", len(others),
+                            "; ".join(others[:5]) + ("; ..." if len(others) > 5 else ""))
+            raise first
         return [future.result() for future in futures]
 
     def _patch_for(self, kind: Kind, pipeline: Pipeline, desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:

@@ -124,3 +124,24 @@ def test_running_operator_reports_a_422_once_with_bounded_calls(kube, start_oper
     condition = ready(kube)
     assert f"Deployment {workload('thinker')}" in condition["message"] and "is invalid" in condition["message"]
     assert status(kube)["observedGeneration"] == 1
+
+
+def test_a_refusal_is_reported_before_a_transient_error_of_the_same_wave(kube, reconciler, emulator):
+    """The ConfigMaps' creates fail for now (503) and the Services' are refused (422), in
+    one wave: the refusal is what the reconcile reports (recorded for the generation, not
+    asked again), not the transient error that came first in rendered order."""
+    def refuse(call: ApiCall) -> tuple[int, str] | None:
+        if call.verb == "create" and call.resource == "configmaps":
+            return 503, "the server is busy"
+        if call.verb == "create" and call.resource == "services":
+            return 422, 'Service "tiny-thinker" is invalid: spec.ports[0].port: Invalid value'
+        return None
+
+    emulator.emulator.refuse = refuse
+    create_pipeline(kube, pipeline_body())
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.result == "rejected"
+    assert "create Service" in ready(kube)["message"] and "(422)" in ready(kube)["message"]
+    services = sum(1 for c in emulator.calls() if c.verb == "create" and c.resource == "services")
+    assert reconciler.reconcile(NAMESPACE, "tiny").result == "rejected"
+    assert sum(1 for c in emulator.calls() if c.verb == "create" and c.resource == "services") == services

@@ -279,6 +279,7 @@ def test_a_first_reconcile_lists_nothing_and_a_half_done_one_is_finished(kube, e
     monkeypatch.setattr(broken.kube, "create", create_then_stop)
     with pytest.raises(RuntimeError):
         broken.reconcile(NAMESPACE, "tiny")
+    broken.close()
     broken.kube.close()
     assert not [c for c in emulator.calls()[calls:] if c.verb == "list"]
     kube.patch(CONFIGMAP, NAMESPACE, workload("thinker"), {"data": {"stage.yaml": "edited meanwhile"}})

@@ -252,17 +252,22 @@ def test_an_agent_with_its_progress_thread_sleeps_while_idle():
         agent.close()
 
 
-def test_a_nixl_whose_progress_thread_cannot_be_tamed_gets_none(monkeypatch, caplog):
-    """A NIXL wrapper without the native constructor this module wraps (another release):
-    the agent gets no progress thread (it would spin a core) and says so; its owner
-    progresses it, as the sender does for such an agent."""
+@pytest.mark.parametrize("release", ["no bindings", "bindings it does not call"])
+def test_a_nixl_whose_progress_thread_cannot_be_tamed_gets_none(monkeypatch, caplog, release):
+    """A NIXL wrapper without the native constructor this module wraps, or one that makes
+    its agent without calling it (other releases): the agent gets no progress thread (it
+    would spin a core; one made spinning is dropped) and says so; its owner progresses it,
+    as the sender does for such an agent."""
     import types
 
     from omni_runtime.kv.transport import nixl_agent
 
     real = nixl_agent._nixl_api()
     other = types.SimpleNamespace(nixl_agent=real.nixl_agent, nixl_agent_config=real.nixl_agent_config,
-                                  __name__="nixl-without-bindings")
+                                  __name__=f"nixl-with-{release}")
+    if release == "bindings it does not call":  # the real wrapper calls the real module's
+        other.nixlBind = types.SimpleNamespace(nixlAgent=real.nixlBind.nixlAgent,
+                                               nixlAgentConfig=real.nixlBind.nixlAgentConfig)
     monkeypatch.setattr(nixl_agent, "_nixl_api", lambda: other)
     before = set(os.listdir("/proc/self/task"))
     agent = KVAgent("omni-test-untamed", progress_thread=True)

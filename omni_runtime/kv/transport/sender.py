@@ -23,8 +23,10 @@ here before the blocks can be written again; the read was complete before ``read
 sent. So a committed read read blocks that were held, unchanged, for all of it.
 
 Threads: the caller's API may be called from any thread. Only the I/O thread touches the
-DEALER sockets and the NIXL agent (it progresses the agent while transfers are in flight:
-UCX's TCP transport serves remote reads only then). submit() hands it work through a deque
+DEALER sockets and the NIXL agent. UCX's TCP transport serves remote reads only while the
+agent makes progress: NIXL's own thread makes it for an agent that has one (the AR's,
+``KVAgent(progress_thread=True)``); for one without, the I/O thread does, every
+``PROGRESS_MS`` while transfers are in flight. submit() hands it work through a deque
 and wakes it over an inproc PAIR whose two ends are connected before the thread starts, so no
 wake-up is lost, whatever the threads' start order.
 """

@@ -357,12 +357,21 @@ class TransfersVerdict:
 
 
 def _fmt_age(seconds: float) -> str:
+    """An age for a message or a table. The verdict's messages pass rounded ages
+    (``round_age``, ``_about``) so that, like the status fields, they change only when an age
+    crosses a step: a pipeline stuck for an hour is not re-written at every resync."""
     seconds = int(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
+
+
+def _about(interval: float) -> float:
+    """The interval between two readings for a message: to the nearest 10 s from 30 s up, so
+    that a resync timer's jitter does not change the message."""
+    return round(interval / 10) * 10 if interval >= 30 else round(interval)
 
 
 def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
@@ -397,7 +406,8 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
             edges = [e["toStage"] for e in h.edges if e["stuck"]]
             where = f" toward {', '.join(edges)}" if edges else ""
             stuck.append(f"stage {stage.name}: {h.stuck_pods} of {h.pods} pods hold a transfer active for "
-                         f"{_fmt_age(h.oldest_active_age)}{where} (threshold {stuck_seconds}s)")
+                         f"over {_fmt_age(round_age(h.oldest_active_age))}{where} "
+                         f"(threshold {stuck_seconds}s)")
         bad = h.failed + h.expired
         if bad and h.resolved and bad / h.resolved > failing_ratio:
             share = bad / h.resolved
@@ -406,7 +416,7 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
                      for e in h.edges if e["failed"] or e["expired"]]
             where = f"; by edge: {', '.join(edges)}" if edges else ""
             failing.append(f"stage {stage.name}: {bad} of {h.resolved} transfers resolved in the last "
-                           f"{_fmt_age(reading.interval)} failed or expired ({h.failed} failed, "
+                           f"{_fmt_age(_about(reading.interval))} failed or expired ({h.failed} failed, "
                            f"{h.expired} expired){where}")
     for stage in pipeline.stages:
         h = healths[stage.name]

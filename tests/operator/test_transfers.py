@@ -227,6 +227,30 @@ def test_ages_are_rounded_so_that_a_resync_writes_nothing_new():
         "oldestHeldSeconds": 120, "failed": 0, "expired": 0}
 
 
+def test_a_stuck_or_failing_pipeline_is_not_rewritten_at_every_resync():
+    """The condition's message carries ages too: rounded like the fields, a transfer stuck for
+    6m40s and, one resync later, 7m40s says the same ("over 5m00s"); so does the interval of a
+    failing pipeline whose resync timer jitters."""
+    p = pipeline(stuck_seconds=300)
+    pages = healthy_pages(p)
+    pages["thinker"] = {"thinker-0": ar_page(active=1, oldest_active=NOW - 400)}
+    first = compute_status(p, {}, None, T0, transfers_verdict(p, reading(pages)))
+    cond = next(c for c in first["conditions"] if c["type"] == "TransfersHealthy")
+    assert cond["reason"] == "TransferStuck" and "over 5m00s" in cond["message"], cond
+    later = compute_status(p, {}, first, T0, transfers_verdict(p, reading(pages, pages, read_at=NOW + 60)))
+    assert status_patch(first, later) == {}
+    # Crossing a step (10 minutes) is news.
+    much_later = compute_status(p, {}, later, T0,
+                                transfers_verdict(p, reading(pages, pages, read_at=NOW + 240)))
+    assert "over 10m00s" in next(c for c in status_patch(later, much_later)["conditions"]
+                                 if c["type"] == "TransfersHealthy")["message"]
+
+    before = {"thinker": {"thinker-0": ar_page(resolved={"acked": 100, "failed": 0})}}
+    now = {"thinker": {"thinker-0": ar_page(resolved={"acked": 150, "failed": 50})}}
+    messages = {transfers_verdict(p, reading(now, before, interval=i)).message for i in (59.6, 60.0, 61.8)}
+    assert len(messages) == 1 and "in the last 1m00s" in messages.pop()
+
+
 def test_status_carries_the_verdict_and_keeps_it_between_readings():
     p = pipeline()
     pages = healthy_pages(p)

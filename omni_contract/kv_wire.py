@@ -9,4 +9,4 @@ new format rolls out as a new revision whose senders only ever reach receivers o
 revision. This is that version, for the operator; a test keeps it equal to the runtime's.
 """
 
-KV_WIRE_VERSION = 2
+KV_WIRE_VERSION = 3

@@ -24,13 +24,17 @@ CONNECTOR_MODULE = "omni_runtime.kv.connector"
 
 
 def kv_transfer_config(endpoints: Mapping[str, str], pipeline: str = "",
-                       io_cpus: str | list[int] | None = None) -> dict[str, Any]:
+                       io_cpus: str | list[int] | None = None,
+                       revision: str | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` mapping that loads the omni KV connector, shipping to
     ``endpoints`` ({downstream stage: ZeroMQ address}); ``io_cpus``: the transport threads'
-    CPUs (omni_runtime/kv/cpu_affinity.py; absent: "auto")."""
+    CPUs (omni_runtime/kv/cpu_affinity.py; absent: "auto"); ``revision``: the pipeline
+    revision its hello names (protocol.Compat; receivers of another revision refuse it)."""
     extra: dict[str, Any] = {"endpoints": dict(endpoints), "pipeline": pipeline}
     if io_cpus is not None:
         extra["io_cpus"] = io_cpus
+    if revision:
+        extra["revision"] = revision
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,

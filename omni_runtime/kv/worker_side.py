@@ -58,6 +58,7 @@ class OmniKVConnectorWorker:
                 "the omni KV connector has no downstream endpoint: set "
                 "kv_transfer_config.kv_connector_extra_config.endpoints ({stage: address})")
         self._pipeline = str(extra.get("pipeline", ""))
+        self._revision = str(extra.get("revision") or "")
         self._io_cpus = transport_cpus(extra.get("io_cpus"))
         self.shard, self.num_shards = tensor_parallel_shard(vllm_config)
         self._kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
@@ -125,7 +126,8 @@ class OmniKVConnectorWorker:
             model=str(model_config.served_model_name or model_config.model),
             dtype=fmt.dtype, num_layers=len(caches),
             num_kv_heads=model_config.get_total_num_kv_heads(),
-            head_size=fmt.head_size, block_size=block_size, layout=fmt.digest())
+            head_size=fmt.head_size, block_size=block_size, layout=fmt.digest(),
+            revision=self._revision)
         hello = Hello(
             agent=name, conn=0, pipeline=self._pipeline, from_stage=self._kv_cfg.stage_name,
             to_stage="", shard=self.shard, num_shards=self.num_shards, mem_type=mem_type,

@@ -140,6 +140,7 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
         connector = kv_transfer_config(
             {d.stage: d.zmq_address for d in config.downstream}, config.pipeline,
             list(io_cpus) if isinstance(io_cpus, tuple) else io_cpus,
+            revision=config.revision,
         )
         if user is not None:
             try:

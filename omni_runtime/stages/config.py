@@ -59,6 +59,10 @@ class StageConfig:
     inputs: tuple[str, ...] = ()
     http_port: int = DEFAULT_HTTP_PORT
     kv_port: int = DEFAULT_KV_PORT
+    #: The pipeline revision (the operator's hash of what the stages must agree on): an AR
+    #: stage names it in its KV hello, a receiving stage refuses senders of another one.
+    #: None when the config has none (a hand-written one): nothing is checked.
+    revision: str | None = None
     #: AR stages only (vLLM's --otlp-traces-endpoint); a receiving stage's span exports
     #: follow the standard OTEL_* variables the operator sets.
     otlp_endpoint: str | None = None
@@ -167,6 +171,7 @@ def parse_stage_config(raw: Any) -> StageConfig:
         http_port=_port(ports, "http", DEFAULT_HTTP_PORT),
         kv_port=_port(ports, "kv", DEFAULT_KV_PORT),
         otlp_endpoint=_optional_str(tracing, "otlpEndpoint", "observability.tracing."),
+        revision=_optional_str(raw, "revision", ""),
     )
     if config.is_ar:
         # Fail here, naming the stage config's keys, rather than deep in vLLM's start-up.

@@ -15,7 +15,8 @@ HTTP (the stage's ``http`` port):
 
 KV (the stage's ``kv`` port): the control channel of the KV receiver, which reads each
 transfer's blocks with NIXL straight out of the AR's KV cache (docs/connector.md). It
-expects the pipeline's model: an AR stage of another model is refused at its hello.
+expects the pipeline's model and revision: an AR stage of another model or revision is refused
+at its hello.
 A real generation stage (a diffusion model or a talker) reads the inbox in-process with
 ``KVInbox.get``; this stage is what the CPU demo and the tests run.
 """
@@ -54,7 +55,9 @@ class ReceiverStage:
             stage=config.stage,
             metrics=ReceiverMetrics(stage=config.stage, model_name=config.model_name,
                                     from_stages=config.inputs),
-            expect={"model": config.model_name},
+            # A sender of another model or pipeline revision is refused at its hello
+            # (``incompatible``, counted): None (no revision in the config) checks nothing.
+            expect={"model": config.model_name, "revision": config.revision},
         )
         self._stopping = threading.Event()
         self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())

@@ -42,7 +42,7 @@ with atheris.instrument_imports(include=["omni_runtime.kv.transport"]):
     import zmq
 
     from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVReceiver
-    from omni_runtime.kv.transport.protocol import encode_hello, encode_verdict, Verdict
+    from omni_runtime.kv.transport.protocol import WIRE_VERSION, encode_hello, encode_verdict, Verdict
 
 from transport_fixtures import MODEL, SyntheticAR, read_body  # noqa: E402
 
@@ -160,7 +160,7 @@ class Harness:
         kind, frames, commit = self.message(data)
         self.send(frames)
         marker = f"marker-{self.count}"
-        self.send([json.dumps({"v": 2, "type": marker}).encode()])
+        self.send([json.dumps({"v": WIRE_VERSION, "type": marker}).encode()])
         replies = []
         while True:  # the message's own replies come before the marker's
             reply = self.reply()
@@ -209,7 +209,7 @@ def write_seeds(directory: Path) -> None:
             (directory / f"{kind}-field-{field_no}").write_bytes(
                 bytes([0x80 | i, field_no, 4]) + b"abcd")
     (directory / "read-abort").write_bytes(bytes([0xB1, 0]))
-    (directory / "raw-json").write_bytes(bytes([1]) + b'{"v": 2, "type": "read"}')
+    (directory / "raw-json").write_bytes(bytes([1]) + b'{"v": 3, "type": "read"}')
 
 
 def main() -> None:

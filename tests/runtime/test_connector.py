@@ -35,11 +35,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry
 
 from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVReceiver
-from omni_runtime.kv.transport.protocol import MAX_MESSAGE_BYTES, encode_hello
+from omni_runtime.kv.transport.protocol import MAX_MESSAGE_BYTES, WIRE_VERSION, encode_hello
 from omni_runtime.kv.transport.nixl_agent import IN_PROGRESS
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 
 from transport_fixtures import (  # noqa: F401 (fixtures)
+    MODEL,
     REPO,
     STAGE,
     WAIT,
@@ -366,6 +367,25 @@ def test_an_ar_of_another_model_is_refused_incompatible_and_every_offer_fails(
     assert posts == [] and len(receiver.inbox) == 0 and receiver.known_agents == []
 
 
+def test_an_ar_of_another_pipeline_revision_is_refused_incompatible(make_receiver, make_ar,
+                                                                   make_sender, registry):
+    """A rollout's old sender that reaches a receiver of the new revision (a Service misrouted,
+    a stale endpoint) fails loudly at its hello: nothing is read or stored. A sender of the
+    receiver's own revision is served."""
+    receiver = make_receiver(expect={"model": MODEL, "revision": "5c0ffee"})
+    old = make_ar(revision="0ld0ld")
+    sender = make_sender(old, {STAGE: receiver.endpoint})
+    sender.submit(old.offer("a", [1], 2))
+    why = collect(sender, 1)[1]["a"]
+    assert why.startswith("stage talker refused this sender: incompatible: ")
+    assert "revision is '0ld0ld', this stage expects '5c0ffee'" in why
+    assert rejected_counts(registry) == {"incompatible": 1} and len(receiver.inbox) == 0
+    same = make_ar(revision="5c0ffee")
+    sender = make_sender(same, {STAGE: receiver.endpoint})
+    sender.submit(same.offer("b", [1], 2))
+    assert collect(sender, 1)[0] == ["b"] and len(receiver.inbox) == 1
+
+
 def test_a_hello_whose_hash_does_not_match_its_fields_is_refused(receiver, ar, make_sender,
                                                                  registry):
     forged = dataclasses.replace(ar.hello, compat_hash="0" * 32)
@@ -616,8 +636,8 @@ def bad_messages(ar, stranger) -> list[tuple[str, list[bytes], str]]:
         ("a JSON list", [b"[1, 2]"], "malformed"),
         ("an old version", _msg({"v": 1, "type": "read"}), "unsupported_version"),
         ("no version", _msg({"type": "read"}), "unsupported_version"),
-        ("no type", _msg({"v": 2}), "malformed"),
-        ("an unknown type", _msg({"v": 2, "type": "push"}), "malformed"),
+        ("no type", _msg({"v": WIRE_VERSION}), "malformed"),
+        ("an unknown type", _msg({"v": WIRE_VERSION, "type": "push"}), "malformed"),
         ("a message over 4 MiB", [b" " * (MAX_MESSAGE_BYTES + 1)], "malformed"),
         ("a hello without metadata", _msg(hello), "bad_frames"),
         ("a hello with empty metadata", _msg(hello, b""), "malformed"),
@@ -659,9 +679,9 @@ def bad_messages(ar, stranger) -> list[tuple[str, list[bytes], str]]:
         ("a trace context of non-strings", read(trace_context={"traceparent": 5}), "malformed"),
         ("a trace context that is a list", read(trace_context=["00-x"]), "malformed"),
         ("an external request id that is no string", read(external_request_id=5), "malformed"),
-        ("a verdict without commit", _msg({"v": 2, "type": "verdict", "agent": ar.name,
+        ("a verdict without commit", _msg({"v": WIRE_VERSION, "type": "verdict", "agent": ar.name,
                                            "transfer_id": 1}), "malformed"),
-        ("a verdict with two frames", _msg({"v": 2, "type": "verdict", "agent": ar.name,
+        ("a verdict with two frames", _msg({"v": WIRE_VERSION, "type": "verdict", "agent": ar.name,
                                             "transfer_id": 1, "commit": True}, b"x"),
          "bad_frames"),
     ]
@@ -717,12 +737,12 @@ def test_a_raw_peer_speaking_for_an_agent_gets_the_exact_blocks(receiver, ar, zc
     """The protocol by hand: hello, read, read_done, verdict commit, ok; an aborted read
     of the same blocks is answered and stores nothing."""
     dealer = RawDealer(zctx, receiver.endpoint, ar)
-    assert dealer.hello(ar) == {"v": 2, "type": "hello_ok", "transfer_id": None,
+    assert dealer.hello(ar) == {"v": WIRE_VERSION, "type": "hello_ok", "transfer_id": None,
                                 "request_id": None, "conn": 0, "code": "", "reason": ""}
     dealer.read(ar, 5, "raw", [3, 4], 7)
     assert dealer.reply()["type"] == "read_done"
     dealer.verdict(ar, 5)
-    assert dealer.reply() == {"v": 2, "type": "ok", "transfer_id": 5, "request_id": "raw",
+    assert dealer.reply() == {"v": WIRE_VERSION, "type": "ok", "transfer_id": 5, "request_id": "raw",
                               "conn": None, "code": "", "reason": ""}
     assert np.array_equal(receiver.inbox.get("raw").kv, ar.expected([3, 4], 7))
     dealer.read(ar, 6, "aborted", [3, 4], 7)
@@ -756,7 +776,7 @@ def exchange(dealer: RawDealer, frames: list[bytes], tag: int) -> list[dict]:
     frames' own (a verdict for nothing gets none). A read the receiver took on is answered
     after the marker: it gets its verdict (commit) and its final answer."""
     dealer.send(frames)
-    dealer.send(_msg({"v": 2, "type": f"marker-{tag}"}))
+    dealer.send(_msg({"v": WIRE_VERSION, "type": f"marker-{tag}"}))
     replies = []
     while True:
         reply = dealer.reply()
@@ -777,7 +797,7 @@ def exchange(dealer: RawDealer, frames: list[bytes], tag: int) -> list[dict]:
         mine.append(dealer.reply())
         replies.append(mine[-1])
     if mine[-1]["type"] == "read_done":
-        dealer.send(_msg({"v": 2, "type": "verdict", "agent": body["agent"],
+        dealer.send(_msg({"v": WIRE_VERSION, "type": "verdict", "agent": body["agent"],
                           "transfer_id": tid, "commit": True}))
         replies.append(dealer.reply())
         assert replies[-1]["transfer_id"] == tid, replies
@@ -799,7 +819,7 @@ def test_fuzz_control_messages_at_a_live_receiver(live, data):
             tid = data.draw(st.integers(1000, 1 << 30))
             frames = _msg(read_body(ar, tid, f"f{tid}", [1, 2], 7))
         else:
-            frames = _msg({"v": 2, "type": "verdict", "agent": ar.name, "transfer_id": 1,
+            frames = _msg({"v": WIRE_VERSION, "type": "verdict", "agent": ar.name, "transfer_id": 1,
                            "commit": True})
         body = json.loads(frames[0])
         changes = data.draw(st.dictionaries(st.sampled_from(sorted(body) + ["extra"]),

@@ -132,8 +132,8 @@ def test_verdicts_and_replies_round_trip_and_garbage_is_no_reply():
     ([b'{"v": 1, "type": "read"}'], "unsupported_version"),
     ([b'{"type": "read"}'], "unsupported_version"),
     ([b'{"v": true, "type": "read"}'], "unsupported_version"),
-    ([b'{"v": 2}'], "malformed"),
-    ([b'{"v": 2, "type": 5}'], "malformed"),
+    ([b'{"v": 3}'], "malformed"),
+    ([b'{"v": 3, "type": 5}'], "malformed"),
 ])
 def test_each_bad_envelope_is_rejected_with_its_code(frames, code):
     with pytest.raises(Rejected) as e:
@@ -259,9 +259,9 @@ def test_a_read_with_a_second_frame_is_refused():
     ({"agent": "a", "transfer_id": "1", "commit": True}, "malformed"),
 ])
 def test_each_bad_verdict_is_rejected(body, code):
-    r = rejected([json.dumps({"v": 2, "type": "verdict", **body}).encode()])
+    r = rejected([json.dumps({"v": WIRE_VERSION, "type": "verdict", **body}).encode()])
     assert r.code == code
-    r = rejected([json.dumps({"v": 2, "type": "verdict", "agent": "a", "transfer_id": 1,
+    r = rejected([json.dumps({"v": WIRE_VERSION, "type": "verdict", "agent": "a", "transfer_id": 1,
                               "commit": True}).encode(), b"x"])
     assert r.code == "bad_frames"
 
@@ -271,7 +271,7 @@ def test_every_compatibility_field_changes_the_hash():
     base = AR.compat
     variants = [dataclasses.replace(base, **{f.name: v}) for f, v in zip(
         dataclasses.fields(Compat),
-        ["other", "float16", 4, 3, 16, 8, "0" * 16, WIRE_VERSION + 1])]
+        ["other", "float16", 4, 3, 16, 8, "0" * 16, "rev2", WIRE_VERSION + 1])]
     hashes = {c.hash() for c in variants} | {base.hash()}
     assert len(hashes) == len(variants) + 1
     fmt = AR.fmt

@@ -283,3 +283,32 @@ def test_omni_stage_refuses_a_malformed_io_cpus_before_vllm_starts(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "kvTransfer.ioCpus: not a CPU list item: '2-x'" in proc.stderr
+
+
+def test_the_pipeline_revision_reaches_the_senders_hello_and_the_receivers_expectation():
+    """The operator's stage config names the pipeline revision: the AR stage's connector puts
+    it in its hello's compatibility fields, a receiving stage of that config refuses senders
+    of another revision (test_connector.py: the refusal itself). A config without one (written
+    by hand) checks nothing."""
+    from procs import free_port
+
+    from omni_runtime.stages.receiver import ReceiverStage
+
+    cfg = parse_stage_config({**BASE, "revision": "5c0ffee"})
+    argv = vllm_command(cfg, "0.0.0.0", python="python")
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["revision"] == "5c0ffee"
+    assert "revision" not in json.loads(vllm_command(parse_stage_config(BASE), "0.0.0.0", python="python")[
+        argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    for revision, expected in (("5c0ffee", "5c0ffee"), (None, None)):
+        raw = {**BASE, "role": "generation", "kvTransfer": {"send": False},
+               "ports": {"http": free_port(), "kv": free_port()}}
+        if revision:
+            raw["revision"] = revision
+        stage = ReceiverStage(parse_stage_config(raw), host="127.0.0.1")
+        try:
+            assert stage.receiver.expect == {"model": "Qwen/Qwen2.5-Omni-7B", "revision": expected}
+        finally:
+            stage._http.server_close()
+            stage.receiver.close()

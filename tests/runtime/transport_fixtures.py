@@ -44,6 +44,7 @@ from omni_runtime.kv.transport.protocol import (
     Hello,
     ReadRequest,
     Region,
+    WIRE_VERSION,
     Verdict,
     encode_hello,
     encode_read,
@@ -107,7 +108,7 @@ class SyntheticAR:
                  block_size: int = 4, head_size: int = 8, dtype: str = "float32",
                  layout: str = "cpu", shard: int = 0, num_shards: int = 1, model: str = MODEL,
                  pipeline: str = PIPELINE, stage: str = "ar", seed: int = 0,
-                 agent: bool = True, name: str | None = None) -> None:
+                 agent: bool = True, name: str | None = None, revision: str = "") -> None:
         self.layers, self.blocks, self.heads = layers, blocks, heads
         self.block_size, self.head_size, self.dtype, self.layout = (block_size, head_size,
                                                                     dtype, layout)
@@ -139,7 +140,7 @@ class SyntheticAR:
                                v_index=v_index)
         self.compat = Compat(model=model, dtype=dtype, num_layers=L,
                              num_kv_heads=H * num_shards, head_size=D, block_size=B,
-                             layout=self.fmt.digest())
+                             layout=self.fmt.digest(), revision=revision)
         self.pipeline, self.stage = pipeline, stage
         self.name = name or f"{pipeline}.{stage}.tp{shard}.{uuid.uuid4().hex[:12]}"
         self.agent: KVAgent | None = None
@@ -475,7 +476,7 @@ class FakeReceiver:
         return False
 
     def send(self, identity: bytes, kind: str, msg: dict | None = None, **fields) -> None:
-        body = {"v": 2, "type": kind, "transfer_id": None, "request_id": None, "conn": None,
+        body = {"v": WIRE_VERSION, "type": kind, "transfer_id": None, "request_id": None, "conn": None,
                 "code": "", "reason": ""}
         if msg is not None:
             body["transfer_id"], body["request_id"] = msg["transfer_id"], msg["request_id"]

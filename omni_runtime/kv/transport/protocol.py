@@ -36,7 +36,8 @@ from typing import Any
 
 from omni_runtime.kv.transport.payload import DTYPES, MAX_SHARDS
 
-WIRE_VERSION = 2
+#: 3: the compatibility fields name the sender's pipeline revision (``Compat.revision``).
+WIRE_VERSION = 3
 #: A message's JSON frame; a hello with a full block index (a layout that is no affine map)
 #: is the largest: 2 x blocks' elements ints.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -141,8 +142,12 @@ class BlockFormat:
 @dataclass(frozen=True)
 class Compat:
     """What must match between the AR and the receiver for the bytes to mean what the
-    receiver thinks: the model, the cache's dtype and shape, the block format and the
-    protocol version. ``num_kv_heads`` is the whole model's (all shards)."""
+    receiver thinks: the model, the cache's dtype and shape, the block format, the pipeline
+    revision the sender belongs to and the protocol version. ``num_kv_heads`` is the whole
+    model's (all shards). ``revision``: the stage config's ``revision`` (the hash of everything
+    a pipeline's stages must agree on), "" for a sender outside an operator-made pipeline; a
+    receiving stage of a revision refuses a sender of another, so that a transfer misrouted
+    across a rollout fails loudly instead of delivering bytes its reader misreads."""
 
     model: str
     dtype: str
@@ -151,6 +156,7 @@ class Compat:
     head_size: int
     block_size: int
     layout: str  # BlockFormat.digest()
+    revision: str = ""
     wire_version: int = WIRE_VERSION
 
     def hash(self) -> str:
@@ -450,7 +456,7 @@ def _parse_compat(f: _Fields) -> Compat:
         model=f.str("model", max_chars=4096), dtype=_dtype(f), num_layers=f.int("num_layers", 1, MAX_LAYERS),
         num_kv_heads=f.int("num_kv_heads", 1, 1 << 16), head_size=f.int("head_size", 1, 1 << 16),
         block_size=f.int("block_size", 1, 1 << 20), layout=f.str("layout", empty=False),
-        wire_version=f.int("wire_version", 0, 1 << 16),
+        revision=f.str("revision"), wire_version=f.int("wire_version", 0, 1 << 16),
     )
 
 

@@ -210,6 +210,17 @@ def kv_transfers(cfg: Config = Config()) -> dict[str, Any]:
                 width=8,
             ),
             Panel(
+                "KV blocks held per edge",
+                "KV blocks of finished requests kept allocated because the downstream stage "
+                "has not answered their transfer yet: the edge that holds memory names itself "
+                "(a transfer to two stages holds its blocks until both answered).",
+                [(
+                    f"sum by (pipeline, stage, to_stage) ({m.KV_EDGE_HELD_BLOCKS}{{{SEL}}})",
+                    by_edge,
+                )],
+                width=8,
+            ),
+            Panel(
                 "Received per upstream stage",
                 "Transfers a receiving stage answered per second, by the stage that sent "
                 "them (from_stage) and outcome.",

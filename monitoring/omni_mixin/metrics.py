@@ -19,6 +19,7 @@ KV_BYTES = "omni_kv_transfer_bytes"  # histogram (worker side)
 # stages resolves once in the families above and once per edge in these.
 KV_EDGE_ACTIVE = "omni_kv_edge_transfers_active"  # gauge, label to_stage
 KV_EDGE_OLDEST_START = "omni_kv_edge_oldest_active_start_timestamp_seconds"  # gauge, to_stage
+KV_EDGE_HELD_BLOCKS = "omni_kv_edge_held_blocks"  # gauge, to_stage: finished requests' blocks kept for it
 KV_EDGE_RESOLVED = "omni_kv_edge_transfers_resolved_total"  # counter, labels to_stage, outcome
 KV_EDGE_DURATION = "omni_kv_edge_transfer_duration_seconds"  # histogram, to_stage, outcome
 KV_EDGE_BYTES = "omni_kv_edge_transfer_bytes"  # histogram, to_stage

@@ -94,6 +94,9 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     def hold_on_finish(self, request_id: str) -> None:
         self.scheduler_half.hold_on_finish(request_id)
 
+    def held_on_finish(self, request_id: str, attempt: int, blocks: int) -> None:
+        self.scheduler_half.held_on_finish(request_id, attempt, blocks)
+
     def take_answers(self, output: Any) -> dict[str, Answer]:
         return self.scheduler_half.take_answers(output)
 
@@ -116,7 +119,8 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, OmniKVConnectorMetadata) and (
-                connector_metadata.hand_offs or connector_metadata.withdrawn):
+                connector_metadata.hand_offs or connector_metadata.withdrawn
+                or connector_metadata.held):
             self.worker_half.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -2,7 +2,9 @@
 
 * :class:`OmniKVConnectorMetadata` (scheduler half -> workers): the transfers handed off in
   this step and the ones the scheduler withdrew (it resolved them itself: their blocks may be
-  written again from this step on, so no read of them may be committed any more);
+  written again from this step on, so no read of them may be committed any more); for a stage
+  that fans out, the handed-off transfers whose request finished (held), for the per-edge
+  families its data path feeds;
 * :class:`OmniKVWorkerMetadata` (each worker -> scheduler half): that worker's answers, per
   tensor-parallel rank, folded together by vLLM's KVOutputAggregator;
 * :class:`ShardAnswers`: the scheduler half's view of the ranks' answers.
@@ -28,6 +30,10 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
     withdrawn: dict[str, int] = field(default_factory=dict)
     #: Nothing is scheduled in this step: the worker may wait briefly for answers.
     idle: bool = False
+    #: request id -> (attempt, KV blocks kept): handed-off transfers whose request finished
+    #: since the last step, its blocks held (a stage that fans out only: its workers' per-edge
+    #: families count them held on each edge until that edge answers).
+    held: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass

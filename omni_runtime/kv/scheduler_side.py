@@ -33,6 +33,9 @@ class OmniKVConnectorScheduler:
         self.shard_answers = ShardAnswers(world_size)
         self._stats = stats
         self._to_stage = to_stages[0] if len(to_stages) == 1 else OTHER_STAGE
+        #: A fan-out's held notices for the next step (metadata.held); None: one edge, whose
+        #: per-edge families the ledger feeds (edge_metrics.LedgerEdgeObserver).
+        self._held: dict[str, tuple[int, int]] | None = {} if len(to_stages) > 1 else None
         #: Handed off, not resolved: request id -> (attempt, when), for the stats' durations
         #: of transfers the scheduler resolves itself.
         self._in_flight: dict[str, tuple[int, float]] = {}
@@ -60,6 +63,12 @@ class OmniKVConnectorScheduler:
         """The next request_finished() of this request keeps its blocks (held)."""
         self._hold.add(request_id)
 
+    def held_on_finish(self, request_id: str, attempt: int, blocks: int) -> None:
+        """The request of a handed-off transfer finished, ``blocks`` KV blocks held until it
+        resolves: told to the workers of a fan-out (their per-edge families), else nothing."""
+        if self._held is not None:
+            self._held[request_id] = (attempt, blocks)
+
     def take_answers(self, output: Any) -> dict[str, Answer]:
         """The transfers the workers' answers of this step resolve; with tensor parallelism
         a transfer is acked once every rank's shard was (:class:`ShardAnswers`)."""
@@ -86,9 +95,13 @@ class OmniKVConnectorScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
         hand_offs, self._hand_offs = self._hand_offs, []
         withdrawn, self._withdrawn = self._withdrawn, {}
+        held = self._held
+        if held:
+            self._held = {}
         return OmniKVConnectorMetadata(
             hand_offs=hand_offs, withdrawn=withdrawn,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            held=held or {},
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:

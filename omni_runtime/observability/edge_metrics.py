@@ -11,10 +11,19 @@ family                                               type      labels (besides s
 ==================================================== ========= ===================================
 ``omni_kv_edge_transfers_active``                    gauge     to_stage
 ``omni_kv_edge_oldest_active_start_timestamp_seconds`` gauge   to_stage (0 when none)
+``omni_kv_edge_transfers_held``                      gauge     to_stage
+``omni_kv_edge_held_blocks``                         gauge     to_stage
+``omni_kv_edge_oldest_held_start_timestamp_seconds`` gauge     to_stage (0 when none)
 ``omni_kv_edge_transfers_resolved_total``            counter   to_stage, outcome
 ``omni_kv_edge_transfer_duration_seconds``           histogram to_stage, outcome
 ``omni_kv_edge_transfer_bytes``                      histogram to_stage
 ==================================================== ========= ===================================
+
+Held per edge: the active transfers toward ``to_stage`` whose request has finished, so that
+vLLM keeps all of its KV blocks until every edge has answered; an edge counts them (and their
+blocks) until it answers, so the edge that keeps a finished request's blocks allocated names
+itself. A transfer still pending (not handed off) is on no edge yet: ``pending`` stays a
+stage's figure (``omni_kv_transfers{state="pending"}``).
 
 ``outcome`` per edge is ``acked`` (this stage's receiver stored it), ``failed`` (it refused,
 was unreachable, or the send gave up) or ``expired`` (the transfer's deadline passed with this
@@ -26,7 +35,9 @@ Who feeds them (docs/metrics.md, "Per-edge families"):
   ``build_observers``): with one edge, the transfer's fate is the edge's; the data path adds
   only the bytes (:func:`edge_bytes_observer`);
 * a stage that fans out: the data path, through the :class:`EdgeMetrics` that
-  :func:`data_path_edge_metrics` gives it: :meth:`EdgeMetrics.started` when it takes a transfer,
+  :func:`data_path_edge_metrics` gives it: :meth:`EdgeMetrics.started` when it takes a transfer
+  (``held=`` when its request had already finished), :meth:`EdgeMetrics.held` when the request
+  of a transfer it has taken finishes (the scheduler says so in the next step's metadata),
   :meth:`EdgeMetrics.resolved` once per edge as that edge answers (or
   :meth:`EdgeMetrics.record` when it tracks the transfer itself), :meth:`EdgeMetrics.dropped`
   for an attempt superseded before its edges answered.
@@ -80,6 +91,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("omni_kv_edge_oldest_active_start_timestamp_seconds", "gauge", EDGE_LABELS,
            "Unix time at which the oldest transfer still unresolved toward to_stage was handed "
            "to the data path; 0 when none."),
+    Family("omni_kv_edge_transfers_held", "gauge", EDGE_LABELS,
+           "KV transfers unresolved toward to_stage whose request has finished: its KV blocks "
+           "stay allocated until every edge has answered."),
+    Family("omni_kv_edge_held_blocks", "gauge", EDGE_LABELS,
+           "KV blocks of finished requests kept allocated for transfers unresolved toward "
+           "to_stage."),
+    Family("omni_kv_edge_oldest_held_start_timestamp_seconds", "gauge", EDGE_LABELS,
+           "Unix time at which the request of the oldest transfer held for to_stage finished; "
+           "0 when none."),
     Family("omni_kv_edge_transfers_resolved_total", "counter", EDGE_LABELS + ("outcome",),
            "KV transfer edges resolved, by downstream stage and outcome."),
     Family("omni_kv_edge_transfer_duration_seconds", "histogram", EDGE_LABELS + ("outcome",),
@@ -99,6 +119,13 @@ class _Families:
                             EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
         name = "omni_kv_edge_oldest_active_start_timestamp_seconds"
         self.oldest = Gauge(name, f[name].help, EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
+        self.held = Gauge("omni_kv_edge_transfers_held", f["omni_kv_edge_transfers_held"].help,
+                          EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
+        self.held_blocks = Gauge("omni_kv_edge_held_blocks", f["omni_kv_edge_held_blocks"].help,
+                                 EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
+        name = "omni_kv_edge_oldest_held_start_timestamp_seconds"
+        self.oldest_held = Gauge(name, f[name].help, EDGE_LABELS, registry=r,
+                                 multiprocess_mode=GAUGE_MODE)
         # prometheus_client appends _total to counter names itself.
         self.resolved = Counter("omni_kv_edge_transfers_resolved",
                                 f["omni_kv_edge_transfers_resolved_total"].help,
@@ -111,7 +138,8 @@ class _Families:
 
     def unregister(self) -> None:
         if self.registry is not None:
-            for c in (self.active, self.oldest, self.resolved, self.duration, self.bytes):
+            for c in (self.active, self.oldest, self.held, self.held_blocks, self.oldest_held,
+                      self.resolved, self.duration, self.bytes):
                 self.registry.unregister(c)
 
 
@@ -137,9 +165,12 @@ def _families_for(registry: CollectorRegistry | None, buckets: tuple[float, ...]
 
 
 class _Edge:
-    """One downstream stage's bound children and its unresolved transfers."""
+    """One downstream stage's bound children and its unresolved transfers; ``held`` is the
+    part of ``inflight`` whose request has finished (every key of ``held`` is in
+    ``inflight``)."""
 
-    __slots__ = ("resolved", "duration", "bytes", "active", "oldest", "inflight", "ordered")
+    __slots__ = ("resolved", "duration", "bytes", "active", "oldest", "inflight", "ordered",
+                 "held", "held_count", "held_blocks", "oldest_held")
 
     def __init__(self, fams: _Families, base: tuple[str, str], to_stage: str) -> None:
         labels = (*base, to_stage)
@@ -151,8 +182,31 @@ class _Edge:
         #: transfer id -> (wall time, monotonic time) it started toward this edge, in start order.
         self.inflight: dict[Hashable, tuple[float, float]] = {}
         self.ordered = True  # inflight's first entry is its oldest
+        #: transfer id -> (wall time its request finished, KV blocks it keeps allocated).
+        self.held: dict[Hashable, tuple[float, int]] = {}
+        self.held_count = _Latest(fams.held.labels(*labels))
+        self.held_blocks = _Latest(fams.held_blocks.labels(*labels))
+        self.oldest_held = _Latest(fams.oldest_held.labels(*labels))
+
+    def forget(self, transfer_id: Hashable) -> tuple[float, float] | None:
+        """Drop ``transfer_id`` from the edge (resolved or dropped): when it was in flight."""
+        begun = self.inflight.pop(transfer_id, None)
+        if begun is not None and self.held:
+            self.held.pop(transfer_id, None)
+        return begun
+
+    def refresh_held(self) -> None:
+        held = self.held
+        self.held_count.set(len(held))
+        if held:
+            self.held_blocks.set(sum(v[1] for v in held.values()))
+            self.oldest_held.set(min(v[0] for v in held.values()))
+        else:
+            self.held_blocks.set(0)
+            self.oldest_held.set(0.0)
 
     def refresh(self) -> None:
+        self.refresh_held()
         self.active.set(len(self.inflight))
         if not self.inflight:
             self.oldest.set(0.0)
@@ -196,11 +250,13 @@ class EdgeMetrics:
 
     # ------------------------------------------------------------------ the data path's calls
     def started(self, transfer_id: Hashable, to_stages: Iterable[str] | None = None,
-                *, at: float | None = None) -> None:
+                *, at: float | None = None, held: tuple[float, int] | None = None) -> None:
         """The data path took a transfer (one attempt) and will send it to ``to_stages`` (every
         downstream stage by default): each such edge counts it active from now (or from the
         wall time ``at``) until :meth:`resolved` or :meth:`dropped`. ``transfer_id`` is any
-        hashable key of the attempt, e.g. ``(request_id, attempt)``; it never becomes a label."""
+        hashable key of the attempt, e.g. ``(request_id, attempt)``; it never becomes a label.
+        ``held``: (wall time, KV blocks) when its request had already finished (see
+        :meth:`held`)."""
         now = self._clock()
         wall = now if at is None else at
         mono = self._monotonic() - max(0.0, now - wall)
@@ -212,7 +268,20 @@ class EdgeMetrics:
                 if edge.inflight and edge.ordered and wall < next(reversed(edge.inflight.values()))[0]:
                     edge.ordered = False
                 edge.inflight[transfer_id] = (wall, mono)
+                if held is not None:
+                    edge.held[transfer_id] = held
                 edge.refresh()
+
+    def held(self, transfer_id: Hashable, blocks: int, *, at: float | None = None) -> None:
+        """The request of ``transfer_id`` finished (at wall time ``at``, default now) while the
+        transfer was unresolved: vLLM keeps its ``blocks`` KV blocks until every edge has
+        answered. Each edge it is in flight toward counts it held until that edge resolves it."""
+        wall = self._clock() if at is None else at
+        with self._lock:
+            for edge in self._edges.values():
+                if transfer_id in edge.inflight and transfer_id not in edge.held:
+                    edge.held[transfer_id] = (wall, blocks)
+                    edge.refresh_held()
 
     def resolved(self, transfer_id: Hashable, to_stage: str, outcome: str, *,
                  nbytes: int | None = None, duration_s: float | None = None) -> None:
@@ -224,7 +293,7 @@ class EdgeMetrics:
             edge = self._edge(to_stage)
             if edge is None or not self._known_outcome(outcome):
                 return
-            begun = edge.inflight.pop(transfer_id, None)
+            begun = edge.forget(transfer_id)
             if begun is not None:
                 edge.refresh()
                 if duration_s is None:
@@ -236,7 +305,7 @@ class EdgeMetrics:
         superseded by a newer one, which :meth:`started` again)."""
         with self._lock:
             for edge in self._edges.values():
-                if edge.inflight.pop(transfer_id, None) is not None:
+                if edge.forget(transfer_id) is not None:
                     edge.refresh()
 
     def record(self, to_stage: str, outcome: str, duration_s: float | None,
@@ -268,6 +337,21 @@ class EdgeMetrics:
                 inflight[transfer_id] = (wall, mono_now - max(0.0, now - wall))
             edge.refresh()
 
+    def held_many(self, to_stage: str, held: Iterable[tuple[Hashable, float, int]]) -> None:
+        """:meth:`held` toward one edge for each ``(transfer_id, wall time, blocks)`` of
+        ``held``, with one write per gauge."""
+        with self._lock:
+            edge = self._edge(to_stage)
+            if edge is None:
+                return
+            changed = False
+            for transfer_id, wall, blocks in held:
+                if transfer_id in edge.inflight and transfer_id not in edge.held:
+                    edge.held[transfer_id] = (wall, blocks)
+                    changed = True
+            if changed:
+                edge.refresh_held()
+
     def resolved_many(self, to_stage: str,
                       resolved: Iterable[tuple[Hashable, str, float]]) -> None:
         """:meth:`resolved` toward one edge for each ``(transfer_id, outcome, duration_s)`` of
@@ -276,12 +360,12 @@ class EdgeMetrics:
             edge = self._edge(to_stage)
             if edge is None:
                 return
-            inflight = edge.inflight
+            forget = edge.forget
             durations: dict[str, list[float]] = {}
             for transfer_id, outcome, duration_s in resolved:
                 if not self._known_outcome(outcome):
                     continue
-                inflight.pop(transfer_id, None)
+                forget(transfer_id)
                 values = durations.get(outcome)
                 if values is None:
                     values = durations[outcome] = []
@@ -296,6 +380,11 @@ class EdgeMetrics:
         with self._lock:
             edge = self._edges.get(to_stage)
             return len(edge.inflight) if edge is not None else 0
+
+    def held_toward(self, to_stage: str) -> int:
+        with self._lock:
+            edge = self._edges.get(to_stage)
+            return len(edge.held) if edge is not None else 0
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -346,6 +435,15 @@ class LedgerEdgeObserver(TransferObserver):
             wall = ledger.wall_time
             self.edges.started_many(
                 self.to_stage, [(t.attempt, wall(t.handed_off_at)) for t in batch.handed_off])
+        if batch.held or (batch.handed_off and ledger.num_held):
+            # Held on the edge: handed off, and its request finished (before or after).
+            wall = ledger.wall_time
+            held = [(t.attempt, wall(t.held_since), t.held_blocks)
+                    for t in (*batch.held, *batch.handed_off)
+                    if t.held_since is not None and t.handed_off_at is not None
+                    and t.outcome is None]
+            if held:
+                self.edges.held_many(self.to_stage, held)
         if not batch.resolved:
             return
         resolved = []

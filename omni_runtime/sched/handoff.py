@@ -30,9 +30,14 @@ class HandOff:
     deadline_in_s: float
     #: The request's W3C trace headers, so the receiving stage's span joins its trace.
     trace_headers: Mapping[str, str] | None = None
+    #: When its request had already finished (held: vLLM keeps all its KV blocks until the
+    #: transfer resolves): (seconds since it finished, the blocks kept), for the per-edge
+    #: families the data path of a fan-out feeds; None while the request runs.
+    held: tuple[float, int] | None = None
 
     @classmethod
     def of(cls, transfer: Transfer) -> HandOff:
+        held_since = transfer.held_since
         return cls(
             request_id=transfer.request_id,
             attempt=transfer.attempt,
@@ -40,6 +45,8 @@ class HandOff:
             block_ids=tuple(transfer.block_ids),
             deadline_in_s=max(0.0, transfer.deadline - transfer.handed_off_at),
             trace_headers=dict(transfer.trace_headers) if transfer.trace_headers else None,
+            held=None if held_since is None else (
+                max(0.0, transfer.handed_off_at - held_since), transfer.held_blocks),
         )
 
 

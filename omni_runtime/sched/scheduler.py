@@ -226,9 +226,13 @@ class OmniKVTransferMixin:
         hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
         if pinned is not None and ledger.get(request_id) is None:
             self._unpin(request_id)  # cancelled just now
-        if hold and pinned is None and self._omni is not None:
-            # The interface's delayed free: vLLM keeps the blocks until we free them.
-            self._omni.hold_on_finish(request_id)
+        if hold and self._omni is not None:
+            if pinned is None:
+                # The interface's delayed free: vLLM keeps the blocks until we free them.
+                self._omni.hold_on_finish(request_id)
+            if transfer is not None and transfer.handed_off_at is not None:
+                # Held on its edges (a pending one says so when it is handed off: HandOff.held).
+                self._omni.held_on_finish(request_id, transfer.attempt, num_blocks)
 
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # See _bare_finish in __init__: vLLM's preparation would do nothing, so ask our

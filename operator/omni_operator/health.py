@@ -34,8 +34,7 @@ from .model import Pipeline
 from .transfers import (
     DEFAULT_FAILING_RATIO,
     REQUEST_FAMILIES,
-    EDGE_ACTIVE,
-    EDGE_OLDEST,
+    EDGE_GAUGES,
     EDGE_RESOLVED,
     FAMILIES,
     HELD_BLOCKS,
@@ -49,6 +48,8 @@ from .transfers import (
     Sample,
     StageReading,
     TransfersVerdict,
+    add_edge_value,
+    edge_samples,
     parse_metrics,
     pod_reading,
     transfers_verdict,
@@ -62,8 +63,7 @@ DEFAULT_CONCURRENCY = 32
 #: A /metrics page larger than this is cut (vLLM's own page is a few hundred KiB at most).
 MAX_PAGE_BYTES = 8 << 20
 #: Asked of the stage's /metrics (prometheus_client's exposition honours it; others ignore it).
-METRICS_QUERY = urllib.parse.urlencode([("name[]", f) for f in (
-    TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, EDGE_ACTIVE, EDGE_OLDEST, EDGE_RESOLVED, RECEIVED) + REQUEST_FAMILIES])
+METRICS_QUERY = urllib.parse.urlencode([("name[]", f) for f in FAMILIES + REQUEST_FAMILIES])
 POD_SELECTOR = f"app.kubernetes.io/managed-by={naming.MANAGER},{naming.PIPELINE_LABEL},{naming.STAGE_LABEL}"
 
 
@@ -183,7 +183,7 @@ class PodMetricsSource:
 class PrometheusSource:
     """Reads the same figures from Prometheus' query API (see the module docstring)."""
 
-    GAUGES = (TRANSFERS, HELD_BLOCKS, OLDEST, EDGE_ACTIVE, EDGE_OLDEST) + REQUEST_FAMILIES
+    GAUGES = (TRANSFERS, HELD_BLOCKS, OLDEST, *EDGE_GAUGES) + REQUEST_FAMILIES
 
     def __init__(self, url: str, *, window_seconds: float, timeout: float = 5.0,
                  clock: Callable[[], float] = time.time):
@@ -263,12 +263,8 @@ class PrometheusSource:
                 p["requests"] = (p["requests"] or 0.0) + v
             elif name == OLDEST and v > 0:
                 p["oldest"][m.get("state", "")] = min(p["oldest"].get(m.get("state", "")) or v, v)
-            elif name in (EDGE_ACTIVE, EDGE_OLDEST) and m.get("to_stage"):
-                edge = p["edges"].setdefault(m["to_stage"], {"active": 0.0, "oldest": 0.0, "increase": {}})
-                if name == EDGE_ACTIVE:
-                    edge["active"] += v
-                elif v > 0:
-                    edge["oldest"] = min(edge["oldest"] or v, v)
+            elif name in EDGE_GAUGES and m.get("to_stage"):
+                add_edge_value(p["edges"], name, m, v)
         for s in resolved:
             p = pod_of(s)
             if p is not None:
@@ -277,9 +273,8 @@ class PrometheusSource:
         for s in edge_resolved:
             p = pod_of(s)
             if p is not None and s["metric"].get("to_stage"):
-                edge = p["edges"].setdefault(s["metric"]["to_stage"], {"active": 0.0, "oldest": 0.0, "increase": {}})
-                o = s["metric"].get("outcome", "")
-                edge["increase"][o] = edge["increase"].get(o, 0.0) + value(s)
+                # Here "resolved" holds each outcome's increase over the window.
+                add_edge_value(p["edges"], EDGE_RESOLVED, s["metric"], value(s))
         for s in received:
             p = pod_of(s)
             if p is not None:
@@ -301,7 +296,8 @@ class PrometheusSource:
                 pod=pod, states=p["states"], held_blocks=p["held_blocks"], oldest=p["oldest"],
                 increase=p["increase"], received_increase=p["received"], sends=p["sends"], receives=p["receives"],
                 requests=p["requests"],
-                edges={n: EdgeReading(e["active"], e["oldest"], e["increase"]) for n, e in p["edges"].items()}))
+                edges={n: EdgeReading(e.active, e.oldest_active, e.resolved, e.held, e.held_blocks,
+                                      e.oldest_held) for n, e in edge_samples(p["edges"]).items()}))
         return {key: PipelineReading(
             read_at=read_at, interval=float(self.window),
             stages={s: StageReading(tuple(r), tuple(u)) for s, (r, u) in stages[key].items()})

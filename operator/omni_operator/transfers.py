@@ -6,7 +6,8 @@ pipeline run locally) read each stage pod's ``omni_kv_*`` families, from the pod
 
 - ``status.stages[].transfers``: pending, active, held, heldBlocks, the age of the oldest
   active and held transfer, failed and expired transfers over the last interval, and the same
-  per edge (``edges[]``, by ``toStage``) when the stage exports the per-edge families;
+  per edge (``edges[]``, by ``toStage``) when the stage exports the per-edge families (all but
+  pending: a pending transfer is on no edge yet);
 - the ``TransfersHealthy`` condition (``TransferStuck``, ``TransfersFailing``,
   ``MetricsUnavailable``) and the printer column's word (``ok``, ``stuck 2``, ...).
 
@@ -34,9 +35,13 @@ RESOLVED = "omni_kv_transfers_resolved_total"
 EDGE_ACTIVE = "omni_kv_edge_transfers_active"
 EDGE_OLDEST = "omni_kv_edge_oldest_active_start_timestamp_seconds"
 EDGE_RESOLVED = "omni_kv_edge_transfers_resolved_total"
+EDGE_HELD = "omni_kv_edge_transfers_held"
+EDGE_HELD_BLOCKS = "omni_kv_edge_held_blocks"
+EDGE_OLDEST_HELD = "omni_kv_edge_oldest_held_start_timestamp_seconds"
+EDGE_GAUGES = (EDGE_ACTIVE, EDGE_OLDEST, EDGE_HELD, EDGE_HELD_BLOCKS, EDGE_OLDEST_HELD)
 # ... and a receiving stage's (label from_stage).
 RECEIVED = "omni_kv_received_total"
-FAMILIES = (TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, EDGE_ACTIVE, EDGE_OLDEST, EDGE_RESOLVED, RECEIVED)
+FAMILIES = (TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, *EDGE_GAUGES, EDGE_RESOLVED, RECEIVED)
 # vLLM's own request gauges: whether a draining AR pod still runs requests (rollout.py).
 REQUESTS_RUNNING = "vllm:num_requests_running"
 REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -57,6 +62,9 @@ class EdgeSample:
     active: float = 0.0
     oldest_active: float = 0.0  # unix time; 0: none
     resolved: Mapping[str, float] = field(default_factory=dict)  # outcome -> counter total
+    held: float = 0.0
+    held_blocks: float = 0.0
+    oldest_held: float = 0.0  # unix time; 0: none
 
 
 @dataclass(frozen=True)
@@ -137,21 +145,39 @@ def parse_metrics(text: str) -> Sample:
             receives = True
             outcome = labels.get("outcome", "")
             received[outcome] = received.get(outcome, 0.0) + value
-        elif name in (EDGE_ACTIVE, EDGE_OLDEST, EDGE_RESOLVED) and labels.get("to_stage"):
-            edge = edges.setdefault(labels["to_stage"], {"active": 0.0, "oldest": 0.0, "resolved": {}})
-            if name == EDGE_ACTIVE:
-                edge["active"] += value
-            elif name == EDGE_OLDEST:
-                if value > 0:
-                    edge["oldest"] = min(edge["oldest"] or value, value)
-            else:
-                outcome = labels.get("outcome", "")
-                edge["resolved"][outcome] = edge["resolved"].get(outcome, 0.0) + value
+        elif (name in EDGE_GAUGES or name == EDGE_RESOLVED) and labels.get("to_stage"):
+            add_edge_value(edges, name, labels, value)
     return Sample(
         states=states, held_blocks=held_blocks, oldest=oldest, resolved=resolved, received=received,
-        edges={k: EdgeSample(v["active"], v["oldest"], v["resolved"]) for k, v in edges.items()},
+        edges=edge_samples(edges),
         sends=sends, receives=receives, requests=requests,
     )
+
+
+def add_edge_value(edges: dict[str, dict[str, Any]], name: str, labels: Mapping[str, str],
+                   value: float) -> None:
+    """One per-edge series' value into ``edges`` ({to_stage: figures}), as the pod's page or
+    Prometheus gives it: counts and blocks summed, the oldest timestamps' minimum (0: none)."""
+    edge = edges.setdefault(labels["to_stage"], {"active": 0.0, "oldest": 0.0, "resolved": {},
+                                                 "held": 0.0, "held_blocks": 0.0, "oldest_held": 0.0})
+    if name == EDGE_ACTIVE:
+        edge["active"] += value
+    elif name == EDGE_HELD:
+        edge["held"] += value
+    elif name == EDGE_HELD_BLOCKS:
+        edge["held_blocks"] += value
+    elif name in (EDGE_OLDEST, EDGE_OLDEST_HELD):
+        key = "oldest" if name == EDGE_OLDEST else "oldest_held"
+        if value > 0:
+            edge[key] = min(edge[key] or value, value)
+    else:
+        outcome = labels.get("outcome", "")
+        edge["resolved"][outcome] = edge["resolved"].get(outcome, 0.0) + value
+
+
+def edge_samples(edges: Mapping[str, Mapping[str, Any]]) -> dict[str, EdgeSample]:
+    return {k: EdgeSample(v["active"], v["oldest"], v["resolved"], v["held"], v["held_blocks"],
+                          v["oldest_held"]) for k, v in edges.items()}
 
 
 def increase(previous: float | None, current: float) -> float:
@@ -177,6 +203,9 @@ class EdgeReading:
     active: float = 0.0
     oldest_active: float = 0.0
     increase: Mapping[str, float] = field(default_factory=dict)  # outcome -> over the interval
+    held: float = 0.0
+    held_blocks: float = 0.0
+    oldest_held: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -200,7 +229,8 @@ def pod_reading(pod: str, previous: Sample | None, current: Sample) -> PodReadin
     for name, edge in current.edges.items():
         before = previous.edges.get(name) if previous is not None else None
         edges[name] = EdgeReading(edge.active, edge.oldest_active,
-                                  _increases(before.resolved if before is not None else None, edge.resolved))
+                                  _increases(before.resolved if before is not None else None, edge.resolved),
+                                  edge.held, edge.held_blocks, edge.oldest_held)
     return PodReading(
         pod=pod, states=dict(current.states), held_blocks=current.held_blocks, oldest=dict(current.oldest),
         increase=_increases(previous.resolved if previous is not None else None, current.resolved),
@@ -270,7 +300,8 @@ class StageHealth:
     expired: int
     resolved: int
     rejected: int
-    edges: tuple[dict[str, Any], ...]  # toStage, active, oldest active age, failed, expired, stuck
+    #: toStage, active, held, heldBlocks, oldest active and held ages, failed, expired, stuck
+    edges: tuple[dict[str, Any], ...]
 
 
 def stage_health(name: str, reading: StageReading, read_at: float, stuck_seconds: float,
@@ -289,7 +320,10 @@ def stage_health(name: str, reading: StageReading, read_at: float, stuck_seconds
         edges.append({
             "toStage": edge,
             "active": _count(sum(e.active for e in readings)),
+            "held": _count(sum(e.held for e in readings)),
+            "heldBlocks": _count(sum(e.held_blocks for e in readings)),
             "oldestActiveAge": oldest,
+            "oldestHeldAge": max((_age(read_at, e.oldest_held) for e in readings), default=0.0),
             "failed": _count(sum(e.increase.get("failed", 0.0) for e in readings)),
             "expired": _count(sum(e.increase.get("expired", 0.0) for e in readings)),
             "stuck": oldest > stuck_seconds,
@@ -330,8 +364,10 @@ def stage_transfers_status(health: StageHealth) -> dict[str, Any]:
         })
         if health.edges:
             out["edges"] = [{
-                "toStage": e["toStage"], "active": e["active"],
+                "toStage": e["toStage"], "active": e["active"], "held": e["held"],
+                "heldBlocks": e["heldBlocks"],
                 "oldestActiveSeconds": round_age(e["oldestActiveAge"]),
+                "oldestHeldSeconds": round_age(e["oldestHeldAge"]),
                 "failed": e["failed"], "expired": e["expired"],
             } for e in health.edges]
     if health.rejected:
@@ -464,8 +500,9 @@ def render_table(pipeline: Pipeline, verdict: TransfersVerdict) -> str:
                      _fmt_age(t["oldestActiveSeconds"]), _fmt_age(t["oldestHeldSeconds"]),
                      str(t["failed"]), str(t["expired"])))
         for edge in t.get("edges", []):
-            rows.append((f"  -> {edge['toStage']}", "", "", str(edge["active"]), "", "",
-                         _fmt_age(edge["oldestActiveSeconds"]), "", str(edge["failed"]), str(edge["expired"])))
+            rows.append((f"  -> {edge['toStage']}", "", "", str(edge["active"]), str(edge.get("held", 0)),
+                         str(edge.get("heldBlocks", 0)), _fmt_age(edge["oldestActiveSeconds"]),
+                         _fmt_age(edge.get("oldestHeldSeconds", 0)), str(edge["failed"]), str(edge["expired"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     head = f"pipeline {pipeline.name}: transfers {verdict.summary} ({verdict.reason}: {verdict.message})"

@@ -27,7 +27,8 @@ def ar_page(stage: str = "thinker", *, pending: int = 0, active: int = 0, held: 
             oldest_active: float = 0.0, oldest_held: float = 0.0, resolved: Mapping[str, float] | None = None,
             edges: Mapping[str, Mapping[str, float]] | None = None, vllm_lines: int = 0,
             model: str = "tiny") -> str:
-    """A sending stage's page. ``edges``: to_stage -> {"active", "oldest", outcome: total}."""
+    """A sending stage's page. ``edges``: to_stage -> {"active", "oldest", "held",
+    "held_blocks", "oldest_held", outcome: total}."""
     base = {"stage": stage, "model_name": model}
     lines = []
     for i in range(vllm_lines):  # vLLM's own families come first on a real page
@@ -49,6 +50,12 @@ def ar_page(stage: str = "thinker", *, pending: int = 0, active: int = 0, held: 
                      f"{float(edge.get('active', 0))}")
         lines.append(f"omni_kv_edge_oldest_active_start_timestamp_seconds{{{_labels(**base, to_stage=to_stage)}}} "
                      f"{float(edge.get('oldest', 0.0))!r}")
+        lines.append(f"omni_kv_edge_transfers_held{{{_labels(**base, to_stage=to_stage)}}} "
+                     f"{float(edge.get('held', 0))}")
+        lines.append(f"omni_kv_edge_held_blocks{{{_labels(**base, to_stage=to_stage)}}} "
+                     f"{float(edge.get('held_blocks', 0))}")
+        lines.append(f"omni_kv_edge_oldest_held_start_timestamp_seconds{{{_labels(**base, to_stage=to_stage)}}} "
+                     f"{float(edge.get('oldest_held', 0.0))!r}")
         for outcome in ("acked", "failed", "expired"):
             lines.append(f"omni_kv_edge_transfers_resolved_total{{{_labels(**base, to_stage=to_stage, outcome=outcome)}}}"
                          f" {float(edge.get(outcome, 0))}")

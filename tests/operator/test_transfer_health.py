@@ -254,9 +254,15 @@ def test_the_prometheus_reader_against_a_real_prometheus(tmp_path, pages):
 
     try:
         wait_until(lambda: verdict().summary == "ok", 30, "both stages scraped")
-        thinker.page = ar_page(active=1, oldest_active=time.time() - 500, resolved={"acked": 100})
+        began = time.time() - 500
+        thinker.page = ar_page(active=1, oldest_active=began, resolved={"acked": 100}, held=1, held_blocks=4,
+                               oldest_held=began, edges={"talker": {"active": 1, "oldest": began, "held": 1,
+                                                                    "held_blocks": 4, "oldest_held": began}})
         stuck = wait_until(lambda: (lambda v: v if v.summary == "stuck 1" else None)(verdict()), 30, "stuck")
         assert stuck.stages["thinker"]["oldestActiveSeconds"] == 300 and "stage thinker" in stuck.message
+        assert stuck.stages["thinker"]["edges"] == [{
+            "toStage": "talker", "active": 1, "held": 1, "heldBlocks": 4, "oldestActiveSeconds": 300,
+            "oldestHeldSeconds": 300, "failed": 0, "expired": 0}]
         thinker.page = ar_page(resolved={"acked": 110, "failed": 10})
         failing = wait_until(lambda: (lambda v: v if v.reason == "TransfersFailing" else None)(verdict()), 30,
                              "failing")

@@ -137,6 +137,9 @@ def test_stuck_transfer_is_seen_reported_once_and_recovers(stages, prometheus, k
     assert ar_status["transfers"]["oldestActiveSeconds"] >= STUCK_SECONDS
     (edge,) = ar_status["transfers"]["edges"]
     assert edge["toStage"] == "receiver" and edge["active"] == 1
+    # The request has finished: its blocks are held, for the one edge that has not answered.
+    assert ar_status["transfers"]["held"] == edge["held"] == 1
+    assert ar_status["transfers"]["heldBlocks"] == edge["heldBlocks"] > 0
     (warning,) = events(kube, "TransferStuck")
     assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == PIPELINE
     # Several resync rounds later, still one event.
@@ -161,7 +164,8 @@ def test_stuck_transfer_is_seen_reported_once_and_recovers(stages, prometheus, k
     assert "transfers stuck 1 (TransferStuck" in table
     rows = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip()}
     assert rows["ar"][1:4] == ["1", "0", "1"]  # pods, pending, active
-    assert rows["->"][1:3] == ["receiver", "1"]  # the edge toward the receiver: 1 active
+    # The edge toward the receiver: 1 active, 1 held with the stage's held blocks.
+    assert rows["->"][1:5] == ["receiver", "1", "1", rows["ar"][5]], table
 
     # Prometheus-backed: the same verdict from a real Prometheus scraping the stages.
     verdict = wait_for(lambda: (lambda v: v if v.reason == "TransferStuck" else None)(prometheus_verdict(prometheus.url)),

@@ -188,17 +188,22 @@ def test_a_fan_out_pipeline_with_one_bad_edge_names_that_edge():
     p = pipeline(stages=FAN_OUT)
     before = {"thinker": {"thinker-0": ar_page(resolved={"acked": 100}, edges={
         "talker": {"acked": 100}, "vocoder": {"acked": 100}})}}
-    # The vocoder stopped answering: its transfers fail, and one is still active toward it.
+    # The vocoder stopped answering: its transfers fail, and one is still active toward it,
+    # its request finished: its 9 blocks are held for the vocoder alone.
     now = {"thinker": {"thinker-0": ar_page(active=1, oldest_active=NOW - 20, resolved={"acked": 110, "failed": 10},
+                                            held=1, held_blocks=9, oldest_held=NOW - 5,
                                             edges={"talker": {"acked": 120},
                                                    "vocoder": {"acked": 100, "failed": 10, "active": 1,
-                                                               "oldest": NOW - 20}})}}
+                                                               "oldest": NOW - 20, "held": 1, "held_blocks": 9,
+                                                               "oldest_held": NOW - 5}})}}
     verdict = transfers_verdict(p, reading(now, before))
     assert verdict.reason == "TransfersFailing" and "by edge: vocoder (10 failed, 0 expired)" in verdict.message
     assert "talker" not in verdict.message
     assert verdict.stages["thinker"]["edges"] == [
-        {"toStage": "talker", "active": 0, "oldestActiveSeconds": 0, "failed": 0, "expired": 0},
-        {"toStage": "vocoder", "active": 1, "oldestActiveSeconds": 20, "failed": 10, "expired": 0},
+        {"toStage": "talker", "active": 0, "held": 0, "heldBlocks": 0, "oldestActiveSeconds": 0,
+         "oldestHeldSeconds": 0, "failed": 0, "expired": 0},
+        {"toStage": "vocoder", "active": 1, "held": 1, "heldBlocks": 9, "oldestActiveSeconds": 20,
+         "oldestHeldSeconds": 5, "failed": 10, "expired": 0},
     ]
     # Later the vocoder's edge is stuck: the message says toward which stage.
     stuck = {"thinker": {"thinker-0": ar_page(active=1, oldest_active=NOW - 300, resolved={"acked": 110, "failed": 10},

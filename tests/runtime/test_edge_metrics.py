@@ -61,6 +61,9 @@ def test_every_edge_series_exists_at_zero_with_bounded_labels():
     for to_stage in ("talker", "vocoder"):
         assert value(registry, "omni_kv_edge_transfers_active", to_stage=to_stage) == 0
         assert value(registry, "omni_kv_edge_oldest_active_start_timestamp_seconds", to_stage=to_stage) == 0
+        assert value(registry, "omni_kv_edge_transfers_held", to_stage=to_stage) == 0
+        assert value(registry, "omni_kv_edge_held_blocks", to_stage=to_stage) == 0
+        assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage=to_stage) == 0
         for outcome in EDGE_OUTCOMES:
             assert value(registry, "omni_kv_edge_transfers_resolved_total", to_stage=to_stage, outcome=outcome) == 0
             assert value(registry, "omni_kv_edge_transfer_duration_seconds_bucket", to_stage=to_stage,
@@ -94,6 +97,34 @@ def test_a_fan_out_transfer_resolves_per_edge_with_its_own_duration_and_bytes():
     assert value(registry, "omni_kv_edge_transfer_bytes_sum", to_stage="talker") == 4096
     assert value(registry, "omni_kv_edge_transfer_bytes_count", to_stage="vocoder") == 0
     assert edges.in_flight("talker") == edges.in_flight("vocoder") == 0
+
+
+def test_a_held_transfer_is_held_on_each_edge_until_that_edge_answers():
+    """A finished request's blocks stay allocated until every edge has answered: each edge
+    still owing an answer counts the transfer and its blocks held, so the edge keeping them
+    names itself; one that answered stops counting it."""
+    registry, edges, wall, mono = make()
+    edges.started(("r1", 0))
+    edges.started(("r2", 0), held=(4990.0, 3))  # its request had finished before the hand-off
+    advance(wall, mono, 1)
+    edges.held(("r1", 0), 7)  # r1's request finishes now (5001)
+    edges.held(("gone", 0), 9)  # on no edge: nothing to hold
+    for to_stage in ("talker", "vocoder"):
+        assert value(registry, "omni_kv_edge_transfers_held", to_stage=to_stage) == 2
+        assert value(registry, "omni_kv_edge_held_blocks", to_stage=to_stage) == 10
+        assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage=to_stage) == 4990.0
+    edges.resolved(("r2", 0), "talker", "acked", nbytes=1)
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 1
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 7
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == 5001.0
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="vocoder") == 10
+    edges.resolved_many("vocoder", [(("r1", 0), "acked", 0.5), (("r2", 0), "failed", 0.5)])
+    edges.dropped(("r1", 0))  # superseded on the talker's edge
+    for to_stage in ("talker", "vocoder"):
+        assert value(registry, "omni_kv_edge_transfers_held", to_stage=to_stage) == 0
+        assert value(registry, "omni_kv_edge_held_blocks", to_stage=to_stage) == 0
+        assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage=to_stage) == 0
+        assert edges.held_toward(to_stage) == edges.in_flight(to_stage) == 0
 
 
 def test_the_oldest_timestamp_moves_to_the_next_oldest_and_started_at_is_honoured():
@@ -299,6 +330,40 @@ def test_a_single_edge_follows_its_ledger_and_a_fan_out_is_left_to_the_data_path
     assert fan_out is not None and fan_out.to_stages == ("talker", "vocoder")
     with pytest.raises(ValueError):
         LedgerEdgeObserver(fan_out)
+
+
+def test_a_single_edge_counts_held_from_its_ledger_whenever_the_request_finished():
+    """One downstream stage: the ledger's holds are its edge's, whether the request finished
+    before the hand-off (the request_finished trigger) or while the transfer was in flight."""
+    from omni_runtime.observability.edge_metrics import LedgerEdgeObserver
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+
+    registry = CollectorRegistry()
+    mono = Clock(100.0)
+    edges = EdgeMetrics(stage=STAGE, model_name=MODEL, to_stages=["talker"], deadline_seconds=5,
+                        registry=registry)
+    ledger = TransferLedger(5, clock=mono, observers=[LedgerEdgeObserver(edges)])
+    ledger.mark("early", Trigger.PREFILL_FINISHED, 8, [0])
+    ledger.hand_off_pending()
+    mono.t += 1
+    ledger.mark("last", Trigger.REQUEST_FINISHED, 8, [1, 2])
+    assert ledger.request_finished("last", 4, aborted=False)  # held while still pending
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 0  # on no edge yet
+    ledger.hand_off_pending()
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 1
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 4
+    mono.t += 1
+    assert ledger.request_finished("early", 6, aborted=False)  # finished in flight
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 2
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 10
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == \
+        pytest.approx(ledger.wall_time(101.0))
+    ledger.resolve("last", Outcome.ACKED)
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 6
+    ledger.resolve("early", Outcome.FAILED, "refused")
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 0
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == 0
+    ledger.check_invariants()
 
 
 def test_build_observers_feeds_a_single_edge_from_the_ledger_only():

@@ -4,6 +4,7 @@ real receiver in the test process reading the engine's KV cache over NIXL."""
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from omni_runtime.kv.transport import KVInbox, KVReceiver
 from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_llm
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 from omni_runtime.transfers.ledger import Outcome, TransferObserver
+from procs import free_port
 
 ENGINE_ARGS = dict(
     kv_cache_memory_bytes=64 << 20,
@@ -400,3 +402,49 @@ def test_a_fan_out_feeds_the_per_edge_families_once_per_edge(llm_factory):
     finally:
         for rx in receivers.values():
             rx.close()
+
+
+@pytest.mark.parametrize("trigger", ["prefill_finished", "request_finished"])
+def test_a_fan_out_counts_a_finished_requests_blocks_held_on_the_edge_still_owing_an_answer(
+        llm_factory, trigger):
+    """A stage feeding two stages, one of which never answers (nothing listens there): once
+    the request has finished, its blocks stay allocated for that edge, and the per-edge
+    families fed by the data path say so (held 1, the blocks the ledger holds) while the
+    edge that acked counts nothing held. The finish reaches the data path by the hand-off
+    (request_finished: HandOff.held) or by the next step's metadata (prefill_finished: the
+    request finished while its transfer was in flight)."""
+    from prometheus_client import REGISTRY
+    from vllm import SamplingParams
+
+    def edge_sample(name, **labels):
+        found = [s.value for m in REGISTRY.collect() for s in m.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return sum(found) if found else 0.0
+
+    talker = KVReceiver("tcp://127.0.0.1:0", KVInbox(), pipeline="p", stage="talker").start()
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    config = {"need_send_cache": True, "timeout_seconds": 60}
+    if trigger == "prefill_finished":
+        config["kv_transfer_criteria"] = {"type": trigger}
+    try:
+        acked = edge_sample("omni_kv_edge_transfers_resolved_total", to_stage="talker",
+                            outcome="acked")
+        llm, resolved = llm_factory(endpoints={"talker": talker.endpoint, "vocoder": silent},
+                                    omni_kv_config=config)
+        llm.generate(["Hello world"], SamplingParams(max_tokens=3), use_tqdm=False)
+        core = engine_core_of(llm)
+        deadline = time.monotonic() + 30
+        while not (edge_sample("omni_kv_edge_transfers_resolved_total", to_stage="talker",
+                               outcome="acked") > acked
+                   and edge_sample("omni_kv_edge_transfers_held", to_stage="vocoder") == 1):
+            assert time.monotonic() < deadline, "the talker's ack or the vocoder's hold never showed"
+            core.step()
+        ledger = core.scheduler.transfer_ledger
+        assert not resolved and ledger.num_held == 1, "the transfer waits for the vocoder"
+        assert edge_sample("omni_kv_edge_held_blocks", to_stage="vocoder") == ledger.num_held_blocks > 0
+        assert edge_sample("omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="vocoder") > 0
+        assert edge_sample("omni_kv_edge_transfers_active", to_stage="vocoder") == 1
+        assert edge_sample("omni_kv_edge_transfers_held", to_stage="talker") == 0
+        assert edge_sample("omni_kv_edge_held_blocks", to_stage="talker") == 0
+    finally:
+        talker.close()

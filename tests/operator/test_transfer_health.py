@@ -277,3 +277,41 @@ def test_the_prometheus_reader_against_a_real_prometheus(tmp_path, pages):
     # Prometheus gone: the reading says why, nothing is claimed either way.
     gone = verdict()
     assert gone.status == "Unknown" and "querying Prometheus at" in gone.message
+
+
+def test_omni_pipeline_status_finds_a_running_pipeline_by_its_pointer_and_says_when_none_runs(
+        pages, tmp_path, monkeypatch, capsys):
+    """`omni-pipeline status FILE` without --workdir: `up`'s pointer under the runtime directory
+    leads to the stages (exit 0 healthy, 1 stuck, with the table); once `up` has stopped (the
+    pointer removed) it says the pipeline is not running, and how to start it (exit 2)."""
+    import json
+
+    from omni_operator import cli
+    from omni_operator.local_status import forget_endpoints, record_endpoints
+    from omni_operator.model import parse_pipeline
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    body = pipeline_body()
+    pipeline_file = tmp_path / "pipeline.yaml"
+    pipeline_file.write_text(json.dumps(body))
+    servers = {s: pages(s, ar_page(s, edges={nxt: {}} if nxt else None))
+               for s, nxt in (("thinker", "talker"), ("talker", "code2wav"), ("code2wav", None))}
+    workdir = tmp_path / "up"
+    workdir.mkdir()
+    pipeline = parse_pipeline(body)
+    record_endpoints(pipeline, workdir, {s: f"http://127.0.0.1:{srv.port}" for s, srv in servers.items()})
+
+    def status_cli() -> tuple[int, str]:
+        capsys.readouterr()
+        rc = cli.main(["status", str(pipeline_file), "--interval", "0"])
+        return rc, capsys.readouterr().out
+
+    rc, out = status_cli()
+    assert rc == 0 and "pipeline tiny: transfers ok" in out and "-> talker" in out, out
+    servers["talker"].page = ar_page("talker", active=1, oldest_active=time.time() - 3600,
+                                     edges={"code2wav": {"active": 1, "oldest": time.time() - 3600}})
+    rc, out = status_cli()
+    assert rc == 1 and "transfers stuck 1" in out and "toward code2wav" in out, out
+    forget_endpoints(pipeline, workdir)
+    rc, out = status_cli()
+    assert rc == 2 and "is not running here" in out and "omni-pipeline up FILE" in out, out

@@ -55,6 +55,38 @@ def test_an_autoscaled_stage_follows_its_autoscaler_and_the_operator_never_write
     assert kube.get(DEPLOYMENT, NAMESPACE, workload("code2wav", autoscaled_body()))["spec"]["replicas"] == 6
 
 
+def test_the_running_operator_follows_the_autoscaler_and_never_writes_its_count(emulator, kube, start_operator):
+    """The whole operator (kopf's watches, the resync timer): the autoscaler's count, written
+    through the scale subresource, reaches the stage's Deployment through the OmniStageScaler's
+    watch, and the operator never writes the scaler's spec after creating it, whatever resyncs
+    and events follow."""
+    from omnip_support import OPERATOR_TOKEN, wait_for
+
+    start_operator(resync_seconds=0.2)
+    body = autoscaled_body()
+    create_pipeline(kube, body)
+    deployment = workload("code2wav", body)
+    wait_for(lambda: (kube.get(DEPLOYMENT, NAMESPACE, deployment) or {}).get("spec", {}).get("replicas") == 2,
+             30, "the autoscaled stage's Deployment at its starting count")
+    assert kube.get(HPA, NAMESPACE, "tiny-code2wav")["spec"]["scaleTargetRef"]["name"] == "tiny-code2wav"
+
+    def scaler_spec_writes() -> list:
+        return [c for c in emulator.calls(OPERATOR_TOKEN)
+                if c.resource == "omnistagescalers" and c.verb in ("patch", "update", "create")]
+
+    created = scaler_spec_writes()
+    assert [c.verb for c in created] == ["create"]
+    set_autoscaler_replicas(kube, 5)
+    wait_for(lambda: kube.get(DEPLOYMENT, NAMESPACE, deployment)["spec"]["replicas"] == 5, 30,
+             "the Deployment to follow the autoscaler")
+    resyncs = len([c for c in emulator.calls(OPERATOR_TOKEN) if c.resource == "pods"])
+    wait_for(lambda: len([c for c in emulator.calls(OPERATOR_TOKEN) if c.resource == "pods"]) >= resyncs + 3, 30,
+             "three more resync rounds")
+    assert kube.get(DEPLOYMENT, NAMESPACE, deployment)["spec"]["replicas"] == 5
+    assert kube.get(STAGESCALER, NAMESPACE, "tiny-code2wav")["spec"]["replicas"] == 5
+    assert scaler_spec_writes() == created, "the operator wrote the autoscaler's object"
+
+
 def test_turning_autoscaling_on_scales_nothing_down(kube, reconciler):
     body = pipeline_body()
     body["spec"]["stages"][2]["replicas"] = 3

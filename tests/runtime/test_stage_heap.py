@@ -20,7 +20,9 @@ def unfreeze():
 def test_what_is_alive_at_start_up_is_frozen_out_of_collections(unfreeze):
     started = [object() for _ in range(3)]  # a tracked container, alive "since start-up"
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() and frozen > 0
+    # Frozen objects may still die (other threads of this test process free theirs), so the
+    # count can only have gone down since.
+    assert frozen > 0 and 0 < gc.get_freeze_count() <= frozen
     assert not any(o is started for o in gc.get_objects())  # no generation holds it now
     later = [object()]  # created while serving: collected as usual
     assert any(o is later for o in gc.get_objects())

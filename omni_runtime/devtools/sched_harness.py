@@ -40,6 +40,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = False,
     num_blocks: int = 10_000,
     compose_with: Mapping[str, Any] | None = None,
+    endpoints: Mapping[str, str] | None = None,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(ensure_tiny_model()), dtype="float32", seed=0, max_model_len=max_model_len
@@ -63,7 +64,7 @@ def make_vllm_config(
 
         from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
 
-        connector = kv_transfer_config({"next": "tcp://127.0.0.1:9"})
+        connector = kv_transfer_config(endpoints or {"next": "tcp://127.0.0.1:9"})
         if compose_with is not None:  # under vLLM's MultiConnector, as omni-stage composes it
             connector = composed_kv_transfer_config(connector, compose_with)
         kv_transfer = KVTransferConfig(**connector)
@@ -205,6 +206,12 @@ def withdrawn(scheduler_output: SchedulerOutput) -> dict[str, int]:
     """The handed-off transfers a step withdraws (resolved by the scheduler itself):
     ``{request id: attempt}``."""
     return dict(_omni_meta(scheduler_output, "withdrawn") or {})
+
+
+def held_notices(scheduler_output: SchedulerOutput) -> dict[str, tuple[int, int, float]]:
+    """The handed-off transfers a step tells a fan-out's workers are held (their request
+    finished): ``{request id: (attempt, blocks kept, unix time it finished)}``."""
+    return dict(_omni_meta(scheduler_output, "held") or {})
 
 
 def _omni_meta(scheduler_output: SchedulerOutput, field: str) -> Any:

@@ -80,7 +80,8 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         self.worker_half: OmniKVConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_half = OmniKVConnectorScheduler(
-                world_size, self.omni_kv_stats, known_to_stages(vllm_config))
+                world_size, self.omni_kv_stats, known_to_stages(vllm_config),
+                fans_out=len(extra_config(vllm_config).get("endpoints") or {}) > 1)
         else:
             self.worker_half = OmniKVConnectorWorker(vllm_config, kv_cache_config)
 
@@ -94,8 +95,8 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     def hold_on_finish(self, request_id: str) -> None:
         self.scheduler_half.hold_on_finish(request_id)
 
-    def held_on_finish(self, request_id: str, attempt: int, blocks: int) -> None:
-        self.scheduler_half.held_on_finish(request_id, attempt, blocks)
+    def held_on_finish(self, request_id: str, attempt: int, blocks: int, at: float) -> None:
+        self.scheduler_half.held_on_finish(request_id, attempt, blocks, at)
 
     def take_answers(self, output: Any) -> dict[str, Answer]:
         return self.scheduler_half.take_answers(output)

@@ -30,10 +30,11 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
     withdrawn: dict[str, int] = field(default_factory=dict)
     #: Nothing is scheduled in this step: the worker may wait briefly for answers.
     idle: bool = False
-    #: request id -> (attempt, KV blocks kept): handed-off transfers whose request finished
-    #: since the last step, its blocks held (a stage that fans out only: its workers' per-edge
-    #: families count them held on each edge until that edge answers).
-    held: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: request id -> (attempt, KV blocks kept, unix time it finished): handed-off transfers
+    #: whose request finished since the last step, its blocks held (a stage that fans out
+    #: only: its workers' per-edge families count them held on each edge until that edge
+    #: answers).
+    held: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
 
 @dataclass

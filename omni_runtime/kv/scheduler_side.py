@@ -26,7 +26,7 @@ class OmniKVConnectorScheduler:
     the ``omni_kv_edge_*`` families')."""
 
     def __init__(self, world_size: int, stats: KVStatsRecorder | None = None,
-                 to_stages: tuple[str, ...] = ()) -> None:
+                 to_stages: tuple[str, ...] = (), fans_out: bool = False) -> None:
         self._hand_offs: list[HandOff] = []
         self._withdrawn: dict[str, int] = {}
         self._hold: set[str] = set()
@@ -34,8 +34,10 @@ class OmniKVConnectorScheduler:
         self._stats = stats
         self._to_stage = to_stages[0] if len(to_stages) == 1 else OTHER_STAGE
         #: A fan-out's held notices for the next step (metadata.held); None: one edge, whose
-        #: per-edge families the ledger feeds (edge_metrics.LedgerEdgeObserver).
-        self._held: dict[str, tuple[int, int]] | None = {} if len(to_stages) > 1 else None
+        #: per-edge families the ledger feeds (edge_metrics.LedgerEdgeObserver). ``fans_out``
+        #: is decided as the workers decide whether they feed the per-edge families
+        #: (edge_metrics.data_path_edge_metrics: several endpoints).
+        self._held: dict[str, tuple[int, int, float]] | None = {} if fans_out else None
         #: Handed off, not resolved: request id -> (attempt, when), for the stats' durations
         #: of transfers the scheduler resolves itself.
         self._in_flight: dict[str, tuple[int, float]] = {}
@@ -63,11 +65,12 @@ class OmniKVConnectorScheduler:
         """The next request_finished() of this request keeps its blocks (held)."""
         self._hold.add(request_id)
 
-    def held_on_finish(self, request_id: str, attempt: int, blocks: int) -> None:
-        """The request of a handed-off transfer finished, ``blocks`` KV blocks held until it
-        resolves: told to the workers of a fan-out (their per-edge families), else nothing."""
+    def held_on_finish(self, request_id: str, attempt: int, blocks: int, at: float) -> None:
+        """The request of a handed-off transfer finished (at unix time ``at``), ``blocks`` KV
+        blocks held until it resolves: told to the workers of a fan-out (their per-edge
+        families), else nothing."""
         if self._held is not None:
-            self._held[request_id] = (attempt, blocks)
+            self._held[request_id] = (attempt, blocks, at)
 
     def take_answers(self, output: Any) -> dict[str, Answer]:
         """The transfers the workers' answers of this step resolve; with tensor parallelism

@@ -189,8 +189,8 @@ class OmniKVConnectorWorker:
         for hand_off in meta.hand_offs:
             self._offer(hand_off)
         if self._edges is not None:
-            for rid, (attempt, blocks) in meta.held.items():
-                self._edges.held((rid, attempt), blocks)
+            for rid, (attempt, blocks, at) in meta.held.items():
+                self._edges.held((rid, attempt), blocks, at=at)
 
     def _offer(self, h: HandOff) -> None:
         from omni_runtime.kv.transport import Offer
@@ -211,8 +211,7 @@ class OmniKVConnectorWorker:
         if self._edges is not None:
             if superseded is not None:
                 self._edges.dropped((h.request_id, superseded[0]))
-            self._edges.started((h.request_id, h.attempt), held=None if h.held is None else (
-                time.time() - h.held[0], h.held[1]))
+            self._edges.started((h.request_id, h.attempt), held=h.held)
         self._sender.submit(
             Offer(request_id=h.request_id, attempt=h.attempt, seq_len=h.seq_len,
                   runs=block_runs(h.block_ids[:needed]), nbytes=nbytes,

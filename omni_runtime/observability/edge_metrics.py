@@ -54,6 +54,7 @@ so they exist, at 0, before the data path's first transfer.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -170,7 +171,8 @@ class _Edge:
     ``inflight``)."""
 
     __slots__ = ("resolved", "duration", "bytes", "active", "oldest", "inflight", "ordered",
-                 "held", "held_count", "held_blocks", "oldest_held")
+                 "held", "held_block_count", "held_heap", "held_seq", "held_count", "held_blocks",
+                 "oldest_held")
 
     def __init__(self, fams: _Families, base: tuple[str, str], to_stage: str) -> None:
         labels = (*base, to_stage)
@@ -182,31 +184,54 @@ class _Edge:
         #: transfer id -> (wall time, monotonic time) it started toward this edge, in start order.
         self.inflight: dict[Hashable, tuple[float, float]] = {}
         self.ordered = True  # inflight's first entry is its oldest
-        #: transfer id -> (wall time its request finished, KV blocks it keeps allocated).
+        #: transfer id -> (wall time its request finished, KV blocks it keeps allocated); the
+        #: sum of the blocks kept; a heap of (wall time, n, id) whose top, once entries of
+        #: transfers no longer held are popped, is the oldest: every update O(log n), so an
+        #: edge that stopped answering (thousands held) costs no more per transfer.
         self.held: dict[Hashable, tuple[float, int]] = {}
+        self.held_block_count = 0
+        self.held_heap: list[tuple[float, int, Hashable]] = []
+        self.held_seq = 0
         self.held_count = _Latest(fams.held.labels(*labels))
         self.held_blocks = _Latest(fams.held_blocks.labels(*labels))
         self.oldest_held = _Latest(fams.oldest_held.labels(*labels))
 
+    def hold(self, transfer_id: Hashable, wall: float, blocks: int) -> bool:
+        """Count ``transfer_id`` held (it must be in flight); False if it was already."""
+        if transfer_id in self.held:
+            return False
+        self.held[transfer_id] = (wall, blocks)
+        self.held_block_count += blocks
+        self.held_seq += 1
+        heapq.heappush(self.held_heap, (wall, self.held_seq, transfer_id))
+        return True
+
     def forget(self, transfer_id: Hashable) -> tuple[float, float] | None:
-        """Drop ``transfer_id`` from the edge (resolved or dropped): when it was in flight."""
+        """Drop ``transfer_id`` from the edge (resolved or dropped): when it was in flight.
+        The held gauges are then the caller's to refresh (:meth:`refresh_held`)."""
         begun = self.inflight.pop(transfer_id, None)
         if begun is not None and self.held:
-            self.held.pop(transfer_id, None)
+            kept = self.held.pop(transfer_id, None)
+            if kept is not None:
+                self.held_block_count -= kept[1]
         return begun
 
     def refresh_held(self) -> None:
-        held = self.held
+        held, heap = self.held, self.held_heap
         self.held_count.set(len(held))
-        if held:
-            self.held_blocks.set(sum(v[1] for v in held.values()))
-            self.oldest_held.set(min(v[0] for v in held.values()))
-        else:
-            self.held_blocks.set(0)
+        self.held_blocks.set(self.held_block_count)
+        if not held:
+            heap.clear()
             self.oldest_held.set(0.0)
+            return
+        if len(heap) > 2 * len(held) + 64:  # entries of transfers no longer held, buried
+            heap[:] = [(wall, n, tid) for wall, n, tid in heap if held.get(tid, (None,))[0] == wall]
+            heapq.heapify(heap)
+        while held.get(heap[0][2], (None,))[0] != heap[0][0]:
+            heapq.heappop(heap)
+        self.oldest_held.set(heap[0][0])
 
     def refresh(self) -> None:
-        self.refresh_held()
         self.active.set(len(self.inflight))
         if not self.inflight:
             self.oldest.set(0.0)
@@ -247,6 +272,7 @@ class EdgeMetrics:
         self._warned: set[str] = set()
         for edge in self._edges.values():
             edge.refresh()  # writes 0: supersedes a dead process's values
+            edge.refresh_held()
 
     # ------------------------------------------------------------------ the data path's calls
     def started(self, transfer_id: Hashable, to_stages: Iterable[str] | None = None,
@@ -268,9 +294,9 @@ class EdgeMetrics:
                 if edge.inflight and edge.ordered and wall < next(reversed(edge.inflight.values()))[0]:
                     edge.ordered = False
                 edge.inflight[transfer_id] = (wall, mono)
-                if held is not None:
-                    edge.held[transfer_id] = held
                 edge.refresh()
+                if held is not None and edge.hold(transfer_id, *held):
+                    edge.refresh_held()
 
     def held(self, transfer_id: Hashable, blocks: int, *, at: float | None = None) -> None:
         """The request of ``transfer_id`` finished (at wall time ``at``, default now) while the
@@ -279,8 +305,7 @@ class EdgeMetrics:
         wall = self._clock() if at is None else at
         with self._lock:
             for edge in self._edges.values():
-                if transfer_id in edge.inflight and transfer_id not in edge.held:
-                    edge.held[transfer_id] = (wall, blocks)
+                if transfer_id in edge.inflight and edge.hold(transfer_id, wall, blocks):
                     edge.refresh_held()
 
     def resolved(self, transfer_id: Hashable, to_stage: str, outcome: str, *,
@@ -293,9 +318,12 @@ class EdgeMetrics:
             edge = self._edge(to_stage)
             if edge is None or not self._known_outcome(outcome):
                 return
+            held = len(edge.held)
             begun = edge.forget(transfer_id)
             if begun is not None:
                 edge.refresh()
+                if len(edge.held) != held:
+                    edge.refresh_held()
                 if duration_s is None:
                     duration_s = self._monotonic() - begun[1]
             self._count(edge, outcome, duration_s, nbytes)
@@ -305,8 +333,11 @@ class EdgeMetrics:
         superseded by a newer one, which :meth:`started` again)."""
         with self._lock:
             for edge in self._edges.values():
+                held = len(edge.held)
                 if edge.forget(transfer_id) is not None:
                     edge.refresh()
+                    if len(edge.held) != held:
+                        edge.refresh_held()
 
     def record(self, to_stage: str, outcome: str, duration_s: float | None,
                nbytes: int | None = None) -> None:
@@ -346,8 +377,7 @@ class EdgeMetrics:
                 return
             changed = False
             for transfer_id, wall, blocks in held:
-                if transfer_id in edge.inflight and transfer_id not in edge.held:
-                    edge.held[transfer_id] = (wall, blocks)
+                if transfer_id in edge.inflight and edge.hold(transfer_id, wall, blocks):
                     changed = True
             if changed:
                 edge.refresh_held()
@@ -360,17 +390,23 @@ class EdgeMetrics:
             edge = self._edge(to_stage)
             if edge is None:
                 return
-            forget = edge.forget
+            held = len(edge.held)
+            forget, pop = edge.forget, edge.inflight.pop
             durations: dict[str, list[float]] = {}
             for transfer_id, outcome, duration_s in resolved:
                 if not self._known_outcome(outcome):
                     continue
-                forget(transfer_id)
+                if held:
+                    forget(transfer_id)
+                else:  # nothing held on this edge (the common case): a plain pop
+                    pop(transfer_id, None)
                 values = durations.get(outcome)
                 if values is None:
                     values = durations[outcome] = []
                 values.append(duration_s if duration_s > 0.0 else 0.0)
             edge.refresh()
+            if len(edge.held) != held:
+                edge.refresh_held()
             for outcome, values in durations.items():
                 edge.resolved[outcome].inc(len(values))
                 edge.duration[outcome].observe_many(values)

@@ -8,10 +8,16 @@ shutdown); the workers answer each transfer per attempt (:class:`Answer`). No vL
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from omni_runtime.transfers.ledger import Transfer
+
+
+def _unix_time(monotonic_time: float) -> float:
+    # The ledger's default clock is time.monotonic.
+    return time.time() - (time.monotonic() - monotonic_time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +37,13 @@ class HandOff:
     #: The request's W3C trace headers, so the receiving stage's span joins its trace.
     trace_headers: Mapping[str, str] | None = None
     #: When its request had already finished (held: vLLM keeps all its KV blocks until the
-    #: transfer resolves): (seconds since it finished, the blocks kept), for the per-edge
-    #: families the data path of a fan-out feeds; None while the request runs.
+    #: transfer resolves): (unix time it finished, the blocks kept), for the per-edge families
+    #: the data path of a fan-out feeds; None while the request runs.
     held: tuple[float, int] | None = None
 
     @classmethod
-    def of(cls, transfer: Transfer) -> HandOff:
+    def of(cls, transfer: Transfer, wall_time: Callable[[float], float] = _unix_time) -> HandOff:
+        """``wall_time``: unix time of a ledger time (``TransferLedger.wall_time``)."""
         held_since = transfer.held_since
         return cls(
             request_id=transfer.request_id,
@@ -45,8 +52,7 @@ class HandOff:
             block_ids=tuple(transfer.block_ids),
             deadline_in_s=max(0.0, transfer.deadline - transfer.handed_off_at),
             trace_headers=dict(transfer.trace_headers) if transfer.trace_headers else None,
-            held=None if held_since is None else (
-                max(0.0, transfer.handed_off_at - held_since), transfer.held_blocks),
+            held=None if held_since is None else (wall_time(held_since), transfer.held_blocks),
         )
 
 

@@ -232,7 +232,8 @@ class OmniKVTransferMixin:
                 self._omni.hold_on_finish(request_id)
             if transfer is not None and transfer.handed_off_at is not None:
                 # Held on its edges (a pending one says so when it is handed off: HandOff.held).
-                self._omni.held_on_finish(request_id, transfer.attempt, num_blocks)
+                self._omni.held_on_finish(request_id, transfer.attempt, num_blocks,
+                                          ledger.wall_time(transfer.held_since))
 
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # See _bare_finish in __init__: vLLM's preparation would do nothing, so ask our
@@ -268,7 +269,9 @@ class OmniKVTransferMixin:
         # Called inside schedule(), after its preemptions: a pending transfer of a request
         # preempted in this step has its blocks pinned, so handing it off is still exact.
         if self._send and self.transfer_ledger.num_pending:
-            self._omni.hand_off([HandOff.of(t) for t in self.transfer_ledger.hand_off_pending()])
+            ledger = self.transfer_ledger
+            wall = ledger.wall_time
+            self._omni.hand_off([HandOff.of(t, wall) for t in ledger.hand_off_pending()])
         return super()._build_kv_connector_meta(connector, scheduler_output)
 
     def update_from_output(

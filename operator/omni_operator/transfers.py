@@ -405,9 +405,10 @@ def _fmt_age(seconds: float) -> str:
 
 
 def _about(interval: float) -> float:
-    """The interval between two readings for a message: to the nearest 10 s from 30 s up, so
-    that a resync timer's jitter does not change the message."""
-    return round(interval / 10) * 10 if interval >= 30 else round(interval)
+    """The interval between two readings for a message: to the nearest 10 s from 30 s up, 5 s
+    below, so that a resync timer's jitter does not change the message."""
+    step = 10 if interval >= 30 else 5
+    return max(step, round(interval / step) * step)
 
 
 def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,

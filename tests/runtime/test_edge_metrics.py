@@ -127,6 +127,35 @@ def test_a_held_transfer_is_held_on_each_edge_until_that_edge_answers():
         assert edges.held_toward(to_stage) == edges.in_flight(to_stage) == 0
 
 
+def test_the_oldest_hold_follows_finishes_in_any_order_and_the_bookkeeping_stays_bounded():
+    """An edge that stopped answering holds thousands: the held blocks are a running sum and the
+    oldest hold is a heap's top, so each update costs O(log n); holds reported out of order
+    (a finished request handed off late carries its older finish) still give the oldest; the
+    heap's entries of transfers no longer held are bounded by the ones still held."""
+    registry, edges, _, _ = make(("talker",))
+    n = 3000
+    finish = {i: 5000.0 + (i * 7919) % n for i in range(n)}  # a permutation of 5000..7999
+    for i in range(n):
+        edges.started(i)
+        edges.held(i, 2, at=finish[i])
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == n
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 2 * n
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == 5000.0
+    by_finish = sorted(range(n), key=finish.get)
+    edges.resolved(by_finish[0], "talker", "acked")  # the oldest leaves: the next one is the oldest
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == 5001.0
+    keep = by_finish[1]
+    edges.resolved_many("talker", [(i, "failed", 1.0) for i in by_finish[2:]])
+    edge = edges._edges["talker"]
+    assert len(edge.held_heap) <= 2 * len(edge.held) + 64
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == 5001.0
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 2
+    edges.dropped(keep)
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 0
+    assert value(registry, "omni_kv_edge_oldest_held_start_timestamp_seconds", to_stage="talker") == 0
+    assert edge.held_heap == [] and edge.held_block_count == 0
+
+
 def test_the_oldest_timestamp_moves_to_the_next_oldest_and_started_at_is_honoured():
     registry, edges, wall, mono = make(("talker",))
     edges.started("a")

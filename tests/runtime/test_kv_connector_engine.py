@@ -332,8 +332,8 @@ def test_a_hand_off_whose_deadline_already_passed_fails_at_once_and_sends_nothin
 
     original = HandOff.of
 
-    def deadline_passed(transfer):
-        return dataclasses.replace(original(transfer), deadline_in_s=0.0)
+    def deadline_passed(transfer, *args):
+        return dataclasses.replace(original(transfer, *args), deadline_in_s=0.0)
 
     monkeypatch.setattr(HandOff, "of", deadline_passed)
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint},

@@ -22,6 +22,7 @@ from omni_runtime.devtools.sched_harness import (
     free_blocks,
     hand_off_attempts,
     handed_off,
+    held_notices,
     make_request,
     make_scheduler,
     make_vllm_config,
@@ -199,6 +200,45 @@ def test_request_finished_trigger_holds_blocks_until_the_ack():
     step(s, acked=[r.request_id])
     assert t.outcome is Outcome.ACKED
     assert_quiescent(s, start)
+
+
+FAN_OUT = {"talker": "tcp://127.0.0.1:9", "vocoder": "tcp://127.0.0.1:10"}
+
+
+@pytest.mark.parametrize("endpoints", [FAN_OUT, None], ids=["fan-out", "one-edge"])
+def test_a_fan_out_hears_which_of_its_transfers_are_held_and_since_when(endpoints):
+    """Per-edge held state (edge_metrics): a fan-out's workers feed it, so they are told. A
+    transfer handed off while its request runs is announced held in the step after the finish
+    (attempt, the blocks kept, when), once; one whose request had finished before its hand-off
+    carries that in the hand-off itself (HandOff.held) and is never announced. A stage with one
+    downstream stage announces nothing (its ledger feeds the edge)."""
+    for config, held_at_hand_off in ((PREFILL, False), (ON_FINISH, True)):
+        s = omni(config, endpoints=endpoints)
+        r = make_request(33, max_tokens=3)
+        s.add_request(r)
+        hand_offs, notices = {}, []
+        before = time.time()
+        for _ in range(8):
+            so, _ = step(s)
+            hand_offs.update(handed_off(so))
+            notices.append(held_notices(so))
+        h = hand_offs[r.request_id]
+        t = s.transfer_ledger.get(r.request_id)
+        assert t.held and t.phase is Phase.ACTIVE
+        if held_at_hand_off:
+            assert h.held == (pytest.approx(s.transfer_ledger.wall_time(t.held_since)), t.held_blocks)
+            assert not any(notices)
+        else:
+            assert h.held is None
+            announced = [n for n in notices if n]
+            if endpoints is None:
+                assert announced == []
+            else:
+                assert announced == [{r.request_id: (h.attempt, t.held_blocks, pytest.approx(
+                    s.transfer_ledger.wall_time(t.held_since)))}]
+                assert before <= announced[0][r.request_id][2] <= time.time()
+        step(s, acked=[r.request_id])
+        assert t.outcome is Outcome.ACKED
 
 
 def test_kv_transfer_params_carry_the_outcome_when_resolved_before_the_finish():

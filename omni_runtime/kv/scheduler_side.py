@@ -56,6 +56,8 @@ class OmniKVConnectorScheduler:
         workers refuse to commit any read of it from that step's start (the fence,
         kv/transport/sender.py)."""
         self._withdrawn[request_id] = attempt
+        if self._held:
+            self._held.pop(request_id, None)  # resolved: no notice of its hold any more
         started = self._in_flight.get(request_id)
         if started is not None and started[0] == attempt:
             del self._in_flight[request_id]
@@ -86,6 +88,9 @@ class OmniKVConnectorScheduler:
             answers = meta.answers  # one rank: its answers are the transfers' (read only)
         else:
             answers = self.shard_answers.combine(meta.by_rank())
+        if self._held:  # resolved now: a notice of their hold, not sent yet, would be stale
+            for rid in answers:
+                self._held.pop(rid, None)
         if self._stats is not None:
             for rid, answer in answers.items():
                 started = self._in_flight.get(rid)

@@ -241,6 +241,66 @@ def test_a_fan_out_hears_which_of_its_transfers_are_held_and_since_when(endpoint
         assert t.outcome is Outcome.ACKED
 
 
+@pytest.mark.parametrize("config", [PREFILL, ON_FINISH], ids=["prefill_finished", "request_finished"])
+def test_held_notices_under_preemption_aborts_resets_and_random_answers_name_only_live_hand_offs(config):
+    """A fan-out's held notices under churn (a small KV cache that preempts, aborts, prefix-cache
+    resets with running requests, acks and failures at random, answers never sent): each names
+    a transfer attempt handed off earlier and still unresolved, once, with the blocks the
+    ledger holds for it (request_finished: none, each hand-off carries its hold instead); and
+    everything still resolves and every block comes back."""
+    rng = random.Random(str(config))
+    s = omni({**config, "timeout_seconds": 30}, endpoints=FAN_OUT, max_num_seqs=8,
+             max_num_batched_tokens=64, num_blocks=40)
+    start = free_blocks(s)
+    handed: dict[str, int] = {}  # request id -> attempt handed off, not answered
+    announced: set[tuple[str, int]] = set()
+    held_at_hand_off = 0
+    for i in range(600):
+        if i < 500 and rng.random() < 0.3:
+            s.add_request(make_request(rng.randint(1, 70), max_tokens=rng.randint(1, 24),
+                                       request_id=f"r{i}"))
+        live = [r for r in s.requests.values() if not r.is_finished()]
+        roll = rng.random()
+        if live and roll < 0.04:
+            s.finish_requests(rng.choice(live).request_id, RequestStatus.FINISHED_ABORTED)
+        elif live and roll < 0.07:
+            s.reset_prefix_cache(reset_running_requests=True)
+        acked, failed = [], {}
+        for rid in list(handed):
+            roll = rng.random()
+            if roll < 0.3:
+                acked.append((rid, handed.pop(rid)))
+            elif roll < 0.35:
+                failed[(rid, handed.pop(rid))] = "receiver busy"
+            elif roll < 0.36:
+                handed.pop(rid)  # never answered: expires
+        so = s.schedule()
+        for rid, (attempt, blocks, at) in held_notices(so).items():
+            assert (rid, attempt) not in announced, "announced twice"
+            announced.add((rid, attempt))
+            t = s.transfer_ledger.get(rid)
+            assert t is not None and t.attempt == attempt and t.held_blocks == blocks > 0
+            assert at == pytest.approx(s.transfer_ledger.wall_time(t.held_since))
+        for rid, h in handed_off(so).items():
+            handed[rid] = h.attempt
+            t = s.transfer_ledger.get(rid)
+            assert (h.held is not None) == t.held
+            held_at_hand_off += h.held is not None
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=acked, failed=failed))
+        s.transfer_ledger.check_invariants()
+    for _ in range(200):
+        if not s.has_requests():
+            break
+        so = s.schedule()
+        s.update_from_output(so, runner_output(so, scheduler=s, acked=list(handed.items())))
+        handed = {rid: h.attempt for rid, h in handed_off(so).items()}
+    if config is PREFILL:
+        assert announced, "nothing was held in flight: the test did not test"
+    else:
+        assert not announced and held_at_hand_off > 0
+    assert_quiescent(s, start)
+
+
 def test_kv_transfer_params_carry_the_outcome_when_resolved_before_the_finish():
     s = omni(PREFILL)
     r = make_request(16, max_tokens=3)

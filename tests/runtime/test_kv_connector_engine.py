@@ -89,6 +89,28 @@ def test_acks_come_back_on_steps_with_nothing_scheduled(llm_factory, receiver):
     assert not scheduler.has_requests()
 
 
+def test_the_host_kv_cache_is_on_huge_pages_when_the_receivers_read_it(llm_factory, receiver):
+    """The AR's host KV cache is moved onto transparent huge pages before NIXL registers it
+    (kv/huge_pages.py): a receiver's READ pins 2 MiB pages instead of 4 KiB ones; the
+    transfers deliver as before (the byte-exact oracle tests run on the same path)."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from omni_runtime.kv.huge_pages import huge_page_bytes, huge_page_size
+
+    llm, resolved = llm_factory(omni_kv_config={**PREFILL, "timeout_seconds": 60},
+                                endpoints={"next": receiver.endpoint})
+    caches = get_kv_transfer_group().worker_half.caches
+    storages = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in caches}
+    on_huge = sum(huge_page_bytes(addr, nbytes) for addr, nbytes in storages.items())
+    size = huge_page_size()
+    assert size == 0 or on_huge >= sum(storages.values()) - 2 * size * len(storages), \
+        (on_huge, storages)
+    llm.generate(["Hello world"], SamplingParams(max_tokens=2))
+    drain_transfers(llm, timeout_s=30)
+    assert [t.outcome for t in resolved] == [Outcome.ACKED]
+
+
 def test_an_io_cpus_the_process_cannot_use_refuses_the_engine_at_start_up(llm_factory):
     """Bad input is refused before the engine serves, naming the field and the fix (not at the
     first transfer, where it would fail every transfer)."""

@@ -10,10 +10,11 @@ at the memory's speed: hand-off to ack 0.043-0.053 s instead of 0.078-0.082 s fo
 (docs/connector.md). The engine's own attention reads the same cache through fewer TLB misses.
 
 :func:`collapse_into_huge_pages` asks the kernel for that on an existing range: ``madvise``
-``MADV_HUGEPAGE`` (new faults and khugepaged use huge pages from now on) and ``MADV_COLLAPSE``
-(Linux 6.1+: the pages already there are moved onto huge pages now, in the calling thread;
-~1.7 s for 712 MB on this project's VM). It never raises: a kernel without THP or without
-``MADV_COLLAPSE`` leaves the range as it was, and the outcome says why.
+``MADV_HUGEPAGE`` (new faults and khugepaged use huge pages from now on), then
+``MADV_COLLAPSE`` (Linux 6.1+) huge page by huge page: the pages already there are moved onto
+huge pages now, in the calling thread (~1.7 s for 712 MB on this project's VM, growing with
+the cache). It never raises: where THP is off, or ``MADV_COLLAPSE`` is missing or refused,
+the outcome says why and how much was moved.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ctypes
 import errno
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +34,14 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 @dataclass(frozen=True)
 class HugePageOutcome:
-    """What :func:`collapse_into_huge_pages` did: ``bytes`` of the range now on huge pages
-    (its 2 MiB-aligned interior), in ``seconds``; ``why_not`` when it did nothing or less."""
+    """What :func:`collapse_into_huge_pages` did: ``bytes`` of the range moved onto huge pages
+    (of its huge-page-aligned interior), in ``seconds``; ``why_not`` when it moved none or
+    not all of it; ``unsupported`` when this kernel or its settings cannot do it at all."""
 
     bytes: int = 0
     seconds: float = 0.0
     why_not: str = ""
+    unsupported: bool = False
 
 
 def huge_page_size() -> int:
@@ -46,6 +50,13 @@ def huge_page_size() -> int:
         return int((_THP / "hpage_pmd_size").read_text())
     except (OSError, ValueError):
         return 0
+
+
+def _thp_disabled() -> bool:
+    try:
+        return "[never]" in (_THP / "enabled").read_text()
+    except OSError:
+        return False
 
 
 def _madvise():
@@ -61,9 +72,11 @@ def collapse_into_huge_pages(addr: int, nbytes: int) -> HugePageOutcome:
     process, populated or not) with transparent huge pages; see the module docstring."""
     size = huge_page_size()
     if not size:
-        return HugePageOutcome(why_not="this kernel offers no transparent huge pages")
-    if (_THP / "enabled").exists() and "[never]" in (_THP / "enabled").read_text():
-        return HugePageOutcome(why_not="transparent huge pages are disabled (enabled: never)")
+        return HugePageOutcome(why_not="this kernel offers no transparent huge pages",
+                               unsupported=True)
+    if _thp_disabled():
+        return HugePageOutcome(why_not="transparent huge pages are disabled (enabled: never)",
+                               unsupported=True)
     lo = (addr + size - 1) // size * size
     hi = (addr + nbytes) // size * size
     if hi <= lo:
@@ -71,23 +84,38 @@ def collapse_into_huge_pages(addr: int, nbytes: int) -> HugePageOutcome:
     try:
         madvise = _madvise()
     except (OSError, AttributeError) as e:
-        return HugePageOutcome(why_not=f"no madvise: {e}")
+        return HugePageOutcome(why_not=f"no madvise: {e}", unsupported=True)
     started = time.perf_counter()
     if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
         return HugePageOutcome(why_not=f"madvise(MADV_HUGEPAGE): {os.strerror(ctypes.get_errno())}")
-    if madvise(lo, hi - lo, MADV_COLLAPSE) != 0:
-        err = ctypes.get_errno()
-        why = ("this kernel has no MADV_COLLAPSE (Linux 6.1+): huge pages only as khugepaged "
-               "collapses the range" if err == errno.EINVAL
-               else f"madvise(MADV_COLLAPSE): {os.strerror(err)} (part of the range may be "
-                    "on huge pages)")
-        return HugePageOutcome(seconds=time.perf_counter() - started, why_not=why)
-    return HugePageOutcome(bytes=hi - lo, seconds=time.perf_counter() - started)
+    # The kernel checks the advice before it returns early for an empty range: EINVAL here
+    # means MADV_COLLAPSE is unknown to it, and nothing else.
+    if madvise(lo, 0, MADV_COLLAPSE) != 0:
+        return HugePageOutcome(
+            seconds=time.perf_counter() - started, unsupported=True,
+            why_not="this kernel has no MADV_COLLAPSE (Linux 6.1+): the range is on huge pages "
+                    "only as khugepaged collapses it")
+    moved, why = 0, ""
+    for page in range(lo, hi, size):  # page by page: a refusal costs one page, not the rest
+        for _ in range(2):  # EAGAIN (a page briefly busy) is worth one more try
+            if madvise(page, size, MADV_COLLAPSE) == 0:
+                moved += size
+                break
+            err = ctypes.get_errno()
+            if err != errno.EAGAIN:
+                break
+        if moved < page + size - lo and not why:
+            why = f"madvise(MADV_COLLAPSE): {os.strerror(err)}"
+    return HugePageOutcome(bytes=moved, seconds=time.perf_counter() - started,
+                           why_not=why if moved < hi - lo else "")
 
 
-def huge_page_bytes(addr: int, nbytes: int) -> int:
-    """``AnonHugePages`` of this process's mappings that overlap ``[addr, addr + nbytes)``
-    (madvise splits a mapping where its advice changes: the range may span several)."""
+def huge_page_bytes(ranges: Iterable[tuple[int, int]]) -> int:
+    """``AnonHugePages`` of this process's mappings that overlap any of ``ranges`` ((address,
+    length) pairs), each mapping counted once (madvise splits a mapping where its advice
+    changes, so one range may span several; a mapping's figure may include huge pages just
+    outside the ranges)."""
+    ranges = list(ranges)
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
@@ -98,9 +126,11 @@ def huge_page_bytes(addr: int, nbytes: int) -> int:
         if "-" in head and ":" not in head:
             lo, _, hi = head.partition("-")
             try:
-                inside = int(lo, 16) < addr + nbytes and addr < int(hi, 16)
+                start, end = int(lo, 16), int(hi, 16)
             except ValueError:
                 inside = False
+                continue
+            inside = any(start < addr + n and addr < end for addr, n in ranges)
         elif inside and line.startswith("AnonHugePages:"):
             total += int(line.split()[1]) * 1024
     return total

@@ -63,6 +63,7 @@ class OmniKVConnectorWorker:
         #: A host KV cache is moved onto huge pages before it is registered (huge_pages.py);
         #: ``kv_connector_extra_config.host_huge_pages: false`` leaves it as vLLM made it.
         self._host_huge_pages = _flag(extra.get("host_huge_pages", True), "host_huge_pages")
+        self.host_huge_pages = None  # what register_kv_caches did: a HugePageOutcome
         self.shard, self.num_shards = tensor_parallel_shard(vllm_config)
         self._kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
         self._randomized_ids = not _ids_not_randomized()
@@ -124,8 +125,8 @@ class OmniKVConnectorWorker:
         for cache in caches:
             storage = cache.untyped_storage()
             storages[storage.data_ptr()] = (storage.data_ptr(), storage.nbytes(), device_id)
-        if mem_type == "DRAM" and self._host_huge_pages:
-            _onto_huge_pages(list(storages.values()))
+        if device.type == "cpu" and self._host_huge_pages:
+            self.host_huge_pages = _onto_huge_pages(list(storages.values()))
         self._agent.register(list(storages.values()), mem_type)
         compat = Compat(
             model=str(model_config.served_model_name or model_config.model),
@@ -290,24 +291,26 @@ def _flag(value: Any, key: str) -> bool:
     return value
 
 
-def _onto_huge_pages(storages: list[tuple[int, int, int]]) -> None:
+def _onto_huge_pages(storages: list[tuple[int, int, int]]) -> Any:
     """The host KV cache onto transparent huge pages, before NIXL registers it: the receivers'
-    reads of it (UCX's cma pins the pages it copies) run at the memory's speed."""
-    from omni_runtime.kv.huge_pages import collapse_into_huge_pages
+    reads of it (UCX's cma pins the pages it copies) run at the memory's speed. Returns the
+    outcome over every storage."""
+    from omni_runtime.kv.huge_pages import HugePageOutcome, collapse_into_huge_pages
 
     total = sum(nbytes for _, nbytes, _ in storages)
-    moved, seconds, why = 0, 0.0, ""
-    for addr, nbytes, _ in storages:
-        outcome = collapse_into_huge_pages(addr, nbytes)
-        moved, seconds = moved + outcome.bytes, seconds + outcome.seconds
-        why = why or outcome.why_not
-    if why:
-        logger.info("omni KV connector: %d of %d MB of the host KV cache on huge pages (%s); "
-                    "the receivers' reads of the rest pin 4 KiB pages one by one",
-                    moved >> 20, total >> 20, why)
+    outcomes = [collapse_into_huge_pages(addr, nbytes) for addr, nbytes, _ in storages]
+    whys = list(dict.fromkeys(o.why_not for o in outcomes if o.why_not))
+    outcome = HugePageOutcome(bytes=sum(o.bytes for o in outcomes),
+                              seconds=sum(o.seconds for o in outcomes), why_not="; ".join(whys),
+                              unsupported=any(o.unsupported for o in outcomes))
+    if whys:
+        logger.info("omni KV connector: %d of %d MB of the host KV cache moved onto huge pages "
+                    "in %.2f s (%s); the receivers' reads of the rest pin 4 KiB pages one by one",
+                    outcome.bytes >> 20, total >> 20, outcome.seconds, outcome.why_not)
     else:
         logger.info("omni KV connector: the host KV cache (%d MB) moved onto huge pages in "
-                    "%.2f s", moved >> 20, seconds)
+                    "%.2f s", outcome.bytes >> 20, outcome.seconds)
+    return outcome
 
 
 def _zmq_address(endpoint: str) -> str:

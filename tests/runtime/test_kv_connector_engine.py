@@ -100,12 +100,14 @@ def test_the_host_kv_cache_is_on_huge_pages_when_the_receivers_read_it(llm_facto
 
     llm, resolved = llm_factory(omni_kv_config={**PREFILL, "timeout_seconds": 60},
                                 endpoints={"next": receiver.endpoint})
-    caches = get_kv_transfer_group().worker_half.caches
-    storages = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in caches}
-    on_huge = sum(huge_page_bytes(addr, nbytes) for addr, nbytes in storages.items())
-    size = huge_page_size()
-    assert size == 0 or on_huge >= sum(storages.values()) - 2 * size * len(storages), \
-        (on_huge, storages)
+    worker = get_kv_transfer_group().worker_half
+    storages = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in worker.caches}
+    outcome = worker.host_huge_pages
+    if not outcome.unsupported:  # this project's machines: Linux 6.1+, THP in madvise mode
+        size = huge_page_size()
+        assert outcome.why_not == "", outcome
+        assert outcome.bytes >= sum(storages.values()) - 2 * size * len(storages), (outcome, storages)
+        assert huge_page_bytes(storages.items()) >= outcome.bytes
     llm.generate(["Hello world"], SamplingParams(max_tokens=2))
     drain_transfers(llm, timeout_s=30)
     assert [t.outcome for t in resolved] == [Outcome.ACKED]

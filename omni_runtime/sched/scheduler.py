@@ -132,7 +132,10 @@ class OmniKVTransferMixin:
             and _reads_no_finish_blocks(self.connector)
             and _frees_nothing_early(self.kv_cache_manager)
         )
-        self.transfer_ledger = TransferLedger(cfg.timeout_seconds)
+        # Observers told at most every telemetry interval while transfers are in flight (see
+        # the ledger's report_interval): their writes and spans then cost once per interval.
+        self.transfer_ledger = TransferLedger(
+            cfg.timeout_seconds, report_interval=cfg.telemetry_interval_seconds)
         for observer in build_observers(
             stage=cfg.stage_name,
             model_name=model_config.served_model_name or model_config.model,
@@ -310,6 +313,7 @@ class OmniKVTransferMixin:
         # Resolve what is left, so that spans end, and give held blocks and their finished
         # requests back.
         self._fail_unresolved("scheduler shut down", lambda t: True)
+        self.transfer_ledger.report()
         super().shutdown()
 
     def reset_prefix_cache(

@@ -4,7 +4,7 @@ On plain vLLM the native place for a plugin's settings is ``VllmConfig.additiona
 
     --additional-config '{"omni_kv_config": {"need_send_cache": true,
         "kv_transfer_criteria": {"type": "special_token", "token_id": 151667},
-        "timeout_seconds": 30}}'
+        "timeout_seconds": 30, "telemetry_interval_seconds": 0.1}}'
 
 vllm-omni keeps the same mapping on its model config as ``omni_kv_config``; both are read.
 This module imports no vLLM, so the operator-side tooling and the tests can use it alone.
@@ -21,6 +21,13 @@ from typing import Any
 
 from omni_runtime.transfers.ledger import DEFAULT_TIMEOUT_SECONDS, Trigger
 
+#: How often, at most, the transfer metrics and spans are written while transfers are in
+#: flight (the ledger's report interval): a tenth of a second is far below any scrape or
+#: alert interval, and spares the step a write per changed value and a span per transfer.
+DEFAULT_TELEMETRY_INTERVAL_SECONDS = 0.1
+#: Above this the figures would lag a scrape (Prometheus' shortest usual interval is 5 s).
+MAX_TELEMETRY_INTERVAL_SECONDS = 5.0
+
 logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "omni_kv_config"
@@ -28,7 +35,8 @@ CONFIG_KEY = "omni_kv_config"
 STAGE_ENV = "OMNI_STAGE_NAME"
 DEFAULT_STAGE = "ar"
 
-_KNOWN_KEYS = frozenset({"need_send_cache", "kv_transfer_criteria", "timeout_seconds", "stage_name"})
+_KNOWN_KEYS = frozenset({"need_send_cache", "kv_transfer_criteria", "timeout_seconds",
+                         "stage_name", "telemetry_interval_seconds"})
 #: Keys vllm-omni's stage configs carry that concern other parts of its runtime.
 _FOREIGN_KEYS = frozenset({"need_recv_cache", "omni_from_stage", "omni_to_stage"})
 _CRITERIA_TYPES = (Trigger.PREFILL_FINISHED.value, Trigger.SPECIAL_TOKEN.value)
@@ -46,6 +54,8 @@ class OmniKVConfig:
     token_id: int | None = None
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     stage_name: str = DEFAULT_STAGE
+    #: See DEFAULT_TELEMETRY_INTERVAL_SECONDS; 0: at every scheduler step.
+    telemetry_interval_seconds: float = DEFAULT_TELEMETRY_INTERVAL_SECONDS
 
 
 def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVConfig:
@@ -87,6 +97,16 @@ def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVCo
             f"(default {DEFAULT_TIMEOUT_SECONDS:g})"
         )
 
+    interval = raw.get("telemetry_interval_seconds", DEFAULT_TELEMETRY_INTERVAL_SECONDS)
+    if (isinstance(interval, bool) or not isinstance(interval, (int, float))
+            or not 0 <= interval <= MAX_TELEMETRY_INTERVAL_SECONDS):
+        raise OmniKVConfigError(
+            f"{CONFIG_KEY}.telemetry_interval_seconds must be a number of seconds from 0 to "
+            f"{MAX_TELEMETRY_INTERVAL_SECONDS:g}, got {interval!r}; it is how often, at most, "
+            f"the transfer metrics and spans are written while transfers are in flight "
+            f"(default {DEFAULT_TELEMETRY_INTERVAL_SECONDS:g}; 0: at every step)"
+        )
+
     stage = raw.get("stage_name", stage_default)
     if not isinstance(stage, str) or not stage:
         raise OmniKVConfigError(f"{CONFIG_KEY}.stage_name must be a non-empty string")
@@ -97,7 +117,7 @@ def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVCo
             "will be made",
             CONFIG_KEY,
         )
-    return OmniKVConfig(need_send, criteria, token_id, float(timeout), stage)
+    return OmniKVConfig(need_send, criteria, token_id, float(timeout), stage, float(interval))
 
 
 def _parse_criteria(raw: Any, vocab_size: int | None) -> tuple[Trigger | None, int | None]:

@@ -28,6 +28,14 @@ batch (:meth:`TransferLedger.begin_batch` / :meth:`TransferLedger.end_batch`), s
 write their gauges once per step and their counters and histograms once per step and label,
 not once per transfer; outside a batch, every operation is a batch of its own, so an observer
 sees the ledger as it is after each operation either way.
+
+With a ``report_interval`` (the scheduler's ``telemetry_interval_seconds``), the batched
+observers hear of ended batches at most once per interval while a transfer is unresolved:
+the changes of several steps reach them as one batch (their writes, a multiprocess mmap write
+each, and their spans then cost once per interval, not once per step). They hear at once
+when no transfer is left unresolved (so an idle stage's figures are exact), and on
+:meth:`TransferLedger.report`. A scheduler with unresolved transfers keeps stepping (it
+polls for answers), so no report waits longer than the interval and a step.
 """
 
 from __future__ import annotations
@@ -160,10 +168,17 @@ class TransferLedger:
         *,
         clock: Callable[[], float] = time.monotonic,
         observers: Iterable[TransferObserver] = (),
+        report_interval: float = 0.0,
     ) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        if not report_interval >= 0:
+            raise ValueError(f"report_interval must be >= 0, got {report_interval!r}")
         self.timeout_seconds = float(timeout_seconds)
+        #: Seconds (of ``clock``) the batched observers may wait for ended batches while a
+        #: transfer is unresolved (see the module docstring); 0: told at every batch's end.
+        self.report_interval = float(report_interval)
+        self._reported_at = float("-inf")
         self._clock = clock
         self._wall_offset = time.time() - clock()
         # Observers called per change, and those called per batch (see TransferObserver).
@@ -209,12 +224,27 @@ class TransferLedger:
 
     def end_batch(self) -> None:
         """End a batch begun with :meth:`begin_batch`; the outermost end tells the batched
-        observers. Call it in a ``finally``: an unended batch would never be reported."""
+        observers (when due: see ``report_interval``). Call it in a ``finally``: an unended
+        batch would never be reported."""
         self._batch_depth -= 1
         if not self._batch_depth and self._batch:
             self._flush()
 
+    def report(self) -> None:
+        """Tell the batched observers every change not told yet, now (outside a batch):
+        at shutdown, or where a reader needs the figures exact mid-flight."""
+        if not self._batch_depth and self._batch:
+            self._reported_at = float("-inf")
+            self._flush()
+
     def _flush(self) -> None:
+        """The changes since the last report, to the batched observers, if due: always
+        without an interval or with nothing unresolved, else once the interval has passed."""
+        if self.report_interval and self._by_deadline:
+            now = self._clock()
+            if now - self._reported_at < self.report_interval:
+                return
+            self._reported_at = now
         batch, self._batch = self._batch, Batch()
         for observer in self._batched:
             observer.on_batch(self, batch)
@@ -414,6 +444,8 @@ class TransferLedger:
         transfer = self._by_deadline.get(request_id)
         if transfer is None:
             return False
+        if transfer.held_since is not None:
+            return True  # finished twice: held once, from the first finish, with its blocks
         if aborted and transfer.phase is Phase.PENDING:
             self.resolve(request_id, Outcome.CANCELLED, "request aborted before hand-off")
             return False

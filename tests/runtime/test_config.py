@@ -33,6 +33,12 @@ def test_full_config():
     )
 
 
+def test_the_telemetry_interval_defaults_to_a_tenth_of_a_second_and_zero_means_every_step():
+    assert parse_omni_kv_config({"need_send_cache": True}).telemetry_interval_seconds == 0.1
+    assert parse_omni_kv_config(
+        {"need_send_cache": True, "telemetry_interval_seconds": 0}).telemetry_interval_seconds == 0.0
+
+
 def test_stage_name_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("OMNI_STAGE_NAME", "talker")
     assert parse_omni_kv_config({"need_send_cache": True}).stage_name == "talker"
@@ -64,6 +70,11 @@ def test_stage_name_defaults_to_the_environment(monkeypatch):
         ({"timeout_seconds": 0}, "timeout_seconds"),
         ({"timeout_seconds": float("inf")}, "timeout_seconds"),
         ({"timeout_seconds": "30s"}, "timeout_seconds"),
+        ({"telemetry_interval_seconds": -0.1}, "telemetry_interval_seconds"),
+        ({"telemetry_interval_seconds": 60}, "telemetry_interval_seconds"),
+        ({"telemetry_interval_seconds": float("nan")}, "telemetry_interval_seconds"),
+        ({"telemetry_interval_seconds": True}, "telemetry_interval_seconds"),
+        ({"telemetry_interval_seconds": "100ms"}, "telemetry_interval_seconds"),
         ({"need_send_cache": "yes"}, "need_send_cache"),
         ({"need_send_cach": True}, "unknown key"),
         (["need_send_cache"], "must be a mapping"),

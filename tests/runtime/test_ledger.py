@@ -104,6 +104,16 @@ def test_finished_request_holds_blocks_until_resolution(ledger, clock):
     ledger.check_invariants()
 
 
+def test_a_request_finished_twice_is_held_once_from_its_first_finish(ledger, clock):
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 16, [4])
+    clock.advance(1)
+    assert ledger.request_finished("a", 3, aborted=False) is True
+    clock.advance(5)
+    assert ledger.request_finished("a", 3, aborted=True) is True, "still held: keep the blocks"
+    assert (ledger.num_held, ledger.num_held_blocks, ledger.oldest_entered("held")) == (1, 3, 1001.0)
+    ledger.check_invariants()
+
+
 def test_abort_before_hand_off_cancels(ledger):
     ledger.mark("a", Trigger.PREFILL_FINISHED, 16, [4])
     assert ledger.request_finished("a", 1, aborted=True) is False, "blocks may be freed now"

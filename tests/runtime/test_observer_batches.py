@@ -1,7 +1,8 @@
 """The batched observers (metrics, per-edge families, spans) write once per batch (a scheduler
 step's half) what they wrote per change before: a ledger whose operations run in batches and
 one whose every operation is a batch of its own end each batch with the same samples and the
-same spans."""
+same spans. With a report interval, what they write at each report is that too, and between
+reports nothing changes for longer than the interval while a transfer is unresolved."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Clock:
 class Observed:
     """A ledger with every observer, on a private registry and span exporter, and fake clocks."""
 
-    def __init__(self, clock: Clock, wall: Clock) -> None:
+    def __init__(self, clock: Clock, wall: Clock, report_interval: float = 0.0) -> None:
         self.registry = CollectorRegistry()
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
@@ -43,7 +44,7 @@ class Observed:
                             registry=self.registry),
             LedgerEdgeObserver(edges),
             TransferTracing(provider.get_tracer("test"), stage="ar", model_name="tiny"),
-        ])
+        ], report_interval=report_interval)
         self.ledger._wall_offset = wall.t - clock.t  # both ledgers map to the same wall time
 
     def samples(self) -> dict:
@@ -110,3 +111,55 @@ def test_batches_write_what_each_change_wrote(seed):
             assert math.isclose(got[key], value, rel_tol=1e-12, abs_tol=1e-9), key
         assert batched.spans() == single.spans()
     assert batches > 10 and single.exporter.get_finished_spans()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_report_interval_writes_the_same_at_each_report_and_nothing_between(seed):
+    """Reports at most every interval while a transfer is unresolved, at once when none is,
+    and on report(): each report writes exactly what the per-change ledger has written by
+    then; between reports the samples and spans stay as the last report left them."""
+    interval = 1.0
+    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
+    windowed, single = Observed(clock, wall, report_interval=interval), Observed(clock, wall)
+    rng_w, rng_s, rng_batches = random.Random(seed), random.Random(seed), random.Random(seed + 7)
+    ops_w = _operations(rng_w, windowed.ledger, 80)
+    ops_s = _operations(rng_s, single.ledger, 80)
+    reported_at = -math.inf
+    last = (windowed.samples(), windowed.spans())
+    reports = deferred = 0
+    done = False
+    while not done:
+        windowed.ledger.begin_batch()
+        for _ in range(rng_batches.randint(1, 4)):
+            op_w, op_s = next(ops_w, None), next(ops_s, None)
+            if op_w is None:
+                done = True
+                break
+            op_w()
+            op_s()
+            step = rng_batches.choice((0.0, 0.01, 0.2, 0.7))
+            clock.t += step
+            wall.t += step
+        windowed.ledger.end_batch()
+        now = (windowed.samples(), windowed.spans())
+        want = (single.samples(), single.spans())
+        if _same(now, want):
+            reported_at, last = clock.t, now
+            reports += 1
+            continue
+        # Not reported: only while a transfer is unresolved, within the interval, and nothing
+        # changed since the last report.
+        assert windowed.ledger.has_unresolved()
+        assert clock.t - reported_at < interval
+        assert _same(now, last)
+        deferred += 1
+    windowed.ledger.report()
+    assert _same((windowed.samples(), windowed.spans()), (single.samples(), single.spans()))
+    assert reports > 5 and deferred > 5 and single.exporter.get_finished_spans()
+
+
+def _same(got: tuple, want: tuple) -> bool:
+    (got_samples, got_spans), (want_samples, want_spans) = got, want
+    return got_samples.keys() == want_samples.keys() and all(
+        math.isclose(got_samples[k], v, rel_tol=1e-12, abs_tol=1e-9)
+        for k, v in want_samples.items()) and got_spans == want_spans

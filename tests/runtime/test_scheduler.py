@@ -1131,3 +1131,42 @@ def test_the_bare_finish_gives_what_vllms_own_path_gives(kv):
         [(t.request_id, t.outcome) for t in stock_path.recorder.resolved]
     for s, start in zip((bare, stock_path), starts):
         assert_quiescent(s, start)
+
+
+def test_the_transfer_metrics_are_written_at_most_every_telemetry_interval_and_exact_at_rest():
+    """With transfers in flight the metrics wait for the telemetry interval (the first change
+    after a quiet spell is written at once); when none is left, or at shutdown, they are
+    written at once and exact."""
+    from prometheus_client import REGISTRY
+
+    stage = "interval-test"
+
+    def gauge(name, **labels):
+        return REGISTRY.get_sample_value(name, {"stage": stage, "model_name": sched_model, **labels})
+
+    config = {**PREFILL, "telemetry_interval_seconds": 5, "stage_name": stage}
+    sched = make_scheduler(OmniARScheduler, make_vllm_config(config))
+    sched_model = sched.vllm_config.model_config.served_model_name or sched.vllm_config.model_config.model
+    for rid in ("a", "b"):
+        sched.add_request(make_request(32, request_id=rid))
+    step(sched)  # both prefilled and marked: the first change after a quiet spell
+    assert gauge("omni_kv_transfers", state="pending") == 2
+    step(sched)  # handed off: within the interval, not written yet
+    assert sched.transfer_ledger.num_active == 2
+    assert gauge("omni_kv_transfers", state="pending") == 2
+    assert gauge("omni_kv_transfers", state="active") == 0
+    step(sched, acked=["a"])
+    assert gauge("omni_kv_transfers_resolved_total", outcome="acked") == 0
+    step(sched, acked=["b"])  # nothing unresolved: written at once, exact
+    assert gauge("omni_kv_transfers", state="pending") == 0
+    assert gauge("omni_kv_transfers", state="active") == 0
+    assert gauge("omni_kv_transfers_resolved_total", outcome="acked") == 2
+    assert gauge("omni_kv_transfer_duration_seconds_count", outcome="acked") == 2
+
+    sched.add_request(make_request(32, request_id="c", max_tokens=1))
+    step(sched)  # marked (written at once) and finished: held
+    step(sched)
+    assert sched.transfer_ledger.num_held == 1
+    sched.shutdown()  # resolves it as failed and writes at once
+    assert gauge("omni_kv_transfers", state="held") == 0
+    assert gauge("omni_kv_transfers_resolved_total", outcome="failed") == 1

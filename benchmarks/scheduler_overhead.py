@@ -19,7 +19,10 @@ step (5 at 256, 20 at 1024) and as many arrive, prefill in one step, start a
 the output of the step after (one step later), then decode and finish. Ours runs with the
 observers a stage runs (metrics in prometheus_client's multiprocess mode, as in the
 engine-core process; tracing on a global SDK tracer provider with a batch span processor, as
-vLLM installs it; the per-edge families of its one downstream stage). Arrivals
+vLLM installs it; the per-edge families of its one downstream stage), told of the changes
+at the stage's default telemetry interval (``--telemetry-interval 0``: every step). The
+median of the per-step ratios leaves out the steps that write the interval's figures and
+spans; ``churn_ratio_best_totals_N`` (total time over total time) counts them. Arrivals
 (``add_request``), ``schedule()`` and ``update_from_output()`` are timed; the runner's outputs
 are built outside the timed span, the same for both schedulers (plus the acks for ours).
 Which scheduler steps first alternates. Last line: one JSON object.
@@ -240,7 +243,7 @@ class Churn:
 
 
 def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
-                  observers: str = "on") -> dict:
+                  observers: str = "on", telemetry_interval: float | None = None) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from omni_runtime.sched.scheduler import OmniARScheduler
@@ -251,6 +254,8 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
         "kv_transfer_criteria": {"type": "prefill_finished"},
         "timeout_seconds": 300,
     }
+    if telemetry_interval is not None:  # else the stage's default
+        kv["telemetry_interval_seconds"] = telemetry_interval
     totals: dict[str, list[int]] = {"stock": [], "omni": []}
     paired: list[float] = []
     transfers = finished = 0
@@ -315,6 +320,9 @@ def main() -> None:
     parser.add_argument("--churn-observers", choices=("on", "metrics", "off"), default="on",
                         help="metrics: ours without tracing, off: without any observer (to "
                              "tell their shares)")
+    parser.add_argument("--telemetry-interval", type=float, default=None,
+                        help="omni_kv_config.telemetry_interval_seconds of ours under churn "
+                             "(default: the stage's default; 0: the observers told every step)")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
     production_observability()  # before vLLM imports prometheus_client
@@ -332,12 +340,15 @@ def main() -> None:
         result["target"] = STEADY_TARGET
     if "churn" in workloads:
         for n in sizes:
-            m = measure_churn(n, args.churn_steps, args.repeats, observers=args.churn_observers)
+            m = measure_churn(n, args.churn_steps, args.repeats, observers=args.churn_observers,
+                              telemetry_interval=args.telemetry_interval)
             print(f"# churn, {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
                   f"{m['omni_step_us']:.0f} us/step, {m['transfers_per_step']:.1f} transfers and "
                   f"{m['finished_per_step']:.1f} finishes per step", file=sys.stderr)
             if args.churn_observers != "on":
                 result["churn_observers"] = args.churn_observers
+            if args.telemetry_interval is not None:
+                result["telemetry_interval_seconds"] = args.telemetry_interval
             result[f"churn_ratio_{n}"] = round(m["ratio"], 4)
             result[f"churn_ratio_best_totals_{n}"] = round(m["ratio_best_totals"], 4)
             result[f"churn_stock_step_us_{n}"] = round(m["stock_step_us"], 1)

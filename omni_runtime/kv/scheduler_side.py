@@ -92,12 +92,16 @@ class OmniKVConnectorScheduler:
             for rid in answers:
                 self._held.pop(rid, None)
         if self._stats is not None:
+            in_flight, to_stage = self._in_flight, self._to_stage
+            records = []
             for rid, answer in answers.items():
-                started = self._in_flight.get(rid)
+                started = in_flight.get(rid)
                 if started is not None and started[0] == answer.attempt:
-                    del self._in_flight[rid]
-                    self._stats.record("acked" if answer.acked else "failed", answer.nbytes,
-                                       answer.seconds, self._to_stage)
+                    del in_flight[rid]
+                    records.append(("acked" if answer.reason is None else "failed",
+                                    answer.nbytes, answer.seconds, to_stage))
+            if records:
+                self._stats.record_many(records)  # the step's answers under one lock
         return answers
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:

@@ -182,6 +182,14 @@ class KVStatsRecorder:
         with self._lock:
             self._stats.record(outcome, nbytes, duration_s, to_stage)
 
+    def record_many(self, records: list[tuple[str, int, float, str]]) -> None:
+        """:meth:`record` for each ``(outcome, nbytes, duration_s, to_stage)``, in one hold of
+        the lock."""
+        with self._lock:
+            record = self._stats.record
+            for outcome, nbytes, duration_s, to_stage in records:
+                record(outcome, nbytes, duration_s, to_stage)
+
     def take(self) -> OmniKVConnectorStats | None:
         """The resolutions recorded since the last call, or None when there were none (a
         non-None stats object makes vLLM ship a connector output on every step)."""

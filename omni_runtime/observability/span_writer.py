@@ -10,7 +10,9 @@ Two ways, chosen per span by :func:`span_writer`:
   ``Span.end`` do for such a span (the tracer's enabled switch, the provider's id generator
   and sampler with the parent's context, the trace flags, the span limits, the SDK's own span
   metrics) and hands the finished :class:`ReadableSpan` to the processors' ``on_end``, as
-  ``Span.end`` does. What it leaves out is what a span that is still open needs: its lock, a
+  ``Span.end`` does. A root span under the SDK's ALWAYS_ON or default ParentBased(ALWAYS_ON)
+  sampler skips the sampler call, whose answer is then known (sample, the attributes as
+  given, no trace state). What it leaves out is what a span that is still open needs: its lock, a
   mutable attribute map validated per call, an event list appended under the lock, and the
   processors' ``on_start``/``_on_ending``, which these processors ignore. Measured (this
   machine, one span with 7 attributes and 2 events): about a fifth of the SDK path's time
@@ -62,6 +64,7 @@ class SdkSpanWriter:
 
     def __init__(self, tracer: Any) -> None:
         from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.sdk.trace.sampling import Decision
         from opentelemetry.sdk.util import BoundedList
 
         self._tracer = tracer
@@ -74,6 +77,12 @@ class SdkSpanWriter:
         self._unset = Status(StatusCode.UNSET)
         # Immutable, so one serves every event without attributes.
         self._no_attributes = BoundedAttributes(immutable=True)
+        # Whether the sampler samples every root span, whatever its attributes (the SDK's
+        # ALWAYS_ON, or its default ParentBased(ALWAYS_ON)): a span with no parent then needs
+        # no call to it (the SDK's answer would be: record and sample, the attributes given,
+        # no trace state).
+        self._sample = Decision.RECORD_AND_SAMPLE
+        self._roots_always_sampled = _samples_every_root(tracer.sampler)
         # The processors last looked at, and whether they all ignore a span's start and its
         # ending. A processor may be added to the provider at any time: the multi-processor
         # then holds a new tuple, looked at on the next span.
@@ -117,15 +126,19 @@ class SdkSpanWriter:
         else:
             trace_id = parent_span.trace_id
             random_trace_id = parent_span.trace_flags.random_trace_id
-        sampling = tracer.sampler.should_sample(parent, trace_id, name, kind, attributes, ())
-        decision = sampling.decision
+        if parent_span is None and self._roots_always_sampled:
+            decision, span_attributes, trace_state = self._sample, attributes, None
+        else:
+            sampling = tracer.sampler.should_sample(parent, trace_id, name, kind, attributes, ())
+            decision, span_attributes = sampling.decision, sampling.attributes
+            trace_state = sampling.trace_state
         flags = trace_api.TraceFlags.SAMPLED if decision.is_sampled() else \
             trace_api.TraceFlags.DEFAULT
         if random_trace_id:
             flags |= trace_api.TraceFlags.RANDOM_TRACE_ID
         context = trace_api.SpanContext(trace_id, tracer.id_generator.generate_span_id(),
                                         is_remote=False, trace_flags=trace_api.TraceFlags(flags),
-                                        trace_state=sampling.trace_state)
+                                        trace_state=trace_state)
         record_end_metrics = tracer._tracer_metrics.start_span(parent_span, decision)
         if not decision.is_recording():
             return
@@ -141,7 +154,7 @@ class SdkSpanWriter:
             span_events = self._bounded(limits.max_events, span_events)
         span = self._readable(
             name=name, context=context, parent=parent_span, resource=tracer.resource,
-            attributes=self._attributes(sampling.attributes),
+            attributes=self._attributes(span_attributes),
             events=span_events, links=(), kind=kind, status=status or self._unset,
             start_time=start_ns, end_time=end_ns,
             instrumentation_info=tracer.instrumentation_info,
@@ -152,6 +165,18 @@ class SdkSpanWriter:
 
 
 _PLAIN = frozenset((str, int, float, bool))
+
+
+def _samples_every_root(sampler: Any) -> bool:
+    """Whether ``sampler`` is the SDK's ALWAYS_ON, or ParentBased with it as the root's (the
+    SDK's default): read once, from the SDK's own classes (not subclasses, which may decide
+    otherwise)."""
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
+
+    if type(sampler) is ParentBased:
+        sampler = getattr(sampler, "_root", None)
+    return (type(sampler) is StaticSampler
+            and getattr(sampler, "_decision", None) is Decision.RECORD_AND_SAMPLE)
 
 
 def _ignore_start_and_ending(processors: Sequence[Any]) -> bool:

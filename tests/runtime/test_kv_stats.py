@@ -91,6 +91,12 @@ def test_the_recorder_hands_out_each_record_once_and_none_when_nothing_happened(
     rec.record("acked", 5, 0.01, "t")
     assert kv_stats.get_kv_connector_stats(rec).data["bytes"] == [5]
     assert first.data["bytes"] == [10, 0], "a handed-out object is not reused"
+    rec.record_many([("acked", 7, 0.5, "t"), ("expired", 0, 3.0, "u")])
+    many = kv_stats.get_kv_connector_stats(rec)
+    assert many.data == {"outcome": ["acked", "expired"], "bytes": [7, 0],
+                         "duration_s": [0.5, 3.0], "to_stage": ["t", "u"]}
+    with pytest.raises(ValueError, match="outcome"):
+        rec.record_many([("lost", 0, 0.0, "t")])
 
 
 def test_the_worker_to_engine_core_pickle_and_the_api_server_msgpack_round_trips():

@@ -99,9 +99,11 @@ def view(span) -> tuple:
                                                       max_events=2, max_event_attributes=1,
                                                       max_attribute_length=4)],
                          ids=["default-limits", "tight-limits"])
-def test_the_sdk_writer_gives_the_sdks_own_span(limits):
-    sdk_provider, sdk_spans = provider(limits=limits)
-    api_provider, api_spans = provider(limits=limits)
+@pytest.mark.parametrize("sampler", [ALWAYS_ON, ParentBased(ALWAYS_ON)],
+                         ids=["always-on", "parent-based"])
+def test_the_sdk_writer_gives_the_sdks_own_span(limits, sampler):
+    sdk_provider, sdk_spans = provider(sampler, limits=limits)
+    api_provider, api_spans = provider(sampler, limits=limits)
     sdk = span_writer(sdk_provider.get_tracer("t", "1.0"))
     assert isinstance(sdk, SdkSpanWriter)
     write_all(sdk)
@@ -127,6 +129,16 @@ def test_the_providers_sampler_decides_as_for_the_sdk(sampler, flags, expected):
             writer.write("s", parent(flags), SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
     assert len(sdk_spans.spans) == len(api_spans.spans) == expected
     assert [view(s) for s in sdk_spans.spans] == [view(s) for s in api_spans.spans]
+
+
+def test_only_the_sdks_own_always_on_samplers_skip_the_sampler_for_root_spans():
+    class Mine(ParentBased):  # a subclass may decide otherwise: asked every time
+        pass
+
+    assert span_writer(provider(ALWAYS_ON)[0].get_tracer("t"))._roots_always_sampled
+    assert span_writer(provider(ParentBased(ALWAYS_ON))[0].get_tracer("t"))._roots_always_sampled
+    for sampler in (Mine(ALWAYS_ON), ParentBased(TraceIdRatioBased(0.5)), RecordOnly()):
+        assert not span_writer(provider(sampler)[0].get_tracer("t"))._roots_always_sampled
 
 
 class RecordOnly(Sampler):

@@ -62,7 +62,7 @@ from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_confi
 from omni_runtime.observability.observers import build_observers
 from omni_runtime.sched.handoff import Answer, HandOff
 from omni_runtime.sched.outputs import OmniNewRequestData
-from omni_runtime.transfers.ledger import Outcome, Transfer, TransferLedger, Trigger
+from omni_runtime.transfers.ledger import Outcome, Phase, Transfer, TransferLedger, Trigger
 
 logger = logging.getLogger(__name__)
 
@@ -386,14 +386,14 @@ class OmniKVTransferMixin:
         self._awaiting_trigger.discard(request_id)
         error = None
         try:
-            block_ids = self.kv_cache_manager.get_block_ids(request_id)[0]
+            blocks = self._group_blocks(request_id)
             needed = -(-seq_len // self._kv_block_size)
-            if len(block_ids) < needed:
+            if len(blocks) < needed:
                 raise RuntimeError(
-                    f"request holds {len(block_ids)} KV blocks, {needed} needed for "
+                    f"request holds {len(blocks)} KV blocks, {needed} needed for "
                     f"seq_len {seq_len}"
                 )
-            block_ids = block_ids[:needed]
+            block_ids = [block.block_id for block in blocks[:needed]]
         except Exception as exc:  # reported: the transfer resolves as failed, below
             block_ids = []
             error = f"marking failed: {type(exc).__name__}: {exc}"
@@ -405,6 +405,11 @@ class OmniKVTransferMixin:
             logger.error("KV transfer of request %s failed: %s", request_id, error)
             self.transfer_ledger.resolve(request_id, Outcome.FAILED, error)
         return transfer
+
+    def _group_blocks(self, request_id: str) -> list[Any]:
+        """The request's KV blocks (of its one KV cache group), as vLLM's get_block_ids reads
+        them, without building the ids of the blocks past a snapshot."""
+        return self.kv_cache_manager.coordinator.get_blocks(request_id)[0]
 
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
         """The workers' answers, each naming the attempt it answers: one about an earlier
@@ -509,18 +514,23 @@ def _find_omni_connector(connector: Any) -> Any:
     return None
 
 
+#: The enums' values by member: a dict lookup per finish, not an enum property's.
+_VALUES: dict[Any, str] = {m: m.value for e in (Trigger, Phase, Outcome) for m in e}
+
+
 def _transfer_params(transfer: Transfer) -> dict[str, Any]:
     """What the request's output carries about its transfer (as the reference does, plus
     its state: the outcome if it resolved before the request finished)."""
     block_ids = list(transfer.block_ids)
+    outcome = transfer.outcome
     return {
         "past_key_values": block_ids,
         "kv_metadata": {
             "seq_len": transfer.seq_len,
             "block_ids": block_ids,
-            "trigger": transfer.trigger.value,
-            "state": transfer.phase.value,
-            "outcome": transfer.outcome.value if transfer.outcome else None,
+            "trigger": _VALUES[transfer.trigger],
+            "state": _VALUES[transfer.phase],
+            "outcome": None if outcome is None else _VALUES[outcome],
             "reason": transfer.reason,
         },
     }

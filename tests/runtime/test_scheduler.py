@@ -405,15 +405,14 @@ def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatc
     start = free_blocks(s)
     r = make_request(40, max_tokens=3)
     s.add_request(r)
-    real = s.kv_cache_manager.get_block_ids
+    real = s._group_blocks
 
     def broken(request_id):
         if lookup == "raises":
             raise KeyError(request_id)
-        (group,) = real(request_id)
-        return (group[:1],)
+        return real(request_id)[:1]
 
-    monkeypatch.setattr(s.kv_cache_manager, "get_block_ids", broken)
+    monkeypatch.setattr(s, "_group_blocks", broken)
     with caplog.at_level(logging.ERROR, logger="omni_runtime.sched.scheduler"):
         step(s)
     monkeypatch.undo()

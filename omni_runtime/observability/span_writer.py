@@ -82,7 +82,8 @@ class SdkSpanWriter:
         # no call to it (the SDK's answer would be: record and sample, the attributes given,
         # no trace state).
         self._sample = Decision.RECORD_AND_SAMPLE
-        self._roots_always_sampled = _samples_every_root(tracer.sampler)
+        self._sampler = tracer.sampler
+        self._roots_always_sampled = _samples_every_root(self._sampler)
         # The processors last looked at, and whether they all ignore a span's start and its
         # ending. A processor may be added to the provider at any time: the multi-processor
         # then holds a new tuple, looked at on the next span.
@@ -126,6 +127,9 @@ class SdkSpanWriter:
         else:
             trace_id = parent_span.trace_id
             random_trace_id = parent_span.trace_flags.random_trace_id
+        if tracer.sampler is not self._sampler:  # replaced: the SDK reads it per span
+            self._sampler = tracer.sampler
+            self._roots_always_sampled = _samples_every_root(self._sampler)
         if parent_span is None and self._roots_always_sampled:
             decision, span_attributes, trace_state = self._sample, attributes, None
         else:
@@ -168,14 +172,16 @@ _PLAIN = frozenset((str, int, float, bool))
 
 
 def _samples_every_root(sampler: Any) -> bool:
-    """Whether ``sampler`` is the SDK's ALWAYS_ON, or ParentBased with it as the root's (the
-    SDK's default): read once, from the SDK's own classes (not subclasses, which may decide
-    otherwise)."""
+    """Whether ``sampler`` decides as the SDK's ALWAYS_ON, or as its ParentBased with an
+    ALWAYS_ON root (the SDK's default, DEFAULT_ON, and its entry-point twins): the SDK's own
+    ``should_sample`` of those classes, not overridden by a subclass, which may decide
+    otherwise."""
     from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
 
-    if type(sampler) is ParentBased:
+    if isinstance(sampler, ParentBased) and type(sampler).should_sample is ParentBased.should_sample:
         sampler = getattr(sampler, "_root", None)
-    return (type(sampler) is StaticSampler
+    return (isinstance(sampler, StaticSampler)
+            and type(sampler).should_sample is StaticSampler.should_sample
             and getattr(sampler, "_decision", None) is Decision.RECORD_AND_SAMPLE)
 
 

@@ -313,7 +313,7 @@ class OmniKVTransferMixin:
         # Resolve what is left, so that spans end, and give held blocks and their finished
         # requests back.
         self._fail_unresolved("scheduler shut down", lambda t: True)
-        self.transfer_ledger.report()
+        self.transfer_ledger.report()  # (the last resolution reported; kept as the safeguard)
         super().shutdown()
 
     def reset_prefix_cache(
@@ -409,7 +409,7 @@ class OmniKVTransferMixin:
     def _group_blocks(self, request_id: str) -> list[Any]:
         """The request's KV blocks (of its one KV cache group), as vLLM's get_block_ids reads
         them, without building the ids of the blocks past a snapshot."""
-        return self.kv_cache_manager.coordinator.get_blocks(request_id)[0]
+        return self.kv_cache_manager.get_blocks(request_id).blocks[0]
 
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
         """The workers' answers, each naming the attempt it answers: one about an earlier

@@ -34,8 +34,12 @@ observers hear of ended batches at most once per interval while a transfer is un
 the changes of several steps reach them as one batch (their writes, a multiprocess mmap write
 each, and their spans then cost once per interval, not once per step). They hear at once
 when no transfer is left unresolved (so an idle stage's figures are exact), and on
-:meth:`TransferLedger.report`. A scheduler with unresolved transfers keeps stepping (it
-polls for answers), so no report waits longer than the interval and a step.
+:meth:`TransferLedger.report`. vLLM's engine keeps stepping a scheduler with unresolved
+transfers (it polls for answers), so no report waits longer than the interval and a step; an
+engine stepped only on demand (an offline ``LLM``) reports at its next step.
+
+A batched observer that raises loses that report's changes from its figures (logged, on the
+first failure and every 1000th): never the scheduler's step, nor the other observers'.
 """
 
 from __future__ import annotations
@@ -187,6 +191,8 @@ class TransferLedger:
         #: The changes of the batch under way, for the batched observers (None: there are none).
         self._batch: Batch | None = None
         self._batch_depth = 0
+        #: Batched observers' failures, by class name (logged on the first and every 1000th).
+        self._observer_failures: dict[str, int] = {}
         for observer in observers:
             self.add_observer(observer)
         # Insertion-ordered: the first entry of each is the oldest in that state.
@@ -247,7 +253,17 @@ class TransferLedger:
             self._reported_at = now
         batch, self._batch = self._batch, Batch()
         for observer in self._batched:
-            observer.on_batch(self, batch)
+            try:
+                observer.on_batch(self, batch)
+            except Exception:  # figures are lost, never the step (nor the other observers')
+                self._observer_failed(observer)
+
+    def _observer_failed(self, observer: TransferObserver) -> None:
+        name = type(observer).__name__
+        failures = self._observer_failures[name] = self._observer_failures.get(name, 0) + 1
+        if failures == 1 or failures % 1000 == 0:  # not once per interval for ever
+            logger.exception("KV transfer observer %s failed (%d times so far); the changes of "
+                             "this report are missing from its figures", name, failures)
 
     # ------------------------------------------------------------------ queries
     def now(self) -> float:

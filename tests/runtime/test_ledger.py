@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -284,3 +286,31 @@ class LedgerMachine(RuleBasedStateMachine):
 
 LedgerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_ledger_state_machine = LedgerMachine.TestCase
+
+
+def test_a_failing_batched_observer_loses_its_figures_not_the_step_nor_the_others(
+        ledger, caplog):
+    class Failing(TransferObserver):
+        batched = True
+
+        def on_batch(self, ledger, batch):
+            raise RuntimeError("disk full")
+
+    class Counting(TransferObserver):
+        batched = True
+        marked = 0
+
+        def on_batch(self, ledger, batch):
+            self.marked += len(batch.marked)
+
+    counting = Counting()
+    ledger.add_observer(Failing())
+    ledger.add_observer(counting)
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.transfers.ledger"):
+        for i in range(1000):
+            ledger.begin_batch()
+            ledger.mark(f"r{i}", Trigger.PREFILL_FINISHED, 16, [4])
+            ledger.end_batch()
+    assert counting.marked == 1000 and ledger.num_pending == 1000
+    failures = [r for r in caplog.records if "Failing failed" in r.getMessage()]
+    assert [r.getMessage().split("(")[1].split(" ")[0] for r in failures] == ["1", "1000"]

@@ -1163,9 +1163,14 @@ def test_the_transfer_metrics_are_written_at_most_every_telemetry_interval_and_e
     assert gauge("omni_kv_transfer_duration_seconds_count", outcome="acked") == 2
 
     sched.add_request(make_request(32, request_id="c", max_tokens=1))
-    step(sched)  # marked (written at once) and finished: held
+    step(sched)  # marked and finished (held), within the interval of the first report
     step(sched)
     assert sched.transfer_ledger.num_held == 1
+    assert gauge("omni_kv_transfers", state="held") == 0, "not written yet"
+    # (It finished in its prefill step: marked on finishing.)
+    assert gauge("omni_kv_transfers_started_total", trigger="request_finished") == 0
     sched.shutdown()  # resolves it as failed and writes at once
-    assert gauge("omni_kv_transfers", state="held") == 0
+    assert gauge("omni_kv_transfers_started_total", trigger="request_finished") == 1
     assert gauge("omni_kv_transfers_resolved_total", outcome="failed") == 1
+    assert gauge("omni_kv_hold_duration_seconds_count") == 1
+    assert gauge("omni_kv_transfers", state="held") == 0

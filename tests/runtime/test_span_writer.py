@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import (ALWAYS_ON, Decision, ParentBased, Sampler,
-                                              SamplingResult, TraceIdRatioBased)
+from opentelemetry.sdk.trace.sampling import (ALWAYS_OFF, ALWAYS_ON, Decision, ParentBased,
+                                              Sampler, SamplingResult, TraceIdRatioBased)
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -132,13 +132,27 @@ def test_the_providers_sampler_decides_as_for_the_sdk(sampler, flags, expected):
 
 
 def test_only_the_sdks_own_always_on_samplers_skip_the_sampler_for_root_spans():
-    class Mine(ParentBased):  # a subclass may decide otherwise: asked every time
-        pass
+    from opentelemetry.sdk.trace.sampling import _ParentBasedAlwaysOn
 
-    assert span_writer(provider(ALWAYS_ON)[0].get_tracer("t"))._roots_always_sampled
-    assert span_writer(provider(ParentBased(ALWAYS_ON))[0].get_tracer("t"))._roots_always_sampled
-    for sampler in (Mine(ALWAYS_ON), ParentBased(TraceIdRatioBased(0.5)), RecordOnly()):
+    class Mine(ParentBased):  # a subclass that decides otherwise: asked every time
+        def should_sample(self, *args, **kwargs):
+            return ALWAYS_OFF.should_sample(*args, **kwargs)
+
+    for sampler in (ALWAYS_ON, ParentBased(ALWAYS_ON), _ParentBasedAlwaysOn(None)):
+        assert span_writer(provider(sampler)[0].get_tracer("t"))._roots_always_sampled, sampler
+    for sampler in (Mine(ALWAYS_ON), ParentBased(TraceIdRatioBased(0.5)), RecordOnly(),
+                    ALWAYS_OFF):
         assert not span_writer(provider(sampler)[0].get_tracer("t"))._roots_always_sampled
+
+
+def test_a_sampler_replaced_on_the_tracer_decides_from_then_on():
+    sdk_provider, sdk_spans = provider(ALWAYS_ON)
+    tracer = sdk_provider.get_tracer("t")
+    writer = span_writer(tracer)
+    writer.write("s", None, SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
+    tracer.sampler = ALWAYS_OFF
+    writer.write("s", None, SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
+    assert len(sdk_spans.spans) == 1
 
 
 class RecordOnly(Sampler):

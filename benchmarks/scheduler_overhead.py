@@ -24,8 +24,10 @@ at the stage's default telemetry interval (``--telemetry-interval 0``: every ste
 median of the per-step ratios leaves out the steps that write the interval's figures and
 spans; ``churn_ratio_best_totals_N`` (total time over total time) counts them. The step
 that runs second in a pair is slower than the first by up to a tenth here (measured: ours
-first about 0.95, stock first about 1.17 at 256), so the per-step ratios fall in two clusters
-and their median, between them, moves by several per cent from run to run;
+first about 0.95, stock first about 1.17 at 256): as the order alternates (S O | O S | S O),
+the first of a pair has just stepped and finds its data still in the caches. So the per-step
+ratios fall in two clusters and their median, between them, moves by several per cent from
+run to run;
 ``churn_ratio_balanced_N`` is the median over each two consecutive steps (one of each order)
 of ours' time over stock's, which cancels the order. Arrivals
 (``add_request``), ``schedule()`` and ``update_from_output()`` are timed; the runner's outputs

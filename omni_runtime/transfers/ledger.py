@@ -237,8 +237,9 @@ class TransferLedger:
             self._flush()
 
     def report(self) -> None:
-        """Tell the batched observers every change not told yet, now (outside a batch):
-        at shutdown, or where a reader needs the figures exact mid-flight."""
+        """Tell the batched observers every change not told yet, now (outside a batch), where
+        a reader needs the figures exact while transfers are in flight (a shutdown needs no
+        call: resolving what is left reports at once)."""
         if not self._batch_depth and self._batch:
             self._reported_at = float("-inf")
             self._flush()

@@ -80,29 +80,37 @@ def _operations(rng: random.Random, ledger: TransferLedger, n: int):
         yield ledger.expire_due
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_batches_write_what_each_change_wrote(seed):
-    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
-    batched, single = Observed(clock, wall), Observed(clock, wall)
+def _in_batches(batched: Observed, single: Observed, clock: Clock, wall: Clock, seed: int,
+                n: int, max_size: int, steps: tuple[float, ...]):
+    """The same random stream of ``n`` transfers' operations on both ledgers, ``batched``'s
+    in batches of 1 to ``max_size`` operations (``single``'s each a batch of its own), the
+    clocks advancing by one of ``steps`` after each operation; yields after each batch ends."""
     rng_b, rng_s, rng_batches = random.Random(seed), random.Random(seed), random.Random(seed + 7)
-    ops_b = _operations(rng_b, batched.ledger, 60)
-    ops_s = _operations(rng_s, single.ledger, 60)
-    batches = 0
+    ops_b = _operations(rng_b, batched.ledger, n)
+    ops_s = _operations(rng_s, single.ledger, n)
     done = False
     while not done:
-        size = rng_batches.randint(1, 8)
         batched.ledger.begin_batch()
-        for _ in range(size):
+        for _ in range(rng_batches.randint(1, max_size)):
             op_b, op_s = next(ops_b, None), next(ops_s, None)
             if op_b is None:
                 done = True
                 break
             op_b()
             op_s()
-            step = rng_batches.choice((0.0, 0.01, 0.7, 2.0))
+            step = rng_batches.choice(steps)
             clock.t += step
             wall.t += step
         batched.ledger.end_batch()
+        yield
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_batches_write_what_each_change_wrote(seed):
+    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
+    batched, single = Observed(clock, wall), Observed(clock, wall)
+    batches = 0
+    for _ in _in_batches(batched, single, clock, wall, seed, 60, 8, (0.0, 0.01, 0.7, 2.0)):
         batches += 1
         got, want = batched.samples(), single.samples()
         assert got.keys() == want.keys()
@@ -121,26 +129,10 @@ def test_a_report_interval_writes_the_same_at_each_report_and_nothing_between(se
     interval = 1.0
     clock, wall = Clock(100.0), Clock(1_700_000_000.0)
     windowed, single = Observed(clock, wall, report_interval=interval), Observed(clock, wall)
-    rng_w, rng_s, rng_batches = random.Random(seed), random.Random(seed), random.Random(seed + 7)
-    ops_w = _operations(rng_w, windowed.ledger, 80)
-    ops_s = _operations(rng_s, single.ledger, 80)
     reported_at = -math.inf
     last = (windowed.samples(), windowed.spans())
     reports = deferred = 0
-    done = False
-    while not done:
-        windowed.ledger.begin_batch()
-        for _ in range(rng_batches.randint(1, 4)):
-            op_w, op_s = next(ops_w, None), next(ops_s, None)
-            if op_w is None:
-                done = True
-                break
-            op_w()
-            op_s()
-            step = rng_batches.choice((0.0, 0.01, 0.2, 0.7))
-            clock.t += step
-            wall.t += step
-        windowed.ledger.end_batch()
+    for _ in _in_batches(windowed, single, clock, wall, seed, 80, 4, (0.0, 0.01, 0.2, 0.7)):
         now = (windowed.samples(), windowed.spans())
         want = (single.samples(), single.spans())
         if _same(now, want):

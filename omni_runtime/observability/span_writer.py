@@ -29,7 +29,7 @@ missing, so an SDK that changes them costs speed, never a span.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace as trace_api
@@ -39,6 +39,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 #: (name, attributes or None, timestamp in ns) of one span event.
 EventSpec = tuple[str, Mapping[str, Any] | None, int]
+#: One span over, as :meth:`SdkSpanWriter.write` takes it: (name, parent context or None for
+#: the current one's span, kind, attributes, events, status or None, start ns, end ns).
+SpanSpec = tuple[str, "Context | None", SpanKind, dict[str, Any], Sequence[EventSpec],
+                 "Status | None", int, int]
 
 
 class ApiSpanWriter:
@@ -57,6 +61,10 @@ class ApiSpanWriter:
         if status is not None:
             span.set_status(status)
         span.end(end_time=end_ns)
+
+    def write_many(self, spans: Iterable[SpanSpec]) -> None:
+        for spec in spans:
+            self.write(*spec)
 
 
 class SdkSpanWriter:
@@ -89,6 +97,9 @@ class SdkSpanWriter:
         # then holds a new tuple, looked at on the next span.
         self._seen_processors: Any = None
         self._quiet = False
+        from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
+
+        self._in_turn = type(self._processor).on_end is SynchronousMultiSpanProcessor.on_end
 
     def _attributes(self, attributes: Any) -> Any:
         """The span's attributes as the SDK would keep them. Plain values within the limits
@@ -109,64 +120,99 @@ class SdkSpanWriter:
     def write(self, name: str, parent: Context | None, kind: SpanKind,
               attributes: dict[str, Any], events: Sequence[EventSpec], status: Status | None,
               start_ns: int, end_ns: int) -> None:
+        self.write_many(((name, parent, kind, attributes, events, status, start_ns, end_ns),))
+
+    def write_many(self, spans: Iterable[SpanSpec]) -> None:
+        """The spans, one after the other, as :meth:`write` would one by one: what is the
+        same for all of them is read once (the processors, the tracer's switch, its
+        sampler, id generator and limits, and the current context's span, parent of the
+        spans given none: nothing here changes the current context)."""
         processors = self._processor._span_processors
         if processors is not self._seen_processors:
             self._seen_processors, self._quiet = processors, _ignore_start_and_ending(processors)
         if not self._quiet:
-            self._api.write(name, parent, kind, attributes, events, status, start_ns, end_ns)
+            self._api.write_many(spans)
             return
         tracer = self._tracer
         if not tracer._is_enabled():
             return
-        # As the SDK: no parent given means the current context's span, if any.
-        parent_span = trace_api.get_current_span(parent).get_span_context()
-        if parent_span is None or not parent_span.is_valid:
-            parent_span = None
-            trace_id = tracer.id_generator.generate_trace_id()
-            random_trace_id = tracer.id_generator.is_trace_id_random()
-        else:
-            trace_id = parent_span.trace_id
-            random_trace_id = parent_span.trace_flags.random_trace_id
         if tracer.sampler is not self._sampler:  # replaced: the SDK reads it per span
             self._sampler = tracer.sampler
             self._roots_always_sampled = _samples_every_root(self._sampler)
-        if parent_span is None and self._roots_always_sampled:
-            decision, span_attributes, trace_state = self._sample, attributes, None
-        else:
-            sampling = tracer.sampler.should_sample(parent, trace_id, name, kind, attributes, ())
-            decision, span_attributes = sampling.decision, sampling.attributes
-            trace_state = sampling.trace_state
-        flags = trace_api.TraceFlags.SAMPLED if decision.is_sampled() else \
-            trace_api.TraceFlags.DEFAULT
-        if random_trace_id:
-            flags |= trace_api.TraceFlags.RANDOM_TRACE_ID
-        context = trace_api.SpanContext(trace_id, tracer.id_generator.generate_span_id(),
-                                        is_remote=False, trace_flags=trace_api.TraceFlags(flags),
-                                        trace_state=trace_state)
-        record_end_metrics = tracer._tracer_metrics.start_span(parent_span, decision)
-        if not decision.is_recording():
-            return
+        sampler, roots_always_sampled = self._sampler, self._roots_always_sampled
+        ids = tracer.id_generator
+        new_trace_id, new_span_id = ids.generate_trace_id, ids.generate_span_id
+        random_trace_ids = ids.is_trace_id_random()
+        start_span_metrics = tracer._tracer_metrics.start_span
         limits = self._limits
-        no_attributes = self._no_attributes
-        span_events: Sequence[Any] = tuple(
-            self._event(event_name, no_attributes if not event_attributes else BoundedAttributes(
-                limits.max_event_attributes, event_attributes,
-                max_value_len=limits.max_attribute_length, immutable=True), timestamp)
-            for event_name, event_attributes, timestamp in events)
-        if limits.max_events is not None and len(span_events) > limits.max_events:
-            # The SDK's bounded list: keeps the newest, counts what it dropped.
-            span_events = self._bounded(limits.max_events, span_events)
-        span = self._readable(
-            name=name, context=context, parent=parent_span, resource=tracer.resource,
-            attributes=self._attributes(span_attributes),
-            events=span_events, links=(), kind=kind, status=status or self._unset,
-            start_time=start_ns, end_time=end_ns,
-            instrumentation_info=tracer.instrumentation_info,
-            instrumentation_scope=tracer._instrumentation_scope)
-        if record_end_metrics:
-            record_end_metrics()
-        self._processor.on_end(span)
+        max_events, max_event_attributes = limits.max_events, limits.max_event_attributes
+        max_attribute_length = limits.max_attribute_length
+        no_attributes, event, readable = self._no_attributes, self._event, self._readable
+        flags_of, sample, unset = _FLAGS, self._sample, self._unset
+        resource, scope = tracer.resource, tracer._instrumentation_scope
+        info = tracer.instrumentation_info
+        # The SDK's synchronous multi-processor calls each processor in turn: so do we,
+        # from the tuple read above; any other (the concurrent one), its own on_end.
+        on_ends = ([processor.on_end for processor in processors] if self._in_turn
+                   else [self._processor.on_end])
+        current = _NOT_LOOKED_UP  # the current context's span context, looked up once
+        for name, parent, kind, attributes, events, status, start_ns, end_ns in spans:
+            # As the SDK: no parent given means the current context's span, if any.
+            if parent is None:
+                if current is _NOT_LOOKED_UP:
+                    current = trace_api.get_current_span().get_span_context()
+                parent_span = current
+            else:
+                parent_span = trace_api.get_current_span(parent).get_span_context()
+            if parent_span is None or not parent_span.is_valid:
+                parent_span = None
+                trace_id = new_trace_id()
+                random_trace_id = random_trace_ids
+            else:
+                trace_id = parent_span.trace_id
+                random_trace_id = parent_span.trace_flags.random_trace_id
+            if parent_span is None and roots_always_sampled:
+                decision, span_attributes, trace_state = sample, attributes, None
+            else:
+                sampling = sampler.should_sample(parent, trace_id, name, kind, attributes, ())
+                decision, span_attributes = sampling.decision, sampling.attributes
+                trace_state = sampling.trace_state
+            context = trace_api.SpanContext(
+                trace_id, new_span_id(), is_remote=False,
+                trace_flags=flags_of[decision.is_sampled(), bool(random_trace_id)],
+                trace_state=trace_state)
+            record_end_metrics = start_span_metrics(parent_span, decision)
+            if not decision.is_recording():
+                continue
+            span_events: Sequence[Any] = tuple([
+                event(event_name, no_attributes if not event_attributes else BoundedAttributes(
+                    max_event_attributes, event_attributes, max_value_len=max_attribute_length,
+                    immutable=True), timestamp)
+                for event_name, event_attributes, timestamp in events])
+            if max_events is not None and len(span_events) > max_events:
+                # The SDK's bounded list: keeps the newest, counts what it dropped.
+                span_events = self._bounded(max_events, span_events)
+            span = readable(
+                name=name, context=context, parent=parent_span, resource=resource,
+                attributes=self._attributes(span_attributes),
+                events=span_events, links=(), kind=kind, status=status or unset,
+                start_time=start_ns, end_time=end_ns,
+                instrumentation_info=info, instrumentation_scope=scope)
+            if record_end_metrics:
+                record_end_metrics()
+            for on_end in on_ends:
+                on_end(span)
 
+
+_NOT_LOOKED_UP: Any = object()
+
+#: The trace flags by (sampled, random trace id): the SDK makes one per span; they are ints.
+_FLAGS = {
+    (sampled, random_id): trace_api.TraceFlags(
+        (trace_api.TraceFlags.SAMPLED if sampled else trace_api.TraceFlags.DEFAULT)
+        | (trace_api.TraceFlags.RANDOM_TRACE_ID if random_id else 0))
+    for sampled in (False, True) for random_id in (False, True)
+}
 
 _PLAIN = frozenset((str, int, float, bool))
 

@@ -25,8 +25,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from omni_runtime.observability.span_writer import EventSpec, span_writer
-from omni_runtime.transfers.ledger import Batch, Outcome, Transfer, TransferLedger, TransferObserver
+from omni_runtime.observability.span_writer import EventSpec, SpanSpec, span_writer
+from omni_runtime.transfers.ledger import (Batch, Outcome, Transfer, TransferLedger, TransferObserver,
+                                           Trigger)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ class TransferTracing(TransferObserver):
     (the SDK validates attributes per call). Hand-off and hold cost nothing here. A span over
     is written whole (span_writer.py: on the SDK's own tracer, straight to its processors).
     Batched:
-    the spans of the transfers a scheduler step resolved are built together at the end of
-    that step's half, one after the other (the SDK's code stays warm across them).
+    the spans of the transfers resolved since the last report are written together
+    (``write_many``: what is the same for all of them is read once, and the SDK's code stays
+    warm across them).
     """
 
     batched = True
@@ -77,20 +79,25 @@ class TransferTracing(TransferObserver):
         self._model_name = model_name
 
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
-        for transfer in batch.resolved:
-            self.on_resolved(ledger, transfer)
+        if batch.resolved:
+            offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
+            self._writer.write_many([self._span(t, offset) for t in batch.resolved])
 
     def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
+        self._writer.write_many((self._span(transfer, ledger.wall_time(0.0)),))
+
+    def _span(self, transfer: Transfer, offset: float) -> SpanSpec:
+        """The transfer's span; ``offset``: unix time less ledger time."""
         headers = transfer.trace_headers
+        outcome = transfer.outcome
         attributes: dict[str, Any] = {
             ATTR_REQUEST_ID: transfer.request_id,
             ATTR_STAGE: self._stage,
             ATTR_MODEL_NAME: self._model_name,
-            ATTR_TRIGGER: transfer.trigger.value,
+            ATTR_TRIGGER: _VALUES[transfer.trigger],
             ATTR_SEQ_LEN: transfer.seq_len,
             ATTR_BLOCKS: len(transfer.block_ids),
-            ATTR_OUTCOME: transfer.outcome.value,
+            ATTR_OUTCOME: _VALUES[outcome],
         }
         events: list[EventSpec] = []
         if transfer.handed_off_at is not None:
@@ -102,13 +109,16 @@ class TransferTracing(TransferObserver):
         end = int((transfer.resolved_at + offset) * 1e9)
         reason = transfer.reason[:MAX_REASON_CHARS] if transfer.reason else None
         events.append((EVENT_RESOLVED, {ATTR_REASON: reason} if reason else None, end))
-        self._writer.write(
-            SPAN_NAME,
-            # No headers: a root span (extract() of nothing would give the same, slower).
-            _propagator.extract(headers) if headers else None,
-            SpanKind.INTERNAL, attributes, events,
-            Status(StatusCode.ERROR, reason) if transfer.outcome in _ERROR_OUTCOMES else None,
-            int((transfer.marked_at + offset) * 1e9), end)
+        return (SPAN_NAME,
+                # No headers: a root span (extract() of nothing would give the same, slower).
+                _propagator.extract(headers) if headers else None,
+                SpanKind.INTERNAL, attributes, events,
+                Status(StatusCode.ERROR, reason) if outcome in _ERROR_OUTCOMES else None,
+                int((transfer.marked_at + offset) * 1e9), end)
+
+
+#: The enums' values by member: a dict lookup per span, not an enum property's.
+_VALUES: dict[Any, str] = {m: m.value for e in (Trigger, Outcome) for m in e}
 
 
 # ---------------------------------------------------------------------- tracer resolution

@@ -83,10 +83,15 @@ SPANS = [  # (parent, attributes, events, status)
 ]
 
 
-def write_all(writer) -> None:
-    for ctx, attributes, events, status in SPANS:
-        writer.write("omni.kv_transfer", ctx, SpanKind.INTERNAL, dict(attributes), events,
-                     status, 1_000_000, 1_001_000)
+def write_all(writer, together: bool = False) -> None:
+    """Every span of SPANS: one ``write`` each, or one ``write_many`` for them all."""
+    specs = [("omni.kv_transfer", ctx, SpanKind.INTERNAL, dict(attributes), events, status,
+              1_000_000, 1_001_000) for ctx, attributes, events, status in SPANS]
+    if together:
+        writer.write_many(specs)
+    else:
+        for spec in specs:
+            writer.write(*spec)
 
 
 def view(span) -> tuple:
@@ -101,12 +106,13 @@ def view(span) -> tuple:
                          ids=["default-limits", "tight-limits"])
 @pytest.mark.parametrize("sampler", [ALWAYS_ON, ParentBased(ALWAYS_ON)],
                          ids=["always-on", "parent-based"])
-def test_the_sdk_writer_gives_the_sdks_own_span(limits, sampler):
+@pytest.mark.parametrize("together", [False, True], ids=["write", "write_many"])
+def test_the_sdk_writer_gives_the_sdks_own_span(limits, sampler, together):
     sdk_provider, sdk_spans = provider(sampler, limits=limits)
     api_provider, api_spans = provider(sampler, limits=limits)
     sdk = span_writer(sdk_provider.get_tracer("t", "1.0"))
     assert isinstance(sdk, SdkSpanWriter)
-    write_all(sdk)
+    write_all(sdk, together)
     write_all(ApiSpanWriter(api_provider.get_tracer("t", "1.0")))
     assert len(sdk_spans.spans) == len(SPANS)
     assert [view(s) for s in sdk_spans.spans] == [view(s) for s in api_spans.spans]
@@ -213,3 +219,45 @@ def test_without_a_parent_the_current_contexts_span_is_the_parent_as_for_the_sdk
                                                           None, 1, 2)
     assert sdk_spans.spans[0].parent == outer.get_span_context()
     assert view(sdk_spans.spans[0]) == view(api_spans.spans[0])
+
+
+def test_write_many_under_a_current_span_gives_the_sdks_spans_roots_and_children_alike():
+    """write_many reads the current context's span once for the spans given no parent: the
+    same parent the SDK finds for each; a span with its own parent keeps it."""
+    sdk_provider, sdk_spans = provider(ParentBased(ALWAYS_ON))
+    api_provider, api_spans = provider(ParentBased(ALWAYS_ON))
+    specs = [("s", ctx, SpanKind.INTERNAL, {"i": i}, [("e", None, 5)], None, 1, 2)
+             for i, ctx in enumerate([None, parent(), None, parent("00"), None])]
+    outer = sdk_provider.get_tracer("t").start_span("outer")
+    with trace_api.use_span(outer, end_on_exit=False):
+        span_writer(sdk_provider.get_tracer("t")).write_many(specs)
+    outer_api = api_provider.get_tracer("t").start_span("outer")
+    with trace_api.use_span(outer_api, end_on_exit=False):
+        ApiSpanWriter(api_provider.get_tracer("t")).write_many(specs)
+    # 3: its parent's trace is not sampled, so ParentBased drops it (not even recorded).
+    assert [s.attributes["i"] for s in sdk_spans.spans] == [0, 1, 2, 4]
+    assert [view(s) for s in sdk_spans.spans] == [view(s) for s in api_spans.spans]
+    roots = [sdk_spans.spans[i] for i in (0, 2, 3)]
+    assert [s.parent for s in roots] == [outer.get_span_context()] * 3
+    assert format(sdk_spans.spans[1].parent.span_id, "016x") == PARENT
+
+
+def test_the_concurrent_multi_processor_gets_each_span_through_its_own_on_end():
+    """Under the SDK's concurrent multi-processor, the writer hands each span to it (which
+    runs its processors in parallel), not to its processors one by one."""
+    from opentelemetry.sdk.trace import ConcurrentMultiSpanProcessor
+
+    multi = ConcurrentMultiSpanProcessor(num_threads=2)
+    handed = []
+    original = multi.on_end
+    multi.on_end = lambda span: (handed.append(span), original(span))
+    p = TracerProvider(id_generator=Counting(), active_span_processor=multi)
+    collect = Collect()
+    p.add_span_processor(collect)
+    writer = span_writer(p.get_tracer("t"))
+    assert isinstance(writer, SdkSpanWriter)
+    writer.write_many([("s", None, SpanKind.INTERNAL, {"i": i}, [], None, 1, 2)
+                       for i in range(3)])
+    assert [s.attributes["i"] for s in handed] == [0, 1, 2]
+    assert collect.spans == handed
+    p.shutdown()

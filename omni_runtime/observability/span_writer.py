@@ -17,7 +17,9 @@ Two ways, chosen per span by :func:`span_writer`:
   processors' ``on_start``/``_on_ending``, which these processors ignore. Measured (this
   machine, one span with 7 attributes and 2 events): about a fifth of the SDK path's time
   (benchmarks/scheduler_overhead.py counts it per transfer; tests prove the two give the same
-  span).
+  span). ``write_many`` writes several spans as ``write`` would one by one, reading what is
+  the same for all of them once (the processors, the tracer's switch, sampler, id generator
+  and limits, the current context's span): about 5.8 µs a span hot against 7.6.
 * :class:`ApiSpanWriter` otherwise (another SDK's tracer, a processor that acts on start or
   ending, a tracer the SDK's internals do not look as expected): the public API, span by span.
 

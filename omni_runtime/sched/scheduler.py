@@ -122,6 +122,9 @@ class OmniKVTransferMixin:
                 "attention), whose blocks a transfer of group 0's block ids would not cover"
             )
         self._kv_block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
+        # The one group's blocks per request, where vLLM's get_blocks reads them (see
+        # _group_blocks); None: another layout, read through get_blocks.
+        self._req_to_blocks = _req_to_blocks(self.kv_cache_manager) if len(groups) == 1 else None
         # Our connector alone (not composed, its own request_finished) on KV cache managers
         # that free nothing early and keep no partial tails (full attention): vLLM's
         # preparation for a connector's request_finished (dropping out-of-window blocks,
@@ -407,8 +410,13 @@ class OmniKVTransferMixin:
         return transfer
 
     def _group_blocks(self, request_id: str) -> list[Any]:
-        """The request's KV blocks (of its one KV cache group), as vLLM's get_block_ids reads
-        them, without building the ids of the blocks past a snapshot."""
+        """The request's KV blocks (of its one KV cache group), as vLLM's get_blocks reads
+        them (its coordinator's one manager's ``req_to_blocks``, read with ``get``: a
+        lookup must not add an entry to that defaultdict), without building a KVCacheBlocks
+        nor the ids of the blocks past a snapshot."""
+        req_to_blocks = self._req_to_blocks
+        if req_to_blocks is not None:
+            return req_to_blocks.get(request_id) or []
         return self.kv_cache_manager.get_blocks(request_id).blocks[0]
 
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
@@ -476,6 +484,18 @@ class OmniKVTransferMixin:
                 request = self.requests[new_request.req_id]
                 new_request.__class__ = OmniNewRequestData
                 new_request.additional_information = request.additional_information
+
+
+def _req_to_blocks(kv_cache_manager: Any) -> dict[str, list[Any]] | None:
+    """The per-request block lists vLLM's ``KVCacheCoordinator.get_blocks`` reads for a
+    model of one KV cache group (its one manager's ``req_to_blocks``, made once with the
+    manager), or None where the coordinator is not laid out so."""
+    managers = getattr(getattr(kv_cache_manager, "coordinator", None), "single_type_managers",
+                       None)
+    if not isinstance(managers, tuple) or len(managers) != 1:
+        return None
+    req_to_blocks = getattr(managers[0], "req_to_blocks", None)
+    return req_to_blocks if isinstance(req_to_blocks, dict) else None
 
 
 def _frees_nothing_early(kv_cache_manager: Any) -> bool:

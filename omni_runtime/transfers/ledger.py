@@ -335,16 +335,10 @@ class TransferLedger:
             raise RuntimeError(f"request {request_id!r} already started a KV transfer")
         now = self._clock()
         self._attempts += 1
-        transfer = Transfer(
-            request_id=request_id,
-            attempt=self._attempts,
-            trigger=trigger,
-            seq_len=seq_len,
-            block_ids=block_ids,
-            marked_at=now,
-            deadline=now + self.timeout_seconds,
-            trace_headers=trace_headers,
-        )
+        # Positional, in the fields' order (request_id, trigger, seq_len, block_ids,
+        # marked_at, deadline, trace_headers, attempt): one per transfer, on the step.
+        transfer = Transfer(request_id, trigger, seq_len, block_ids, now,
+                            now + self.timeout_seconds, trace_headers, self._attempts)
         self._triggered.add(request_id)
         self._pending[request_id] = transfer
         self._by_deadline[request_id] = transfer

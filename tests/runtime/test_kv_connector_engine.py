@@ -350,14 +350,12 @@ def test_a_hand_off_whose_deadline_already_passed_fails_at_once_and_sends_nothin
     is up and would have acked it)."""
     from vllm import SamplingParams
 
-    import dataclasses
-
     from omni_runtime.sched.handoff import HandOff
 
     original = HandOff.of
 
     def deadline_passed(transfer, *args):
-        return dataclasses.replace(original(transfer, *args), deadline_in_s=0.0)
+        return original(transfer, *args)._replace(deadline_in_s=0.0)
 
     monkeypatch.setattr(HandOff, "of", deadline_passed)
     llm, resolved = llm_factory(endpoints={"next": receiver.endpoint},

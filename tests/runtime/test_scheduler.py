@@ -395,6 +395,27 @@ def test_acks_for_unknown_requests_are_ignored_and_an_ack_may_come_with_the_hand
     # (An answer for a transfer still pending is refused by the ledger: test_ledger.py.)
 
 
+@pytest.mark.parametrize("layout", ["vllm", "unknown"])
+def test_marking_reads_the_blocks_vllms_get_blocks_reads_and_adds_no_entry(layout):
+    """The scheduler reads a request's blocks from the coordinator's one manager (no
+    KVCacheBlocks per marking): the same list vLLM's get_blocks gives, for a running request
+    and for one vLLM does not know (empty; the lookup adds no entry to vLLM's defaultdict).
+    Where the coordinator is laid out otherwise, it asks get_blocks itself."""
+    s = omni(PREFILL)
+    if layout == "unknown":
+        s._req_to_blocks = None
+    manager = s.kv_cache_manager.coordinator.single_type_managers[0]
+    r = make_request(40, max_tokens=3)
+    s.add_request(r)
+    step(s)
+    assert s._group_blocks(r.request_id) == s.kv_cache_manager.get_blocks(r.request_id).blocks[0]
+    assert len(s._group_blocks(r.request_id)) == 3
+    assert list(s._group_blocks("never-added")) == []
+    assert "never-added" not in manager.req_to_blocks
+    (t,) = s.recorder.marked
+    assert list(t.block_ids) == [b.block_id for b in s._group_blocks(r.request_id)]
+
+
 @pytest.mark.parametrize("lookup", ["raises", "too_few_blocks"])
 def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatch, lookup):
     """The block lookup at marking raises, or finds fewer blocks than the snapshot covers

@@ -96,7 +96,7 @@ class SdkSpanWriter:
         self._roots_always_sampled = _samples_every_root(self._sampler)
         # The processors last looked at, and whether they all ignore a span's start and its
         # ending. A processor may be added to the provider at any time: the multi-processor
-        # then holds a new tuple, looked at on the next span.
+        # then holds a new tuple, looked at on the next write.
         self._seen_processors: Any = None
         self._quiet = False
         from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
@@ -126,9 +126,11 @@ class SdkSpanWriter:
 
     def write_many(self, spans: Iterable[SpanSpec]) -> None:
         """The spans, one after the other, as :meth:`write` would one by one: what is the
-        same for all of them is read once (the processors, the tracer's switch, its
-        sampler, id generator and limits, and the current context's span, parent of the
-        spans given none: nothing here changes the current context)."""
+        same for all of them is read once, as of the call (the processors, the tracer's
+        switch, its sampler, id generator and limits, and the current context's span,
+        parent of the spans given none: nothing here changes the current context, and a
+        processor's ``on_end`` that attached a context without detaching it would be a
+        bug of its own)."""
         processors = self._processor._span_processors
         if processors is not self._seen_processors:
             self._seen_processors, self._quiet = processors, _ignore_start_and_ending(processors)
@@ -144,7 +146,6 @@ class SdkSpanWriter:
         sampler, roots_always_sampled = self._sampler, self._roots_always_sampled
         ids = tracer.id_generator
         new_trace_id, new_span_id = ids.generate_trace_id, ids.generate_span_id
-        random_trace_ids = ids.is_trace_id_random()
         start_span_metrics = tracer._tracer_metrics.start_span
         limits = self._limits
         max_events, max_event_attributes = limits.max_events, limits.max_event_attributes
@@ -169,16 +170,17 @@ class SdkSpanWriter:
             if parent_span is None or not parent_span.is_valid:
                 parent_span = None
                 trace_id = new_trace_id()
-                random_trace_id = random_trace_ids
             else:
                 trace_id = parent_span.trace_id
-                random_trace_id = parent_span.trace_flags.random_trace_id
             if parent_span is None and roots_always_sampled:
                 decision, span_attributes, trace_state = sample, attributes, None
             else:
                 sampling = sampler.should_sample(parent, trace_id, name, kind, attributes, ())
                 decision, span_attributes = sampling.decision, sampling.attributes
                 trace_state = sampling.trace_state
+            # The id generator asked per root, after the sampler, as the SDK does.
+            random_trace_id = (ids.is_trace_id_random() if parent_span is None
+                               else parent_span.trace_flags.random_trace_id)
             context = trace_api.SpanContext(
                 trace_id, new_span_id(), is_remote=False,
                 trace_flags=flags_of[decision.is_sampled(), bool(random_trace_id)],

@@ -408,7 +408,7 @@ def test_marking_reads_the_blocks_vllms_get_blocks_reads_and_adds_no_entry(layou
     r = make_request(40, max_tokens=3)
     s.add_request(r)
     step(s)
-    assert s._group_blocks(r.request_id) == s.kv_cache_manager.get_blocks(r.request_id).blocks[0]
+    assert s._group_blocks(r.request_id) is s.kv_cache_manager.get_blocks(r.request_id).blocks[0]
     assert len(s._group_blocks(r.request_id)) == 3
     assert list(s._group_blocks("never-added")) == []
     assert "never-added" not in manager.req_to_blocks

@@ -261,3 +261,47 @@ def test_the_concurrent_multi_processor_gets_each_span_through_its_own_on_end():
     assert [s.attributes["i"] for s in handed] == [0, 1, 2]
     assert collect.spans == handed
     p.shutdown()
+
+
+def test_the_id_generator_and_the_sampler_are_asked_as_the_sdk_asks_them():
+    """Per span, in the SDK's order: a root's trace id, the sampler, whether the trace id
+    is random (roots only), the span id; a custom generator or sampler sees the same calls."""
+
+    def traced(calls):
+        class Ids(Counting):
+            def generate_trace_id(self) -> int:
+                calls.append("trace")
+                return super().generate_trace_id()
+
+            def generate_span_id(self) -> int:
+                calls.append("span")
+                return super().generate_span_id()
+
+            def is_trace_id_random(self) -> bool:
+                calls.append("random")
+                return len(calls) % 2 == 0  # answers vary: the flag follows each answer
+
+        class Asking(Sampler):
+            def should_sample(self, *args, **kwargs):
+                calls.append("sample")
+                return ALWAYS_ON.should_sample(*args, **kwargs)
+
+            def get_description(self) -> str:
+                return "Asking"
+
+        p = TracerProvider(sampler=Asking(), id_generator=Ids())
+        collect = Collect()
+        p.add_span_processor(collect)
+        return p.get_tracer("t"), collect
+
+    sdk_calls, our_calls = [], []
+    (sdk_tracer, sdk_spans), (our_tracer, our_spans) = traced(sdk_calls), traced(our_calls)
+    specs = [("s", ctx, SpanKind.INTERNAL, {"a": 1}, [], None, 1, 2)
+             for ctx in (None, parent(), None, None)]
+    ApiSpanWriter(sdk_tracer).write_many(specs)
+    writer = span_writer(our_tracer)
+    assert isinstance(writer, SdkSpanWriter)
+    writer.write_many(specs)
+    assert our_calls == sdk_calls
+    assert sdk_calls[:4] == ["trace", "sample", "random", "span"]
+    assert [view(s) for s in our_spans.spans] == [view(s) for s in sdk_spans.spans]

@@ -73,7 +73,7 @@ class SdkSpanWriter:
     """Straight to the SDK's span processors (see the module docstring for what and why)."""
 
     def __init__(self, tracer: Any) -> None:
-        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.sdk.trace import Event, ReadableSpan, SynchronousMultiSpanProcessor
         from opentelemetry.sdk.trace.sampling import Decision
         from opentelemetry.sdk.util import BoundedList
 
@@ -99,8 +99,7 @@ class SdkSpanWriter:
         # then holds a new tuple, looked at on the next write.
         self._seen_processors: Any = None
         self._quiet = False
-        from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
-
+        # The SDK's synchronous multi-processor only calls each processor's on_end in turn.
         self._in_turn = type(self._processor).on_end is SynchronousMultiSpanProcessor.on_end
 
     def _attributes(self, attributes: Any) -> Any:

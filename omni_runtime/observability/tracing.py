@@ -26,8 +26,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from omni_runtime.observability.span_writer import EventSpec, SpanSpec, span_writer
-from omni_runtime.transfers.ledger import (Batch, Outcome, Transfer, TransferLedger, TransferObserver,
-                                           Trigger)
+from omni_runtime.transfers.ledger import (VALUES, Batch, Outcome, Transfer, TransferLedger,
+                                           TransferObserver)
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,6 @@ class TransferTracing(TransferObserver):
             offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
             self._writer.write_many([self._span(t, offset) for t in batch.resolved])
 
-    def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
-        self._writer.write_many((self._span(transfer, ledger.wall_time(0.0)),))
-
     def _span(self, transfer: Transfer, offset: float) -> SpanSpec:
         """The transfer's span; ``offset``: unix time less ledger time."""
         headers = transfer.trace_headers
@@ -94,10 +91,10 @@ class TransferTracing(TransferObserver):
             ATTR_REQUEST_ID: transfer.request_id,
             ATTR_STAGE: self._stage,
             ATTR_MODEL_NAME: self._model_name,
-            ATTR_TRIGGER: _VALUES[transfer.trigger],
+            ATTR_TRIGGER: VALUES[transfer.trigger],
             ATTR_SEQ_LEN: transfer.seq_len,
             ATTR_BLOCKS: len(transfer.block_ids),
-            ATTR_OUTCOME: _VALUES[outcome],
+            ATTR_OUTCOME: VALUES[outcome],
         }
         events: list[EventSpec] = []
         if transfer.handed_off_at is not None:
@@ -115,10 +112,6 @@ class TransferTracing(TransferObserver):
                 SpanKind.INTERNAL, attributes, events,
                 Status(StatusCode.ERROR, reason) if outcome in _ERROR_OUTCOMES else None,
                 int((transfer.marked_at + offset) * 1e9), end)
-
-
-#: The enums' values by member: a dict lookup per span, not an enum property's.
-_VALUES: dict[Any, str] = {m: m.value for e in (Trigger, Outcome) for m in e}
 
 
 # ---------------------------------------------------------------------- tracer resolution

@@ -62,7 +62,7 @@ from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_confi
 from omni_runtime.observability.observers import build_observers
 from omni_runtime.sched.handoff import Answer, HandOff
 from omni_runtime.sched.outputs import OmniNewRequestData
-from omni_runtime.transfers.ledger import Outcome, Phase, Transfer, TransferLedger, Trigger
+from omni_runtime.transfers.ledger import VALUES, Outcome, Transfer, TransferLedger, Trigger
 
 logger = logging.getLogger(__name__)
 
@@ -534,10 +534,6 @@ def _find_omni_connector(connector: Any) -> Any:
     return None
 
 
-#: The enums' values by member: a dict lookup per finish, not an enum property's.
-_VALUES: dict[Any, str] = {m: m.value for e in (Trigger, Phase, Outcome) for m in e}
-
-
 def _transfer_params(transfer: Transfer) -> dict[str, Any]:
     """What the request's output carries about its transfer (as the reference does, plus
     its state: the outcome if it resolved before the request finished)."""
@@ -548,9 +544,9 @@ def _transfer_params(transfer: Transfer) -> dict[str, Any]:
         "kv_metadata": {
             "seq_len": transfer.seq_len,
             "block_ids": block_ids,
-            "trigger": _VALUES[transfer.trigger],
-            "state": _VALUES[transfer.phase],
-            "outcome": None if outcome is None else _VALUES[outcome],
+            "trigger": VALUES[transfer.trigger],
+            "state": VALUES[transfer.phase],
+            "outcome": None if outcome is None else VALUES[outcome],
             "reason": transfer.reason,
         },
     }

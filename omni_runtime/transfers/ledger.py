@@ -84,6 +84,11 @@ class Phase(str, enum.Enum):
     RESOLVED = "resolved"
 
 
+#: Each Trigger, Outcome and Phase member's value, by member: a dict lookup where the enum's
+#: ``value`` is a property call (the output of each finish and each span read them).
+VALUES: dict[enum.Enum, str] = {m: m.value for e in (Trigger, Outcome, Phase) for m in e}
+
+
 @dataclass(slots=True, eq=False)
 class Transfer:
     """One KV transfer. Times are on the ledger's clock (see :class:`TransferLedger`)."""

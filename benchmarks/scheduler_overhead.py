@@ -134,6 +134,19 @@ def decode_plan(n: int, steps: int):
     return plan
 
 
+def forward_pass(runner_output):
+    """What a GPU stage's engine core does between ``schedule()`` and
+    ``update_from_output()``: waits for the forward pass, the GIL free, and the span thread
+    writes the spans handed to it meanwhile (observability/span_worker.py). Here there is no
+    forward pass: the runner's outputs are built, and the span thread is let finish, outside
+    the timed span. Its CPU is counted apart (``churn_span_thread_us_per_span``)."""
+    from omni_runtime.observability.span_worker import span_worker
+
+    outputs = runner_output()
+    span_worker().flush()
+    return outputs
+
+
 def timed_step(sched, sentinel_for, acked):
     """One step; returns (nanoseconds in the scheduler, (id, attempt) of each hand-off)."""
     from omni_runtime.devtools.sched_harness import handed_off, runner_output
@@ -141,7 +154,8 @@ def timed_step(sched, sentinel_for, acked):
     t0 = time.perf_counter_ns()
     so = sched.schedule()
     t1 = time.perf_counter_ns()
-    mro = runner_output(so, {rid: [SENTINEL] for rid in sentinel_for}, acked=acked)
+    mro = forward_pass(lambda: runner_output(so, {rid: [SENTINEL] for rid in sentinel_for},
+                                             acked=acked))
     t2 = time.perf_counter_ns()
     sched.update_from_output(so, mro)
     t3 = time.perf_counter_ns()
@@ -237,7 +251,7 @@ class Churn:
             sched.add_request(request)
         so = sched.schedule()
         t1 = time.perf_counter_ns()
-        mro = runner_output(so, acked=self.acks)
+        mro = forward_pass(lambda: runner_output(so, acked=self.acks))
         t2 = time.perf_counter_ns()
         outputs = sched.update_from_output(so, mro)
         t3 = time.perf_counter_ns()
@@ -253,6 +267,7 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
                   observers: str = "on", telemetry_interval: float | None = None) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from omni_runtime.observability.span_worker import span_worker
     from omni_runtime.sched.scheduler import OmniARScheduler
 
     production_observability()
@@ -263,6 +278,8 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
     }
     if telemetry_interval is not None:  # else the stage's default
         kv["telemetry_interval_seconds"] = telemetry_interval
+    worker = span_worker()
+    written, cpu_ns = worker.written, worker.cpu_ns
     totals: dict[str, list[int]] = {"stock": [], "omni": []}
     paired: list[float] = []
     # Each two consecutive steps (one with ours first, one with stock first): ours' time over
@@ -313,9 +330,13 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
         totals["stock"].append(t["stock"])
         totals["omni"].append(t["omni"])
     best_stock, best_ours = min(totals["stock"]), min(totals["omni"])
+    worker.flush()
+    spans = worker.written - written
     return {
         "ratio": statistics.median(paired),
         "ratio_balanced": statistics.median(balanced),
+        # The span thread's CPU per span it wrote (off the step; warm-up steps included).
+        "span_thread_us_per_span": (worker.cpu_ns - cpu_ns) / spans / 1e3 if spans else 0.0,
         "ratio_best_totals": best_ours / best_stock,
         "stock_step_us": best_stock / steps / 1e3,
         "omni_step_us": best_ours / steps / 1e3,
@@ -369,6 +390,7 @@ def main() -> None:
             result[f"churn_stock_step_us_{n}"] = round(m["stock_step_us"], 1)
             result[f"churn_omni_step_us_{n}"] = round(m["omni_step_us"], 1)
             result[f"churn_transfers_per_step_{n}"] = round(m["transfers_per_step"], 2)
+            result[f"churn_span_thread_us_per_span_{n}"] = round(m["span_thread_us_per_span"], 2)
         result["churn_target"] = CHURN_TARGET
     print(json.dumps(result))
 

@@ -21,10 +21,12 @@ import logging
 import os
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from omni_runtime.observability.span_worker import span_worker
 from omni_runtime.observability.span_writer import EventSpec, SpanSpec, span_writer
 from omni_runtime.transfers.ledger import (VALUES, Batch, Outcome, Transfer, TransferLedger,
                                            TransferObserver)
@@ -59,29 +61,55 @@ _propagator = TraceContextTextMapPropagator()
 class TransferTracing(TransferObserver):
     """Ledger observer that records each transfer as an ``omni.kv_transfer`` span.
 
-    The span is built whole when the transfer resolves, from what the ledger recorded
+    The span is built whole once the transfer has resolved, from what the ledger recorded
     (marking, hand-off and hold times, block counts): an OpenTelemetry span is exported only
     once it ends, so nothing is lost by not opening it at marking, and one call with every
     attribute at once costs about half of opening it early and adding to it at each change
-    (the SDK validates attributes per call). Hand-off and hold cost nothing here. A span over
-    is written whole (span_writer.py: on the SDK's own tracer, straight to its processors).
-    Batched:
-    the spans of the transfers resolved since the last report are written together
-    (``write_many``: what is the same for all of them is read once, and the SDK's code stays
-    warm across them).
+    (the SDK validates attributes per call). Hand-off and hold cost nothing here.
+
+    Off the step: a report hands its resolved transfers (final: the ledger never changes a
+    resolved transfer again) to the process's span thread (span_worker.py), which builds
+    their spans and writes them together (span_writer.py: ``write_many`` on the SDK's own
+    tracer, straight to its processors). The step pays for the hand-over only. A span given
+    no parent (no trace headers) takes the span current on the step at the report, as the
+    SDK would there. The thread starts on them when the scheduler has handed its step to the
+    model runner (:meth:`on_engine_wait`), while the engine waits for the forward pass;
+    :meth:`flush` waits until they are written.
     """
 
     batched = True
 
     def __init__(self, tracer: Tracer, *, stage: str, model_name: str) -> None:
         self._writer = span_writer(tracer)
+        self._worker = span_worker()
         self._stage = stage
         self._model_name = model_name
 
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
-        if batch.resolved:
-            offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
-            self._writer.write_many([self._span(t, offset) for t in batch.resolved])
+        resolved = batch.resolved  # the ledger starts a new list for the next batch
+        if resolved:
+            # The step's current context, only when it holds a span (never under vLLM's
+            # engine loop): the span thread's own context holds none.
+            context = (otel_context.get_current()
+                       if trace.get_current_span().get_span_context().is_valid else None)
+            self._worker.submit(len(resolved), self._write, resolved, ledger.wall_time(0.0),
+                                context)
+
+    def on_engine_wait(self, ledger: TransferLedger) -> None:
+        self._worker.kick()  # the spans handed over so far are written while the engine waits
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._worker.flush(timeout)
+
+    def _write(self, resolved: list[Transfer], offset: float, context: Any) -> None:
+        """On the span thread: the transfers' spans; ``offset``: unix time less ledger
+        time; ``context``: the step's current context at the report, or None."""
+        token = otel_context.attach(context) if context is not None else None
+        try:
+            self._writer.write_many([self._span(t, offset) for t in resolved])
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def _span(self, transfer: Transfer, offset: float) -> SpanSpec:
         """The transfer's span; ``offset``: unix time less ledger time."""

@@ -77,6 +77,9 @@ _COMPLETED = frozenset(
     }
 )
 
+#: Seconds the scheduler's shutdown waits for the observers' writes (the span thread's).
+_SHUTDOWN_FLUSH_SECONDS = 5.0
+
 #: Attribute on vLLM's Request holding its latest Transfer: it dies with the request.
 _TRANSFER_ATTR = "omni_kv_transfer"
 
@@ -269,6 +272,9 @@ class OmniKVTransferMixin:
             ledger.end_batch()
         if self._payload_requests and output.scheduled_new_reqs:
             self._attach_payloads(output)
+        # The step goes to the model runner next: the observers' work off the step (the
+        # spans) runs while the engine waits for the forward pass.
+        ledger.engine_waits()
         return output
 
     def _build_kv_connector_meta(self, connector: Any, scheduler_output: SchedulerOutput) -> Any:
@@ -314,9 +320,12 @@ class OmniKVTransferMixin:
 
     def shutdown(self) -> None:
         # Resolve what is left, so that spans end, and give held blocks and their finished
-        # requests back.
-        # (The last resolution leaves nothing unresolved, so the ledger reports at once.)
+        # requests back; then wait (bounded) until the observers have written out what they
+        # were told: the spans are written off the step, by a thread.
         self._fail_unresolved("scheduler shut down", lambda t: True)
+        if not self.transfer_ledger.flush(timeout=_SHUTDOWN_FLUSH_SECONDS):
+            logger.warning("KV transfer observers not done within %.0f s at shutdown",
+                           _SHUTDOWN_FLUSH_SECONDS)
         super().shutdown()
 
     def reset_prefix_cache(

@@ -163,6 +163,16 @@ class TransferObserver:
     def on_resolved(self, ledger: TransferLedger, transfer: Transfer) -> None:
         """``transfer.outcome`` is set; if ``transfer.held`` its blocks are being released."""
 
+    def on_engine_wait(self, ledger: TransferLedger) -> None:
+        """The scheduler has handed its step to the model runner: the engine waits for the
+        forward pass next, the GIL free. Work an observer does off the caller's thread is
+        best started now (started while the step runs, it would slow the step)."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until what this observer was told is written out (work it does off the
+        caller's thread); False if ``timeout`` seconds passed first."""
+        return True
+
 
 class TransferLedger:
     """Bookkeeping of one stage's KV transfers.
@@ -193,6 +203,8 @@ class TransferLedger:
         # Observers called per change, and those called per batch (see TransferObserver).
         self._observers: list[TransferObserver] = []
         self._batched: list[TransferObserver] = []
+        # Those of both with an on_engine_wait of their own.
+        self._waiting: list[TransferObserver] = []
         #: The changes of the batch under way, for the batched observers (None: there are none).
         self._batch: Batch | None = None
         self._batch_depth = 0
@@ -211,6 +223,8 @@ class TransferLedger:
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: TransferObserver) -> None:
+        if type(observer).on_engine_wait is not TransferObserver.on_engine_wait:
+            self._waiting.append(observer)
         if observer.batched:
             self._batched.append(observer)
             if self._batch is None:
@@ -222,6 +236,7 @@ class TransferLedger:
         """Detach every observer (benchmarks measure the ledger without them)."""
         self._observers.clear()
         self._batched.clear()
+        self._waiting.clear()
         self._batch = None
 
     @property
@@ -248,6 +263,22 @@ class TransferLedger:
         if not self._batch_depth and self._batch:
             self._reported_at = float("-inf")
             self._flush()
+
+    def engine_waits(self) -> None:
+        """The scheduler has handed its step to the model runner (the engine waits for the
+        forward pass next): see :meth:`TransferObserver.on_engine_wait`."""
+        for observer in self._waiting:
+            observer.on_engine_wait(self)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Report every change not reported yet (see :meth:`report`) and wait until every
+        observer has written out what it was told (the scheduler's shutdown; a reader of
+        exported spans). False if an observer was not done within ``timeout`` seconds."""
+        self.report()
+        done = True
+        for observer in self.observers:
+            done = observer.flush(timeout) and done
+        return done
 
     def _flush(self) -> None:
         """The changes since the last report, to the batched observers, if due: always

@@ -37,13 +37,14 @@ class Observed:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.tracing = TransferTracing(provider.get_tracer("test"), stage="ar", model_name="tiny")
         edges = EdgeMetrics(stage="ar", model_name="tiny", to_stages=["next"], deadline_seconds=5,
                             registry=self.registry, clock=wall, monotonic=clock)
         self.ledger = TransferLedger(5.0, clock=clock, observers=[
             TransferMetrics(stage="ar", model_name="tiny", deadline_seconds=5,
                             registry=self.registry),
             LedgerEdgeObserver(edges),
-            TransferTracing(provider.get_tracer("test"), stage="ar", model_name="tiny"),
+            self.tracing,
         ], report_interval=report_interval)
         self.ledger._wall_offset = wall.t - clock.t  # both ledgers map to the same wall time
 
@@ -54,6 +55,8 @@ class Observed:
                 if not s.name.endswith("_created")}
 
     def spans(self) -> list:
+        # What was handed to the span thread, once written (without reporting anything).
+        assert self.tracing.flush(timeout=10)
         return sorted((s.attributes["gen_ai.request.id"], s.name, dict(s.attributes),
                        s.start_time, s.end_time, s.status.status_code,
                        [(e.name, dict(e.attributes or {}), e.timestamp) for e in s.events])
@@ -118,7 +121,7 @@ def test_batches_write_what_each_change_wrote(seed):
             # A histogram's sum adds a batch's values at once: equal up to rounding.
             assert math.isclose(got[key], value, rel_tol=1e-12, abs_tol=1e-9), key
         assert batched.spans() == single.spans()
-    assert batches > 10 and single.exporter.get_finished_spans()
+    assert batches > 10 and single.spans()
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -147,7 +150,7 @@ def test_a_report_interval_writes_the_same_at_each_report_and_nothing_between(se
         deferred += 1
     windowed.ledger.report()
     assert _same((windowed.samples(), windowed.spans()), (single.samples(), single.spans()))
-    assert reports > 5 and deferred > 5 and single.exporter.get_finished_spans()
+    assert reports > 5 and deferred > 5 and single.spans()
 
 
 def _same(got: tuple, want: tuple) -> bool:

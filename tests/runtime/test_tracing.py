@@ -47,6 +47,13 @@ def setup():
     provider.shutdown()
 
 
+def written(ledger: TransferLedger, exporter: InMemorySpanExporter) -> tuple:
+    """The spans exported once the span thread has written what it was handed (the ledger's
+    flush: reports, then waits for the observers)."""
+    assert ledger.flush(timeout=10)
+    return exporter.get_finished_spans()
+
+
 def ns(ledger: TransferLedger, t: float) -> int:
     return int(ledger.wall_time(t) * 1e9)
 
@@ -54,14 +61,14 @@ def ns(ledger: TransferLedger, t: float) -> int:
 def test_one_span_from_marking_to_resolution_with_events_and_attributes(setup):
     ledger, clock, exporter = setup
     ledger.mark("req-1", Trigger.SPECIAL_TOKEN, 37, [3, 4, 5], trace_headers={"traceparent": TRACEPARENT})
-    assert exporter.get_finished_spans() == ()  # exported once resolved
+    assert written(ledger, exporter) == ()  # exported once resolved
     clock.t += 1
     ledger.hand_off_pending()
     clock.t += 2
     ledger.request_finished("req-1", 6, aborted=False)
     clock.t += 3
     ledger.expire_due()
-    (span,) = exporter.get_finished_spans()
+    (span,) = written(ledger, exporter)
     assert span.name == SPAN_NAME
     assert span.start_time == ns(ledger, 500.0)
     assert span.end_time == ns(ledger, 506.0)
@@ -86,7 +93,7 @@ def test_span_is_a_child_of_the_requests_w3c_trace(setup):
     ledger, _, exporter = setup
     ledger.mark("req-1", Trigger.PREFILL_FINISHED, 8, [0], trace_headers={"traceparent": TRACEPARENT})
     ledger.resolve("req-1", Outcome.ACKED)
-    (span,) = exporter.get_finished_spans()
+    (span,) = written(ledger, exporter)
     assert format(span.context.trace_id, "032x") == TRACE_ID
     assert span.parent is not None and format(span.parent.span_id, "016x") == PARENT_SPAN_ID
     assert span.parent.is_remote
@@ -98,7 +105,7 @@ def test_without_trace_headers_each_transfer_is_its_own_root_span(setup):
     for rid in ("a", "b"):
         ledger.mark(rid, Trigger.REQUEST_FINISHED, 8, [0])
         ledger.request_finished(rid, 1, aborted=True)  # pending + abort = cancelled
-    spans = exporter.get_finished_spans()
+    spans = written(ledger, exporter)
     assert [s.parent for s in spans] == [None, None]
     assert spans[0].context.trace_id != spans[1].context.trace_id
     assert [s.attributes["omni.kv_transfer.outcome"] for s in spans] == ["cancelled"] * 2
@@ -110,9 +117,48 @@ def test_failed_reason_is_capped_and_marks_the_span_as_error(setup):
     ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
     ledger.hand_off_pending()
     ledger.resolve("a", Outcome.FAILED, "x" * 5000)
-    (span,) = exporter.get_finished_spans()
+    (span,) = written(ledger, exporter)
     assert span.status.status_code is StatusCode.ERROR
     assert len(span.events[-1].attributes["omni.kv_transfer.reason"]) == tracing.MAX_REASON_CHARS
+
+
+def test_written_on_the_span_thread_a_root_still_takes_the_steps_current_span(setup):
+    """The SDK gives a span started with no parent the current span as its parent: the span
+    thread writes under the context current on the step when the report was made."""
+    ledger, _, exporter = setup
+    tracer = TracerProvider().get_tracer("outer")
+    with tracer.start_as_current_span("engine step") as outer:
+        ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
+        ledger.resolve("a", Outcome.ACKED)  # outside a batch: reported now
+    ledger.mark("b", Trigger.PREFILL_FINISHED, 8, [0])
+    ledger.resolve("b", Outcome.ACKED)
+    spans = {s.attributes["gen_ai.request.id"]: s for s in written(ledger, exporter)}
+    assert spans["a"].parent.span_id == outer.get_span_context().span_id
+    assert spans["a"].context.trace_id == outer.get_span_context().trace_id
+    assert spans["b"].parent is None
+
+
+def test_the_schedulers_shutdown_writes_the_spans_it_ends():
+    from omni_runtime.devtools.sched_harness import make_request, make_scheduler, make_vllm_config, step
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sched = make_scheduler(OmniARScheduler, make_vllm_config(
+        {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"}}))
+    sched.transfer_ledger.remove_observers()
+    sched.transfer_ledger.add_observer(
+        TransferTracing(provider.get_tracer("test"), stage="ar", model_name="tiny"))
+    for i in range(3):
+        sched.add_request(make_request(8, max_tokens=4, request_id=f"r{i}"))
+    step(sched)
+    step(sched)  # marked, handed off, never answered
+    assert sched.transfer_ledger.num_active == 3
+    sched.shutdown()
+    spans = exporter.get_finished_spans()  # no flush here: the shutdown waited for them
+    assert sorted(s.attributes["gen_ai.request.id"] for s in spans) == ["r0", "r1", "r2"]
+    assert {s.attributes["omni.kv_transfer.outcome"] for s in spans} == {"failed"}
 
 
 # ---------------------------------------------------------------------- which tracer
@@ -184,6 +230,7 @@ _GLOBAL = textwrap.dedent("""
     ledger.resolve("a", Outcome.ACKED)
     assert trace.get_tracer_provider() is provider
     assert made == [], made
+    assert ledger.flush(timeout=10)
     print([s.name for s in exporter.get_finished_spans()])
 """)
 

@@ -1,0 +1,192 @@
+"""The span thread (observability/span_worker.py): jobs run when kicked (or after their
+delay), in order, bounded, isolated from each other, flushed on demand, at exit and after a
+fork; and the scheduler kicks it once per step, after handing the step to the runner."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from omni_runtime.devtools.sched_harness import make_scheduler, make_vllm_config, step
+from omni_runtime.observability.span_worker import SpanWorker
+from omni_runtime.sched.scheduler import OmniARScheduler
+from omni_runtime.transfers.ledger import TransferLedger, TransferObserver
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: Long enough that no job of these tests runs by its delay unless the test waits for it.
+NEVER = 3600.0
+
+
+def test_a_job_waits_for_the_kick_and_jobs_run_in_order():
+    worker = SpanWorker(max_delay=NEVER)
+    ran: list[int] = []
+    for i in range(3):
+        assert worker.submit(1, ran.append, i)
+    assert ran == []  # not woken by a submission: the step it came from is still running
+    worker.kick()
+    assert worker.flush(timeout=10)
+    assert ran == [0, 1, 2]
+    assert worker.written == 3 and worker.cpu_ns >= 0
+
+
+def test_a_job_nobody_kicks_runs_after_its_delay():
+    worker = SpanWorker(max_delay=0.05)
+    done = threading.Event()
+    worker.submit(1, done.set)
+    assert done.wait(timeout=10)
+
+
+def test_flush_runs_the_queue_and_times_out_on_a_stuck_job():
+    worker = SpanWorker(max_delay=NEVER)
+    release = threading.Event()
+    worker.submit(1, release.wait)
+    assert not worker.flush(timeout=0.05)  # the job is stuck (an exporter that hangs, say)
+    release.set()
+    assert worker.flush(timeout=10)
+
+
+def test_past_the_bound_a_report_is_dropped_counted_and_logged(caplog):
+    worker = SpanWorker(max_queued=3, max_delay=NEVER)
+    release = threading.Event()
+    ran: list[str] = []
+    assert worker.submit(2, lambda: (release.wait(), ran.append("a")))
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.span_worker"):
+        assert not worker.submit(2, ran.append, "b")  # 2 + 2 > 3: dropped whole
+    assert worker.dropped == 2
+    assert "KV transfer spans dropped" in caplog.text and "at most 3" in caplog.text
+    assert worker.submit(1, ran.append, "c")  # within the bound
+    release.set()
+    assert worker.flush(timeout=10)
+    assert ran == ["a", "c"]
+    assert worker.submit(3, ran.append, "d") and worker.flush(timeout=10)  # room again
+
+
+def test_a_failing_job_loses_its_spans_only(caplog):
+    worker = SpanWorker(max_delay=NEVER)
+    ran: list[str] = []
+
+    def fails() -> None:
+        raise RuntimeError("exporter exploded")
+
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.observability.span_worker"):
+        worker.submit(5, fails)
+        worker.submit(2, ran.append, "after")
+        assert worker.flush(timeout=10)
+    assert ran == ["after"] and worker.written == 2
+    assert "writing KV transfer spans failed (1 times so far)" in caplog.text
+    assert "exporter exploded" in caplog.text
+    assert worker.submit(1, ran.append, "again") and worker.flush(timeout=10)
+
+
+def test_flush_from_a_job_does_not_wait_for_itself():
+    worker = SpanWorker(max_delay=NEVER)
+    answers: list[bool] = []
+    worker.submit(1, lambda: answers.append(worker.flush(timeout=10)))
+    assert worker.flush(timeout=10)
+    assert answers == [False]  # itself unfinished, and no deadlock
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max_queued"):
+        SpanWorker(max_queued=0)
+    with pytest.raises(ValueError, match="max_delay"):
+        SpanWorker(max_delay=0)
+
+
+def test_a_forked_child_runs_its_own_thread():
+    worker = SpanWorker(max_delay=NEVER)
+    worker.submit(1, lambda: None)
+    assert worker.flush(timeout=10)  # the parent's thread runs
+    # The child's copy of the worker: reset as the module resets its own (at_fork).
+    os.register_at_fork(after_in_child=worker._reset)
+    pid = os.fork()
+    if pid == 0:  # child: a new thread on first use
+        done = threading.Event()
+        ok = worker.submit(1, done.set) and worker.flush(timeout=10) and done.is_set()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert worker.submit(1, lambda: None) and worker.flush(timeout=10)  # the parent's still runs
+
+
+_EXIT = textwrap.dedent("""
+    import sys
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+    from omni_runtime.observability.observers import build_observers
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+
+    class Printing:
+        def export(self, spans):
+            for span in spans:
+                print(span.name, span.attributes["gen_ai.request.id"], flush=True)
+            return SpanExportResult.SUCCESS
+        def shutdown(self):
+            pass
+        def force_flush(self, timeout_millis=0):
+            return True
+
+    # As vLLM's init_tracer in the engine core: a global provider, a batch processor.
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Printing()))
+    trace.set_tracer_provider(provider)
+    ledger = TransferLedger(5, observers=build_observers(
+        stage="ar", model_name="tiny", timeout_seconds=5))
+    for i in range(50):
+        ledger.mark(f"r{i}", Trigger.PREFILL_FINISHED, 8, [0])
+        ledger.resolve(f"r{i}", Outcome.ACKED)
+    # No flush, no kick: the interpreter's exit writes them before the provider shuts down.
+""")
+
+
+def test_spans_handed_over_are_written_at_exit_before_the_provider_shuts_down():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", _EXIT], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.split()) == sorted(
+        w for i in range(50) for w in ("omni.kv_transfer", f"r{i}"))
+
+
+class Waits(TransferObserver):
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def on_engine_wait(self, ledger: TransferLedger) -> None:
+        self.waits += 1
+
+
+def test_the_scheduler_tells_the_observers_once_per_step_after_scheduling():
+    sched = make_scheduler(OmniARScheduler, make_vllm_config(
+        {"need_send_cache": True, "kv_transfer_criteria": {"type": "prefill_finished"}}))
+    sched.transfer_ledger.add_observer(waits := Waits())
+    seen = []
+    schedule = sched.schedule
+
+    def scheduled():  # the waits counted when schedule() returns
+        output = schedule()
+        seen.append(waits.waits)
+        return output
+
+    sched.schedule = scheduled
+    for _ in range(3):
+        step(sched)
+    assert seen == [1, 2, 3]
+
+
+def test_only_observers_with_their_own_hook_are_asked():
+    ledger = TransferLedger(5, observers=[TransferObserver(), waits := Waits()])
+    assert ledger._waiting == [waits]
+    ledger.engine_waits()
+    assert waits.waits == 1
+    ledger.remove_observers()
+    ledger.engine_waits()
+    assert waits.waits == 1

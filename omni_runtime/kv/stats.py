@@ -41,7 +41,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,13 +105,24 @@ class OmniKVConnectorStats(KVConnectorStats):
         """One resolved transfer: its outcome (one of the contract's outcomes), payload
         bytes, seconds from hand-off to answer, destination stage. Not thread-safe: the
         connector records through a :class:`KVStatsRecorder`."""
-        if outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {OUTCOMES}, not {outcome!r}")
-        # Plain builtins: a numpy scalar would not go through msgpack.
-        self.data["outcome"].append(str(outcome))
-        self.data["bytes"].append(max(0, int(nbytes)))
-        self.data["duration_s"].append(max(0.0, float(duration_s)))
-        self.data["to_stage"].append(str(to_stage))
+        self.record_many(((outcome, nbytes, duration_s, to_stage),))
+
+    def record_many(self, records: Iterable[tuple[str, int, float, str]]) -> None:
+        """:meth:`record` for each ``(outcome, nbytes, duration_s, to_stage)``, in order (the
+        same checks and conversions; a bad record raises with those before it recorded)."""
+        data = self.data
+        outcomes, sizes = data["outcome"].append, data["bytes"].append
+        durations, stages = data["duration_s"].append, data["to_stage"].append
+        for outcome, nbytes, duration_s, to_stage in records:
+            # Plain builtins: a numpy scalar would not go through msgpack.
+            if outcome not in OUTCOMES:
+                raise ValueError(f"outcome must be one of {OUTCOMES}, not {outcome!r}")
+            outcomes(str(outcome))
+            nbytes = int(nbytes)
+            sizes(nbytes if nbytes > 0 else 0)
+            duration_s = float(duration_s)
+            durations(duration_s if duration_s > 0.0 else 0.0)
+            stages(str(to_stage))
 
     def __len__(self) -> int:
         return len(self.data["outcome"])
@@ -186,9 +197,7 @@ class KVStatsRecorder:
         """:meth:`record` for each ``(outcome, nbytes, duration_s, to_stage)``, in one hold of
         the lock."""
         with self._lock:
-            record = self._stats.record
-            for outcome, nbytes, duration_s, to_stage in records:
-                record(outcome, nbytes, duration_s, to_stage)
+            self._stats.record_many(records)
 
     def take(self) -> OmniKVConnectorStats | None:
         """The resolutions recorded since the last call, or None when there were none (a

@@ -48,12 +48,13 @@ class HandOff(NamedTuple):
         """``wall_time``: unix time of a ledger time (``TransferLedger.wall_time``)."""
         held_since = transfer.held_since
         headers = transfer.trace_headers
+        left = transfer.deadline - transfer.handed_off_at
         return cls(  # positional, in the fields' order
             transfer.request_id,
             transfer.attempt,
             transfer.seq_len,
             tuple(transfer.block_ids),
-            max(0.0, transfer.deadline - transfer.handed_off_at),
+            left if left > 0.0 else 0.0,
             dict(headers) if headers else None,
             None if held_since is None else (wall_time(held_since), transfer.held_blocks),
         )

@@ -80,6 +80,20 @@ def test_an_outcome_outside_the_contract_is_refused():
         OmniKVConnectorStats().record("ok", 1, 0.1, "t")
 
 
+def test_records_are_plain_builtins_clamped_at_zero_and_a_bad_one_stops_the_rest():
+    import numpy as np
+
+    stats = OmniKVConnectorStats()
+    stats.record_many([("acked", np.int64(7), np.float32(0.5), "t"),
+                       ("failed", -3, -1.0, "u"), ("expired", 0, float("nan"), "v")])
+    assert stats.data == {"outcome": ["acked", "failed", "expired"], "bytes": [7, 0, 0],
+                          "duration_s": [0.5, 0.0, 0.0], "to_stage": ["t", "u", "v"]}
+    assert [type(v) for v in stats.data["bytes"] + stats.data["duration_s"]] == [int] * 3 + [float] * 3
+    with pytest.raises(ValueError, match="outcome must be one of"):
+        stats.record_many([("acked", 1, 0.1, "t"), ("ok", 1, 0.1, "t"), ("acked", 2, 0.1, "t")])
+    assert stats.data["bytes"] == [7, 0, 0, 1]  # those before the bad one, as record() one by one
+
+
 def test_the_recorder_hands_out_each_record_once_and_none_when_nothing_happened():
     rec = KVStatsRecorder()
     assert kv_stats.get_kv_connector_stats(rec) is None

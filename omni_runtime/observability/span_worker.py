@@ -14,7 +14,7 @@ the GIL within the interpreter's switch interval (5 ms) and run its jobs inside 
 a submission does not wake it; :meth:`SpanWorker.kick` does, which the scheduler calls once
 it has handed its step to the model runner (``TransferLedger.engine_waits``: the engine
 waits for the forward pass next). Jobs nobody kicks (a ledger driven outside a scheduler)
-are written within ``max_delay`` seconds all the same: the thread looks that often.
+are written once the oldest has waited ``max_delay`` seconds for a kick.
 
 Guarantees:
   * **Bounded**: at most ``max_queued`` spans wait (a thread stalled behind a synchronous
@@ -23,9 +23,10 @@ Guarantees:
   * **Flushed**: :meth:`SpanWorker.flush` waits until everything submitted so far is written;
     the scheduler's shutdown calls it (through ``TransferLedger.flush``), and so does the
     interpreter's exit, before the SDK's tracer providers shut down (see
-    :func:`_register_exit_flush`).
-  * **Isolated**: a job that raises loses its spans (logged on the first failure and every
-    1000th), never the thread nor the other jobs.
+    :func:`register_exit_flush`).
+  * **Isolated**: a job that raises (anything, ``SystemExit`` included) loses its spans
+    (logged on the first failure and every 1000th), never the thread nor the other jobs.
+    A thread that cannot be started (at interpreter shutdown) drops the spans, counted.
   * **Fork-safe**: a forked child starts with an empty queue and starts its own thread on
     first use (the parent's queued spans are the parent's to write).
 """
@@ -98,34 +99,37 @@ class SpanWorker:
     # ------------------------------------------------------------------ the caller's side
     def submit(self, count: int, fn: Callable[..., Any], *args: Any) -> bool:
         """Queue a job writing ``count`` spans, run at the next :meth:`kick` (or within
-        ``max_delay``); False (and nothing queued) when the queue is full. Cheap: the caller
-        is the scheduler's step."""
+        ``max_delay``); False (and nothing queued) when the queue is full or no thread can
+        be started (at interpreter shutdown, say). Cheap: the caller is the scheduler's
+        step."""
         with self._lock:
-            if self._queued + count > self.max_queued:
-                self.dropped += count
-                self._drops += 1
-                drops, dropped = self._drops, self.dropped
+            if self._thread is None and not self._start():
+                why = "no thread to write them could be started"
+            elif self._queued + count > self.max_queued:
+                why = f"{self._queued} spans waiting to be written, at most {self.max_queued}"
             else:
                 if not self._jobs:
                     self._oldest = time.monotonic()
                 self._jobs.append((fn, args, count))
                 self._queued += count
                 self._unfinished += 1
-                if self._thread is None:
-                    self._start()
                 return True
+            self.dropped += count
+            self._drops += 1
+            drops, dropped = self._drops, self.dropped
         if drops == 1 or drops % 1000 == 0:
-            logger.warning("KV transfer spans dropped: %d spans waiting to be written, at most "
-                           "%d (%d spans dropped so far)", self._queued, self.max_queued, dropped)
+            logger.warning("KV transfer spans dropped: %s (%d spans dropped so far)", why,
+                           dropped)
         return False
 
     def kick(self) -> None:
-        """Run what is queued now (the caller is about to wait, the GIL free). Nothing to
-        do, one attribute read."""
+        """Run what is queued now (the caller is about to wait, the GIL free). Nothing
+        queued: one attribute read."""
         if self._jobs:
             with self._lock:
-                self._kicked = True
-                self._work.notify()
+                if self._jobs:  # (the delay's look may have taken them meanwhile)
+                    self._kicked = True
+                    self._work.notify()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Run every job submitted so far and wait until they have run; False if
@@ -138,42 +142,61 @@ class SpanWorker:
             return self._done.wait_for(lambda: not self._unfinished, timeout)
 
     # ------------------------------------------------------------------ the thread
-    def _start(self) -> None:
-        """Under the lock."""
-        _register_exit_flush()
+    def _start(self) -> bool:
+        """Under the lock (so the thread takes no job before ``_thread`` is set). False when
+        no thread can be started (interpreter shutdown, the process's thread limit)."""
         thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            logger.exception("cannot start the KV transfer span thread")
+            return False
         self._thread = thread
-        thread.start()
+        register_exit_flush()
+        return True
 
     def _run(self) -> None:
         lock, work, done, max_delay = self._lock, self._work, self._done, self.max_delay
         while True:
             with lock:
-                # Until kicked, or a look (every max_delay) finds a job that has waited
-                # max_delay for a kick.
+                # Until kicked, or the oldest job has waited max_delay for a kick (with none
+                # queued, a look every max_delay: a submission does not wake the thread).
                 while not (self._kicked and self._jobs):
-                    if (not work.wait(max_delay) and self._jobs
-                            and time.monotonic() - self._oldest >= max_delay):
+                    if not self._jobs:
+                        work.wait(max_delay)
+                        continue
+                    left = self._oldest + max_delay - time.monotonic()
+                    if left <= 0.0:
                         break
+                    work.wait(left)
                 jobs, self._jobs, self._kicked = self._jobs, [], False
             started = time.thread_time_ns()
             written = 0
-            for fn, args, count in jobs:
-                try:
-                    fn(*args)
-                    written += count
-                except Exception:  # those spans are lost, never the thread
-                    self._failures += 1
-                    if self._failures == 1 or self._failures % 1000 == 0:
-                        logger.exception("writing KV transfer spans failed (%d times so far); "
-                                         "those spans are lost", self._failures)
-            cpu = time.thread_time_ns() - started
-            with lock:
-                self._queued -= sum(count for _, _, count in jobs)
-                self._unfinished -= len(jobs)
-                self.written += written
-                self.cpu_ns += cpu
-                done.notify_all()
+            try:
+                for fn, args, count in jobs:
+                    try:
+                        fn(*args)
+                        written += count
+                    except BaseException:  # those spans are lost, never the thread
+                        self._failed()
+            finally:  # whatever happens, flush() must not wait for these jobs forever
+                cpu = time.thread_time_ns() - started
+                with lock:
+                    self._queued -= sum(count for _, _, count in jobs)
+                    self._unfinished -= len(jobs)
+                    self.written += written
+                    self.cpu_ns += cpu
+                    done.notify_all()
+
+    def _failed(self) -> None:
+        """A job raised (anything: an exporter's SystemExit too): its spans are lost."""
+        self._failures += 1
+        if self._failures == 1 or self._failures % 1000 == 0:
+            try:
+                logger.exception("writing KV transfer spans failed (%d times so far); those "
+                                 "spans are lost", self._failures)
+            except BaseException:  # a failing log handler must not stop the thread either
+                pass
 
 
 _worker = SpanWorker()
@@ -184,18 +207,14 @@ def span_worker() -> SpanWorker:
     return _worker
 
 
-_exit_flush_registered = False
-
-
-def _register_exit_flush() -> None:
-    """Once per process, when the thread first starts: after the tracer provider that the
-    spans go to was made (and registered its own exit hook), so that ours, registered later,
-    runs first (exit hooks run last-registered first) and the queue is written before the
-    provider shuts down. A forked child inherits the hook."""
-    global _exit_flush_registered
-    if not _exit_flush_registered:
-        _exit_flush_registered = True
-        atexit.register(_flush_at_exit)
+def register_exit_flush() -> None:
+    """(Re-)register the exit hook that writes the queue: as the last one so far, so that it
+    runs before the exit hooks registered until now (they run last-registered first), those
+    of the tracer providers the spans go to among them. Called when the thread starts and by
+    each tracing observer once its provider exists (a second stage's private provider, made
+    later, registers its own exit hook later). A forked child inherits the hook."""
+    atexit.unregister(_flush_at_exit)
+    atexit.register(_flush_at_exit)
 
 
 def _flush_at_exit() -> None:

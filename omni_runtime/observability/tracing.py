@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from omni_runtime.observability.span_worker import span_worker
+from omni_runtime.observability.span_worker import SpanWorker, register_exit_flush, span_worker
 from omni_runtime.observability.span_writer import EventSpec, SpanSpec, span_writer
 from omni_runtime.transfers.ledger import (VALUES, Batch, Outcome, Transfer, TransferLedger,
                                            TransferObserver)
@@ -79,9 +79,13 @@ class TransferTracing(TransferObserver):
 
     batched = True
 
-    def __init__(self, tracer: Tracer, *, stage: str, model_name: str) -> None:
+    def __init__(self, tracer: Tracer, *, stage: str, model_name: str,
+                 worker: SpanWorker | None = None) -> None:
         self._writer = span_writer(tracer)
-        self._worker = span_worker()
+        #: The thread that writes the spans: the process's one unless given (tests).
+        self._worker = worker if worker is not None else span_worker()
+        # The tracer's provider exists now: the queue is written at exit before it shuts down.
+        register_exit_flush()
         self._stage = stage
         self._model_name = model_name
 

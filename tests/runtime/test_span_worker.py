@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from omni_runtime.devtools.sched_harness import make_scheduler, make_vllm_config, step
-from omni_runtime.observability.span_worker import SpanWorker
+from omni_runtime.observability.span_worker import SpanWorker, span_worker
 from omni_runtime.sched.scheduler import OmniARScheduler
 from omni_runtime.transfers.ledger import TransferLedger, TransferObserver
 
@@ -27,13 +27,17 @@ NEVER = 3600.0
 def test_a_job_waits_for_the_kick_and_jobs_run_in_order():
     worker = SpanWorker(max_delay=NEVER)
     ran: list[int] = []
+    done = threading.Event()
     for i in range(3):
         assert worker.submit(1, ran.append, i)
-    assert ran == []  # not woken by a submission: the step it came from is still running
-    worker.kick()
-    assert worker.flush(timeout=10)
+    assert worker.submit(1, done.set)
+    # Not woken by a submission (the step it came from is still running): a fifth of a
+    # second is ample for a woken thread to run four list appends.
+    assert not done.wait(timeout=0.2) and ran == []
+    worker.kick()  # not flush(): the kick alone runs them
+    assert done.wait(timeout=10)
     assert ran == [0, 1, 2]
-    assert worker.written == 3 and worker.cpu_ns >= 0
+    assert worker.flush(timeout=10) and worker.written == 4 and worker.cpu_ns >= 0
 
 
 def test_a_job_nobody_kicks_runs_after_its_delay():
@@ -66,6 +70,39 @@ def test_past_the_bound_a_report_is_dropped_counted_and_logged(caplog):
     assert worker.flush(timeout=10)
     assert ran == ["a", "c"]
     assert worker.submit(3, ran.append, "d") and worker.flush(timeout=10)  # room again
+
+
+def test_a_job_raising_systemexit_loses_its_spans_not_the_thread(caplog):
+    worker = SpanWorker(max_delay=NEVER)
+    ran: list[str] = []
+
+    def exits() -> None:
+        raise SystemExit(3)  # an exporter that calls sys.exit
+
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.observability.span_worker"):
+        worker.submit(1, exits)
+        worker.submit(1, ran.append, "after")
+        assert worker.flush(timeout=10)
+    assert ran == ["after"] and worker._thread.is_alive()
+    assert worker.submit(1, ran.append, "again") and worker.flush(timeout=10)
+    assert ran == ["after", "again"]
+
+
+def test_without_a_thread_the_spans_are_dropped_and_counted(monkeypatch, caplog):
+    worker = SpanWorker(max_delay=NEVER)
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.span_worker"):
+        assert not worker.submit(4, lambda: None)
+    assert worker.dropped == 4 and "no thread to write them" in caplog.text
+    assert worker.flush(timeout=1)  # nothing waits for a job that was never queued
+    monkeypatch.undo()
+    ran: list[str] = []
+    assert worker.submit(1, ran.append, "later") and worker.flush(timeout=10)
+    assert ran == ["later"]
 
 
 def test_a_failing_job_loses_its_spans_only(caplog):
@@ -101,16 +138,17 @@ def test_bad_settings_are_refused():
 
 
 def test_a_forked_child_runs_its_own_thread():
-    worker = SpanWorker(max_delay=NEVER)
-    worker.submit(1, lambda: None)
-    assert worker.flush(timeout=10)  # the parent's thread runs
-    # The child's copy of the worker: reset as the module resets its own (at_fork).
-    os.register_at_fork(after_in_child=worker._reset)
+    worker = span_worker()  # the process's, which the module resets in a forked child
+    assert worker.submit(1, lambda: None) and worker.flush(timeout=10)  # the parent's runs
     pid = os.fork()
-    if pid == 0:  # child: a new thread on first use
-        done = threading.Event()
-        ok = worker.submit(1, done.set) and worker.flush(timeout=10) and done.is_set()
-        os._exit(0 if ok else 1)
+    if pid == 0:  # child: the parent's thread does not exist here; a new one on first use
+        code = 1
+        try:
+            done = threading.Event()
+            if worker.submit(1, done.set) and worker.flush(timeout=10) and done.is_set():
+                code = 0
+        finally:
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert worker.submit(1, lambda: None) and worker.flush(timeout=10)  # the parent's still runs
@@ -156,6 +194,48 @@ def test_spans_handed_over_are_written_at_exit_before_the_provider_shuts_down():
         w for i in range(50) for w in ("omni.kv_transfer", f"r{i}"))
 
 
+_TWO_PROVIDERS = textwrap.dedent("""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+    from omni_runtime.observability.tracing import TransferTracing
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+
+    class Printing:
+        def __init__(self, name):
+            self.name = name
+        def export(self, spans):
+            for span in spans:
+                print(self.name, span.attributes["gen_ai.request.id"], flush=True)
+            return SpanExportResult.SUCCESS
+        def shutdown(self):
+            pass
+        def force_flush(self, timeout_millis=0):
+            return True
+
+    def stage(name):  # as a private provider per stage: made when its scheduler starts
+        provider = TracerProvider()  # registers its own shutdown at exit
+        provider.add_span_processor(BatchSpanProcessor(Printing(name)))
+        tracing = TransferTracing(provider.get_tracer("t"), stage=name, model_name="m")
+        return TransferLedger(5, observers=[tracing])
+
+    a = stage("A")
+    a.mark("a1", Trigger.PREFILL_FINISHED, 8, [0])
+    a.resolve("a1", Outcome.ACKED)
+    assert a.flush(timeout=10)  # the span thread has started
+    b = stage("B")  # its provider made after the thread started
+    b.mark("b1", Trigger.PREFILL_FINISHED, 8, [0])
+    b.resolve("b1", Outcome.ACKED)  # no flush: written at exit, before B's provider shuts down
+""")
+
+
+def test_a_provider_made_after_the_thread_started_still_gets_its_spans_at_exit():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", _TWO_PROVIDERS], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["A a1", "B b1"]
+
+
 class Waits(TransferObserver):
     def __init__(self) -> None:
         self.waits = 0
@@ -180,6 +260,36 @@ def test_the_scheduler_tells_the_observers_once_per_step_after_scheduling():
     for _ in range(3):
         step(sched)
     assert seen == [1, 2, 3]
+
+
+def test_the_tracing_observer_kicks_its_span_thread_when_the_engine_waits():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+
+    from omni_runtime.observability.tracing import TransferTracing
+    from omni_runtime.transfers.ledger import Outcome, Trigger
+
+    exported = threading.Event()
+
+    class Signalling:
+        def export(self, spans):
+            exported.set()
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self):
+            pass
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(Signalling()))
+    tracing = TransferTracing(provider.get_tracer("t"), stage="ar", model_name="m",
+                              worker=SpanWorker(max_delay=NEVER))
+    ledger = TransferLedger(5, observers=[tracing])
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
+    ledger.resolve("a", Outcome.ACKED)  # reported: handed to the thread, not written yet
+    assert not exported.wait(timeout=0.2)
+    ledger.engine_waits()  # the scheduler's step went to the runner: no flush needed
+    assert exported.wait(timeout=10)
+    provider.shutdown()
 
 
 def test_only_observers_with_their_own_hook_are_asked():

@@ -118,7 +118,7 @@ def per_transfer_cost(n: int = 3000) -> float:
             ledger.hand_off_pending()
             ledger.request_finished(rid, 3, aborted=False)
             ledger.resolve(rid, Outcome.ACKED)
-        ledger.flush()  # the spans written off the step count too: all of a transfer's cost
+        ledger.flush()  # the writes off the step count too: all of a transfer's cost
         return (time.perf_counter_ns() - t0) / n / 1e3
 
     observers = build_observers(stage="bench", model_name="m", timeout_seconds=300)

@@ -72,6 +72,7 @@ from omni_runtime.observability.metrics import (
     _Latest,
     duration_buckets,
 )
+from omni_runtime.observability.writer_thread import WriterThread, WritesOffStep
 from omni_runtime.transfers.ledger import (
     DEFAULT_TIMEOUT_SECONDS,
     Batch,
@@ -450,36 +451,51 @@ class EdgeMetrics:
             logger.warning("%s", message)
 
 
-class LedgerEdgeObserver(TransferObserver):
+class LedgerEdgeObserver(WritesOffStep, TransferObserver):
     """Feeds the per-edge families of a stage with exactly one downstream stage from its ledger:
     with one edge, a transfer's hand-off, resolution and outcome are its edge's (the duration
     runs from the hand-off). A stage that fans out needs the data path, which alone knows
     each edge's answer (:func:`data_path_edge_metrics`). Bytes per edge come from the data path
     in either case (the ledger does not see payloads). Batched: one write per gauge, counter
-    and histogram bucket per batch (a scheduler step's half), as :class:`TransferMetrics`."""
+    and histogram bucket per batch (a scheduler step's half), as :class:`TransferMetrics`,
+    and with a ``writer_thread`` off the step as it: what is not final when the report is
+    made (which handed-off transfers are held and still unresolved) is read on the step; a
+    hand-off's attempt and time, and a resolved transfer, are final."""
 
     batched = True
 
-    def __init__(self, edges: EdgeMetrics) -> None:
+    def __init__(self, edges: EdgeMetrics, *, writer_thread: WriterThread | None = None) -> None:
         if len(edges.to_stages) != 1:
             raise ValueError("LedgerEdgeObserver feeds a stage with exactly one downstream stage")
         self.edges = edges
         self.to_stage = edges.to_stages[0]
+        self._writer_thread = writer_thread
 
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
-        if batch.handed_off:
-            wall = ledger.wall_time
-            self.edges.started_many(
-                self.to_stage, [(t.attempt, wall(t.handed_off_at)) for t in batch.handed_off])
+        held = None
         if batch.held or (batch.handed_off and ledger.num_held):
-            # Held on the edge: handed off, and its request finished (before or after).
+            # Held on the edge: handed off, and its request finished (before or after), and
+            # unresolved now (read here: a transfer's outcome changes after the report).
             wall = ledger.wall_time
             held = [(t.attempt, wall(t.held_since), t.held_blocks)
                     for t in (*batch.held, *batch.handed_off)
                     if t.held_since is not None and t.handed_off_at is not None
                     and t.outcome is None]
-            if held:
-                self.edges.held_many(self.to_stage, held)
+        offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
+        thread = self._writer_thread
+        if thread is None or not thread.submit(
+                len(batch.handed_off) + len(batch.resolved) or 1, self._write, batch, held,
+                offset):
+            self._write(batch, held, offset)
+
+    def _write(self, batch: Batch, held: list[tuple[int, float, int]] | None,
+               offset: float) -> None:
+        """The report's writes (on the writer thread, or on the step)."""
+        if batch.handed_off:
+            self.edges.started_many(
+                self.to_stage, [(t.attempt, t.handed_off_at + offset) for t in batch.handed_off])
+        if held:
+            self.edges.held_many(self.to_stage, held)
         if not batch.resolved:
             return
         resolved = []

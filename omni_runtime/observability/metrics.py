@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from omni_runtime.observability.writer_thread import WriterThread, WritesOffStep
 from omni_runtime.transfers.ledger import (
     DEFAULT_TIMEOUT_SECONDS,
     Batch,
@@ -231,11 +232,16 @@ class _Histogram:
             buckets[i].inc(n)
 
 
-class TransferMetrics(TransferObserver):
+class TransferMetrics(WritesOffStep, TransferObserver):
     """The metric contract's families for one stage, as a (batched) ledger observer.
 
     ``registry`` defaults to prometheus_client's global one (vLLM serves it, or in
     multiprocess mode the files behind it); tests pass a private ``CollectorRegistry``.
+    With a ``writer_thread`` (a stage's: :func:`writer_thread.metrics_thread`) a report's
+    writes run there, off the step: the gauges' values are read on the step (the ledger as
+    the report left it), the counters and histograms from what the report handed over, whose
+    fields are final (a transfer's trigger; a resolved transfer's times and outcome). A
+    report the thread refuses is written on the step. Without one, on the step.
     """
 
     batched = True
@@ -247,7 +253,9 @@ class TransferMetrics(TransferObserver):
         model_name: str,
         deadline_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
         registry: CollectorRegistry | None = REGISTRY,
+        writer_thread: WriterThread | None = None,
     ) -> None:
+        self._writer_thread = writer_thread
         self.stage = stage
         self.model_name = model_name
         self.buckets = duration_buckets(deadline_seconds)
@@ -275,6 +283,14 @@ class TransferMetrics(TransferObserver):
 
     # ------------------------------------------------------------------ observer hook
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        gauges = self._gauges(ledger)  # the ledger as this report left it
+        thread = self._writer_thread
+        if thread is None or not thread.submit(
+                len(batch.marked) + len(batch.resolved) or 1, self._write, batch, gauges):
+            self._write(batch, gauges)
+
+    def _write(self, batch: Batch, gauges: tuple[float, ...]) -> None:
+        """The report's writes (on the writer thread, or on the step)."""
         if batch.marked:
             started = self._started
             if len(batch.marked) == 1:
@@ -287,7 +303,14 @@ class TransferMetrics(TransferObserver):
                     started[trigger].inc(n)
         if batch.resolved:
             self._count_resolved(batch.resolved)
-        self._refresh(ledger)
+        pending, active, held, held_blocks, oldest_pending, oldest_active, oldest_held = gauges
+        self._pending.set(pending)
+        self._active.set(active)
+        self._held.set(held)
+        self._held_blocks.set(held_blocks)
+        self._oldest_pending.set(oldest_pending)
+        self._oldest_active.set(oldest_active)
+        self._oldest_held.set(oldest_held)
 
     def _count_resolved(self, resolved: list[Transfer]) -> None:
         durations: dict[Outcome, list[float]] = {}
@@ -307,17 +330,15 @@ class TransferMetrics(TransferObserver):
         if holds:
             self._hold.observe_many(holds)
 
-    def _refresh(self, ledger: TransferLedger) -> None:
-        """Every gauge from the ledger as it is now (a gauge writes only if it changed)."""
-        self._pending.set(ledger.num_pending)
-        self._active.set(ledger.num_active)
-        self._held.set(ledger.num_held)
-        self._held_blocks.set(ledger.num_held_blocks)
+    @staticmethod
+    def _gauges(ledger: TransferLedger) -> tuple[float, ...]:
+        """Every gauge's value from the ledger as it is now (O(1) reads): the transfers
+        pending, active and held, the held blocks, and the unix times the oldest pending,
+        active and held entered their state (0: none). A gauge writes only if it changed."""
         wall = ledger.wall_time
-        for gauge, phase in ((self._oldest_pending, "pending"), (self._oldest_active, "active"),
-                             (self._oldest_held, "held")):
-            entered = ledger.oldest_entered(phase)
-            gauge.set(0.0 if entered is None else wall(entered))
+        oldest = [ledger.oldest_entered(phase) for phase in STATES]
+        return (ledger.num_pending, ledger.num_active, ledger.num_held, ledger.num_held_blocks,
+                *(0.0 if entered is None else wall(entered) for entered in oldest))
 
     # ------------------------------------------------------------------ worker side
     def observe_transfer_bytes(self, num_bytes: int) -> None:

@@ -37,9 +37,11 @@ def build_observers(
     *, stage: str, model_name: str, timeout_seconds: float, vllm_config: Any = None
 ) -> list[TransferObserver]:
     """Metrics always; tracing only when something asks for traces (else no observer, no
-    cost). Called once per scheduler, in the engine-core process."""
+    cost). Called once per scheduler, in the engine-core process. Their reports are written
+    off the step, by the process's writer threads (writer_thread.py)."""
     from omni_runtime.observability.metrics import TransferMetrics
     from omni_runtime.observability.tracing import TransferTracing, resolve_tracer
+    from omni_runtime.observability.writer_thread import metrics_thread, span_thread
 
     if MULTIPROC_ENV not in os.environ:
         # Fine with an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0); with vLLM's
@@ -48,7 +50,8 @@ def build_observers(
             "%s is not set: omni_ KV transfer metrics are only visible from this process "
             "(see docs/metrics.md)", MULTIPROC_ENV)
     observers: list[TransferObserver] = [
-        TransferMetrics(stage=stage, model_name=model_name, deadline_seconds=timeout_seconds)
+        TransferMetrics(stage=stage, model_name=model_name, deadline_seconds=timeout_seconds,
+                        writer_thread=metrics_thread())
     ]
     # The per-edge families' series, one set per downstream stage, exist from start-up (at 0).
     # With one downstream stage the ledger feeds them (the transfer's fate is its edge's);
@@ -60,8 +63,9 @@ def build_observers(
         edges = EdgeMetrics(stage=stage, model_name=model_name, to_stages=to_stages,
                             deadline_seconds=timeout_seconds)
         if len(edges.to_stages) == 1:
-            observers.append(LedgerEdgeObserver(edges))
+            observers.append(LedgerEdgeObserver(edges, writer_thread=metrics_thread()))
     tracer = resolve_tracer(vllm_config)
     if tracer is not None:
-        observers.append(TransferTracing(tracer, stage=stage, model_name=model_name))
+        observers.append(TransferTracing(tracer, stage=stage, model_name=model_name,
+                                         writer_thread=span_thread()))
     return observers

@@ -26,7 +26,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from omni_runtime.observability.span_worker import SpanWorker, register_exit_flush, span_worker
+from omni_runtime.observability.writer_thread import (WriterThread, WritesOffStep,
+                                                      register_exit_flush, span_thread)
 from omni_runtime.observability.span_writer import EventSpec, SpanSpec, span_writer
 from omni_runtime.transfers.ledger import (VALUES, Batch, Outcome, Transfer, TransferLedger,
                                            TransferObserver)
@@ -58,7 +59,7 @@ _ERROR_OUTCOMES = frozenset((Outcome.FAILED, Outcome.EXPIRED))
 _propagator = TraceContextTextMapPropagator()
 
 
-class TransferTracing(TransferObserver):
+class TransferTracing(WritesOffStep, TransferObserver):
     """Ledger observer that records each transfer as an ``omni.kv_transfer`` span.
 
     The span is built whole once the transfer has resolved, from what the ledger recorded
@@ -68,7 +69,7 @@ class TransferTracing(TransferObserver):
     (the SDK validates attributes per call). Hand-off and hold cost nothing here.
 
     Off the step: a report hands its resolved transfers (final: the ledger never changes a
-    resolved transfer again) to the process's span thread (span_worker.py), which builds
+    resolved transfer again) to the process's span thread (writer_thread.py), which builds
     their spans and writes them together (span_writer.py: ``write_many`` on the SDK's own
     tracer, straight to its processors). The step pays for the hand-over only. A span given
     no parent (no trace headers) takes the span current on the step at the report, as the
@@ -80,10 +81,10 @@ class TransferTracing(TransferObserver):
     batched = True
 
     def __init__(self, tracer: Tracer, *, stage: str, model_name: str,
-                 worker: SpanWorker | None = None) -> None:
+                 writer_thread: WriterThread | None = None) -> None:
         self._writer = span_writer(tracer)
         #: The thread that writes the spans: the process's one unless given (tests).
-        self._worker = worker if worker is not None else span_worker()
+        self._writer_thread = writer_thread if writer_thread is not None else span_thread()
         # The tracer's provider exists now: the queue is written at exit before it shuts down.
         register_exit_flush()
         self._stage = stage
@@ -96,14 +97,10 @@ class TransferTracing(TransferObserver):
             # engine loop): the span thread's own context holds none.
             context = (otel_context.get_current()
                        if trace.get_current_span().get_span_context().is_valid else None)
-            self._worker.submit(len(resolved), self._write, resolved, ledger.wall_time(0.0),
-                                context)
-
-    def on_engine_wait(self, ledger: TransferLedger) -> None:
-        self._worker.kick()  # the spans handed over so far are written while the engine waits
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return self._worker.flush(timeout)
+            # Refused (the thread stalled behind a blocking exporter, or none at shutdown):
+            # the spans are dropped, counted and logged by the thread, not written on the step.
+            self._writer_thread.submit(len(resolved), self._write, resolved,
+                                       ledger.wall_time(0.0), context)
 
     def _write(self, resolved: list[Transfer], offset: float, context: Any) -> None:
         """On the span thread: the transfers' spans; ``offset``: unix time less ledger

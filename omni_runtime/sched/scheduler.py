@@ -77,7 +77,7 @@ _COMPLETED = frozenset(
     }
 )
 
-#: Seconds the scheduler's shutdown waits for the observers' writes (the span thread's).
+#: Seconds the scheduler's shutdown waits for the observers' writes (their writer threads').
 _SHUTDOWN_FLUSH_SECONDS = 5.0
 
 #: Attribute on vLLM's Request holding its latest Transfer: it dies with the request.
@@ -321,7 +321,7 @@ class OmniKVTransferMixin:
     def shutdown(self) -> None:
         # Resolve what is left, so that spans end, and give held blocks and their finished
         # requests back; then wait (bounded) until the observers have written out what they
-        # were told: the spans are written off the step, by a thread.
+        # were told: their reports are written off the step, by threads (writer_thread.py).
         self._fail_unresolved("scheduler shut down", lambda t: True)
         if not self.transfer_ledger.flush(timeout=_SHUTDOWN_FLUSH_SECONDS):
             logger.warning("KV transfer observers not done within %.0f s at shutdown",

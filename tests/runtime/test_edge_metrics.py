@@ -395,10 +395,40 @@ def test_a_single_edge_counts_held_from_its_ledger_whenever_the_request_finished
     ledger.check_invariants()
 
 
+def test_off_the_step_a_hold_is_the_edges_as_the_report_saw_it():
+    """With a writer thread, which handed-off transfers are held and unresolved is read when
+    the report is made: a resolution after it (reported later) does not hide the hold from
+    the write of the report that saw it."""
+    from omni_runtime.observability.edge_metrics import LedgerEdgeObserver
+    from omni_runtime.observability.writer_thread import WriterThread
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+
+    thread = WriterThread(what="test edges", max_delay=3600)
+    registry = CollectorRegistry()
+    edges = EdgeMetrics(stage=STAGE, model_name=MODEL, to_stages=["talker"], deadline_seconds=5,
+                        registry=registry)
+    ledger = TransferLedger(5, clock=Clock(100.0), observers=[
+        LedgerEdgeObserver(edges, writer_thread=thread)])
+    ledger.mark("a", Trigger.REQUEST_FINISHED, 8, [1, 2])
+    assert ledger.request_finished("a", 4, aborted=False)  # held while pending
+    ledger.hand_off_pending()  # reported: handed off, held
+    ledger.begin_batch()
+    ledger.resolve("a", Outcome.ACKED)  # after that report, not reported yet
+    assert thread.flush(timeout=10)
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 1
+    assert value(registry, "omni_kv_edge_held_blocks", to_stage="talker") == 4
+    ledger.end_batch()
+    assert ledger.flush(timeout=10)
+    assert value(registry, "omni_kv_edge_transfers_held", to_stage="talker") == 0
+    assert value(registry, "omni_kv_edge_transfers_resolved_total", to_stage="talker",
+                 outcome="acked") == 1
+
+
 def test_build_observers_feeds_a_single_edge_from_the_ledger_only():
     from omni_runtime.observability.edge_metrics import LedgerEdgeObserver
     from omni_runtime.observability.metrics import TransferMetrics
     from omni_runtime.observability.observers import build_observers
+    from omni_runtime.observability.writer_thread import metrics_thread
 
     def config(endpoints):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"endpoints": endpoints}),
@@ -406,6 +436,8 @@ def test_build_observers_feeds_a_single_edge_from_the_ledger_only():
 
     one = build_observers(stage="s1", model_name="m", timeout_seconds=5, vllm_config=config({"talker": "tcp://a:1"}))
     assert [type(o) for o in one] == [TransferMetrics, LedgerEdgeObserver]
+    # A stage's reports are written off the step, by the process's metrics thread.
+    assert all(o._writer_thread is metrics_thread() for o in one)
     two = build_observers(stage="s2", model_name="m", timeout_seconds=5,
                           vllm_config=config({"talker": "tcp://a:1", "vocoder": "tcp://b:1"}))
     assert [type(o) for o in two] == [TransferMetrics]

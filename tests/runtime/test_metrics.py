@@ -55,6 +55,55 @@ def assert_gauges_match(registry: CollectorRegistry, ledger: TransferLedger) -> 
     assert value(registry, "omni_kv_held_blocks") == ledger.num_held_blocks
 
 
+# ---------------------------------------------------------------------- off the step
+def test_off_the_step_the_gauges_are_the_ledger_as_the_report_left_it():
+    """With a writer thread, a report's gauge values are read on the step: written later,
+    they are still the ledger as that report left it, not as it is when the thread runs."""
+    from omni_runtime.observability.writer_thread import WriterThread
+
+    thread = WriterThread(what="test metrics", max_delay=3600)
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(stage=STAGE, model_name=MODEL, deadline_seconds=5,
+                              registry=registry, writer_thread=thread)
+    clock = FakeClock()
+    ledger = TransferLedger(5, clock=clock, observers=[metrics])
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])  # outside a batch: reported now
+    assert value(registry, "omni_kv_transfers", state="pending") == 0  # handed over, unwritten
+    clock.t += 1
+    ledger.begin_batch()  # changes after the report, not reported yet
+    ledger.mark("b", Trigger.PREFILL_FINISHED, 8, [1])
+    ledger.hand_off_pending()
+    assert thread.flush(timeout=10)
+    assert value(registry, "omni_kv_transfers", state="pending") == 1
+    assert value(registry, "omni_kv_transfers", state="active") == 0
+    assert value(registry, "omni_kv_transfers_started_total", trigger="prefill_finished") == 1
+    assert value(registry, "omni_kv_transfer_oldest_start_timestamp_seconds", state="pending") \
+        == pytest.approx(ledger.wall_time(1000.0))
+    ledger.end_batch()
+    assert ledger.flush(timeout=10)
+    assert_gauges_match(registry, ledger)
+    assert value(registry, "omni_kv_transfers_started_total", trigger="prefill_finished") == 2
+
+
+def test_a_report_the_thread_refuses_is_written_on_the_step(monkeypatch):
+    import threading
+
+    from omni_runtime.observability.writer_thread import WriterThread
+
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda self: (_ for _ in ()).throw(RuntimeError("no threads")))
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(stage=STAGE, model_name=MODEL, deadline_seconds=5,
+                              registry=registry, writer_thread=WriterThread(what="t"))
+    ledger = TransferLedger(5, clock=FakeClock(), observers=[metrics])
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
+    ledger.resolve("a", Outcome.ACKED)
+    # No thread could take them: written on the step, no count lost.
+    assert value(registry, "omni_kv_transfers_started_total", trigger="prefill_finished") == 1
+    assert value(registry, "omni_kv_transfers_resolved_total", outcome="acked") == 1
+    assert_gauges_match(registry, ledger)
+
+
 # ---------------------------------------------------------------------- families and labels
 def test_exposed_families_types_and_label_sets_are_exactly_the_contract():
     registry, _ = build_registry(stage=STAGE, model_name=MODEL)

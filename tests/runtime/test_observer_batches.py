@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from omni_runtime.observability.edge_metrics import EdgeMetrics, LedgerEdgeObserver
 from omni_runtime.observability.metrics import TransferMetrics
 from omni_runtime.observability.tracing import TransferTracing
+from omni_runtime.observability.writer_thread import WriterThread
 from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
 
 
@@ -32,7 +33,11 @@ class Clock:
 class Observed:
     """A ledger with every observer, on a private registry and span exporter, and fake clocks."""
 
-    def __init__(self, clock: Clock, wall: Clock, report_interval: float = 0.0) -> None:
+    def __init__(self, clock: Clock, wall: Clock, report_interval: float = 0.0, *,
+                 threaded: bool = False) -> None:
+        # Threaded: the metric families' reports written by a writer thread of their own, as
+        # a stage's are (observers.build_observers); else on the step, as they come.
+        self.thread = WriterThread(what="test metrics", max_delay=3600) if threaded else None
         self.registry = CollectorRegistry()
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
@@ -42,13 +47,15 @@ class Observed:
                             registry=self.registry, clock=wall, monotonic=clock)
         self.ledger = TransferLedger(5.0, clock=clock, observers=[
             TransferMetrics(stage="ar", model_name="tiny", deadline_seconds=5,
-                            registry=self.registry),
-            LedgerEdgeObserver(edges),
+                            registry=self.registry, writer_thread=self.thread),
+            LedgerEdgeObserver(edges, writer_thread=self.thread),
             self.tracing,
         ], report_interval=report_interval)
         self.ledger._wall_offset = wall.t - clock.t  # both ledgers map to the same wall time
 
     def samples(self) -> dict:
+        # What was handed to the writer thread, once written (without reporting anything).
+        assert self.thread is None or self.thread.flush(timeout=10)
         # (Not the _created samples: the real time each child was made.)
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in self.registry.collect() for s in family.samples
@@ -111,7 +118,7 @@ def _in_batches(batched: Observed, single: Observed, clock: Clock, wall: Clock, 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_batches_write_what_each_change_wrote(seed):
     clock, wall = Clock(100.0), Clock(1_700_000_000.0)
-    batched, single = Observed(clock, wall), Observed(clock, wall)
+    batched, single = Observed(clock, wall, threaded=True), Observed(clock, wall)
     batches = 0
     for _ in _in_batches(batched, single, clock, wall, seed, 60, 8, (0.0, 0.01, 0.7, 2.0)):
         batches += 1
@@ -131,7 +138,8 @@ def test_a_report_interval_writes_the_same_at_each_report_and_nothing_between(se
     then; between reports the samples and spans stay as the last report left them."""
     interval = 1.0
     clock, wall = Clock(100.0), Clock(1_700_000_000.0)
-    windowed, single = Observed(clock, wall, report_interval=interval), Observed(clock, wall)
+    windowed = Observed(clock, wall, report_interval=interval, threaded=True)
+    single = Observed(clock, wall)
     reported_at = -math.inf
     last = (windowed.samples(), windowed.spans())
     reports = deferred = 0

@@ -1159,9 +1159,13 @@ def test_the_transfer_metrics_are_written_at_most_every_telemetry_interval_and_e
     written at once and exact."""
     from prometheus_client import REGISTRY
 
+    from omni_runtime.observability.writer_thread import metrics_thread
+
     stage = "interval-test"
 
     def gauge(name, **labels):
+        # What the reports so far handed to the writer thread, written (nothing reported here).
+        assert metrics_thread().flush(timeout=10)
         return REGISTRY.get_sample_value(name, {"stage": stage, "model_name": sched_model, **labels})
 
     config = {**PREFILL, "telemetry_interval_seconds": 5, "stage_name": stage}

@@ -1,34 +1,43 @@
-"""Span writing off the scheduler's step: one daemon thread per process writes the spans.
+"""The observers' writes off the scheduler's step: daemon threads that write what a report
+handed over, while the engine core waits for the forward pass.
 
 The scheduler's step is on every request's critical path (the next forward pass waits for
-it), and writing a transfer's span (its ids, sampling, the SDK's span object, the span
-processors' ``on_end``) is most of what tracing costs there. Nothing about a span needs the
-step: a resolved transfer is final (the ledger never changes it again), so its span built
-later, on another thread, is the same span. The step only hands the report's resolved
-transfers over (a list append); this thread builds and writes them while the engine core
-waits for the forward pass, the GIL free then. The CPU is spent either way: this moves it
-off the step's latency, as the SDK's batch span processor moves the export.
+it), and an observer's report is most of what the observers cost there: a transfer's span
+(its ids, sampling, the SDK's span object, the span processors' ``on_end``), the metric
+families' multiprocess writes (a locked mmap write per counter, bucket and gauge). None of
+it needs the step. What a report reads is either final (a resolved transfer: the ledger
+never changes it again; a hand-off's attempt and time) or copied on the step (the gauges'
+values, a snapshot of a few counts), so the same writes done later, on another thread, give
+the same spans and samples. The step hands them over (a lock, a list append); a thread writes
+them while the engine waits for the forward pass, the GIL free then. The CPU is spent either
+way: this moves it off the step's latency, as the SDK's batch span processor moves the export.
 
 When the thread runs matters under the GIL: a thread woken while the step runs would get
 the GIL within the interpreter's switch interval (5 ms) and run its jobs inside the step. So
-a submission does not wake it; :meth:`SpanWorker.kick` does, which the scheduler calls once
-it has handed its step to the model runner (``TransferLedger.engine_waits``: the engine
+a submission does not wake it; :meth:`WriterThread.kick` does, which the scheduler calls
+once it has handed its step to the model runner (``TransferLedger.engine_waits``: the engine
 waits for the forward pass next). Jobs nobody kicks (a ledger driven outside a scheduler)
 are written once the oldest has waited ``max_delay`` seconds for a kick.
 
+Two threads per process, started on first use: the spans' (:func:`span_thread`) and the
+metric families' (:func:`metrics_thread`), so that a span exporter that blocks (behind a
+synchronous processor) never holds the metrics back.
+
 Guarantees:
-  * **Bounded**: at most ``max_queued`` spans wait (a thread stalled behind a synchronous
-    exporter, say); past that, a report's spans are dropped and counted, as the SDK's batch
-    processor drops spans past its queue (logged on the first drop and every 1000th).
-  * **Flushed**: :meth:`SpanWorker.flush` waits until everything submitted so far is written;
-    the scheduler's shutdown calls it (through ``TransferLedger.flush``), and so does the
-    interpreter's exit, before the SDK's tracer providers shut down (see
+  * **Bounded**: at most ``max_queued`` items wait; past that :meth:`WriterThread.submit`
+    refuses, counted (logged on the first refusal and every 1000th), and the caller decides:
+    spans are dropped, as the SDK's batch processor drops spans past its queue; the metric
+    families write on the step instead, so no count is lost.
+  * **In order**: jobs run in submission order, one at a time.
+  * **Flushed**: :meth:`WriterThread.flush` waits until everything submitted so far is
+    written; the scheduler's shutdown calls it (through ``TransferLedger.flush``), and so does
+    the interpreter's exit, before the SDK's tracer providers shut down (see
     :func:`register_exit_flush`).
-  * **Isolated**: a job that raises (anything, ``SystemExit`` included) loses its spans
+  * **Isolated**: a job that raises (anything, ``SystemExit`` included) loses its writes
     (logged on the first failure and every 1000th), never the thread nor the other jobs.
-    A thread that cannot be started (at interpreter shutdown) drops the spans, counted.
-  * **Fork-safe**: a forked child starts with an empty queue and starts its own thread on
-    first use (the parent's queued spans are the parent's to write).
+    A thread that cannot be started (at interpreter shutdown) refuses, counted.
+  * **Fork-safe**: a forked child starts with empty queues and starts its own threads on
+    first use (the parent's queued writes are the parent's).
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ logger = logging.getLogger(__name__)
 #: queues 2048 spans by default.
 MAX_QUEUED_SPANS = 16384
 
+#: Transfers whose metric writes may wait at most (the thread never blocks on them: only a
+#: thread that cannot be started or is starved leaves them waiting).
+MAX_QUEUED_METRICS = 65536
+
 #: Seconds a job may wait for a kick: the thread looks at its queue this often.
 MAX_DELAY_SECONDS = 0.5
 
@@ -55,18 +68,20 @@ MAX_DELAY_SECONDS = 0.5
 EXIT_FLUSH_SECONDS = 5.0
 
 
-class SpanWorker:
-    """Runs span-writing jobs in submission order on one daemon thread, started on first use.
+class WriterThread:
+    """Runs writing jobs in submission order on one daemon thread, started on first use.
 
-    A job is ``fn(*args)`` writing ``count`` spans; ``count`` is what the bound counts.
+    A job is ``fn(*args)`` writing ``count`` items (spans, or transfers' figures); ``count``
+    is what the bound counts. ``what`` names them in the log.
     """
 
-    def __init__(self, *, max_queued: int = MAX_QUEUED_SPANS,
+    def __init__(self, *, what: str = "KV transfer spans", max_queued: int = MAX_QUEUED_SPANS,
                  max_delay: float = MAX_DELAY_SECONDS, name: str = "omni-kv-spans") -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")
         if not max_delay > 0:
             raise ValueError(f"max_delay must be > 0, got {max_delay!r}")
+        self.what = what
         self.max_queued = max_queued
         self.max_delay = max_delay
         self.name = name
@@ -83,22 +98,22 @@ class SpanWorker:
         self._kicked = False
         #: time.monotonic() of the oldest job's submission (while there is one).
         self._oldest = 0.0
-        #: Spans submitted and not yet written (nor dropped by a failing job).
+        #: Items submitted and not yet written (nor lost by a failing job).
         self._queued = 0
         #: Jobs submitted and not finished (those waiting, and those being run).
         self._unfinished = 0
         self._thread: threading.Thread | None = None
-        #: Spans dropped at submission (the queue was full), since start.
+        #: Items refused at submission (the queue was full, or no thread), since start.
         self.dropped = 0
         self._drops = 0
         self._failures = 0
-        #: Spans written, and the thread's CPU time writing them (ns), since start.
+        #: Items written, and the thread's CPU time writing them (ns), since start.
         self.written = 0
         self.cpu_ns = 0
 
     # ------------------------------------------------------------------ the caller's side
     def submit(self, count: int, fn: Callable[..., Any], *args: Any) -> bool:
-        """Queue a job writing ``count`` spans, run at the next :meth:`kick` (or within
+        """Queue a job writing ``count`` items, run at the next :meth:`kick` (or after
         ``max_delay``); False (and nothing queued) when the queue is full or no thread can
         be started (at interpreter shutdown, say). Cheap: the caller is the scheduler's
         step."""
@@ -106,7 +121,7 @@ class SpanWorker:
             if self._thread is None and not self._start():
                 why = "no thread to write them could be started"
             elif self._queued + count > self.max_queued:
-                why = f"{self._queued} spans waiting to be written, at most {self.max_queued}"
+                why = f"{self._queued} waiting to be written, at most {self.max_queued}"
             else:
                 if not self._jobs:
                     self._oldest = time.monotonic()
@@ -118,8 +133,8 @@ class SpanWorker:
             self._drops += 1
             drops, dropped = self._drops, self.dropped
         if drops == 1 or drops % 1000 == 0:
-            logger.warning("KV transfer spans dropped: %s (%d spans dropped so far)", why,
-                           dropped)
+            logger.warning("%s not written off the step: %s (%d refused so far)", self.what,
+                           why, dropped)
         return False
 
     def kick(self) -> None:
@@ -149,7 +164,7 @@ class SpanWorker:
         try:
             thread.start()
         except RuntimeError:
-            logger.exception("cannot start the KV transfer span thread")
+            logger.exception("cannot start the thread writing %s", self.what)
             return False
         self._thread = thread
         register_exit_flush()
@@ -177,7 +192,7 @@ class SpanWorker:
                     try:
                         fn(*args)
                         written += count
-                    except BaseException:  # those spans are lost, never the thread
+                    except BaseException:  # those writes are lost, never the thread
                         self._failed()
             finally:  # whatever happens, flush() must not wait for these jobs forever
                 cpu = time.thread_time_ns() - started
@@ -189,28 +204,52 @@ class SpanWorker:
                     done.notify_all()
 
     def _failed(self) -> None:
-        """A job raised (anything: an exporter's SystemExit too): its spans are lost."""
+        """A job raised (anything: an exporter's SystemExit too): its writes are lost."""
         self._failures += 1
         if self._failures == 1 or self._failures % 1000 == 0:
             try:
-                logger.exception("writing KV transfer spans failed (%d times so far); those "
-                                 "spans are lost", self._failures)
+                logger.exception("writing %s failed (%d times so far); those writes are lost",
+                                 self.what, self._failures)
             except BaseException:  # a failing log handler must not stop the thread either
                 pass
 
 
-_worker = SpanWorker()
+class WritesOffStep:
+    """For a ledger observer whose reports are written by a :class:`WriterThread` (mixed in
+    before :class:`~omni_runtime.transfers.ledger.TransferObserver`): the thread is kicked
+    when the engine waits for the forward pass, and the ledger's flush waits for it. With no
+    thread (``_writer_thread`` None: an observer made by hand, in tests, say) the reports are
+    written on the step, as they come."""
+
+    _writer_thread: WriterThread | None = None
+
+    def on_engine_wait(self, ledger: Any) -> None:
+        if self._writer_thread is not None:
+            self._writer_thread.kick()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writer_thread is None or self._writer_thread.flush(timeout)
 
 
-def span_worker() -> SpanWorker:
-    """The process's span worker."""
-    return _worker
+_spans = WriterThread(what="KV transfer spans", name="omni-kv-spans")
+_metrics = WriterThread(what="KV transfer metrics", max_queued=MAX_QUEUED_METRICS,
+                        name="omni-kv-metrics")
+
+
+def span_thread() -> WriterThread:
+    """The process's thread writing the transfer spans."""
+    return _spans
+
+
+def metrics_thread() -> WriterThread:
+    """The process's thread writing the ledger-fed metric families."""
+    return _metrics
 
 
 def register_exit_flush() -> None:
-    """(Re-)register the exit hook that writes the queue: as the last one so far, so that it
+    """(Re-)register the exit hook that writes the queues: as the last one so far, so that it
     runs before the exit hooks registered until now (they run last-registered first), those
-    of the tracer providers the spans go to among them. Called when the thread starts and by
+    of the tracer providers the spans go to among them. Called when a thread starts and by
     each tracing observer once its provider exists (a second stage's private provider, made
     later, registers its own exit hook later). A forked child inherits the hook."""
     atexit.unregister(_flush_at_exit)
@@ -218,10 +257,16 @@ def register_exit_flush() -> None:
 
 
 def _flush_at_exit() -> None:
-    if not _worker.flush(EXIT_FLUSH_SECONDS):
-        logger.warning("KV transfer spans still unwritten after %.0f s at exit: left out",
-                       EXIT_FLUSH_SECONDS)
+    for thread in (_metrics, _spans):
+        if not thread.flush(EXIT_FLUSH_SECONDS):
+            logger.warning("%s still unwritten after %.0f s at exit: left out", thread.what,
+                           EXIT_FLUSH_SECONDS)
+
+
+def _reset_in_child() -> None:
+    _spans._reset()
+    _metrics._reset()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _worker._reset())
+    os.register_at_fork(after_in_child=_reset_in_child)

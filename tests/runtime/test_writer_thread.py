@@ -1,6 +1,7 @@
-"""The span thread (observability/span_worker.py): jobs run when kicked (or after their
-delay), in order, bounded, isolated from each other, flushed on demand, at exit and after a
-fork; and the scheduler kicks it once per step, after handing the step to the runner."""
+"""The observers' writer threads (observability/writer_thread.py): jobs run when kicked (or
+after their delay), in order, bounded, isolated from each other, flushed on demand, at exit
+and after a fork; and the scheduler kicks them once per step, after handing the step to the
+runner."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 import pytest
 
 from omni_runtime.devtools.sched_harness import make_scheduler, make_vllm_config, step
-from omni_runtime.observability.span_worker import SpanWorker, span_worker
+from omni_runtime.observability.writer_thread import WriterThread, metrics_thread, span_thread
 from omni_runtime.sched.scheduler import OmniARScheduler
 from omni_runtime.transfers.ledger import TransferLedger, TransferObserver
 
@@ -25,7 +26,7 @@ NEVER = 3600.0
 
 
 def test_a_job_waits_for_the_kick_and_jobs_run_in_order():
-    worker = SpanWorker(max_delay=NEVER)
+    worker = WriterThread(max_delay=NEVER)
     ran: list[int] = []
     done = threading.Event()
     for i in range(3):
@@ -41,14 +42,14 @@ def test_a_job_waits_for_the_kick_and_jobs_run_in_order():
 
 
 def test_a_job_nobody_kicks_runs_after_its_delay():
-    worker = SpanWorker(max_delay=0.05)
+    worker = WriterThread(max_delay=0.05)
     done = threading.Event()
     worker.submit(1, done.set)
     assert done.wait(timeout=10)
 
 
 def test_flush_runs_the_queue_and_times_out_on_a_stuck_job():
-    worker = SpanWorker(max_delay=NEVER)
+    worker = WriterThread(max_delay=NEVER)
     release = threading.Event()
     worker.submit(1, release.wait)
     assert not worker.flush(timeout=0.05)  # the job is stuck (an exporter that hangs, say)
@@ -57,14 +58,15 @@ def test_flush_runs_the_queue_and_times_out_on_a_stuck_job():
 
 
 def test_past_the_bound_a_report_is_dropped_counted_and_logged(caplog):
-    worker = SpanWorker(max_queued=3, max_delay=NEVER)
+    worker = WriterThread(max_queued=3, max_delay=NEVER)
     release = threading.Event()
     ran: list[str] = []
     assert worker.submit(2, lambda: (release.wait(), ran.append("a")))
-    with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.span_worker"):
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.writer_thread"):
         assert not worker.submit(2, ran.append, "b")  # 2 + 2 > 3: dropped whole
     assert worker.dropped == 2
-    assert "KV transfer spans dropped" in caplog.text and "at most 3" in caplog.text
+    assert "KV transfer spans not written off the step" in caplog.text
+    assert "at most 3" in caplog.text
     assert worker.submit(1, ran.append, "c")  # within the bound
     release.set()
     assert worker.flush(timeout=10)
@@ -73,13 +75,13 @@ def test_past_the_bound_a_report_is_dropped_counted_and_logged(caplog):
 
 
 def test_a_job_raising_systemexit_loses_its_spans_not_the_thread(caplog):
-    worker = SpanWorker(max_delay=NEVER)
+    worker = WriterThread(max_delay=NEVER)
     ran: list[str] = []
 
     def exits() -> None:
         raise SystemExit(3)  # an exporter that calls sys.exit
 
-    with caplog.at_level(logging.ERROR, logger="omni_runtime.observability.span_worker"):
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.observability.writer_thread"):
         worker.submit(1, exits)
         worker.submit(1, ran.append, "after")
         assert worker.flush(timeout=10)
@@ -89,13 +91,13 @@ def test_a_job_raising_systemexit_loses_its_spans_not_the_thread(caplog):
 
 
 def test_without_a_thread_the_spans_are_dropped_and_counted(monkeypatch, caplog):
-    worker = SpanWorker(max_delay=NEVER)
+    worker = WriterThread(max_delay=NEVER)
 
     def refuse(self):
         raise RuntimeError("can't create new thread at interpreter shutdown")
 
     monkeypatch.setattr(threading.Thread, "start", refuse)
-    with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.span_worker"):
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.writer_thread"):
         assert not worker.submit(4, lambda: None)
     assert worker.dropped == 4 and "no thread to write them" in caplog.text
     assert worker.flush(timeout=1)  # nothing waits for a job that was never queued
@@ -106,13 +108,13 @@ def test_without_a_thread_the_spans_are_dropped_and_counted(monkeypatch, caplog)
 
 
 def test_a_failing_job_loses_its_spans_only(caplog):
-    worker = SpanWorker(max_delay=NEVER)
+    worker = WriterThread(max_delay=NEVER)
     ran: list[str] = []
 
     def fails() -> None:
         raise RuntimeError("exporter exploded")
 
-    with caplog.at_level(logging.ERROR, logger="omni_runtime.observability.span_worker"):
+    with caplog.at_level(logging.ERROR, logger="omni_runtime.observability.writer_thread"):
         worker.submit(5, fails)
         worker.submit(2, ran.append, "after")
         assert worker.flush(timeout=10)
@@ -123,7 +125,7 @@ def test_a_failing_job_loses_its_spans_only(caplog):
 
 
 def test_flush_from_a_job_does_not_wait_for_itself():
-    worker = SpanWorker(max_delay=NEVER)
+    worker = WriterThread(max_delay=NEVER)
     answers: list[bool] = []
     worker.submit(1, lambda: answers.append(worker.flush(timeout=10)))
     assert worker.flush(timeout=10)
@@ -132,13 +134,14 @@ def test_flush_from_a_job_does_not_wait_for_itself():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="max_queued"):
-        SpanWorker(max_queued=0)
+        WriterThread(max_queued=0)
     with pytest.raises(ValueError, match="max_delay"):
-        SpanWorker(max_delay=0)
+        WriterThread(max_delay=0)
 
 
-def test_a_forked_child_runs_its_own_thread():
-    worker = span_worker()  # the process's, which the module resets in a forked child
+@pytest.mark.parametrize("thread", [span_thread, metrics_thread])
+def test_a_forked_child_runs_its_own_thread(thread):
+    worker = thread()  # the process's, which the module resets in a forked child
     assert worker.submit(1, lambda: None) and worker.flush(timeout=10)  # the parent's runs
     pid = os.fork()
     if pid == 0:  # child: the parent's thread does not exist here; a new one on first use
@@ -282,7 +285,7 @@ def test_the_tracing_observer_kicks_its_span_thread_when_the_engine_waits():
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(Signalling()))
     tracing = TransferTracing(provider.get_tracer("t"), stage="ar", model_name="m",
-                              worker=SpanWorker(max_delay=NEVER))
+                              writer_thread=WriterThread(max_delay=NEVER))
     ledger = TransferLedger(5, observers=[tracing])
     ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
     ledger.resolve("a", Outcome.ACKED)  # reported: handed to the thread, not written yet

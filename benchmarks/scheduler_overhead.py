@@ -31,7 +31,10 @@ run to run;
 ``churn_ratio_balanced_N`` is the median over each two consecutive steps (one of each order)
 of ours' time over stock's, which cancels the order. Arrivals
 (``add_request``), ``schedule()`` and ``update_from_output()`` are timed; the runner's outputs
-are built outside the timed span, the same for both schedulers (plus the acks for ours).
+are built outside the timed span, the same for both schedulers (plus the acks for ours), and
+there, where a GPU stage waits for the forward pass, the observers' writer threads finish
+what the reports handed them (their CPU per transfer is printed apart,
+``churn_writer_threads_us_per_transfer_N``).
 Which scheduler steps first alternates. Last line: one JSON object.
 """
 

@@ -241,7 +241,8 @@ class TransferMetrics(WritesOffStep, TransferObserver):
     writes run there, off the step: the gauges' values are read on the step (the ledger as
     the report left it), the counters and histograms from what the report handed over, whose
     fields are final (a transfer's trigger; a resolved transfer's times and outcome). A
-    report the thread refuses is written on the step. Without one, on the step.
+    report the thread refuses is written on the step, after the earlier ones. Without one,
+    on the step.
     """
 
     batched = True
@@ -284,10 +285,8 @@ class TransferMetrics(WritesOffStep, TransferObserver):
     # ------------------------------------------------------------------ observer hook
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
         gauges = self._gauges(ledger)  # the ledger as this report left it
-        thread = self._writer_thread
-        if thread is None or not thread.submit(
-                len(batch.marked) + len(batch.resolved) or 1, self._write, batch, gauges):
-            self._write(batch, gauges)
+        self._write_in_order(len(batch.marked) + len(batch.resolved) or 1, self._write,
+                             batch, gauges)
 
     def _write(self, batch: Batch, gauges: tuple[float, ...]) -> None:
         """The report's writes (on the writer thread, or on the step)."""

@@ -27,7 +27,8 @@ Guarantees:
   * **Bounded**: at most ``max_queued`` items wait; past that :meth:`WriterThread.submit`
     refuses, counted (logged on the first refusal and every 1000th), and the caller decides:
     spans are dropped, as the SDK's batch processor drops spans past its queue; the metric
-    families write on the step instead, so no count is lost.
+    families wait for the thread to write the earlier reports and then write on the step
+    (:meth:`WritesOffStep._write_in_order`), so no count is lost and no gauge left behind.
   * **In order**: jobs run in submission order, one at a time.
   * **Flushed**: :meth:`WriterThread.flush` waits until everything submitted so far is
     written; the scheduler's shutdown calls it (through ``TransferLedger.flush``), and so does
@@ -36,8 +37,9 @@ Guarantees:
   * **Isolated**: a job that raises (anything, ``SystemExit`` included) loses its writes
     (logged on the first failure and every 1000th), never the thread nor the other jobs.
     A thread that cannot be started (at interpreter shutdown) refuses, counted.
-  * **Fork-safe**: a forked child starts with empty queues and starts its own threads on
-    first use (the parent's queued writes are the parent's).
+  * **Fork-safe**: a fork waits (briefly) for the threads to finish what they hold, so no
+    lock is held across it; a forked child starts with empty queues and starts its own
+    threads on first use (the parent's queued writes are the parent's).
 """
 
 from __future__ import annotations
@@ -64,8 +66,16 @@ MAX_QUEUED_METRICS = 65536
 #: Seconds a job may wait for a kick: the thread looks at its queue this often.
 MAX_DELAY_SECONDS = 0.5
 
+#: Seconds a report the thread refused waits for the earlier ones before it is written on
+#: the step (the thread never blocks on metric writes: only starved, it falls behind).
+REFUSED_FLUSH_SECONDS = 5.0
+
 #: Seconds the interpreter's exit waits for the queue to be written.
 EXIT_FLUSH_SECONDS = 5.0
+
+#: Seconds a fork waits for the threads to finish what they were handed (see
+#: :func:`_quiet_before_fork`).
+FORK_FLUSH_SECONDS = 1.0
 
 
 class WriterThread:
@@ -230,6 +240,20 @@ class WritesOffStep:
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer_thread is None or self._writer_thread.flush(timeout)
 
+    def _write_in_order(self, count: int, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)``, a report's writes that must all land, in report order: on the
+        thread; where it refuses (its queue full: it fell behind; or no thread), on the step,
+        after the thread has written every earlier report (a later report written before an
+        earlier one would leave its gauges and per-edge state behind)."""
+        thread = self._writer_thread
+        if thread is not None:
+            if thread.submit(count, fn, *args):
+                return
+            if not thread.flush(REFUSED_FLUSH_SECONDS):
+                logger.warning("%s: the writer thread is stuck; a report is written on the "
+                               "step out of order", thread.what)
+        fn(*args)
+
 
 _spans = WriterThread(what="KV transfer spans", name="omni-kv-spans")
 _metrics = WriterThread(what="KV transfer metrics", max_queued=MAX_QUEUED_METRICS,
@@ -263,10 +287,19 @@ def _flush_at_exit() -> None:
                            EXIT_FLUSH_SECONDS)
 
 
+def _quiet_before_fork() -> None:
+    """Let the threads finish what they hold before a fork (briefly): a thread forked in the
+    middle of a write holds locks (prometheus_client's multiprocess lock, a family's) that
+    the child, which has no such thread, would wait for for ever. (vLLM forks its workers
+    before the scheduler exists; this covers a later fork.)"""
+    for thread in (_metrics, _spans):
+        thread.flush(FORK_FLUSH_SECONDS)
+
+
 def _reset_in_child() -> None:
     _spans._reset()
     _metrics._reset()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)
+    os.register_at_fork(before=_quiet_before_fork, after_in_child=_reset_in_child)

@@ -424,6 +424,39 @@ def test_off_the_step_a_hold_is_the_edges_as_the_report_saw_it():
                  outcome="acked") == 1
 
 
+def test_a_report_the_thread_refuses_waits_for_the_earlier_ones_then_writes_on_the_step():
+    """A writer thread that fell behind (its queue full) refuses a report: written on the
+    step, it must not overtake the earlier reports still queued (a resolution before its
+    hand-off would leave the transfer in flight on its edge for ever, and the gauges stale)."""
+    from omni_runtime.observability.edge_metrics import LedgerEdgeObserver
+    from omni_runtime.observability.metrics import TransferMetrics
+    from omni_runtime.observability.writer_thread import WriterThread
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+
+    thread = WriterThread(what="test metrics", max_queued=2, max_delay=3600)
+    registry = CollectorRegistry()
+    edges = EdgeMetrics(stage=STAGE, model_name=MODEL, to_stages=["talker"], deadline_seconds=5,
+                        registry=registry)
+    metrics = TransferMetrics(stage=STAGE, model_name=MODEL, deadline_seconds=5,
+                              registry=registry, writer_thread=thread)
+    ledger = TransferLedger(5, clock=Clock(100.0), observers=[
+        metrics, LedgerEdgeObserver(edges, writer_thread=thread)])
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])  # two reports queued (unkicked)
+    ledger.hand_off_pending()  # refused: the queue is full
+    assert thread.dropped > 0
+    ledger.resolve("a", Outcome.ACKED)  # refused too
+    assert edges.in_flight("talker") == 0  # the step waited for the queue, then wrote in order
+    assert value(registry, "omni_kv_edge_transfers_active", to_stage="talker") == 0
+    assert value(registry, "omni_kv_edge_transfers_resolved_total", to_stage="talker",
+                 outcome="acked") == 1
+    assert ledger.flush(timeout=10)
+    for state in ("pending", "active", "held"):
+        assert registry.get_sample_value("omni_kv_transfers", {
+            "stage": STAGE, "model_name": MODEL, "state": state}) == 0
+    assert registry.get_sample_value("omni_kv_transfers_resolved_total", {
+        "stage": STAGE, "model_name": MODEL, "outcome": "acked"}) == 1
+
+
 def test_build_observers_feeds_a_single_edge_from_the_ledger_only():
     from omni_runtime.observability.edge_metrics import LedgerEdgeObserver
     from omni_runtime.observability.metrics import TransferMetrics

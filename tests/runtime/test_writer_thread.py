@@ -197,6 +197,28 @@ def test_spans_handed_over_are_written_at_exit_before_the_provider_shuts_down():
         w for i in range(50) for w in ("omni.kv_transfer", f"r{i}"))
 
 
+_METRICS_AT_EXIT = textwrap.dedent("""
+    import sys
+    from omni_runtime.observability.writer_thread import metrics_thread, span_thread
+
+    def write(what, i):
+        print(what, i)
+        sys.stdout.flush()
+
+    for thread, what in ((metrics_thread(), "metrics"), (span_thread(), "spans")):
+        for i in range(3):
+            thread.submit(1, write, what, i)  # never kicked, nor flushed
+""")
+
+
+def test_both_threads_write_what_they_hold_at_exit():
+    out = subprocess.run([sys.executable, "-c", _METRICS_AT_EXIT], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == sorted(
+        f"{what} {i}" for what in ("metrics", "spans") for i in range(3))
+
+
 _TWO_PROVIDERS = textwrap.dedent("""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult

@@ -63,7 +63,7 @@ MAX_QUEUED_SPANS = 16384
 #: thread that cannot be started or is starved leaves them waiting).
 MAX_QUEUED_METRICS = 65536
 
-#: Seconds a job may wait for a kick: the thread looks at its queue this often.
+#: Seconds a job waits for a kick before the thread writes it all the same.
 MAX_DELAY_SECONDS = 0.5
 
 #: Seconds a report the thread refused waits for the earlier ones before it is written on
@@ -173,8 +173,10 @@ class WriterThread:
         thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         try:
             thread.start()
-        except RuntimeError:
-            logger.exception("cannot start the thread writing %s", self.what)
+        except RuntimeError as exc:
+            # Each refusal is counted and logged (rate-limited) by submit(); the cause once.
+            if not self.dropped:
+                logger.warning("cannot start the thread writing %s: %s", self.what, exc)
             return False
         self._thread = thread
         register_exit_flush()

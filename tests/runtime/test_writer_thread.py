@@ -99,7 +99,10 @@ def test_without_a_thread_the_spans_are_dropped_and_counted(monkeypatch, caplog)
     monkeypatch.setattr(threading.Thread, "start", refuse)
     with caplog.at_level(logging.WARNING, logger="omni_runtime.observability.writer_thread"):
         assert not worker.submit(4, lambda: None)
-    assert worker.dropped == 4 and "no thread to write them" in caplog.text
+        assert not worker.submit(2, lambda: None)  # (a shutdown refuses every report)
+    assert worker.dropped == 6 and "no thread to write them" in caplog.text
+    assert caplog.text.count("interpreter shutdown") == 1  # the cause, once
+    assert caplog.text.count("not written off the step") == 1  # the first (then every 1000th)
     assert worker.flush(timeout=1)  # nothing waits for a job that was never queued
     monkeypatch.undo()
     ran: list[str] = []

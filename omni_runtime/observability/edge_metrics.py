@@ -482,8 +482,8 @@ class LedgerEdgeObserver(WritesOffStep, TransferObserver):
                     if t.held_since is not None and t.handed_off_at is not None
                     and t.outcome is None]
         offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
-        self._write_in_order(len(batch.handed_off) + len(batch.resolved) or 1, self._write,
-                             batch, held, offset)
+        self._write_in_order(ledger, len(batch.handed_off) + len(batch.resolved) or 1,
+                             self._write, batch, held, offset)
 
     def _write(self, batch: Batch, held: list[tuple[int, float, int]] | None,
                offset: float) -> None:

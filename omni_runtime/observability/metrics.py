@@ -285,8 +285,8 @@ class TransferMetrics(WritesOffStep, TransferObserver):
     # ------------------------------------------------------------------ observer hook
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
         gauges = self._gauges(ledger)  # the ledger as this report left it
-        self._write_in_order(len(batch.marked) + len(batch.resolved) or 1, self._write,
-                             batch, gauges)
+        self._write_in_order(ledger, len(batch.marked) + len(batch.resolved) or 1,
+                             self._write, batch, gauges)
 
     def _write(self, batch: Batch, gauges: tuple[float, ...]) -> None:
         """The report's writes (on the writer thread, or on the step)."""

@@ -101,6 +101,9 @@ class TransferTracing(WritesOffStep, TransferObserver):
             # the spans are dropped, counted and logged by the thread, not written on the step.
             self._writer_thread.submit(len(resolved), self._write, resolved,
                                        ledger.wall_time(0.0), context)
+            if not ledger.has_unresolved():
+                # The last in flight: the engine may step no more (no kick would come).
+                self._writer_thread.kick()
 
     def _write(self, resolved: list[Transfer], offset: float, context: Any) -> None:
         """On the span thread: the transfers' spans; ``offset``: unix time less ledger

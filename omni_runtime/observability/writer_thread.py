@@ -242,14 +242,18 @@ class WritesOffStep:
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer_thread is None or self._writer_thread.flush(timeout)
 
-    def _write_in_order(self, count: int, fn: Callable[..., Any], *args: Any) -> None:
+    def _write_in_order(self, ledger: Any, count: int, fn: Callable[..., Any],
+                        *args: Any) -> None:
         """``fn(*args)``, a report's writes that must all land, in report order: on the
-        thread; where it refuses (its queue full: it fell behind; or no thread), on the step,
-        after the thread has written every earlier report (a later report written before an
-        earlier one would leave its gauges and per-edge state behind)."""
+        thread while transfers are in flight; on the step, after the thread has written every
+        earlier report (a later report written before an earlier one would leave its gauges
+        and per-edge state behind), when none is (the ledger then reports at once, and an
+        idle stage's figures must be exact by the time its last response is out: the engine
+        steps no more, so no kick would come) or when the thread refuses (its queue full: it
+        fell behind; or no thread)."""
         thread = self._writer_thread
         if thread is not None:
-            if thread.submit(count, fn, *args):
+            if ledger.has_unresolved() and thread.submit(count, fn, *args):
                 return
             if not thread.flush(REFUSED_FLUSH_SECONDS):
                 logger.warning("%s: the writer thread is stuck; a report is written on the "

@@ -85,6 +85,26 @@ def test_off_the_step_the_gauges_are_the_ledger_as_the_report_left_it():
     assert value(registry, "omni_kv_transfers_started_total", trigger="prefill_finished") == 2
 
 
+def test_off_the_step_an_idle_stages_figures_are_exact_at_once():
+    """When nothing is left in flight the ledger reports at once and the engine may step no
+    more (no kick would come): that report is written on the step, after the queued ones, so
+    a scrape right after the last response is exact (tests/runtime/test_soak.py relies on
+    it: counters and gauges of the same moment)."""
+    from omni_runtime.observability.writer_thread import WriterThread
+
+    thread = WriterThread(what="test metrics", max_delay=3600)
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(stage=STAGE, model_name=MODEL, deadline_seconds=5,
+                              registry=registry, writer_thread=thread)
+    ledger = TransferLedger(5, clock=FakeClock(), observers=[metrics])
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])  # in flight: to the thread, unkicked
+    ledger.hand_off_pending()
+    ledger.resolve("a", Outcome.ACKED)  # none left: the queue, then this, on the step
+    assert value(registry, "omni_kv_transfers_started_total", trigger="prefill_finished") == 1
+    assert value(registry, "omni_kv_transfers_resolved_total", outcome="acked") == 1
+    assert_gauges_match(registry, ledger)
+
+
 def test_a_report_the_thread_refuses_is_written_on_the_step(monkeypatch):
     import threading
 

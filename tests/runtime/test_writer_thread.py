@@ -312,11 +312,15 @@ def test_the_tracing_observer_kicks_its_span_thread_when_the_engine_waits():
     tracing = TransferTracing(provider.get_tracer("t"), stage="ar", model_name="m",
                               writer_thread=WriterThread(max_delay=NEVER))
     ledger = TransferLedger(5, observers=[tracing])
+    ledger.mark("busy", Trigger.PREFILL_FINISHED, 8, [1])  # still in flight throughout
     ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])
     ledger.resolve("a", Outcome.ACKED)  # reported: handed to the thread, not written yet
     assert not exported.wait(timeout=0.2)
     ledger.engine_waits()  # the scheduler's step went to the runner: no flush needed
     assert exported.wait(timeout=10)
+    exported.clear()
+    ledger.resolve("busy", Outcome.ACKED)  # the last in flight: the engine may step no more,
+    assert exported.wait(timeout=10)  # so handed over and kicked at once
     provider.shutdown()
 
 

@@ -472,16 +472,15 @@ class LedgerEdgeObserver(WritesOffStep, TransferObserver):
         self._writer_thread = writer_thread
 
     def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
         held = None
         if batch.held or (batch.handed_off and ledger.num_held):
             # Held on the edge: handed off, and its request finished (before or after), and
             # unresolved now (read here: a transfer's outcome changes after the report).
-            wall = ledger.wall_time
-            held = [(t.attempt, wall(t.held_since), t.held_blocks)
+            held = [(t.attempt, t.held_since + offset, t.held_blocks)
                     for t in (*batch.held, *batch.handed_off)
                     if t.held_since is not None and t.handed_off_at is not None
                     and t.outcome is None]
-        offset = ledger.wall_time(0.0)  # unix time = ledger time + offset
         self._write_in_order(ledger, len(batch.handed_off) + len(batch.resolved) or 1,
                              self._write, batch, held, offset)
 

@@ -272,8 +272,8 @@ class OmniKVTransferMixin:
             ledger.end_batch()
         if self._payload_requests and output.scheduled_new_reqs:
             self._attach_payloads(output)
-        # The step goes to the model runner next: the observers' work off the step (the
-        # spans) runs while the engine waits for the forward pass.
+        # The step goes to the model runner next: the observers' writes off the step (spans,
+        # metric families) run while the engine waits for the forward pass.
         ledger.engine_waits()
         return output
 

@@ -160,23 +160,30 @@ def test_a_forked_child_runs_its_own_thread(thread):
     assert worker.submit(1, lambda: None) and worker.flush(timeout=10)  # the parent's still runs
 
 
-_EXIT = textwrap.dedent("""
-    import sys
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
-    from omni_runtime.observability.observers import build_observers
-    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
+#: For the subprocesses below: a span exporter printing each span's name (or the label it
+#: was given) and request id, as it exports them.
+_PRINTING = textwrap.dedent("""
+    from opentelemetry.sdk.trace.export import SpanExportResult
 
     class Printing:
+        def __init__(self, label=None):
+            self.label = label
         def export(self, spans):
             for span in spans:
-                print(span.name, span.attributes["gen_ai.request.id"], flush=True)
+                print(self.label or span.name, span.attributes["gen_ai.request.id"], flush=True)
             return SpanExportResult.SUCCESS
         def shutdown(self):
             pass
         def force_flush(self, timeout_millis=0):
             return True
+""")
+
+_EXIT = _PRINTING + textwrap.dedent("""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from omni_runtime.observability.observers import build_observers
+    from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
 
     # As vLLM's init_tracer in the engine core: a global provider, a batch processor.
     provider = TracerProvider()
@@ -222,23 +229,11 @@ def test_both_threads_write_what_they_hold_at_exit():
         f"{what} {i}" for what in ("metrics", "spans") for i in range(3))
 
 
-_TWO_PROVIDERS = textwrap.dedent("""
+_TWO_PROVIDERS = _PRINTING + textwrap.dedent("""
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from omni_runtime.observability.tracing import TransferTracing
     from omni_runtime.transfers.ledger import Outcome, TransferLedger, Trigger
-
-    class Printing:
-        def __init__(self, name):
-            self.name = name
-        def export(self, spans):
-            for span in spans:
-                print(self.name, span.attributes["gen_ai.request.id"], flush=True)
-            return SpanExportResult.SUCCESS
-        def shutdown(self):
-            pass
-        def force_flush(self, timeout_millis=0):
-            return True
 
     def stage(name):  # as a private provider per stage: made when its scheduler starts
         provider = TracerProvider()  # registers its own shutdown at exit

@@ -138,6 +138,17 @@ class OmniKVTransferMixin:
             and _reads_no_finish_blocks(self.connector)
             and _frees_nothing_early(self.kv_cache_manager)
         )
+        # Our connector alone, keeping its own load-side hooks: a producer, it matches no
+        # tokens, loads nothing, needs no word after an allocation, has no block frees to
+        # wait for and reads no block state. vLLM's per-arrival and per-step connector work
+        # in schedule() (the matching, a KVCacheBlocks per allocation, the set of the step's
+        # scheduled ids for the block state) changes nothing for it then: schedule() runs
+        # with the connector out of vLLM's sight, and the step's metadata is built after it,
+        # as vLLM would (see _schedule_bare).
+        self._bare_schedule = (
+            self._omni is not None and self._omni is self.connector
+            and _keeps_omni_hooks(self.connector, _LOAD_SIDE_HOOKS)
+        )
         # Observers told at most every telemetry interval while transfers are in flight (see
         # the ledger's report_interval): their writes and spans then cost once per interval.
         self.transfer_ledger = TransferLedger(
@@ -267,7 +278,10 @@ class OmniKVTransferMixin:
                     )
                     self._withdraw(transfer)
                     self._release(transfer)
-            output = super().schedule(*args, **kwargs)
+            if self._bare_schedule:
+                output = self._schedule_bare(*args, **kwargs)
+            else:
+                output = super().schedule(*args, **kwargs)
         finally:
             ledger.end_batch()
         if self._payload_requests and output.scheduled_new_reqs:
@@ -275,6 +289,20 @@ class OmniKVTransferMixin:
         # The step goes to the model runner next: the observers' writes off the step (spans,
         # metric families) run while the engine waits for the forward pass.
         ledger.engine_waits()
+        return output
+
+    def _schedule_bare(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """vLLM's schedule() with the connector out of its sight (see _bare_schedule in
+        __init__), then the step's connector metadata, which vLLM builds at its end. Nothing
+        in vLLM's schedule() frees a request (which would ask the connector), and the
+        connector is back before anything else can read it, an exception included."""
+        connector = self.connector
+        self.connector = None
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.connector = connector
+        output.kv_connector_metadata = self._build_kv_connector_meta(connector, output)
         return output
 
     def _build_kv_connector_meta(self, connector: Any, scheduler_output: SchedulerOutput) -> Any:
@@ -523,16 +551,31 @@ def _frees_nothing_early(kv_cache_manager: Any) -> bool:
     )
 
 
+#: The hooks vLLM's schedule() calls on a KV connector (the load side, and the step's
+#: metadata, which a connector may build from the block state vLLM gathers for it).
+_LOAD_SIDE_HOOKS = (
+    "get_num_new_matched_tokens", "update_state_after_alloc", "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources", "has_pending_block_frees",
+    "supports_divergent_local_hybrid_hits", "build_connector_meta",
+)
+
+
+def _keeps_omni_hooks(connector: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``connector`` is the omni connector with these attributes its own (none a
+    subclass's override): what the scheduler's shortcuts past vLLM's connector calls rely
+    on."""
+    for cls in type(connector).__mro__:
+        if "omni_kv_connector" in vars(cls):  # the omni connector's class (see its marker)
+            return all(getattr(type(connector), name) is getattr(cls, name) for name in names)
+    return False
+
+
 def _reads_no_finish_blocks(connector: Any) -> bool:
     """Whether vLLM would call the omni connector's own request_finished (it reads neither
     the block ids nor anything vLLM prepares for it): not a subclass's override, nor a
     connector of the hybrid allocator (vLLM calls its request_finished_all_groups)."""
-    if isinstance(connector, SupportsHMA):
-        return False
-    for cls in type(connector).__mro__:
-        if "omni_kv_connector" in vars(cls):  # the omni connector's class (see its marker)
-            return type(connector).request_finished is cls.request_finished
-    return False
+    return (not isinstance(connector, SupportsHMA)
+            and _keeps_omni_hooks(connector, ("request_finished",)))
 
 
 def _find_omni_connector(connector: Any) -> Any:

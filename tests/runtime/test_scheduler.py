@@ -1153,6 +1153,119 @@ def test_the_bare_finish_gives_what_vllms_own_path_gives(kv):
         assert_quiescent(s, start)
 
 
+# ---------------------------------------------------------------------------- the bare schedule
+
+
+def test_the_bare_schedule_only_for_our_connector_alone_with_its_own_load_side_hooks():
+    """schedule() hides the connector from vLLM only where vLLM's connector work there would
+    change nothing: our connector alone, none of the hooks vLLM's schedule() calls (the load
+    side, the metadata) a subclass's override."""
+    from omni_runtime.kv.connector import OmniKVConnector
+    from omni_runtime.sched import scheduler as sched_mod
+
+    assert omni(PREFILL)._bare_schedule
+    assert not omni(ON_FINISH, compose_with=DELAYING)._bare_schedule
+    assert not make_scheduler(OmniARScheduler, make_vllm_config(None))._bare_schedule
+
+    def overriding(name):
+        return type("Overriding", (OmniKVConnector,),
+                    {name: lambda self, *args: getattr(super(type(self), self), name)(*args)})
+
+    assert sched_mod._keeps_omni_hooks(object.__new__(OmniKVConnector), sched_mod._LOAD_SIDE_HOOKS)
+    for name in sched_mod._LOAD_SIDE_HOOKS:
+        assert not sched_mod._keeps_omni_hooks(object.__new__(overriding(name)),
+                                                sched_mod._LOAD_SIDE_HOOKS), name
+    assert not sched_mod._keeps_omni_hooks(object(), ("request_finished",))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode):
+    """Two schedulers stepped in lock step on the same requests, acks, failures and aborts,
+    with too few blocks for all (preemptions), one with the connector hidden from vLLM's
+    schedule(), one through vLLM's connector calls: the same scheduled tokens, preemptions,
+    connector metadata (hand-offs, withdrawals, held notices, idle), outputs (transfer params
+    included), transfers and free blocks at every step; vLLM asked the hidden connector
+    nothing in schedule()."""
+    rng = random.Random(5)
+    kv, kw = {**PREFILL, "timeout_seconds": 300}, {"num_blocks": 24, "max_num_seqs": 16}
+    make = (lambda: omni(kv, **kw)) if mode == "sync" else (lambda: _async_scheduler(kv, **kw))
+    bare, vllm_path = make(), make()
+    vllm_path._bare_schedule = False
+    assert bare._bare_schedule
+    asked = {id(s): 0 for s in (bare, vllm_path)}
+    for s in (bare, vllm_path):
+        def matched(request, num_computed, _s=s, _own=s.connector.get_num_new_matched_tokens):
+            asked[id(_s)] += 1
+            return _own(request, num_computed)
+        s.connector.get_num_new_matched_tokens = matched
+    starts = [free_blocks(s) for s in (bare, vllm_path)]
+    for i in range(40):
+        for s in (bare, vllm_path):
+            s.add_request(make_request(1 + (i * 7) % 50, max_tokens=1 + i % 40, request_id=f"q{i}"))
+    acks: list = []
+    failed: dict = {}
+    in_flight: list = []
+    preempted = 0
+
+    def meta(so):
+        m = so.kv_connector_metadata
+        return ([(h.request_id, h.attempt, h.seq_len, h.block_ids, h.held is None)
+                 for h in m.hand_offs], m.withdrawn, m.idle, sorted(m.held))
+
+    while bare.has_requests():
+        so_b, so_v = bare.schedule(), vllm_path.schedule()
+        assert so_b.kv_connector_block_state is None and so_v.kv_connector_block_state is None
+        assert so_b.num_scheduled_tokens == so_v.num_scheduled_tokens
+        assert so_b.preempted_req_ids == so_v.preempted_req_ids
+        assert ([r.req_id for r in so_b.scheduled_new_reqs]
+                == [r.req_id for r in so_v.scheduled_new_reqs])
+        assert meta(so_b) == meta(so_v)
+        preempted += len(so_b.preempted_req_ids or ())
+        outs = [s.update_from_output(so, runner_output(so, scheduler=s, acked=acks,
+                                                       failed=failed))
+                for s, so in ((bare, so_b), (vllm_path, so_v))]
+        assert ({r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[0]).items()}
+                == {r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[1]).items()})
+        in_flight = [rid for rid in in_flight if rid not in acks and rid not in failed]
+        in_flight += list(handed_off(so_b))
+        acks = [rid for rid in in_flight if rng.random() < 0.4]
+        failed = {rid: "receiver busy" for rid in in_flight if rid not in acks
+                  and rng.random() < 0.1}
+        live = sorted(r.request_id for r in bare.requests.values() if not r.is_finished())
+        if live and rng.random() < 0.15:
+            victim = rng.choice(live)
+            for s in (bare, vllm_path):
+                s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        assert free_blocks(bare) == free_blocks(vllm_path)
+        assert repr(bare.transfer_ledger) == repr(vllm_path.transfer_ledger)
+        assert bare.has_requests() == vllm_path.has_requests()
+    assert preempted, "the workload preempted"
+    assert asked[id(bare)] == 0 and asked[id(vllm_path)] >= 40
+    assert [(t.request_id, t.outcome) for t in bare.recorder.resolved] == \
+        [(t.request_id, t.outcome) for t in vllm_path.recorder.resolved]
+    for s, start in zip((bare, vllm_path), starts):
+        assert_quiescent(s, start)
+
+
+def test_the_bare_schedule_gives_the_connector_back_when_vllms_schedule_raises(monkeypatch):
+    s = omni(PREFILL)
+    connector = s.connector
+
+    def broken(self, *args, **kwargs):
+        assert self.connector is None  # hidden while vLLM schedules
+        raise RuntimeError("scheduling failed")
+
+    monkeypatch.setattr(Scheduler, "schedule", broken)
+    with pytest.raises(RuntimeError, match="scheduling failed"):
+        s.schedule()
+    assert s.connector is connector
+    monkeypatch.undo()
+    s.add_request(make_request(8, max_tokens=3, request_id="r"))
+    step(s)  # the prefill: marked
+    so, _ = step(s)
+    assert "r" in handed_off(so) and s.connector is connector
+
+
 def test_the_transfer_metrics_are_written_at_most_every_telemetry_interval_and_exact_at_rest():
     """With transfers in flight the metrics wait for the telemetry interval (the first change
     after a quiet spell is written at once); when none is left, or at shutdown, they are

@@ -92,16 +92,20 @@ class OmniKVConnectorScheduler:
             for rid in answers:
                 self._held.pop(rid, None)
         if self._stats is not None:
-            in_flight, to_stage = self._in_flight, self._to_stage
-            records = []
+            in_flight = self._in_flight
+            outcomes, sizes, durations = [], [], []
             for rid, answer in answers.items():
-                started = in_flight.get(rid)
-                if started is not None and started[0] == answer.attempt:
-                    del in_flight[rid]
-                    records.append(("acked" if answer.reason is None else "failed",
-                                    answer.nbytes, answer.seconds, to_stage))
-            if records:
-                self._stats.record_many(records)  # the step's answers under one lock
+                started = in_flight.pop(rid, None)
+                if started is None:
+                    continue
+                if started[0] != answer.attempt:
+                    in_flight[rid] = started  # about another attempt: this one still in flight
+                    continue
+                outcomes.append("acked" if answer.reason is None else "failed")
+                sizes.append(answer.nbytes)
+                durations.append(answer.seconds)
+            if outcomes:  # the step's answers under one lock
+                self._stats.record_columns(outcomes, sizes, durations, self._to_stage)
         return answers
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:

@@ -41,7 +41,8 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
+from itertools import repeat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,7 @@ HANDOFF_FAMILY = "omni_kv_handoff_answer_duration_seconds"
 EXTRA_LABELS: tuple[str, ...] = ("stage", "to_stage", "outcome")
 #: The ``to_stage`` value of a destination the configuration does not name (bounded label).
 OTHER_STAGE = "other"
+_OUTCOME_SET = frozenset(OUTCOMES)
 
 
 # ====================================================================== stats
@@ -105,24 +107,28 @@ class OmniKVConnectorStats(KVConnectorStats):
         """One resolved transfer: its outcome (one of the contract's outcomes), payload
         bytes, seconds from hand-off to answer, destination stage. Not thread-safe: the
         connector records through a :class:`KVStatsRecorder`."""
-        self.record_many(((outcome, nbytes, duration_s, to_stage),))
+        self.record_columns((outcome,), (nbytes,), (duration_s,), to_stage)
 
-    def record_many(self, records: Iterable[tuple[str, int, float, str]]) -> None:
-        """:meth:`record` for each ``(outcome, nbytes, duration_s, to_stage)``, in order (the
-        same checks and conversions; a bad record raises with those before it recorded)."""
+    def record_columns(self, outcomes: Sequence[str], sizes: Sequence[int],
+                       durations: Sequence[float], to_stage: str) -> None:
+        """:meth:`record` for each ``(outcomes[i], sizes[i], durations[i], to_stage)``: the
+        same checks and conversions, column by column (in C: a step's answers recorded
+        without a Python loop), all or nothing (a bad value raises before any is recorded)."""
+        if len(sizes) != len(outcomes) or len(durations) != len(outcomes):
+            raise ValueError(f"{len(outcomes)} outcomes, {len(sizes)} sizes, "
+                             f"{len(durations)} durations: one of each per transfer")
+        if not _OUTCOME_SET.issuperset(outcomes):
+            bad = next(o for o in outcomes if o not in _OUTCOME_SET)
+            raise ValueError(f"outcome must be one of {OUTCOMES}, not {bad!r}")
+        # Plain builtins (a numpy scalar would not go through msgpack), negatives (and NaN)
+        # as 0: max(0, x) keeps 0 unless x > 0.
+        sizes = list(map(max, repeat(0), map(int, sizes)))
+        durations = list(map(max, repeat(0.0), map(float, durations)))
         data = self.data
-        outcomes, sizes = data["outcome"].append, data["bytes"].append
-        durations, stages = data["duration_s"].append, data["to_stage"].append
-        for outcome, nbytes, duration_s, to_stage in records:
-            # Plain builtins: a numpy scalar would not go through msgpack.
-            if outcome not in OUTCOMES:
-                raise ValueError(f"outcome must be one of {OUTCOMES}, not {outcome!r}")
-            outcomes(str(outcome))
-            nbytes = int(nbytes)
-            sizes(nbytes if nbytes > 0 else 0)
-            duration_s = float(duration_s)
-            durations(duration_s if duration_s > 0.0 else 0.0)
-            stages(str(to_stage))
+        data["outcome"].extend(map(str, outcomes))
+        data["bytes"].extend(sizes)
+        data["duration_s"].extend(durations)
+        data["to_stage"].extend(repeat(str(to_stage), len(sizes)))
 
     def __len__(self) -> int:
         return len(self.data["outcome"])
@@ -193,11 +199,11 @@ class KVStatsRecorder:
         with self._lock:
             self._stats.record(outcome, nbytes, duration_s, to_stage)
 
-    def record_many(self, records: list[tuple[str, int, float, str]]) -> None:
-        """:meth:`record` for each ``(outcome, nbytes, duration_s, to_stage)``, in one hold of
-        the lock."""
+    def record_columns(self, outcomes: Sequence[str], sizes: Sequence[int],
+                       durations: Sequence[float], to_stage: str) -> None:
+        """:meth:`OmniKVConnectorStats.record_columns`, in one hold of the lock."""
         with self._lock:
-            self._stats.record_many(records)
+            self._stats.record_columns(outcomes, sizes, durations, to_stage)
 
     def take(self) -> OmniKVConnectorStats | None:
         """The resolutions recorded since the last call, or None when there were none (a

@@ -49,7 +49,9 @@ class HandOff(NamedTuple):
         held_since = transfer.held_since
         headers = transfer.trace_headers
         left = transfer.deadline - transfer.handed_off_at
-        return cls(  # positional, in the fields' order
+        # What the named tuple's own __new__ does (a Python frame per hand-off): the fields'
+        # values, in their order, as a tuple of this class.
+        return tuple.__new__(cls, (
             transfer.request_id,
             transfer.attempt,
             transfer.seq_len,
@@ -57,7 +59,7 @@ class HandOff(NamedTuple):
             left if left > 0.0 else 0.0,
             dict(headers) if headers else None,
             None if held_since is None else (wall_time(held_since), transfer.held_blocks),
-        )
+        ))
 
 
 @dataclass(frozen=True, slots=True)

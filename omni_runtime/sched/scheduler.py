@@ -47,6 +47,7 @@ as failed and give the blocks back.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -82,6 +83,9 @@ _SHUTDOWN_FLUSH_SECONDS = 5.0
 
 #: Attribute on vLLM's Request holding its latest Transfer: it dies with the request.
 _TRANSFER_ATTR = "omni_kv_transfer"
+
+#: A KV block's id (mapped over a snapshot's blocks in C: no comprehension frame per marking).
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
 class OmniKVTransferMixin:
@@ -433,7 +437,7 @@ class OmniKVTransferMixin:
                     f"request holds {len(blocks)} KV blocks, {needed} needed for "
                     f"seq_len {seq_len}"
                 )
-            block_ids = [block.block_id for block in blocks[:needed]]
+            block_ids = list(map(_BLOCK_ID, blocks[:needed]))
         except Exception as exc:  # reported: the transfer resolves as failed, below
             block_ids = []
             error = f"marking failed: {type(exc).__name__}: {exc}"
@@ -458,19 +462,12 @@ class OmniKVTransferMixin:
 
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
         """The workers' answers, each naming the attempt it answers: one about an earlier
-        attempt (or a transfer already resolved) resolves nothing."""
-        resolve = self.transfer_ledger.resolve
-        acked, failed = Outcome.ACKED, Outcome.FAILED
-        for request_id, answer in answers.items():
-            reason = answer.reason
-            transfer = resolve(request_id, acked if reason is None else failed, reason,
-                               only_active=True, attempt=answer.attempt)
-            if transfer is None:
-                logger.debug("ignoring an answer for request %s (attempt %s): not its active "
-                             "transfer", request_id, answer.attempt)
-                continue
-            if reason is not None:
-                logger.warning("KV transfer of request %s failed: %s", request_id, reason)
+        attempt (or a transfer already resolved) resolves nothing (the ledger's
+        resolve_answers)."""
+        for transfer in self.transfer_ledger.resolve_answers(answers):
+            if transfer.reason is not None:
+                logger.warning("KV transfer of request %s failed: %s", transfer.request_id,
+                               transfer.reason)
             if transfer.held_since is not None or self._pinned:
                 self._release(transfer)  # else nothing to give back: still running, no pin
 

@@ -48,7 +48,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -220,6 +220,11 @@ class TransferLedger:
         self._triggered: set[str] = set()
         self._held_block_count = 0
         self._attempts = 0
+        # The two queries the scheduler asks on every finish, bound to the containers' own
+        # methods (no Python frame per call; the methods of the same names below say what
+        # they answer). Both containers live as long as the ledger.
+        self.get = self._by_deadline.get
+        self.has_triggered = self._triggered.__contains__
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: TransferObserver) -> None:
@@ -311,11 +316,13 @@ class TransferLedger:
         return ledger_time + self._wall_offset
 
     def get(self, request_id: str) -> Transfer | None:
-        """The request's unresolved transfer, if any."""
+        """The request's unresolved transfer, if any. (An instance's own ``get`` is its
+        container's, bound in ``__init__``: the same answer.)"""
         return self._by_deadline.get(request_id)
 
     def has_triggered(self, request_id: str) -> bool:
-        """Whether the request has started a transfer since it was added (or re-armed)."""
+        """Whether the request has started a transfer since it was added (or re-armed). (An
+        instance's own is its container's, bound in ``__init__``: the same answer.)"""
         return request_id in self._triggered
 
     def has_unresolved(self) -> bool:
@@ -428,6 +435,12 @@ class TransferLedger:
             return None
         if attempt is not None and transfer.attempt != attempt:
             return None
+        self._resolve(transfer, outcome, reason)
+        return transfer
+
+    def _resolve(self, transfer: Transfer, outcome: Outcome, reason: str | None) -> None:
+        """Resolve an unresolved transfer (the checks are the caller's)."""
+        request_id = transfer.request_id
         del self._by_deadline[request_id]
         if transfer.phase is Phase.PENDING:
             del self._pending[request_id]
@@ -446,7 +459,28 @@ class TransferLedger:
             self._batch.resolved.append(transfer)
             if not self._batch_depth:
                 self._flush()
-        return transfer
+
+    def resolve_answers(self, answers: Mapping[str, Any]) -> list[Transfer]:
+        """The runner's answers of a step, by request id, each naming the attempt it answers
+        (``attempt``) and why it failed (``reason``, None: delivered): for each,
+        ``resolve(request_id, ACKED or FAILED, reason, only_active=True, attempt=...)``, in
+        order, in one loop. Returns the transfers resolved (an answer about another attempt,
+        or about a transfer not handed off or already resolved, resolves nothing: logged at
+        debug level)."""
+        by_deadline, active = self._by_deadline, Phase.ACTIVE
+        resolved = []
+        for request_id, answer in answers.items():
+            transfer = by_deadline.get(request_id)
+            if (transfer is None or transfer.phase is not active
+                    or transfer.attempt != answer.attempt):
+                logger.debug("ignoring an answer for request %s (attempt %s): not its active "
+                             "transfer", request_id, answer.attempt)
+                continue
+            reason = answer.reason
+            self._resolve(transfer, Outcome.ACKED if reason is None else Outcome.FAILED,
+                          reason)
+            resolved.append(transfer)
+        return resolved
 
     def expire_due(self) -> list[Transfer]:
         """Resolve as EXPIRED every transfer whose deadline has passed. O(expired)."""

@@ -80,18 +80,25 @@ def test_an_outcome_outside_the_contract_is_refused():
         OmniKVConnectorStats().record("ok", 1, 0.1, "t")
 
 
-def test_records_are_plain_builtins_clamped_at_zero_and_a_bad_one_stops_the_rest():
+def test_records_are_plain_builtins_clamped_at_zero_and_a_bad_column_records_nothing():
     import numpy as np
 
     stats = OmniKVConnectorStats()
-    stats.record_many([("acked", np.int64(7), np.float32(0.5), "t"),
-                       ("failed", -3, -1.0, "u"), ("expired", 0, float("nan"), "v")])
-    assert stats.data == {"outcome": ["acked", "failed", "expired"], "bytes": [7, 0, 0],
-                          "duration_s": [0.5, 0.0, 0.0], "to_stage": ["t", "u", "v"]}
-    assert [type(v) for v in stats.data["bytes"] + stats.data["duration_s"]] == [int] * 3 + [float] * 3
-    with pytest.raises(ValueError, match="outcome must be one of"):
-        stats.record_many([("acked", 1, 0.1, "t"), ("ok", 1, 0.1, "t"), ("acked", 2, 0.1, "t")])
-    assert stats.data["bytes"] == [7, 0, 0, 1]  # those before the bad one, as record() one by one
+    stats.record_columns(["acked", "failed", "expired"], [np.int64(7), -3, 0],
+                         [np.float32(0.5), -1.0, float("nan")], "t")
+    stats.record("cancelled", 2, -0.0, "u")
+    assert stats.data == {"outcome": ["acked", "failed", "expired", "cancelled"],
+                          "bytes": [7, 0, 0, 2], "duration_s": [0.5, 0.0, 0.0, 0.0],
+                          "to_stage": ["t", "t", "t", "u"]}
+    assert [type(v) for v in stats.data["bytes"] + stats.data["duration_s"]] == [int] * 4 + [float] * 4
+    before = {f: list(v) for f, v in stats.data.items()}
+    with pytest.raises(ValueError, match="outcome must be one of .* not 'ok'"):
+        stats.record_columns(["acked", "ok", "acked"], [1, 1, 2], [0.1, 0.1, 0.1], "t")
+    with pytest.raises(ValueError, match="invalid literal"):
+        stats.record_columns(["acked", "acked"], [1, "many"], [0.1, 0.1], "t")
+    with pytest.raises(ValueError, match="2 outcomes, 1 sizes, 2 durations"):
+        stats.record_columns(["acked", "acked"], [1], [0.1, 0.1], "t")
+    assert stats.data == before, "all or nothing: no column grew"
 
 
 def test_the_recorder_hands_out_each_record_once_and_none_when_nothing_happened():
@@ -105,12 +112,13 @@ def test_the_recorder_hands_out_each_record_once_and_none_when_nothing_happened(
     rec.record("acked", 5, 0.01, "t")
     assert kv_stats.get_kv_connector_stats(rec).data["bytes"] == [5]
     assert first.data["bytes"] == [10, 0], "a handed-out object is not reused"
-    rec.record_many([("acked", 7, 0.5, "t"), ("expired", 0, 3.0, "u")])
+    rec.record_columns(["acked", "expired"], [7, 0], [0.5, 3.0], "u")
     many = kv_stats.get_kv_connector_stats(rec)
     assert many.data == {"outcome": ["acked", "expired"], "bytes": [7, 0],
-                         "duration_s": [0.5, 3.0], "to_stage": ["t", "u"]}
+                         "duration_s": [0.5, 3.0], "to_stage": ["u", "u"]}
     with pytest.raises(ValueError, match="outcome"):
-        rec.record_many([("lost", 0, 0.0, "t")])
+        rec.record_columns(["lost"], [0], [0.0], "t")
+    assert kv_stats.get_kv_connector_stats(rec) is None
 
 
 def test_the_worker_to_engine_core_pickle_and_the_api_server_msgpack_round_trips():

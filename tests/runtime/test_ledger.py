@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import settings
@@ -235,6 +236,27 @@ class LedgerMachine(RuleBasedStateMachine):
         # The runner's answer resolves exactly the active transfer it is about, and no other.
         assert (got is t) == was_active and (got is None) == (not was_active)
         assert (t.outcome is outcome) == was_active
+
+    @rule(data=st.data())
+    def answers(self, data):
+        """A step's answers (resolve_answers): each resolves exactly the active transfer of
+        the attempt it names, in answer order, acked or failed as it says; an answer about
+        another attempt, a pending transfer or no transfer resolves nothing."""
+        known = sorted({t.request_id for t in self.transfers} | {"nobody"})
+        rids = data.draw(st.lists(st.sampled_from(known), unique=True, max_size=6))
+        answers, expected = {}, []
+        for rid in rids:
+            t = self.ledger.get(rid)
+            attempt = t.attempt if t is not None else 1
+            if data.draw(st.booleans()):
+                attempt += data.draw(st.sampled_from([-1, 1]))
+            reason = data.draw(st.sampled_from([None, "receiver busy"]))
+            answers[rid] = SimpleNamespace(attempt=attempt, reason=reason)
+            if t is not None and t.phase is Phase.ACTIVE and t.attempt == attempt:
+                expected.append((t, Outcome.ACKED if reason is None else Outcome.FAILED, reason))
+        got = self.ledger.resolve_answers(answers)
+        assert got == [t for t, _, _ in expected]
+        assert all((t.outcome, t.reason) == (o, r) for t, o, r in expected)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), aborted=st.booleans(), blocks=st.integers(1, 9))

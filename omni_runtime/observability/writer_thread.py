@@ -149,8 +149,11 @@ class WriterThread:
 
     def kick(self) -> None:
         """Run what is queued now (the caller is about to wait, the GIL free). Nothing
-        queued: one attribute read."""
-        if self._jobs:
+        queued, or kicked already since the thread last took the queue (the observers
+        sharing a thread each kick it): two attribute reads. (Read without the lock: while
+        ``_kicked`` is set, the thread has yet to take the queue, and takes whatever is in
+        it then, with the flag's reset, under the lock.)"""
+        if self._jobs and not self._kicked:
             with self._lock:
                 if self._jobs:  # (the delay's look may have taken them meanwhile)
                     self._kicked = True

@@ -41,6 +41,30 @@ def test_a_job_waits_for_the_kick_and_jobs_run_in_order():
     assert worker.flush(timeout=10) and worker.written == 4 and worker.cpu_ns >= 0
 
 
+def test_kicks_before_the_thread_takes_the_queue_wake_it_once():
+    """The observers sharing a thread each kick it once per step: a kick while an earlier one
+    has not been answered (the thread busy with the jobs before) wakes it no more; one after
+    it took the queue does."""
+    worker = WriterThread(max_delay=NEVER)
+    busy, release = threading.Event(), threading.Event()
+    worker.submit(1, lambda: (busy.set(), release.wait()))
+    worker.kick()
+    assert busy.wait(timeout=10)  # the thread is inside the first job, the queue empty
+    notified = []
+    notify = worker._work.notify
+    worker._work.notify = lambda *args: (notified.append(1), notify(*args))
+    ran = threading.Event()
+    assert worker.submit(1, ran.set)
+    worker.kick()
+    worker.kick()
+    assert notified == [1], "one wake-up for the queue"
+    release.set()
+    assert ran.wait(timeout=10) and worker.flush(timeout=10)
+    assert worker.submit(1, lambda: None)
+    worker.kick()
+    assert notified == [1, 1] and worker.flush(timeout=10)
+
+
 def test_a_job_nobody_kicks_runs_after_its_delay():
     worker = WriterThread(max_delay=0.05)
     done = threading.Event()

@@ -224,7 +224,7 @@ class OmniKVTransferMixin:
         pinned = self._pinned.get(request_id) if self._pinned else None
         if transfer is None and pinned is None:
             # Its transfer (if any) has resolved: nothing to hold, nothing pinned.
-            ledger.request_finished(request_id, 0, aborted=not completed)
+            ledger.finished_resolved(request_id)
         else:
             self._finish_unresolved(request_id, transfer, pinned, completed)
         kv_params, ec_params = super()._free_request(request, delay_free_blocks)

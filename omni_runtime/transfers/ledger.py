@@ -220,11 +220,12 @@ class TransferLedger:
         self._triggered: set[str] = set()
         self._held_block_count = 0
         self._attempts = 0
-        # The two queries the scheduler asks on every finish, bound to the containers' own
-        # methods (no Python frame per call; the methods of the same names below say what
-        # they answer). Both containers live as long as the ledger.
+        # What the scheduler asks on every finish, bound to the containers' own methods (no
+        # Python frame per call; the methods of the same names below say what they do). Both
+        # containers live as long as the ledger.
         self.get = self._by_deadline.get
         self.has_triggered = self._triggered.__contains__
+        self.finished_resolved = self._triggered.discard
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: TransferObserver) -> None:
@@ -324,6 +325,12 @@ class TransferLedger:
         """Whether the request has started a transfer since it was added (or re-armed). (An
         instance's own is its container's, bound in ``__init__``: the same answer.)"""
         return request_id in self._triggered
+
+    def finished_resolved(self, request_id: str) -> None:
+        """The request has finished with no unresolved transfer (:meth:`get` gives None):
+        all that :meth:`request_finished` does then (its trigger state goes; nothing to
+        hold). (An instance's own is its container's, bound in ``__init__``: the same.)"""
+        self._triggered.discard(request_id)
 
     def has_unresolved(self) -> bool:
         return bool(self._by_deadline)
@@ -435,11 +442,13 @@ class TransferLedger:
             return None
         if attempt is not None and transfer.attempt != attempt:
             return None
-        self._resolve(transfer, outcome, reason)
+        self._resolve(transfer, outcome, reason, self._clock())
         return transfer
 
-    def _resolve(self, transfer: Transfer, outcome: Outcome, reason: str | None) -> None:
-        """Resolve an unresolved transfer (the checks are the caller's)."""
+    def _resolve(self, transfer: Transfer, outcome: Outcome, reason: str | None,
+                 now: float) -> None:
+        """Resolve an unresolved transfer at ledger time ``now`` (the checks are the
+        caller's)."""
         request_id = transfer.request_id
         del self._by_deadline[request_id]
         if transfer.phase is Phase.PENDING:
@@ -452,7 +461,7 @@ class TransferLedger:
         transfer.phase = Phase.RESOLVED
         transfer.outcome = outcome
         transfer.reason = reason
-        transfer.resolved_at = self._clock()
+        transfer.resolved_at = now
         for observer in self._observers:
             observer.on_resolved(self, transfer)
         if self._batch is not None:
@@ -468,6 +477,7 @@ class TransferLedger:
         or about a transfer not handed off or already resolved, resolves nothing: logged at
         debug level)."""
         by_deadline, active = self._by_deadline, Phase.ACTIVE
+        now = self._clock()  # one read for the step's answers: they arrived together
         resolved = []
         for request_id, answer in answers.items():
             transfer = by_deadline.get(request_id)
@@ -478,7 +488,7 @@ class TransferLedger:
                 continue
             reason = answer.reason
             self._resolve(transfer, Outcome.ACKED if reason is None else Outcome.FAILED,
-                          reason)
+                          reason, now)
             resolved.append(transfer)
         return resolved
 

@@ -437,9 +437,11 @@ class OmniKVTransferMixin:
                     f"request holds {len(blocks)} KV blocks, {needed} needed for "
                     f"seq_len {seq_len}"
                 )
-            block_ids = list(map(_BLOCK_ID, blocks[:needed]))
+            # A tuple: immutable, as the hand-off needs it (HandOff.of's tuple() is then the
+            # same object, no copy per transfer).
+            block_ids = tuple(map(_BLOCK_ID, blocks[:needed]))
         except Exception as exc:  # reported: the transfer resolves as failed, below
-            block_ids = []
+            block_ids = ()
             error = f"marking failed: {type(exc).__name__}: {exc}"
         transfer = self.transfer_ledger.mark(
             request_id, trigger, seq_len, block_ids, trace_headers=request.trace_headers

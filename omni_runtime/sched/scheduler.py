@@ -298,8 +298,10 @@ class OmniKVTransferMixin:
     def _schedule_bare(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's schedule() with the connector out of its sight (see _bare_schedule in
         __init__), then the step's connector metadata, which vLLM builds at its end. Nothing
-        in vLLM's schedule() frees a request (which would ask the connector), and the
-        connector is back before anything else can read it, an exception included."""
+        in vLLM's schedule() frees a request (which would ask the connector); the engine
+        core calls its scheduler from one thread, its busy loop (its input thread only
+        decodes requests), so nothing else reads the connector meanwhile; and the connector
+        is back before the next call, an exception included."""
         connector = self.connector
         self.connector = None
         try:

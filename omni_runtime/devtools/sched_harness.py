@@ -78,8 +78,10 @@ def make_vllm_config(
 
 
 def make_scheduler(
-    cls: type[Scheduler], vllm_config: VllmConfig, *, kv_cache_groups: int = 1
+    cls: type[Scheduler], vllm_config: VllmConfig, *, kv_cache_groups: int = 1,
+    log_stats: bool = False,
 ) -> Scheduler:
+    """``log_stats``: vLLM's scheduler stats, as a served engine makes them."""
     block_size = vllm_config.cache_config.block_size
     num_blocks = vllm_config.cache_config.num_gpu_blocks
     kv_cache_config = KVCacheConfig(
@@ -100,7 +102,7 @@ def make_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
-        log_stats=False,
+        log_stats=log_stats,
     )
 
 

@@ -122,13 +122,15 @@ class OmniKVConnectorStats(KVConnectorStats):
             raise ValueError(f"outcome must be one of {OUTCOMES}, not {bad!r}")
         # Plain builtins (a numpy scalar would not go through msgpack), negatives (and NaN)
         # as 0: max(0, x) keeps 0 unless x > 0.
+        outcomes = list(map(str, outcomes))
         sizes = list(map(max, repeat(0), map(int, sizes)))
         durations = list(map(max, repeat(0.0), map(float, durations)))
-        data = self.data
-        data["outcome"].extend(map(str, outcomes))
+        stage = str(to_stage)
+        data = self.data  # nothing below raises: every column grows, or none did
+        data["outcome"].extend(outcomes)
         data["bytes"].extend(sizes)
         data["duration_s"].extend(durations)
-        data["to_stage"].extend(repeat(str(to_stage), len(sizes)))
+        data["to_stage"].extend(repeat(stage, len(sizes)))
 
     def __len__(self) -> int:
         return len(self.data["outcome"])

@@ -467,7 +467,8 @@ class OmniKVTransferMixin:
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:
         """The workers' answers, each naming the attempt it answers: one about an earlier
         attempt (or a transfer already resolved) resolves nothing (the ledger's
-        resolve_answers)."""
+        resolve_answers, which resolves each as the loop reaches it: its blocks are given
+        back before the next resolves)."""
         for transfer in self.transfer_ledger.resolve_answers(answers):
             if transfer.reason is not None:
                 logger.warning("KV transfer of request %s failed: %s", transfer.request_id,

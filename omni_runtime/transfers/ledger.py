@@ -48,7 +48,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -469,16 +469,17 @@ class TransferLedger:
             if not self._batch_depth:
                 self._flush()
 
-    def resolve_answers(self, answers: Mapping[str, Any]) -> list[Transfer]:
+    def resolve_answers(self, answers: Mapping[str, Any]) -> Iterator[Transfer]:
         """The runner's answers of a step, by request id, each naming the attempt it answers
         (``attempt``) and why it failed (``reason``, None: delivered): for each,
         ``resolve(request_id, ACKED or FAILED, reason, only_active=True, attempt=...)``, in
-        order, in one loop. Returns the transfers resolved (an answer about another attempt,
-        or about a transfer not handed off or already resolved, resolves nothing: logged at
-        debug level)."""
+        one loop, yielding each transfer resolved. Lazily: an answer is taken when the
+        iteration reaches it, so the caller gives back one transfer's blocks before the next
+        resolves (a failure in between strands no other transfer's blocks); iterate to the
+        end. An answer about another attempt, or about a transfer not handed off or already
+        resolved, resolves nothing (logged at debug level)."""
         by_deadline, active = self._by_deadline, Phase.ACTIVE
         now = self._clock()  # one read for the step's answers: they arrived together
-        resolved = []
         for request_id, answer in answers.items():
             transfer = by_deadline.get(request_id)
             if (transfer is None or transfer.phase is not active
@@ -489,8 +490,7 @@ class TransferLedger:
             reason = answer.reason
             self._resolve(transfer, Outcome.ACKED if reason is None else Outcome.FAILED,
                           reason, now)
-            resolved.append(transfer)
-        return resolved
+            yield transfer
 
     def expire_due(self) -> list[Transfer]:
         """Resolve as EXPIRED every transfer whose deadline has passed. O(expired)."""

@@ -158,6 +158,36 @@ def test_expiry_is_in_deadline_order_and_costs_only_the_expired(ledger, clock):
     ledger.check_invariants()
 
 
+def test_the_finish_queries_are_the_live_containers_own_methods(ledger):
+    """get, has_triggered and finished_resolved are bound to the containers the ledger keeps
+    (no Python frame per finish): they answer from the live state, as the methods do."""
+    assert ledger.get.__self__ is ledger._by_deadline
+    assert ledger.has_triggered.__self__ is ledger._triggered
+    assert ledger.finished_resolved.__self__ is ledger._triggered
+    t = ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [1])
+    assert ledger.get("a") is t is TransferLedger.get(ledger, "a")
+    assert ledger.has_triggered("a") and TransferLedger.has_triggered(ledger, "a")
+    ledger.resolve("a", Outcome.ACKED)
+    ledger.finished_resolved("a")
+    assert ledger.get("a") is None and not ledger.has_triggered("a")
+
+
+def test_a_steps_answers_resolve_one_at_a_time_as_the_caller_goes(ledger):
+    """resolve_answers takes an answer when the iteration reaches it: the caller gives back
+    one transfer's blocks before the next resolves, so a failure in between leaves the rest
+    unresolved (and so still expired, reset or shut down later), never resolved unreleased."""
+    for rid in ("a", "b"):
+        ledger.mark(rid, Trigger.PREFILL_FINISHED, 8, [1])
+    ledger.hand_off_pending()
+    answers = {rid: SimpleNamespace(attempt=ledger.get(rid).attempt, reason=None)
+               for rid in ("a", "b")}
+    it = ledger.resolve_answers(answers)
+    first = next(it)
+    assert first.request_id == "a" and first.outcome is Outcome.ACKED
+    assert ledger.get("b") is not None, "not taken yet"
+    assert [t.request_id for t in it] == ["b"] and not ledger.has_unresolved()
+
+
 def test_invalid_timeout_is_rejected():
     with pytest.raises(ValueError, match="timeout_seconds"):
         TransferLedger(0)
@@ -254,7 +284,7 @@ class LedgerMachine(RuleBasedStateMachine):
             answers[rid] = SimpleNamespace(attempt=attempt, reason=reason)
             if t is not None and t.phase is Phase.ACTIVE and t.attempt == attempt:
                 expected.append((t, Outcome.ACKED if reason is None else Outcome.FAILED, reason))
-        got = self.ledger.resolve_answers(answers)
+        got = list(self.ledger.resolve_answers(answers))
         assert got == [t for t, _, _ in expected]
         assert all((t.outcome, t.reason) == (o, r) for t, o, r in expected)
 

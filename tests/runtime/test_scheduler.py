@@ -11,6 +11,7 @@ import time
 import pytest
 from vllm.config import SpeculativeConfig
 from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import RequestStatus
@@ -54,8 +55,9 @@ class Recorder(TransferObserver):
         self.resolved.append(transfer)
 
 
-def omni(kv_config, **kw):
-    sched = make_scheduler(OmniARScheduler, make_vllm_config(kv_config, **kw))
+def omni(kv_config, log_stats=False, **kw):
+    sched = make_scheduler(OmniARScheduler, make_vllm_config(kv_config, **kw),
+                           log_stats=log_stats)
     rec = Recorder()
     sched.transfer_ledger.add_observer(rec)
     sched.recorder = rec
@@ -811,7 +813,7 @@ def test_the_plain_class_name_gives_the_async_variant_under_async_scheduling():
     assert type(make_scheduler(OmniARScheduler, make_vllm_config(PREFILL))) is OmniARScheduler
 
 
-def _async_scheduler(kv_config, kv_role=None, **kw):
+def _async_scheduler(kv_config, kv_role=None, log_stats=False, **kw):
     """The async variant through the public class name, as vLLM builds it under async
     scheduling (the harness's VllmConfig skips the CPU platform's check that turns async
     scheduling off, so this is vLLM's real AsyncScheduler)."""
@@ -823,7 +825,7 @@ def _async_scheduler(kv_config, kv_role=None, **kw):
     cfg.scheduler_config.async_scheduling = True
     if kv_role is not None:
         cfg.kv_transfer_config.kv_role = kv_role
-    s = make_scheduler(OmniARScheduler, cfg)
+    s = make_scheduler(OmniARScheduler, cfg, log_stats=log_stats)
     assert type(s) is OmniARAsyncScheduler and isinstance(s, AsyncScheduler)
     s.transfer_ledger.add_observer(rec := Recorder())
     s.recorder = rec
@@ -1153,6 +1155,27 @@ def test_the_bare_finish_gives_what_vllms_own_path_gives(kv):
         assert_quiescent(s, start)
 
 
+def test_a_hand_off_is_the_named_tuple_its_fields_make():
+    """HandOff.of builds the tuple directly (without the named tuple's Python __new__):
+    every field, in order, as the named tuple's own constructor gives it, held or not; the
+    block ids the marking's tuple itself (no copy)."""
+    from omni_runtime.sched.handoff import HandOff
+    from omni_runtime.transfers.ledger import TransferLedger
+
+    ledger = TransferLedger(30.0)
+    t = ledger.mark("r", Trigger.PREFILL_FINISHED, 40, (3, 4, 5),
+                    trace_headers={"traceparent": "00-x"})
+    ledger.hand_off_pending()
+    h = HandOff.of(t, ledger.wall_time)
+    assert type(h) is HandOff and len(h) == len(HandOff._fields)
+    assert h == HandOff(request_id="r", attempt=t.attempt, seq_len=40, block_ids=(3, 4, 5),
+                        deadline_in_s=h.deadline_in_s, trace_headers={"traceparent": "00-x"},
+                        held=None)
+    assert 0 < h.deadline_in_s <= 30.0 and h.block_ids is t.block_ids
+    ledger.request_finished("r", 7, aborted=False)
+    assert HandOff.of(t, ledger.wall_time).held == (ledger.wall_time(t.held_since), 7)
+
+
 # ---------------------------------------------------------------------------- the bare schedule
 
 
@@ -1178,18 +1201,25 @@ def test_the_bare_schedule_only_for_our_connector_alone_with_its_own_load_side_h
     assert not sched_mod._keeps_omni_hooks(object(), ("request_finished",))
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode):
+def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode, prefix_caching):
     """Two schedulers stepped in lock step on the same requests, acks, failures and aborts,
-    with too few blocks for all (preemptions), one with the connector hidden from vLLM's
+    with too few blocks for all (preemptions), with and without prefix caching (prompts
+    sharing prefixes: local hits, partial tails), one with the connector hidden from vLLM's
     schedule(), one through vLLM's connector calls: the same scheduled tokens, preemptions,
     connector metadata (hand-offs, withdrawals, held notices, idle), outputs (transfer params
     included), transfers and free blocks at every step; vLLM asked the hidden connector
-    nothing in schedule()."""
+    nothing in schedule(). The one difference, documented: vLLM's external prefix-cache
+    stats (which count a connector's prefix matches) record nothing where it was hidden."""
     rng = random.Random(5)
-    kv, kw = {**PREFILL, "timeout_seconds": 300}, {"num_blocks": 24, "max_num_seqs": 16}
+    kv = {**PREFILL, "timeout_seconds": 300}
+    kw = {"num_blocks": 24 if not prefix_caching else 18, "max_num_seqs": 16,
+          "enable_prefix_caching": prefix_caching, "log_stats": True}  # as a served engine
     make = (lambda: omni(kv, **kw)) if mode == "sync" else (lambda: _async_scheduler(kv, **kw))
     bare, vllm_path = make(), make()
+    external = {id(s): PrefixCacheStats() for s in (bare, vllm_path)}  # summed over steps
+    local_hits = 0
     vllm_path._bare_schedule = False
     assert bare._bare_schedule
     asked = {id(s): 0 for s in (bare, vllm_path)}
@@ -1200,8 +1230,9 @@ def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode):
         s.connector.get_num_new_matched_tokens = matched
     starts = [free_blocks(s) for s in (bare, vllm_path)]
     for i in range(40):
-        for s in (bare, vllm_path):
-            s.add_request(make_request(1 + (i * 7) % 50, max_tokens=1 + i % 40, request_id=f"q{i}"))
+        for s in (bare, vllm_path):  # hashed blocks: the prompts share their prefixes
+            s.add_request(make_request(1 + (i * 7) % 50, max_tokens=1 + i % 40, request_id=f"q{i}",
+                                       block_size=16 if prefix_caching else None))
     acks: list = []
     failed: dict = {}
     in_flight: list = []
@@ -1226,6 +1257,15 @@ def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode):
                 for s, so in ((bare, so_b), (vllm_path, so_v))]
         assert ({r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[0]).items()}
                 == {r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[1]).items()})
+        local_hits += sum(eco.scheduler_stats.prefix_cache_stats.hits for eco in outs[0].values()
+                          if eco.scheduler_stats)
+        for s, out in zip((bare, vllm_path), outs):
+            for eco in out.values():
+                step_stats = eco.scheduler_stats and eco.scheduler_stats.connector_prefix_cache_stats
+                if step_stats:
+                    external[id(s)].requests += step_stats.requests
+                    external[id(s)].queries += step_stats.queries
+                    external[id(s)].hits += step_stats.hits
         in_flight = [rid for rid in in_flight if rid not in acks and rid not in failed]
         in_flight += list(handed_off(so_b))
         acks = [rid for rid in in_flight if rng.random() < 0.4]
@@ -1241,6 +1281,10 @@ def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode):
         assert bare.has_requests() == vllm_path.has_requests()
     assert preempted, "the workload preempted"
     assert asked[id(bare)] == 0 and asked[id(vllm_path)] >= 40
+    assert (local_hits > 0) is prefix_caching, "the prompts hit the prefix cache"
+    hidden, seen = external[id(bare)], external[id(vllm_path)]
+    assert (hidden.requests, hidden.queries) == (0, 0)
+    assert seen.requests > 0 and seen.queries > 0 and seen.hits == 0
     assert [(t.request_id, t.outcome) for t in bare.recorder.resolved] == \
         [(t.request_id, t.outcome) for t in vllm_path.recorder.resolved]
     for s, start in zip((bare, vllm_path), starts):

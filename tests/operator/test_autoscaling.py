@@ -68,6 +68,11 @@ def test_the_running_operator_follows_the_autoscaler_and_never_writes_its_count(
     deployment = workload("code2wav", body)
     wait_for(lambda: (kube.get(DEPLOYMENT, NAMESPACE, deployment) or {}).get("spec", {}).get("replicas") == 2,
              30, "the autoscaled stage's Deployment at its starting count")
+    # The reconcile writes the stage's children one after another: the autoscaler's objects
+    # may land after the Deployment.
+    wait_for(lambda: kube.get(HPA, NAMESPACE, "tiny-code2wav") is not None
+             and kube.get(STAGESCALER, NAMESPACE, "tiny-code2wav") is not None,
+             30, "the stage's HorizontalPodAutoscaler and OmniStageScaler")
     assert kube.get(HPA, NAMESPACE, "tiny-code2wav")["spec"]["scaleTargetRef"]["name"] == "tiny-code2wav"
 
     def scaler_spec_writes() -> list:

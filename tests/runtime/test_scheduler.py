@@ -79,6 +79,35 @@ def assert_quiescent(sched, start_free):
     sched.transfer_ledger.check_invariants()
 
 
+def assert_same_outputs(outs):
+    """Two schedulers' outputs of one step in lock step: the same finishes, transfer params
+    included."""
+    assert ({r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[0]).items()}
+            == {r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[1]).items()})
+
+
+def abort_one_and_compare(rng, chance, a, b):
+    """Two schedulers in lock step: with ``chance``, abort the same random live request on
+    both; then they must hold the same blocks and transfers, and agree on having requests."""
+    live = sorted(r.request_id for r in a.requests.values() if not r.is_finished())
+    if live and rng.random() < chance:
+        victim = rng.choice(live)
+        for s in (a, b):
+            s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(a) == free_blocks(b)
+    assert repr(a.transfer_ledger) == repr(b.transfer_ledger)
+    assert a.has_requests() == b.has_requests()
+
+
+def assert_ended_alike(a, b, starts):
+    """Two schedulers after a lock-step run: the same transfers resolved the same way, in the
+    same order, and nothing left behind by either."""
+    assert [(t.request_id, t.outcome) for t in a.recorder.resolved] == \
+        [(t.request_id, t.outcome) for t in b.recorder.resolved]
+    for s, start in zip((a, b), starts):
+        assert_quiescent(s, start)
+
+
 # ---------------------------------------------------------------------------- triggers
 
 
@@ -1137,22 +1166,11 @@ def test_the_bare_finish_gives_what_vllms_own_path_gives(kv):
                 == {r: (h.attempt, h.seq_len, h.block_ids) for r, h in handed_off(so_s).items()})
         outs = [s.update_from_output(so, runner_output(so, scheduler=s, acked=acks))
                 for s, so in ((bare, so_b), (stock_path, so_s))]
-        assert ({r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[0]).items()}
-                == {r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[1]).items()})
+        assert_same_outputs(outs)
         in_flight = [rid for rid in in_flight if rid not in acks] + list(handed_off(so_b))
         acks = [rid for rid in in_flight if rng.random() < 0.5]  # each acked sooner or later
-        live = sorted(r.request_id for r in bare.requests.values() if not r.is_finished())
-        if live and rng.random() < 0.2:
-            victim = rng.choice(live)
-            for s in (bare, stock_path):
-                s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-        assert free_blocks(bare) == free_blocks(stock_path)
-        assert repr(bare.transfer_ledger) == repr(stock_path.transfer_ledger)
-        assert stock_path.has_requests() == bare.has_requests()
-    assert [(t.request_id, t.outcome) for t in bare.recorder.resolved] == \
-        [(t.request_id, t.outcome) for t in stock_path.recorder.resolved]
-    for s, start in zip((bare, stock_path), starts):
-        assert_quiescent(s, start)
+        abort_one_and_compare(rng, 0.2, bare, stock_path)
+    assert_ended_alike(bare, stock_path, starts)
 
 
 def test_a_hand_off_is_the_named_tuple_its_fields_make():
@@ -1255,8 +1273,7 @@ def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode, prefix_caching)
         outs = [s.update_from_output(so, runner_output(so, scheduler=s, acked=acks,
                                                        failed=failed))
                 for s, so in ((bare, so_b), (vllm_path, so_v))]
-        assert ({r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[0]).items()}
-                == {r: (o.finish_reason, o.kv_transfer_params) for r, o in outputs_by_id(outs[1]).items()})
+        assert_same_outputs(outs)
         local_hits += sum(eco.scheduler_stats.prefix_cache_stats.hits for eco in outs[0].values()
                           if eco.scheduler_stats)
         for s, out in zip((bare, vllm_path), outs):
@@ -1271,24 +1288,14 @@ def test_the_bare_schedule_gives_what_vllms_own_path_gives(mode, prefix_caching)
         acks = [rid for rid in in_flight if rng.random() < 0.4]
         failed = {rid: "receiver busy" for rid in in_flight if rid not in acks
                   and rng.random() < 0.1}
-        live = sorted(r.request_id for r in bare.requests.values() if not r.is_finished())
-        if live and rng.random() < 0.15:
-            victim = rng.choice(live)
-            for s in (bare, vllm_path):
-                s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-        assert free_blocks(bare) == free_blocks(vllm_path)
-        assert repr(bare.transfer_ledger) == repr(vllm_path.transfer_ledger)
-        assert bare.has_requests() == vllm_path.has_requests()
+        abort_one_and_compare(rng, 0.15, bare, vllm_path)
     assert preempted, "the workload preempted"
     assert asked[id(bare)] == 0 and asked[id(vllm_path)] >= 40
     assert (local_hits > 0) is prefix_caching, "the prompts hit the prefix cache"
     hidden, seen = external[id(bare)], external[id(vllm_path)]
     assert (hidden.requests, hidden.queries) == (0, 0)
     assert seen.requests > 0 and seen.queries > 0 and seen.hits == 0
-    assert [(t.request_id, t.outcome) for t in bare.recorder.resolved] == \
-        [(t.request_id, t.outcome) for t in vllm_path.recorder.resolved]
-    for s, start in zip((bare, vllm_path), starts):
-        assert_quiescent(s, start)
+    assert_ended_alike(bare, vllm_path, starts)
 
 
 def test_the_bare_schedule_gives_the_connector_back_when_vllms_schedule_raises(monkeypatch):

@@ -23,6 +23,7 @@ reported by ``get_finished`` would find no request. The answers travel as worker
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,8 +90,9 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     def hand_off(self, hand_offs: list[HandOff]) -> None:
         self.scheduler_half.hand_off(hand_offs)
 
-    def withdraw(self, request_id: str, attempt: int, outcome: str = "failed") -> None:
-        self.scheduler_half.withdraw(request_id, attempt, outcome)
+    def withdraw(self, request_id: str, attempt: int, outcome: str = "failed",
+                 seconds: float = 0.0) -> None:
+        self.scheduler_half.withdraw(request_id, attempt, outcome, seconds)
 
     def hold_on_finish(self, request_id: str) -> None:
         self.scheduler_half.hold_on_finish(request_id)
@@ -100,6 +102,9 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
 
     def take_answers(self, output: Any) -> dict[str, Answer]:
         return self.scheduler_half.take_answers(output)
+
+    def record_answers(self, answers: Mapping[str, Answer]) -> None:
+        self.scheduler_half.record_answers(answers)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         return 0, False  # a producer: nothing to load

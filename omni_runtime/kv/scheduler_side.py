@@ -5,18 +5,26 @@
 * :meth:`request_finished` answers "delay the free" for a finished request whose transfer is
   unresolved (the "held" state); the scheduler frees the blocks when the transfer resolves
   (acked, failed, expired, or at shutdown / a prefix-cache reset);
-* :meth:`take_answers` hands the workers' answers (per attempt) to the scheduler.
+* :meth:`take_answers` hands the workers' answers (per attempt) to the scheduler, and
+  :meth:`record_answers` records in the stats those that resolved a transfer (the scheduler's
+  ledger decides which: one bookkeeping of what is in flight, not two).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
-
-import time
 
 from omni_runtime.kv.metadata import OmniKVConnectorMetadata, OmniKVWorkerMetadata, ShardAnswers
 from omni_runtime.kv.stats import OTHER_STAGE, KVStatsRecorder
 from omni_runtime.sched.handoff import Answer, HandOff
+
+#: An answer's outcome in the stats: acked without a reason, else failed.
+_OUTCOME_OF_REASON = {None: "acked"}
+_FAILED = "failed"
+_REASON, _NBYTES, _SECONDS = attrgetter("reason"), attrgetter("nbytes"), attrgetter("seconds")
 
 
 class OmniKVConnectorScheduler:
@@ -38,30 +46,24 @@ class OmniKVConnectorScheduler:
         #: is decided as the workers decide whether they feed the per-edge families
         #: (edge_metrics.data_path_edge_metrics: several endpoints).
         self._held: dict[str, tuple[int, int, float]] | None = {} if fans_out else None
-        #: Handed off, not resolved: request id -> (attempt, when), for the stats' durations
-        #: of transfers the scheduler resolves itself.
-        self._in_flight: dict[str, tuple[int, float]] = {}
 
     def hand_off(self, hand_offs: list[HandOff]) -> None:
         """The scheduler's hand-offs for the step being scheduled."""
         self._hand_offs.extend(hand_offs)
-        if self._stats is not None:
-            now = time.monotonic()
-            for h in hand_offs:
-                self._in_flight[h.request_id] = (h.attempt, now)
 
-    def withdraw(self, request_id: str, attempt: int, outcome: str = "failed") -> None:
+    def withdraw(self, request_id: str, attempt: int, outcome: str = "failed",
+                 seconds: float = 0.0) -> None:
         """A handed-off transfer the scheduler resolved itself (``outcome``: expired, or
-        failed at a reset or shutdown): its blocks may be re-used from the next step on; the
-        workers refuse to commit any read of it from that step's start (the fence,
-        kv/transport/sender.py)."""
+        failed at a reset or shutdown; ``seconds`` after its hand-off): its blocks may be
+        re-used from the next step on; the workers refuse to commit any read of it from that
+        step's start (the fence, kv/transport/sender.py). Recorded in the stats, no bytes
+        delivered. The scheduler withdraws each handed-off transfer it resolves, once (its
+        ledger resolves a transfer once)."""
         self._withdrawn[request_id] = attempt
         if self._held:
             self._held.pop(request_id, None)  # resolved: no notice of its hold any more
-        started = self._in_flight.get(request_id)
-        if started is not None and started[0] == attempt:
-            del self._in_flight[request_id]
-            self._stats.record(outcome, 0, time.monotonic() - started[1], self._to_stage)
+        if self._stats is not None:
+            self._stats.record(outcome, 0, seconds, self._to_stage)
 
     def hold_on_finish(self, request_id: str) -> None:
         """The next request_finished() of this request keeps its blocks (held)."""
@@ -76,7 +78,10 @@ class OmniKVConnectorScheduler:
 
     def take_answers(self, output: Any) -> dict[str, Answer]:
         """The transfers the workers' answers of this step resolve; with tensor parallelism
-        a transfer is acked once every rank's shard was (:class:`ShardAnswers`)."""
+        a transfer is acked once every rank's shard was (:class:`ShardAnswers`). The
+        scheduler resolves them (its ledger ignores an answer about another attempt, or
+        about a transfer not handed off or already resolved) and then records those that
+        resolved (:meth:`record_answers`)."""
         meta = getattr(output, "kv_connector_worker_meta", None) if output else None
         if meta is not None and not isinstance(meta, OmniKVWorkerMetadata):
             # A MultiConnector's: ours is the one of our type.
@@ -91,22 +96,18 @@ class OmniKVConnectorScheduler:
         if self._held:  # resolved now: a notice of their hold, not sent yet, would be stale
             for rid in answers:
                 self._held.pop(rid, None)
-        if self._stats is not None:
-            in_flight = self._in_flight
-            outcomes, sizes, durations = [], [], []
-            for rid, answer in answers.items():
-                started = in_flight.pop(rid, None)
-                if started is None:
-                    continue
-                if started[0] != answer.attempt:
-                    in_flight[rid] = started  # about another attempt: this one still in flight
-                    continue
-                outcomes.append("acked" if answer.reason is None else "failed")
-                sizes.append(answer.nbytes)
-                durations.append(answer.seconds)
-            if outcomes:  # the step's answers under one lock
-                self._stats.record_columns(outcomes, sizes, durations, self._to_stage)
         return answers
+
+    def record_answers(self, answers: Mapping[str, Answer]) -> None:
+        """The step's answers that resolved a transfer (each once: the scheduler's ledger
+        resolves a transfer once), into the stats: outcome, bytes, seconds from the offer to
+        the answer. The columns are read in C (the step's answers without a Python loop)."""
+        if self._stats is None or not answers:
+            return
+        values = answers.values()
+        self._stats.record_columns(
+            list(map(_OUTCOME_OF_REASON.get, map(_REASON, values), repeat(_FAILED))),
+            list(map(_NBYTES, values)), list(map(_SECONDS, values)), self._to_stage)
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
         hand_offs, self._hand_offs = self._hand_offs, []

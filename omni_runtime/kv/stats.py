@@ -121,10 +121,17 @@ class OmniKVConnectorStats(KVConnectorStats):
             bad = next(o for o in outcomes if o not in _OUTCOME_SET)
             raise ValueError(f"outcome must be one of {OUTCOMES}, not {bad!r}")
         # Plain builtins (a numpy scalar would not go through msgpack), negatives (and NaN)
-        # as 0: max(0, x) keeps 0 unless x > 0.
+        # as 0 (x if x > 0 else 0). The columns are checked in C first (min, and a sum that
+        # is NaN if any value is NaN, or +inf and -inf meet): a step's values are seldom bad.
         outcomes = list(map(str, outcomes))
-        sizes = list(map(max, repeat(0), map(int, sizes)))
-        durations = list(map(max, repeat(0.0), map(float, durations)))
+        sizes = list(map(int, sizes))
+        if sizes and min(sizes) < 0:
+            sizes = [n if n > 0 else 0 for n in sizes]
+        durations = list(map(float, durations))
+        if durations:
+            total = sum(durations)
+            if total != total or min(durations) < 0.0:
+                durations = [d if d > 0.0 else 0.0 for d in durations]
         stage = str(to_stage)
         data = self.data  # nothing below raises: every column grows, or none did
         data["outcome"].extend(outcomes)

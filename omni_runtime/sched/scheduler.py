@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import logging
 import operator
+from itertools import repeat
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.engine import EngineCoreOutputs
@@ -83,6 +84,18 @@ _SHUTDOWN_FLUSH_SECONDS = 5.0
 
 #: Attribute on vLLM's Request holding its latest Transfer: it dies with the request.
 _TRANSFER_ATTR = "omni_kv_transfer"
+
+#: Our connector's answers at a finish (see _connector_finished): delay the free of the
+#: request's blocks, or not; no parameters (the scheduler adds the transfer's).
+_DELAY_FREE: tuple[bool, None] = (True, None)
+_FREE_NOW: tuple[bool, None] = (False, None)
+
+#: A NewRequestData's request id (mapped over a step's new requests in C).
+_REQ_ID = operator.attrgetter("req_id")
+
+#: The attribute of vllm-omni's requests that carries their payload to the workers
+#: (OmniNewRequestData); absent on plain vLLM's.
+_PAYLOAD_ATTR = "additional_information"
 
 #: A KV block's id (mapped over a snapshot's blocks in C: no comprehension frame per marking).
 _BLOCK_ID = operator.attrgetter("block_id")
@@ -142,6 +155,9 @@ class OmniKVTransferMixin:
             and _reads_no_finish_blocks(self.connector)
             and _frees_nothing_early(self.kv_cache_manager)
         )
+        #: The bare finish's answer for the request being freed: set by _free_request only
+        #: around vLLM's _free_request, which asks _connector_finished.
+        self._delay_this_free = False
         # Our connector alone, keeping its own load-side hooks: a producer, it matches no
         # tokens, loads nothing, needs no word after an allocation, has no block frees to
         # wait for and reads no block state. vLLM's per-arrival and per-step connector work
@@ -175,25 +191,14 @@ class OmniKVTransferMixin:
             # finishes while preempted (its KV freed), and every token vLLM keeps was
             # computed on the blocks the request holds when it is kept.
             self.requires_kv_delivery = True
-        # Requests whose in-flight trigger has not fired yet (only with a criteria).
+        # Requests whose in-flight trigger has not fired yet (only with a criteria): taken in
+        # when first scheduled (see _took_in), dropped when it fires or the request finishes.
         self._awaiting_trigger: set[str] = set()
-        # Requests carrying vllm-omni's additional_information (none on plain vLLM).
-        self._payload_requests: set[str] = set()
         # Preempted requests whose unresolved transfer's blocks we keep out of the free pool
         # (one extra reference each) until it resolves: request id -> the pinned blocks.
         self._pinned: dict[str, list[Any]] = {}
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
-        is_new = request.request_id not in self.requests
-        super().add_request(request)
-        if not is_new:
-            return  # a streaming-input update of a request we already track
-        if self._criteria is not None:
-            self._awaiting_trigger.add(request.request_id)
-        if getattr(request, "additional_information", None) is not None:
-            self._payload_requests.add(request.request_id)
-
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kw: Any) -> None:
         if self._send:
             transfer = self.transfer_ledger.get(request.request_id)
@@ -206,11 +211,9 @@ class OmniKVTransferMixin:
         super()._preempt_request(request, timestamp, *args, **kw)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
-        request_id = request.request_id
-        if self._payload_requests:
-            self._payload_requests.discard(request_id)
         if not self._send:
             return super()._free_request(request, delay_free_blocks)
+        request_id = request.request_id
         ledger = self.transfer_ledger
         self._awaiting_trigger.discard(request_id)
         completed = request.status in _COMPLETED
@@ -225,9 +228,20 @@ class OmniKVTransferMixin:
         if transfer is None and pinned is None:
             # Its transfer (if any) has resolved: nothing to hold, nothing pinned.
             ledger.finished_resolved(request_id)
+            kv_params, ec_params = super()._free_request(request, delay_free_blocks)
+        elif not self._finish_unresolved(request_id, transfer, pinned, completed):
+            kv_params, ec_params = super()._free_request(request, delay_free_blocks)
+        elif self._bare_finish:
+            # vLLM's _connector_finished, called by its _free_request, answers "delay the
+            # free" for this request alone (see there).
+            self._delay_this_free = True
+            try:
+                kv_params, ec_params = super()._free_request(request, delay_free_blocks)
+            finally:
+                self._delay_this_free = False
         else:
-            self._finish_unresolved(request_id, transfer, pinned, completed)
-        kv_params, ec_params = super()._free_request(request, delay_free_blocks)
+            self._omni.hold_on_finish(request_id)  # the connector's answer to vLLM's path
+            kv_params, ec_params = super()._free_request(request, delay_free_blocks)
         transfer = getattr(request, _TRANSFER_ATTR, None)
         if transfer is not None:
             params = _transfer_params(transfer)
@@ -235,9 +249,11 @@ class OmniKVTransferMixin:
         return kv_params, ec_params
 
     def _finish_unresolved(self, request_id: str, transfer: Transfer | None,
-                           pinned: list[Any] | None, completed: bool) -> None:
+                           pinned: list[Any] | None, completed: bool) -> bool:
         """A finishing request whose transfer is unresolved (or whose blocks are pinned):
-        hold its blocks until the transfer resolves, or cancel a pending one of an abort."""
+        hold its blocks until the transfer resolves, or cancel a pending one of an abort.
+        Whether vLLM must delay the free of the request's blocks (the interface's delayed
+        free: vLLM keeps them until we free them; not for pinned blocks, see _composed)."""
         ledger = self.transfer_ledger
         if pinned is None and self._composed and transfer is not None:
             pinned = self._pin(transfer)  # see _composed: vLLM frees the request itself
@@ -250,21 +266,23 @@ class OmniKVTransferMixin:
         hold = ledger.request_finished(request_id, num_blocks, aborted=not completed)
         if pinned is not None and ledger.get(request_id) is None:
             self._unpin(request_id)  # cancelled just now
-        if hold and self._omni is not None:
-            if pinned is None:
-                # The interface's delayed free: vLLM keeps the blocks until we free them.
-                self._omni.hold_on_finish(request_id)
-            if transfer is not None and transfer.handed_off_at is not None:
-                # Held on its edges (a pending one says so when it is handed off: HandOff.held).
-                self._omni.held_on_finish(request_id, transfer.attempt, num_blocks,
-                                          ledger.wall_time(transfer.held_since))
+        if not hold or self._omni is None:
+            return False
+        if transfer is not None and transfer.handed_off_at is not None:
+            # Held on its edges (a pending one says so when it is handed off: HandOff.held).
+            self._omni.held_on_finish(request_id, transfer.attempt, num_blocks,
+                                      ledger.wall_time(transfer.held_since))
+        return pinned is None
 
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        # See _bare_finish in __init__: vLLM's preparation would do nothing, so ask our
-        # connector (held or not) straight away; with other connectors, or KV cache managers
-        # that do free or finalize blocks at a finish, vLLM's own path.
+        # See _bare_finish in __init__: vLLM's preparation would do nothing, and our
+        # connector's answer (delay the free while the transfer holds the blocks; no
+        # parameters) is what _free_request decided just before vLLM's _free_request called
+        # this: given straight away. With other connectors, or KV cache managers that do
+        # free or finalize blocks at a finish, vLLM's own path, which asks the connector
+        # (told by hold_on_finish).
         if self._bare_finish:
-            return self.connector.request_finished(request, [])
+            return _DELAY_FREE if self._delay_this_free else _FREE_NOW
         return super()._connector_finished(request)
 
     # ------------------------------------------------------------------ the step
@@ -288,8 +306,8 @@ class OmniKVTransferMixin:
                 output = super().schedule(*args, **kwargs)
         finally:
             ledger.end_batch()
-        if self._payload_requests and output.scheduled_new_reqs:
-            self._attach_payloads(output)
+        if output.scheduled_new_reqs:
+            self._took_in(output.scheduled_new_reqs)
         # The step goes to the model runner next: the observers' writes off the step (spans,
         # metric families) run while the engine waits for the forward pass.
         ledger.engine_waits()
@@ -390,12 +408,21 @@ class OmniKVTransferMixin:
         snapshot names the blocks it is recomputed into (the hand-off reaches the workers in
         a later step, after the recompute's)."""
         requests = self.requests
+        fired = []
         # A dict view & a set iterates the smaller of the two (in C): the requests still
         # awaiting their trigger, not the step's whole batch.
         for request_id in scheduler_output.num_scheduled_tokens.keys() & self._awaiting_trigger:
             request = requests[request_id]
             if request.num_computed_tokens >= request.num_prompt_tokens:
-                self._mark(request, Trigger.PREFILL_FINISHED, request.num_prompt_tokens)
+                fired.append(request)
+        if fired:
+            self._mark_many(Trigger.PREFILL_FINISHED, fired,
+                            [request.num_prompt_tokens for request in fired])
+            if not self._awaiting_trigger:
+                # A set keeps the table a burst of arrivals grew until enough later inserts
+                # rebuild it, and iterating it (the intersection above) walks the whole
+                # table: emptied, it is cleared back to its small one.
+                self._awaiting_trigger.clear()
 
     def _fire_special_token(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """``special_token``: fires on the tokens vLLM kept of this step, i.e. the new tokens
@@ -408,6 +435,8 @@ class OmniKVTransferMixin:
         sentinel = self._sentinel
         awaiting = self._awaiting_trigger
         requests = self.requests
+        fired: list[Request] = []
+        cuts: list[int] = []
         for client_outputs in outputs.values():
             for output in client_outputs.outputs:
                 if sentinel in output.new_token_ids and output.request_id in awaiting:
@@ -420,39 +449,53 @@ class OmniKVTransferMixin:
                     # taken in its next input, after the frontier.)
                     frontier = request.num_computed_tokens - request.num_output_placeholders
                     before = frontier + 1 - len(new_tokens) + list(new_tokens).index(sentinel)
-                    self._mark(request, Trigger.SPECIAL_TOKEN, before)
+                    awaiting.discard(output.request_id)  # its trigger has fired
+                    fired.append(request)
+                    cuts.append(before)
+        if fired:
+            self._mark_many(Trigger.SPECIAL_TOKEN, fired, cuts)
 
     def _mark(self, request: Request, trigger: Trigger, seq_len: int) -> Transfer:
-        """Marks the request's one transfer: its first ``seq_len`` tokens, on the blocks it
-        holds now. Callers mark only on what vLLM kept, for a request that is not preempted
-        (see requires_kv_delivery in __init__), so that the blocks hold the KV; a lookup
-        that fails or finds too few blocks fails the transfer with the reason instead of
-        shipping blocks that do not hold the snapshot."""
-        request_id = request.request_id
-        self._awaiting_trigger.discard(request_id)
-        error = None
-        try:
-            blocks = self._group_blocks(request_id)
-            needed = -(-seq_len // self._kv_block_size)
-            if len(blocks) < needed:
-                raise RuntimeError(
-                    f"request holds {len(blocks)} KV blocks, {needed} needed for "
-                    f"seq_len {seq_len}"
-                )
-            # A tuple: immutable, as the hand-off needs it (HandOff.of's tuple() is then the
-            # same object, no copy per transfer).
-            block_ids = tuple(map(_BLOCK_ID, blocks[:needed]))
-        except Exception as exc:  # reported: the transfer resolves as failed, below
-            block_ids = ()
-            error = f"marking failed: {type(exc).__name__}: {exc}"
-        transfer = self.transfer_ledger.mark(
-            request_id, trigger, seq_len, block_ids, trace_headers=request.trace_headers
-        )
-        setattr(request, _TRANSFER_ATTR, transfer)
-        if error is not None:
+        """Marks the request's one transfer (see :meth:`_mark_many`)."""
+        return self._mark_many(trigger, [request], [seq_len])[0]
+
+    def _mark_many(self, trigger: Trigger, requests: list[Request],
+                   seq_lens: list[int]) -> list[Transfer]:
+        """Marks each request's one transfer: its first ``seq_len`` tokens, on the blocks it
+        holds now (the step's triggers together: one ledger call). Callers mark only on
+        what vLLM kept, for a request that is not preempted (see requires_kv_delivery in
+        __init__), so that the blocks hold the KV; a lookup that fails or finds too few
+        blocks fails the transfer with the reason instead of shipping blocks that do not
+        hold the snapshot."""
+        awaiting = self._awaiting_trigger
+        block_size = self._kv_block_size
+        marks = []
+        failed = []
+        for request, seq_len in zip(requests, seq_lens):
+            request_id = request.request_id
+            awaiting.discard(request_id)
+            try:
+                blocks = self._group_blocks(request_id)
+                needed = -(-seq_len // block_size)
+                if len(blocks) < needed:
+                    raise RuntimeError(
+                        f"request holds {len(blocks)} KV blocks, {needed} needed for "
+                        f"seq_len {seq_len}"
+                    )
+                # A tuple: immutable, as the hand-off needs it (HandOff.of's tuple() is then
+                # the same object, no copy per transfer).
+                block_ids = tuple(map(_BLOCK_ID, blocks[:needed]))
+            except Exception as exc:  # reported: the transfer resolves as failed, below
+                block_ids = ()
+                failed.append((request_id, f"marking failed: {type(exc).__name__}: {exc}"))
+            marks.append((request_id, seq_len, block_ids, request.trace_headers))
+        transfers = self.transfer_ledger.mark_many(trigger, marks)
+        for request, transfer in zip(requests, transfers):
+            setattr(request, _TRANSFER_ATTR, transfer)
+        for request_id, error in failed:
             logger.error("KV transfer of request %s failed: %s", request_id, error)
             self.transfer_ledger.resolve(request_id, Outcome.FAILED, error)
-        return transfer
+        return transfers
 
     def _group_blocks(self, request_id: str) -> list[Any]:
         """The request's KV blocks (of its one KV cache group), as vLLM's get_blocks reads
@@ -468,13 +511,18 @@ class OmniKVTransferMixin:
         """The workers' answers, each naming the attempt it answers: one about an earlier
         attempt (or a transfer already resolved) resolves nothing (the ledger's
         resolve_answers, which resolves each as the loop reaches it: its blocks are given
-        back before the next resolves)."""
-        for transfer in self.transfer_ledger.resolve_answers(answers):
+        back before the next resolves). The connector records those that resolved."""
+        ignored: list[str] = []
+        for transfer in self.transfer_ledger.resolve_answers(answers, ignored):
             if transfer.reason is not None:
                 logger.warning("KV transfer of request %s failed: %s", transfer.request_id,
                                transfer.reason)
             if transfer.held_since is not None or self._pinned:
                 self._release(transfer)  # else nothing to give back: still running, no pin
+        if ignored:
+            ignored_ids = set(ignored)
+            answers = {rid: a for rid, a in answers.items() if rid not in ignored_ids}
+        self._omni.record_answers(answers)
 
     def _fail_unresolved(self, reason: str, which: Any) -> None:
         for transfer in self.transfer_ledger.unresolved():
@@ -488,7 +536,8 @@ class OmniKVTransferMixin:
         re-used from the next step on, so the workers must refuse to commit a receiver's read
         of it from then on (the block guarantee at a distance, kv/worker_side.py)."""
         if transfer.handed_off_at is not None:
-            self._omni.withdraw(transfer.request_id, transfer.attempt, transfer.outcome.value)
+            self._omni.withdraw(transfer.request_id, transfer.attempt, transfer.outcome.value,
+                                transfer.resolved_at - transfer.handed_off_at)
 
     def _release(self, transfer: Transfer) -> None:
         """Give back the blocks a transfer that has just resolved kept (exactly once: the
@@ -517,12 +566,25 @@ class OmniKVTransferMixin:
         self.kv_cache_manager.block_pool.free_blocks(blocks)
         return True
 
-    def _attach_payloads(self, output: SchedulerOutput) -> None:
-        for new_request in output.scheduled_new_reqs:
-            if new_request.req_id in self._payload_requests:
-                request = self.requests[new_request.req_id]
-                new_request.__class__ = OmniNewRequestData
-                new_request.additional_information = request.additional_information
+    def _took_in(self, new_requests: list[NewRequestData]) -> None:
+        """The requests vLLM sends the workers whole in this step: those scheduled for the
+        first time, a streaming session's next turn, and (with vLLM's v2 model runner) those
+        resumed after a preemption. Those that have not started their transfer await their
+        trigger from now on (a request samples only once scheduled; a set difference in C:
+        a turn or a resumption re-arms nothing). Those that carry vllm-omni's
+        additional_information (none on plain vLLM) pass it on to the workers."""
+        ids = list(map(_REQ_ID, new_requests))
+        if self._criteria is not None:
+            self._awaiting_trigger |= self.transfer_ledger.not_triggered(ids)
+        # Each request's payload or None, read in C: no Python loop per arrival on a stage
+        # (plain vLLM) whose requests carry none.
+        payloads = list(map(getattr, map(self.requests.__getitem__, ids),
+                            repeat(_PAYLOAD_ATTR), repeat(None)))
+        if payloads.count(None) != len(payloads):
+            for new_request, information in zip(new_requests, payloads):
+                if information is not None:
+                    new_request.__class__ = OmniNewRequestData
+                    new_request.additional_information = information
 
 
 def _req_to_blocks(kv_cache_manager: Any) -> dict[str, list[Any]] | None:

@@ -50,9 +50,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
+
+#: The first item of a tuple (a mark's request id, read in C).
+_FIRST = itemgetter(0)
 
 #: Default deadline for a transfer, from marking to resolution. Long enough for a large prompt's
 #: KV cache over a slow link, short enough that a lost ack frees its blocks within a minute.
@@ -113,8 +117,6 @@ class Transfer:
     outcome: Outcome | None = None
     reason: str | None = None
     resolved_at: float | None = None
-    #: Free slot for an observer (the tracing observer keeps the span here).
-    observer_state: Any = field(default=None, repr=False)
 
     @property
     def held(self) -> bool:
@@ -332,6 +334,11 @@ class TransferLedger:
         hold). (An instance's own is its container's, bound in ``__init__``: the same.)"""
         self._triggered.discard(request_id)
 
+    def not_triggered(self, request_ids: Iterable[str]) -> set[str]:
+        """Those of ``request_ids`` that have not started a transfer since they were added
+        (or re-armed): :meth:`has_triggered` for many at once (a set difference, in C)."""
+        return set(request_ids).difference(self._triggered)
+
     def has_unresolved(self) -> bool:
         return bool(self._by_deadline)
 
@@ -381,24 +388,49 @@ class TransferLedger:
     ) -> Transfer:
         """Start a transfer (PENDING). A request can start one transfer until it finishes or
         is re-armed; marking twice is a bug in the caller, so it raises."""
-        if request_id in self._triggered:
-            raise RuntimeError(f"request {request_id!r} already started a KV transfer")
+        return self.mark_many(trigger, ((request_id, seq_len, block_ids, trace_headers),))[0]
+
+    def mark_many(
+        self, trigger: Trigger,
+        marks: Sequence[tuple[str, int, Sequence[int], dict[str, str] | None]],
+    ) -> list[Transfer]:
+        """:meth:`mark` for each ``(request_id, seq_len, block_ids, trace_headers)``, in
+        order, at one time (a step's triggers fire together): the transfers, each with its
+        own attempt. All or nothing: a request that already started one (or appears twice)
+        raises before any is marked."""
+        ids = set(map(_FIRST, marks))
+        if len(ids) != len(marks) or not self._triggered.isdisjoint(ids):
+            seen: set[str] = set()
+            for request_id, *_ in marks:  # the first one marked twice, for the message
+                if request_id in self._triggered or request_id in seen:
+                    raise RuntimeError(f"request {request_id!r} already started a KV transfer")
+                seen.add(request_id)
         now = self._clock()
-        self._attempts += 1
-        # Positional, in the fields' order (request_id, trigger, seq_len, block_ids,
-        # marked_at, deadline, trace_headers, attempt): one per transfer, on the step.
-        transfer = Transfer(request_id, trigger, seq_len, block_ids, now,
-                            now + self.timeout_seconds, trace_headers, self._attempts)
-        self._triggered.add(request_id)
-        self._pending[request_id] = transfer
-        self._by_deadline[request_id] = transfer
-        for observer in self._observers:
-            observer.on_marked(self, transfer)
+        deadline = now + self.timeout_seconds
+        attempt = self._attempts
+        triggered, pending, by_deadline = self._triggered, self._pending, self._by_deadline
+        observers = self._observers
+        made: list[Transfer] = []
+        for request_id, seq_len, block_ids, trace_headers in marks:
+            attempt += 1
+            # Positional, in the fields' order (request_id, trigger, seq_len, block_ids,
+            # marked_at, deadline, trace_headers, attempt): one per transfer, on the step.
+            transfer = Transfer(request_id, trigger, seq_len, block_ids, now, deadline,
+                                trace_headers, attempt)
+            triggered.add(request_id)
+            pending[request_id] = transfer
+            by_deadline[request_id] = transfer
+            made.append(transfer)
+            if observers:  # right after each change, as the others see the ledger then
+                self._attempts = attempt
+                for observer in observers:
+                    observer.on_marked(self, transfer)
+        self._attempts = attempt
         if self._batch is not None:
-            self._batch.marked.append(transfer)
+            self._batch.marked.extend(made)
             if not self._batch_depth:
                 self._flush()
-        return transfer
+        return made
 
     def hand_off_pending(self) -> list[Transfer]:
         """Move every pending transfer to ACTIVE and return them, oldest first."""
@@ -469,7 +501,8 @@ class TransferLedger:
             if not self._batch_depth:
                 self._flush()
 
-    def resolve_answers(self, answers: Mapping[str, Any]) -> Iterator[Transfer]:
+    def resolve_answers(self, answers: Mapping[str, Any],
+                        ignored: list[str] | None = None) -> Iterator[Transfer]:
         """The runner's answers of a step, by request id, each naming the attempt it answers
         (``attempt``) and why it failed (``reason``, None: delivered): for each,
         ``resolve(request_id, ACKED or FAILED, reason, only_active=True, attempt=...)``, in
@@ -477,7 +510,8 @@ class TransferLedger:
         iteration reaches it, so the caller gives back one transfer's blocks before the next
         resolves (a failure in between strands no other transfer's blocks); iterate to the
         end. An answer about another attempt, or about a transfer not handed off or already
-        resolved, resolves nothing (logged at debug level)."""
+        resolved, resolves nothing (logged at debug level; its request id appended to
+        ``ignored``, if given)."""
         by_deadline, active = self._by_deadline, Phase.ACTIVE
         now = self._clock()  # one read for the step's answers: they arrived together
         for request_id, answer in answers.items():
@@ -486,6 +520,8 @@ class TransferLedger:
                     or transfer.attempt != answer.attempt):
                 logger.debug("ignoring an answer for request %s (attempt %s): not its active "
                              "transfer", request_id, answer.attempt)
+                if ignored is not None:
+                    ignored.append(request_id)
                 continue
             reason = answer.reason
             self._resolve(transfer, Outcome.ACKED if reason is None else Outcome.FAILED,

@@ -84,6 +84,35 @@ def test_lifecycle_mark_hand_off_ack(ledger, clock):
     ledger.check_invariants()
 
 
+def test_marking_many_is_all_or_nothing_and_observed_change_by_change(ledger):
+    """A step's marks in one call: each its own attempt, in order; a request that already
+    started a transfer, or is named twice, refuses the whole call before any is marked; a
+    per-change observer sees the ledger after each mark, as with one call per mark."""
+    seen = []
+
+    class Counts(TransferObserver):
+        def on_marked(self, ledger, transfer):
+            seen.append((transfer.request_id, ledger.num_pending, ledger.has_triggered("c")))
+
+    ledger.add_observer(Counts())
+    first = ledger.mark("a", Trigger.PREFILL_FINISHED, 4, (1,))
+    for marks, named in ([("b", 4, (2,), None), ("a", 4, (3,), None)], "a"),\
+                        ([("c", 4, (2,), None), ("c", 4, (3,), None)], "c"):
+        with pytest.raises(RuntimeError, match=f"request '{named}' already started"):
+            ledger.mark_many(Trigger.PREFILL_FINISHED, marks)
+        assert ledger.num_pending == 1 and not ledger.has_triggered("b")
+        assert not ledger.has_triggered("c")
+    made = ledger.mark_many(Trigger.PREFILL_FINISHED,
+                            [("b", 4, (2,), None), ("c", 20, (4, 5), {"traceparent": "x"})])
+    assert [t.request_id for t in made] == ["b", "c"]
+    assert [t.attempt for t in made] == [first.attempt + 1, first.attempt + 2]
+    assert made[1].block_ids == (4, 5) and made[1].trace_headers == {"traceparent": "x"}
+    assert made[0].marked_at == made[1].marked_at and made[0].deadline == made[1].deadline
+    assert seen == [("a", 1, False), ("b", 2, False), ("c", 3, True)]
+    assert ledger.mark_many(Trigger.PREFILL_FINISHED, []) == []
+    ledger.check_invariants()
+
+
 def test_trigger_fires_once_per_request_until_it_finishes(ledger):
     ledger.mark("a", Trigger.SPECIAL_TOKEN, 5, [1])
     ledger.hand_off_pending()

@@ -13,10 +13,11 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError
+from omni_runtime.kv.metadata import OmniKVWorkerMetadata
 from omni_runtime.sched.handoff import Answer
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.devtools.sched_harness import (
@@ -74,7 +75,7 @@ def assert_quiescent(sched, start_free):
     assert not sched.requests
     assert not sched.transfer_ledger.has_unresolved()
     assert not sched.transfer_ledger._triggered
-    assert not sched._awaiting_trigger and not sched._payload_requests and not sched._pinned
+    assert not sched._awaiting_trigger and not sched._pinned
     assert free_blocks(sched) == start_free
     sched.transfer_ledger.check_invariants()
 
@@ -359,6 +360,75 @@ def test_runner_failure_frees_held_blocks_and_keeps_the_reason(caplog):
     assert (t.outcome, t.reason) == (Outcome.FAILED, "receiver rejected: checksum mismatch")
     assert sum("checksum mismatch" in m for m in caplog.messages) == 1
     assert_quiescent(s, start)
+
+
+def test_the_connectors_stats_record_each_resolution_once_with_the_answers_figures():
+    """vLLM's connector-stats path (kv/stats.py) records what the scheduler's ledger
+    resolves: each transfer the workers' answers resolve, once, with the answer's bytes and
+    seconds; an answer about another attempt, or repeated, records nothing; a handed-off
+    transfer the scheduler resolves itself (expiry) with its outcome, no bytes, and the
+    seconds from its hand-off (the ledger's clock)."""
+    now = [1000.0]
+    s = omni({**PREFILL, "timeout_seconds": 30})
+    s.transfer_ledger._clock = lambda: now[0]
+    given = []  # what vLLM's update_from_output takes from the connector, once per step
+    real = s._omni.get_kv_connector_stats
+    s._omni.get_kv_connector_stats = lambda: given.append(real()) or given[-1]
+
+    def recorded():
+        """The stats vLLM took since the last call (one step's at most), or None."""
+        taken = [t for t in given if t is not None]
+        given.clear()
+        assert len(taken) <= 1
+        return taken[0] if taken else None
+
+    for rid in ("a", "b", "c", "d"):
+        s.add_request(make_request(16, max_tokens=20, request_id=rid))
+    step(s)  # the prefills: marked
+    now[0] += 1.0
+    so = s.schedule()  # handed off at 1001.0
+    attempts = {rid: h.attempt for rid, h in handed_off(so).items()}
+    assert set(attempts) == {"a", "b", "c", "d"} and recorded() is None
+
+    def answered(so, answers):
+        out = runner_output(so)
+        out.kv_connector_output = KVConnectorOutput(
+            kv_connector_worker_meta=OmniKVWorkerMetadata(answers))
+        s.update_from_output(so, out)
+
+    answered(so, {"a": Answer(attempts["a"], None, 4096, 0.25),
+                  "b": Answer(attempts["b"], "receiver gone", 0, 0.5),
+                  "c": Answer(attempts["c"] + 100, None, 7, 0.1)})  # another attempt
+    stats = recorded()
+    assert stats.data["outcome"] == ["acked", "failed"]
+    assert stats.data["bytes"] == [4096, 0] and stats.data["duration_s"] == [0.25, 0.5]
+    answered(s.schedule(), {"a": Answer(attempts["a"], None, 4096, 0.25)})  # repeated
+    assert recorded() is None
+    now[0] += 31.0  # c and d expire, 31 s after their hand-off
+    step(s)
+    stats = recorded()
+    assert stats.data["outcome"] == ["expired", "expired"]
+    assert stats.data["bytes"] == [0, 0] and stats.data["duration_s"] == [31.0, 31.0]
+    assert {t.request_id: t.outcome for t in s.recorder.resolved} == {
+        "a": Outcome.ACKED, "b": Outcome.FAILED, "c": Outcome.EXPIRED, "d": Outcome.EXPIRED}
+
+
+def test_a_finish_that_raises_leaves_no_delayed_free_behind(monkeypatch):
+    """The bare finish answers vLLM's "delay the free" for the request being freed only: if
+    vLLM's _free_request raises after asking, the next finish is not delayed by it."""
+    s = omni(ON_FINISH)
+    assert s._bare_finish
+    s.add_request(make_request(16, max_tokens=1, request_id="held"))
+    so = s.schedule()
+
+    def boom(request):
+        raise RuntimeError("encoder cache")
+
+    monkeypatch.setattr(s.encoder_cache_manager, "free", boom)
+    with pytest.raises(RuntimeError, match="encoder cache"):
+        s.update_from_output(so, runner_output(so))
+    assert s._delay_this_free is False
+    assert s._connector_finished(make_request(4, request_id="other")) == (False, None)
 
 
 def test_a_lost_ack_expires_frees_the_blocks_and_the_engine_loop_ends():
@@ -649,14 +719,18 @@ def test_request_payloads_reach_the_runner_only_for_requests_that_carry_them():
     assert by_id["rich"].additional_information == {"speaker": [1.0, 2.0]}
 
 
-def test_request_payloads_are_forgotten_with_their_request_even_with_transfers_off():
+def test_request_payloads_reach_the_workers_even_with_transfers_off():
     s = make_scheduler(OmniARScheduler, make_vllm_config(None))
     rich = make_request(8, max_tokens=2, request_id="rich")
     rich.additional_information = {"speaker": [1.0]}
     s.add_request(rich)
+    first = s.schedule()
+    (new,) = first.scheduled_new_reqs
+    assert isinstance(new, OmniNewRequestData) and new.additional_information == {"speaker": [1.0]}
+    s.update_from_output(first, runner_output(first))
     while s.has_requests():
         step(s)
-    assert not s._payload_requests and not s.requests
+    assert not s.requests
 
 
 def test_trace_headers_travel_with_the_transfer():

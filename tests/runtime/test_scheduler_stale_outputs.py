@@ -105,7 +105,7 @@ def assert_marked_on_held_blocks(s):
 def assert_quiescent(s, start_free):
     assert not s.has_requests() and not s.requests
     assert not s.transfer_ledger.has_unresolved() and not s.transfer_ledger._triggered
-    assert not s._awaiting_trigger and not s._payload_requests and not s._pinned
+    assert not s._awaiting_trigger and not s._pinned
     assert free_blocks(s) == start_free
     s.transfer_ledger.check_invariants()
 

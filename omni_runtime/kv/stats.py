@@ -120,9 +120,10 @@ class OmniKVConnectorStats(KVConnectorStats):
         if not _OUTCOME_SET.issuperset(outcomes):
             bad = next(o for o in outcomes if o not in _OUTCOME_SET)
             raise ValueError(f"outcome must be one of {OUTCOMES}, not {bad!r}")
-        # Plain builtins (a numpy scalar would not go through msgpack), negatives (and NaN)
-        # as 0 (x if x > 0 else 0). The columns are checked in C first (min, and a sum that
-        # is NaN if any value is NaN, or +inf and -inf meet): a step's values are seldom bad.
+        # Plain builtins (a numpy scalar would not go through msgpack), negatives (and NaN,
+        # and -0.0) as 0 (x if x > 0 else 0, what max(0, x) gives). The columns are checked
+        # in C first (min, and a sum that is NaN if any value is NaN, or +inf and -inf meet):
+        # a step's values are seldom bad.
         outcomes = list(map(str, outcomes))
         sizes = list(map(int, sizes))
         if sizes and min(sizes) < 0:
@@ -130,7 +131,7 @@ class OmniKVConnectorStats(KVConnectorStats):
         durations = list(map(float, durations))
         if durations:
             total = sum(durations)
-            if total != total or min(durations) < 0.0:
+            if total != total or not min(durations) > 0.0:  # zeros too: -0.0 is one
                 durations = [d if d > 0.0 else 0.0 for d in durations]
         stage = str(to_stage)
         data = self.data  # nothing below raises: every column grows, or none did

@@ -489,12 +489,25 @@ class OmniKVTransferMixin:
                 block_ids = ()
                 failed.append((request_id, f"marking failed: {type(exc).__name__}: {exc}"))
             marks.append((request_id, seq_len, block_ids, request.trace_headers))
-        transfers = self.transfer_ledger.mark_many(trigger, marks)
-        for request, transfer in zip(requests, transfers):
+        ledger = self.transfer_ledger
+        if not failed:
+            transfers = ledger.mark_many(trigger, marks)
+            for request, transfer in zip(requests, transfers):
+                setattr(request, _TRANSFER_ATTR, transfer)
+            return transfers
+        # A lookup failed (rare): one mark at a time, each failure resolved right after its
+        # mark, so that the ledger changes (and its observers see it change) as with one
+        # trigger at a time.
+        errors = dict(failed)
+        transfers = []
+        for request, mark in zip(requests, marks):
+            (transfer,) = ledger.mark_many(trigger, [mark])
             setattr(request, _TRANSFER_ATTR, transfer)
-        for request_id, error in failed:
-            logger.error("KV transfer of request %s failed: %s", request_id, error)
-            self.transfer_ledger.resolve(request_id, Outcome.FAILED, error)
+            transfers.append(transfer)
+            error = errors.get(mark[0])
+            if error is not None:
+                logger.error("KV transfer of request %s failed: %s", mark[0], error)
+                ledger.resolve(mark[0], Outcome.FAILED, error)
         return transfers
 
     def _group_blocks(self, request_id: str) -> list[Any]:

@@ -117,6 +117,8 @@ class Transfer:
     outcome: Outcome | None = None
     reason: str | None = None
     resolved_at: float | None = None
+    #: Free slot for an observer (one of another project's: the observers here keep none).
+    observer_state: Any = field(default=None, repr=False)
 
     @property
     def held(self) -> bool:

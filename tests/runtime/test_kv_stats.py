@@ -91,6 +91,7 @@ def test_records_are_plain_builtins_clamped_at_zero_and_a_bad_column_records_not
                           "bytes": [7, 0, 0, 2], "duration_s": [0.5, 0.0, 0.0, 0.0],
                           "to_stage": ["t", "t", "t", "u"]}
     assert [type(v) for v in stats.data["bytes"] + stats.data["duration_s"]] == [int] * 4 + [float] * 4
+    assert str(stats.data["duration_s"][3]) == "0.0", "-0.0 is clamped as max(0.0, -0.0) was"
     before = {f: list(v) for f, v in stats.data.items()}
     with pytest.raises(ValueError, match="outcome must be one of .* not 'ok'"):
         stats.record_columns(["acked", "ok", "acked"], [1, 1, 2], [0.1, 0.1, 0.1], "t")

@@ -553,6 +553,36 @@ def test_failed_marking_resolves_as_failed_and_is_logged_once(caplog, monkeypatc
     assert_quiescent(s, start)
 
 
+def test_a_failed_marking_among_a_steps_triggers_is_resolved_before_the_next_is_marked(
+        monkeypatch):
+    """A step's triggers are marked together; when one lookup fails, the ledger changes
+    as with one trigger at a time: that transfer fails before the next one is marked (a
+    per-change observer sees it so), and each request keeps its own transfer."""
+    s = omni(ON_FINISH)  # marks only at a finish: the step's marks below are made by hand
+    events = []
+
+    class Order(TransferObserver):
+        def on_marked(self, ledger, transfer):
+            events.append(("marked", transfer.request_id))
+
+        def on_resolved(self, ledger, transfer):
+            events.append((transfer.outcome.value, transfer.request_id))
+
+    s.transfer_ledger.add_observer(Order())
+    requests = [make_request(40, max_tokens=3, request_id=rid) for rid in ("a", "b", "c")]
+    for request in requests:
+        s.add_request(request)
+    step(s)  # the prompts' KV computed
+    real = s._group_blocks
+    monkeypatch.setattr(s, "_group_blocks",
+                        lambda rid: real(rid)[:1] if rid == "b" else real(rid))
+    made = s._mark_many(Trigger.PREFILL_FINISHED, requests, [40, 40, 40])
+    assert events == [("marked", "a"), ("marked", "b"), ("failed", "b"), ("marked", "c")]
+    assert [t.request_id for t in made] == ["a", "b", "c"]
+    assert [getattr(r, "omni_kv_transfer") for r in requests] == made
+    assert made[1].reason.startswith("marking failed: RuntimeError: request holds 1 KV blocks")
+
+
 # ---------------------------------------------------------------------------- aborts
 
 

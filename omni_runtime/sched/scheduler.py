@@ -155,9 +155,6 @@ class OmniKVTransferMixin:
             and _reads_no_finish_blocks(self.connector)
             and _frees_nothing_early(self.kv_cache_manager)
         )
-        #: The bare finish's answer for the request being freed: set by _free_request only
-        #: around vLLM's _free_request, which asks _connector_finished.
-        self._delay_this_free = False
         # Our connector alone, keeping its own load-side hooks: a producer, it matches no
         # tokens, loads nothing, needs no word after an allocation, has no block frees to
         # wait for and reads no block state. vLLM's per-arrival and per-step connector work
@@ -228,20 +225,10 @@ class OmniKVTransferMixin:
         if transfer is None and pinned is None:
             # Its transfer (if any) has resolved: nothing to hold, nothing pinned.
             ledger.finished_resolved(request_id)
-            kv_params, ec_params = super()._free_request(request, delay_free_blocks)
-        elif not self._finish_unresolved(request_id, transfer, pinned, completed):
-            kv_params, ec_params = super()._free_request(request, delay_free_blocks)
-        elif self._bare_finish:
-            # vLLM's _connector_finished, called by its _free_request, answers "delay the
-            # free" for this request alone (see there).
-            self._delay_this_free = True
-            try:
-                kv_params, ec_params = super()._free_request(request, delay_free_blocks)
-            finally:
-                self._delay_this_free = False
-        else:
+        elif self._finish_unresolved(request_id, transfer, pinned, completed) and (
+                not self._bare_finish):
             self._omni.hold_on_finish(request_id)  # the connector's answer to vLLM's path
-            kv_params, ec_params = super()._free_request(request, delay_free_blocks)
+        kv_params, ec_params = super()._free_request(request, delay_free_blocks)
         transfer = getattr(request, _TRANSFER_ATTR, None)
         if transfer is not None:
             params = _transfer_params(transfer)
@@ -276,13 +263,17 @@ class OmniKVTransferMixin:
 
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # See _bare_finish in __init__: vLLM's preparation would do nothing, and our
-        # connector's answer (delay the free while the transfer holds the blocks; no
-        # parameters) is what _free_request decided just before vLLM's _free_request called
-        # this: given straight away. With other connectors, or KV cache managers that do
-        # free or finalize blocks at a finish, vLLM's own path, which asks the connector
-        # (told by hold_on_finish).
+        # connector's answer (no parameters; delay the free while the request's transfer
+        # holds its blocks) is read from the ledger straight away: _free_request has just
+        # told it of the finish, so a transfer still unresolved now is held (its blocks are
+        # the request's, unless pinned: see _finish_unresolved). With other connectors, or
+        # KV cache managers that do free or finalize blocks at a finish, vLLM's own path,
+        # which asks the connector (told by hold_on_finish).
         if self._bare_finish:
-            return _DELAY_FREE if self._delay_this_free else _FREE_NOW
+            request_id = request.request_id
+            if self.transfer_ledger.get(request_id) is None or request_id in self._pinned:
+                return _FREE_NOW
+            return _DELAY_FREE
         return super()._connector_finished(request)
 
     # ------------------------------------------------------------------ the step
@@ -470,7 +461,7 @@ class OmniKVTransferMixin:
         awaiting = self._awaiting_trigger
         block_size = self._kv_block_size
         marks = []
-        failed = []
+        failed: dict[str, str] = {}  # request id -> why its marking failed
         for request, seq_len in zip(requests, seq_lens):
             request_id = request.request_id
             awaiting.discard(request_id)
@@ -487,7 +478,7 @@ class OmniKVTransferMixin:
                 block_ids = tuple(map(_BLOCK_ID, blocks[:needed]))
             except Exception as exc:  # reported: the transfer resolves as failed, below
                 block_ids = ()
-                failed.append((request_id, f"marking failed: {type(exc).__name__}: {exc}"))
+                failed[request_id] = f"marking failed: {type(exc).__name__}: {exc}"
             marks.append((request_id, seq_len, block_ids, request.trace_headers))
         ledger = self.transfer_ledger
         if not failed:
@@ -498,13 +489,12 @@ class OmniKVTransferMixin:
         # A lookup failed (rare): one mark at a time, each failure resolved right after its
         # mark, so that the ledger changes (and its observers see it change) as with one
         # trigger at a time.
-        errors = dict(failed)
         transfers = []
         for request, mark in zip(requests, marks):
             (transfer,) = ledger.mark_many(trigger, [mark])
             setattr(request, _TRANSFER_ATTR, transfer)
             transfers.append(transfer)
-            error = errors.get(mark[0])
+            error = failed.get(mark[0])
             if error is not None:
                 logger.error("KV transfer of request %s failed: %s", mark[0], error)
                 ledger.resolve(mark[0], Outcome.FAILED, error)

@@ -414,8 +414,9 @@ def test_the_connectors_stats_record_each_resolution_once_with_the_answers_figur
 
 
 def test_a_finish_that_raises_leaves_no_delayed_free_behind(monkeypatch):
-    """The bare finish answers vLLM's "delay the free" for the request being freed only: if
-    vLLM's _free_request raises after asking, the next finish is not delayed by it."""
+    """The bare finish answers vLLM's "delay the free" for the request being freed only
+    (from its transfer's state): if vLLM's _free_request raises after asking, the next
+    finish is not delayed by it, and the held request is still answered as held."""
     s = omni(ON_FINISH)
     assert s._bare_finish
     s.add_request(make_request(16, max_tokens=1, request_id="held"))
@@ -427,8 +428,8 @@ def test_a_finish_that_raises_leaves_no_delayed_free_behind(monkeypatch):
     monkeypatch.setattr(s.encoder_cache_manager, "free", boom)
     with pytest.raises(RuntimeError, match="encoder cache"):
         s.update_from_output(so, runner_output(so))
-    assert s._delay_this_free is False
     assert s._connector_finished(make_request(4, request_id="other")) == (False, None)
+    assert s._connector_finished(s.requests["held"]) == (True, None)
 
 
 def test_a_lost_ack_expires_frees_the_blocks_and_the_engine_loop_ends():

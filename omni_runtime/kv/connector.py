@@ -94,6 +94,9 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
                  seconds: float = 0.0) -> None:
         self.scheduler_half.withdraw(request_id, attempt, outcome, seconds)
 
+    def stop_stats(self) -> None:
+        self.scheduler_half.stop_stats()
+
     def hold_on_finish(self, request_id: str) -> None:
         self.scheduler_half.hold_on_finish(request_id)
 

@@ -47,6 +47,12 @@ class OmniKVConnectorScheduler:
         #: (edge_metrics.data_path_edge_metrics: several endpoints).
         self._held: dict[str, tuple[int, int, float]] | None = {} if fans_out else None
 
+    def stop_stats(self) -> None:
+        """Record no resolution from now on: the engine collects no stats (vLLM's
+        ``log_stats`` off, ``--disable-log-stats``), and vLLM's ``make_stats`` would drop
+        what a connector reports."""
+        self._stats = None
+
     def hand_off(self, hand_offs: list[HandOff]) -> None:
         """The scheduler's hand-offs for the step being scheduled."""
         self._hand_offs.extend(hand_offs)

@@ -130,6 +130,11 @@ class OmniKVTransferMixin:
                 "\"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": "
                 "{\"endpoints\": {...}}}'"
             )
+        if self._omni is not None and not self.log_stats:
+            # The engine collects no stats (--disable-log-stats): vLLM's make_stats would
+            # drop what the connector reports, so it records nothing (see
+            # _resolve_from_runner), as vLLM's own stats are not made then.
+            self._omni.stop_stats()
         self.omni_kv_config = cfg
         self._send = cfg.need_send_cache
         self._criteria = cfg.criteria if cfg.need_send_cache else None
@@ -514,7 +519,8 @@ class OmniKVTransferMixin:
         """The workers' answers, each naming the attempt it answers: one about an earlier
         attempt (or a transfer already resolved) resolves nothing (the ledger's
         resolve_answers, which resolves each as the loop reaches it: its blocks are given
-        back before the next resolves). The connector records those that resolved."""
+        back before the next resolves). The connector records those that resolved, where
+        the engine collects stats (vLLM's log_stats)."""
         ignored: list[str] = []
         for transfer in self.transfer_ledger.resolve_answers(answers, ignored):
             if transfer.reason is not None:
@@ -522,6 +528,8 @@ class OmniKVTransferMixin:
                                transfer.reason)
             if transfer.held_since is not None or self._pinned:
                 self._release(transfer)  # else nothing to give back: still running, no pin
+        if not self.log_stats:
+            return  # the connector records nothing (see stop_stats in __init__)
         if ignored:
             ignored_ids = set(ignored)
             answers = {rid: a for rid, a in answers.items() if rid not in ignored_ids}

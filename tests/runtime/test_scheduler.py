@@ -369,7 +369,7 @@ def test_the_connectors_stats_record_each_resolution_once_with_the_answers_figur
     transfer the scheduler resolves itself (expiry) with its outcome, no bytes, and the
     seconds from its hand-off (the ledger's clock)."""
     now = [1000.0]
-    s = omni({**PREFILL, "timeout_seconds": 30})
+    s = omni({**PREFILL, "timeout_seconds": 30}, log_stats=True)  # as a served engine
     s.transfer_ledger._clock = lambda: now[0]
     given = []  # what vLLM's update_from_output takes from the connector, once per step
     real = s._omni.get_kv_connector_stats
@@ -411,6 +411,33 @@ def test_the_connectors_stats_record_each_resolution_once_with_the_answers_figur
     assert stats.data["bytes"] == [0, 0] and stats.data["duration_s"] == [31.0, 31.0]
     assert {t.request_id: t.outcome for t in s.recorder.resolved} == {
         "a": Outcome.ACKED, "b": Outcome.FAILED, "c": Outcome.EXPIRED, "d": Outcome.EXPIRED}
+
+
+def test_without_log_stats_the_connector_records_nothing_and_the_transfers_resolve():
+    """An engine that collects no stats (--disable-log-stats): vLLM's make_stats would drop
+    a connector's stats, so none are recorded, neither an answer's nor an expiry's; the
+    ledger resolves the same (the figures themselves: the test above, with log_stats)."""
+    now = [1000.0]
+    s = omni({**PREFILL, "timeout_seconds": 30})
+    assert not s.log_stats
+    s.transfer_ledger._clock = lambda: now[0]
+    given = []  # what vLLM's update_from_output takes from the connector, once per step
+    real = s._omni.get_kv_connector_stats
+    s._omni.get_kv_connector_stats = lambda: given.append(real()) or given[-1]
+    for rid in ("a", "b"):
+        s.add_request(make_request(16, max_tokens=20, request_id=rid))
+    step(s)
+    so = s.schedule()
+    attempts = {rid: h.attempt for rid, h in handed_off(so).items()}
+    out = runner_output(so)
+    out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=OmniKVWorkerMetadata(
+        {"a": Answer(attempts["a"], None, 4096, 0.25)}))
+    s.update_from_output(so, out)
+    now[0] += 31.0  # b expires
+    step(s)
+    assert {t.request_id: t.outcome for t in s.recorder.resolved} == {
+        "a": Outcome.ACKED, "b": Outcome.EXPIRED}
+    assert len(given) == 3 and given == [None, None, None]
 
 
 def test_a_finish_that_raises_leaves_no_delayed_free_behind(monkeypatch):

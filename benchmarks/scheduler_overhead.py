@@ -35,7 +35,10 @@ are built outside the timed span, the same for both schedulers (plus the acks fo
 there, where a GPU stage waits for the forward pass, the observers' writer threads finish
 what the reports handed them (their CPU per transfer is printed apart,
 ``churn_writer_threads_us_per_transfer_N``).
-Which scheduler steps first alternates. Last line: one JSON object.
+Which scheduler steps first alternates. Both schedulers run without vLLM's stats (log_stats
+off, as vLLM's own scheduler tests run it; the omni connector then records none either);
+``--log-stats`` turns them on in both, as a served engine makes them. Last line: one JSON
+object.
 """
 
 from __future__ import annotations
@@ -220,7 +223,8 @@ def measure(n: int, steps: int, repeats: int) -> dict:
 class Churn:
     """One scheduler under the churn workload: its requests, arrivals and acks."""
 
-    def __init__(self, cls, n: int, kv_config, *, keep_observers: bool) -> None:
+    def __init__(self, cls, n: int, kv_config, *, keep_observers: bool,
+                 log_stats: bool = False) -> None:
         from omni_runtime.devtools.sched_harness import make_request, make_scheduler, make_vllm_config
 
         self._make_request = make_request
@@ -228,6 +232,7 @@ class Churn:
             cls,
             make_vllm_config(kv_config, max_num_seqs=n, max_num_batched_tokens=max(8192, 40 * n),
                              num_blocks=n * 8 + 16),
+            log_stats=log_stats,
         )
         if not keep_observers and hasattr(self.sched, "transfer_ledger"):
             self.sched.transfer_ledger.remove_observers()
@@ -269,7 +274,8 @@ class Churn:
 
 
 def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
-                  observers: str = "on", telemetry_interval: float | None = None) -> dict:
+                  observers: str = "on", telemetry_interval: float | None = None,
+                  log_stats: bool = False) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from omni_runtime.observability.writer_thread import metrics_thread, span_thread
@@ -293,8 +299,9 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
     balanced: list[float] = []
     transfers = finished = 0
     for r in range(repeats):
-        stock = Churn(Scheduler, n, None, keep_observers=False)
-        ours = Churn(OmniARScheduler, n, kv, keep_observers=observers != "off")
+        stock = Churn(Scheduler, n, None, keep_observers=False, log_stats=log_stats)
+        ours = Churn(OmniARScheduler, n, kv, keep_observers=observers != "off",
+                     log_stats=log_stats)
         ledger = ours.sched.transfer_ledger
         if observers == "metrics":  # the metric families only: tracing's share is the rest
             kept = [o for o in ledger.observers if type(o).__name__ != "TransferTracing"]
@@ -366,6 +373,10 @@ def main() -> None:
     parser.add_argument("--telemetry-interval", type=float, default=None,
                         help="omni_kv_config.telemetry_interval_seconds of ours under churn "
                              "(default: the stage's default; 0: the observers told every step)")
+    parser.add_argument("--log-stats", action="store_true",
+                        help="churn with vLLM's stats on in both schedulers, as a served engine "
+                             "makes them (default off: --disable-log-stats; the connector then "
+                             "records none either)")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
     production_observability()  # before vLLM imports prometheus_client
@@ -384,7 +395,8 @@ def main() -> None:
     if "churn" in workloads:
         for n in sizes:
             m = measure_churn(n, args.churn_steps, args.repeats, observers=args.churn_observers,
-                              telemetry_interval=args.telemetry_interval)
+                              telemetry_interval=args.telemetry_interval,
+                              log_stats=args.log_stats)
             print(f"# churn, {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
                   f"{m['omni_step_us']:.0f} us/step, {m['transfers_per_step']:.1f} transfers and "
                   f"{m['finished_per_step']:.1f} finishes per step", file=sys.stderr)
@@ -392,6 +404,8 @@ def main() -> None:
                 result["churn_observers"] = args.churn_observers
             if args.telemetry_interval is not None:
                 result["telemetry_interval_seconds"] = args.telemetry_interval
+            if args.log_stats:
+                result["log_stats"] = True
             result[f"churn_ratio_{n}"] = round(m["ratio"], 4)
             result[f"churn_ratio_best_totals_{n}"] = round(m["ratio_best_totals"], 4)
             result[f"churn_ratio_balanced_{n}"] = round(m["ratio_balanced"], 4)

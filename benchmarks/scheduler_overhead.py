@@ -35,10 +35,10 @@ are built outside the timed span, the same for both schedulers (plus the acks fo
 there, where a GPU stage waits for the forward pass, the observers' writer threads finish
 what the reports handed them (their CPU per transfer is printed apart,
 ``churn_writer_threads_us_per_transfer_N``).
-Which scheduler steps first alternates. Both schedulers run without vLLM's stats (log_stats
-off, as vLLM's own scheduler tests run it; the omni connector then records none either);
-``--log-stats`` turns them on in both, as a served engine makes them. Last line: one JSON
-object.
+Which scheduler steps first alternates. By default both schedulers run without vLLM's stats
+(``log_stats`` off, as with ``--disable-log-stats``; the omni connector then records none
+either); ``--log-stats`` turns them on in both schedulers of both workloads, as a served
+engine (``vllm serve``, ``omni-stage``) makes them. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def production_observability():
     return _provider
 
 
-def build(cls, n: int, kv_config, *, keep_observers: bool = False):
+def build(cls, n: int, kv_config, *, keep_observers: bool = False, log_stats: bool = False):
     from omni_runtime.devtools.sched_harness import make_request, make_scheduler, make_vllm_config, step
 
     sched = make_scheduler(
@@ -121,6 +121,7 @@ def build(cls, n: int, kv_config, *, keep_observers: bool = False):
         make_vllm_config(
             kv_config, max_num_seqs=n, max_num_batched_tokens=max(8192, 40 * n), num_blocks=n * 8 + 16
         ),
+        log_stats=log_stats,
     )
     if not keep_observers and hasattr(sched, "transfer_ledger"):
         sched.transfer_ledger.remove_observers()
@@ -173,7 +174,7 @@ def timed_step(sched, sentinel_for, acked):
     return (t1 - t0) + (t3 - t2), handed
 
 
-def measure(n: int, steps: int, repeats: int) -> dict:
+def measure(n: int, steps: int, repeats: int, log_stats: bool = False) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from omni_runtime.sched.scheduler import OmniARScheduler
@@ -187,8 +188,8 @@ def measure(n: int, steps: int, repeats: int) -> dict:
     pair_ratios: list[float] = []
     transfers = 0
     for _ in range(repeats):
-        stock = build(Scheduler, n, None)
-        ours = build(OmniARScheduler, n, kv)
+        stock = build(Scheduler, n, None, log_stats=log_stats)
+        ours = build(OmniARScheduler, n, kv, log_stats=log_stats)
         plan = decode_plan(n, steps)
         acks: list[str] = []
         t_stock = t_ours = 0
@@ -374,9 +375,9 @@ def main() -> None:
                         help="omni_kv_config.telemetry_interval_seconds of ours under churn "
                              "(default: the stage's default; 0: the observers told every step)")
     parser.add_argument("--log-stats", action="store_true",
-                        help="churn with vLLM's stats on in both schedulers, as a served engine "
-                             "makes them (default off: --disable-log-stats; the connector then "
-                             "records none either)")
+                        help="vLLM's stats on in both schedulers (both workloads), as a served "
+                             "engine makes them (default off, as with --disable-log-stats; the "
+                             "omni connector then records none either)")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
     production_observability()  # before vLLM imports prometheus_client
@@ -385,7 +386,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     if "steady" in workloads:
         for n in sizes:
-            m = measure(n, args.steps, args.repeats)
+            m = measure(n, args.steps, args.repeats, log_stats=args.log_stats)
             print(f"# steady, {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
                   f"{m['omni_step_us']:.0f} us/step, {m['transfers']} transfers", file=sys.stderr)
             result[f"ratio_{n}"] = round(m["ratio"], 4)
@@ -404,8 +405,6 @@ def main() -> None:
                 result["churn_observers"] = args.churn_observers
             if args.telemetry_interval is not None:
                 result["telemetry_interval_seconds"] = args.telemetry_interval
-            if args.log_stats:
-                result["log_stats"] = True
             result[f"churn_ratio_{n}"] = round(m["ratio"], 4)
             result[f"churn_ratio_best_totals_{n}"] = round(m["ratio_best_totals"], 4)
             result[f"churn_ratio_balanced_{n}"] = round(m["ratio_balanced"], 4)
@@ -415,6 +414,8 @@ def main() -> None:
             result[f"churn_writer_threads_us_per_transfer_{n}"] = round(
                 m["writer_threads_us_per_transfer"], 2)
         result["churn_target"] = CHURN_TARGET
+    if args.log_stats:
+        result["log_stats"] = True
     print(json.dumps(result))
 
 

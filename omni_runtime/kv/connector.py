@@ -96,6 +96,9 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
 
     def stop_stats(self) -> None:
         self.scheduler_half.stop_stats()
+        # Nothing is recorded from now on: vLLM's get_kv_connector_stats(), called every
+        # step, answers None at once.
+        self.omni_kv_stats = None
 
     def hold_on_finish(self, request_id: str) -> None:
         self.scheduler_half.hold_on_finish(request_id)

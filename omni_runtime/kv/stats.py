@@ -438,9 +438,10 @@ def register_connector_class(cls: type) -> None:
 class OmniKVStatsMixin:
     """The three stats methods for a ``KVConnectorBase_V1`` subclass (list this first among
     the bases), and its registration by name (:func:`register_connector_class`) at class
-    creation. Each connector instance (either role) records into ``self.omni_kv_stats``."""
+    creation. Each connector instance (either role) records into ``self.omni_kv_stats`` (None
+    where the engine collects no stats: the omni connector's ``stop_stats``)."""
 
-    omni_kv_stats: KVStatsRecorder
+    omni_kv_stats: KVStatsRecorder | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -22,20 +22,22 @@ engine-core process; tracing on a global SDK tracer provider with a batch span p
 vLLM installs it; the per-edge families of its one downstream stage), told of the changes
 at the stage's default telemetry interval (``--telemetry-interval 0``: every step). The
 median of the per-step ratios leaves out the steps that write the interval's figures and
-spans; ``churn_ratio_best_totals_N`` (total time over total time) counts them. The step
-that runs second in a pair is slower than the first by up to a tenth here (measured: ours
-first about 0.95, stock first about 1.17 at 256): as the order alternates (S O | O S | S O),
-the first of a pair has just stepped and finds its data still in the caches. So the per-step
-ratios fall in two clusters and their median, between them, moves by several per cent from
-run to run;
-``churn_ratio_balanced_N`` is the median over each two consecutive steps (one of each order)
-of ours' time over stock's, which cancels the order. Arrivals
+spans; ``churn_ratio_best_totals_N`` (total time over total time) counts them. The two step
+in lock step as in the steady workload (S O S O: stock, then ours, each pair at the same
+point of the workload), so that each scheduler's step always follows the other's: both find
+the caches as the other left them. ``churn_ratio_balanced_N`` is the median over each two
+consecutive pairs of ours' time over stock's. ``--churn-order alternate`` swaps which steps
+first in every other pair instead (S O | O S | S O): each then follows itself in half of its
+steps, finding its own data still in the caches, and the other in the rest, which splits the
+per-step ratios in two clusters (measured: ours first about 0.99, stock first about 1.07 at
+256) whose median, between them, moves by several per cent from run to run; the balanced
+median (one pair of each order) cancels that. Arrivals
 (``add_request``), ``schedule()`` and ``update_from_output()`` are timed; the runner's outputs
 are built outside the timed span, the same for both schedulers (plus the acks for ours), and
 there, where a GPU stage waits for the forward pass, the observers' writer threads finish
 what the reports handed them (their CPU per transfer is printed apart,
 ``churn_writer_threads_us_per_transfer_N``).
-Which scheduler steps first alternates. By default both schedulers run without vLLM's stats
+By default both schedulers run without vLLM's stats
 (``log_stats`` off, as with ``--disable-log-stats``; the omni connector then records none
 either); ``--log-stats`` turns them on in both schedulers of both workloads, as a served
 engine (``vllm serve``, ``omni-stage``) makes them. Last line: one JSON object.
@@ -276,7 +278,7 @@ class Churn:
 
 def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
                   observers: str = "on", telemetry_interval: float | None = None,
-                  log_stats: bool = False) -> dict:
+                  log_stats: bool = False, order: str = "lock-step") -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from omni_runtime.observability.writer_thread import metrics_thread, span_thread
@@ -295,8 +297,8 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
     all_transfers = 0  # warm-up included, as in the threads' CPU
     totals: dict[str, list[int]] = {"stock": [], "omni": []}
     paired: list[float] = []
-    # Each two consecutive steps (one with ours first, one with stock first): ours' time over
-    # stock's, see "balanced" in main().
+    # Each two consecutive pairs (with --churn-order alternate, one of each order): ours' time
+    # over stock's (the module's docstring).
     balanced: list[float] = []
     transfers = finished = 0
     for r in range(repeats):
@@ -318,13 +320,15 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
             ours.step()
         t = {"stock": 0, "omni": 0}
         base_transfers, base_finished = ours.transfers, ours.finished
+        previous = (0, 0)  # the pair before (ours, stock): set at each even k, read at the odd
         gc.collect()
         gc.disable()
         try:
             for k in range(steps):
-                order = ((stock, ours) if (k + r) % 2 == 0 else (ours, stock))
+                # Lock step: each scheduler's step follows the other's (see the docstring).
+                swap = order == "alternate" and (k + r) % 2 == 1
                 ns = {}
-                for churn in order:
+                for churn in ((ours, stock) if swap else (stock, ours)):
                     ns[churn] = churn.step()
                 t["stock"] += ns[stock]
                 t["omni"] += ns[ours]
@@ -374,6 +378,10 @@ def main() -> None:
     parser.add_argument("--telemetry-interval", type=float, default=None,
                         help="omni_kv_config.telemetry_interval_seconds of ours under churn "
                              "(default: the stage's default; 0: the observers told every step)")
+    parser.add_argument("--churn-order", choices=("lock-step", "alternate"), default="lock-step",
+                        help="lock-step: stock, then ours, every pair (each step follows the "
+                             "other scheduler's); alternate: which steps first swaps every "
+                             "other pair (each follows itself half the time: two clusters)")
     parser.add_argument("--log-stats", action="store_true",
                         help="vLLM's stats on in both schedulers (both workloads), as a served "
                              "engine makes them (default off, as with --disable-log-stats; the "
@@ -397,12 +405,14 @@ def main() -> None:
         for n in sizes:
             m = measure_churn(n, args.churn_steps, args.repeats, observers=args.churn_observers,
                               telemetry_interval=args.telemetry_interval,
-                              log_stats=args.log_stats)
+                              log_stats=args.log_stats, order=args.churn_order)
             print(f"# churn, {n} running: stock {m['stock_step_us']:.0f} us/step, omni "
                   f"{m['omni_step_us']:.0f} us/step, {m['transfers_per_step']:.1f} transfers and "
                   f"{m['finished_per_step']:.1f} finishes per step", file=sys.stderr)
             if args.churn_observers != "on":
                 result["churn_observers"] = args.churn_observers
+            if args.churn_order != "lock-step":
+                result["churn_order"] = args.churn_order
             if args.telemetry_interval is not None:
                 result["telemetry_interval_seconds"] = args.telemetry_interval
             result[f"churn_ratio_{n}"] = round(m["ratio"], 4)

@@ -170,7 +170,9 @@ class TransferObserver:
     def on_engine_wait(self, ledger: TransferLedger) -> None:
         """The scheduler has handed its step to the model runner: the engine waits for the
         forward pass next, the GIL free. Work an observer does off the caller's thread is
-        best started now (started while the step runs, it would slow the step)."""
+        best started now (started while the step runs, it would slow the step). A per-change
+        observer hears it at every such wait; a batched one only at the first wait after a
+        report it was given (before that, it was told nothing new to start)."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what this observer was told is written out (work it does off the
@@ -207,8 +209,12 @@ class TransferLedger:
         # Observers called per change, and those called per batch (see TransferObserver).
         self._observers: list[TransferObserver] = []
         self._batched: list[TransferObserver] = []
-        # Those of both with an on_engine_wait of their own.
+        # Those with an on_engine_wait of their own: per-change observers (told at every
+        # wait), batched ones (told at the first wait after a report: _reported).
         self._waiting: list[TransferObserver] = []
+        self._waiting_batched: list[TransferObserver] = []
+        #: Whether the batched observers were given a report since the engine last waited.
+        self._reported = False
         #: The changes of the batch under way, for the batched observers (None: there are none).
         self._batch: Batch | None = None
         self._batch_depth = 0
@@ -234,7 +240,7 @@ class TransferLedger:
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: TransferObserver) -> None:
         if type(observer).on_engine_wait is not TransferObserver.on_engine_wait:
-            self._waiting.append(observer)
+            (self._waiting_batched if observer.batched else self._waiting).append(observer)
         if observer.batched:
             self._batched.append(observer)
             if self._batch is None:
@@ -247,6 +253,7 @@ class TransferLedger:
         self._observers.clear()
         self._batched.clear()
         self._waiting.clear()
+        self._waiting_batched.clear()
         self._batch = None
 
     @property
@@ -276,9 +283,15 @@ class TransferLedger:
 
     def engine_waits(self) -> None:
         """The scheduler has handed its step to the model runner (the engine waits for the
-        forward pass next): see :meth:`TransferObserver.on_engine_wait`."""
+        forward pass next): see :meth:`TransferObserver.on_engine_wait`. The batched
+        observers only after a report (most steps at a telemetry interval make none: no
+        call of theirs then)."""
         for observer in self._waiting:
             observer.on_engine_wait(self)
+        if self._reported:
+            self._reported = False
+            for observer in self._waiting_batched:
+                observer.on_engine_wait(self)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Report every change not reported yet (see :meth:`report`) and wait until every
@@ -299,6 +312,7 @@ class TransferLedger:
                 return
             self._reported_at = now
         batch, self._batch = self._batch, Batch()
+        self._reported = True
         for observer in self._batched:
             try:
                 observer.on_batch(self, batch)

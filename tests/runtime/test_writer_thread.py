@@ -17,7 +17,7 @@ import pytest
 from omni_runtime.devtools.sched_harness import make_scheduler, make_vllm_config, step
 from omni_runtime.observability.writer_thread import WriterThread, metrics_thread, span_thread
 from omni_runtime.sched.scheduler import OmniARScheduler
-from omni_runtime.transfers.ledger import TransferLedger, TransferObserver
+from omni_runtime.transfers.ledger import Batch, TransferLedger, TransferObserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -351,3 +351,49 @@ def test_only_observers_with_their_own_hook_are_asked():
     ledger.remove_observers()
     ledger.engine_waits()
     assert waits.waits == 1
+
+
+class BatchedWaits(Waits):
+    batched = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports = 0
+
+    def on_batch(self, ledger: TransferLedger, batch: Batch) -> None:
+        self.reports += 1
+
+
+def test_a_batched_observer_hears_the_engine_wait_only_after_a_report():
+    """It is given work only in reports: at a wait with no report since the last, it has
+    nothing to start, and is not called (most steps at a telemetry interval make none)."""
+    from omni_runtime.transfers.ledger import Outcome, Trigger
+
+    clock = [0.0]
+    batched, per_change = BatchedWaits(), Waits()
+    ledger = TransferLedger(60, clock=lambda: clock[0], report_interval=1.0,
+                            observers=[batched, per_change])
+    ledger.engine_waits()  # nothing reported yet
+    assert (batched.reports, batched.waits, per_change.waits) == (0, 0, 1)
+    ledger.mark("busy", Trigger.PREFILL_FINISHED, 8, [1])  # reported (the first is due)
+    ledger.engine_waits()
+    ledger.engine_waits()  # no report since the last wait
+    assert (batched.reports, batched.waits, per_change.waits) == (1, 1, 3)
+    clock[0] = 0.5
+    ledger.mark("a", Trigger.PREFILL_FINISHED, 8, [0])  # within the interval: not reported
+    ledger.engine_waits()
+    assert (batched.reports, batched.waits) == (1, 1)
+    clock[0] = 1.5
+    ledger.resolve("a", Outcome.ACKED)  # the interval passed: both changes reported
+    assert batched.reports == 2
+    ledger.engine_waits()
+    assert (batched.waits, per_change.waits) == (2, 5)
+    clock[0] = 1.6
+    ledger.mark("b", Trigger.PREFILL_FINISHED, 8, [2])  # not due, but a report is asked for:
+    ledger.report()  # one outside the step counts too
+    assert batched.reports == 3
+    ledger.engine_waits()
+    assert (batched.waits, per_change.waits) == (3, 6)
+    ledger.remove_observers()
+    ledger.engine_waits()
+    assert (batched.waits, per_change.waits) == (3, 6)

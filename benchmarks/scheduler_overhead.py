@@ -8,9 +8,9 @@ during the measured window, so their transfers are marked, handed off and acked 
 others are scanned. Observers (metrics, tracing) are detached here: their cost is measured
 by benchmarks/instrumentation_overhead.py.
 
-The two schedulers step alternately, so that machine noise hits both alike; the reported
-ratio per size is the median of the per-step ratios (robust to bursts of load from elsewhere
-on a shared 2-core machine), next to the ratio of the best total times.
+The two schedulers step in lock step (stock, then ours), so that machine noise hits both
+alike; the reported ratio per size is the median of the per-step ratios (robust to bursts of
+load from elsewhere on a shared 2-core machine), next to the ratio of the best total times.
 
 Churn workload (``churn_ratio_N``): what a serving engine's steady state looks like. N requests
 run; each lives ``CHURN_LIFE`` output tokens (their ends staggered), so about N/50 finish per
@@ -22,10 +22,11 @@ engine-core process; tracing on a global SDK tracer provider with a batch span p
 vLLM installs it; the per-edge families of its one downstream stage), told of the changes
 at the stage's default telemetry interval (``--telemetry-interval 0``: every step). The
 median of the per-step ratios leaves out the steps that write the interval's figures and
-spans; ``churn_ratio_best_totals_N`` (total time over total time) counts them. The two step
-in lock step as in the steady workload (S O S O: stock, then ours, each pair at the same
-point of the workload), so that each scheduler's step always follows the other's: both find
-the caches as the other left them. ``churn_ratio_balanced_N`` is the median over each two
+spans; ``churn_ratio_best_totals_N`` (total time over total time) counts them. The two
+schedulers step in lock step as in the steady workload (S O S O: stock, then ours, each pair
+at the same point of the workload), so that each scheduler's step always follows the other's:
+both find the caches as the other left them (the writer threads run in ours' gaps only, see
+``forward_pass``). ``churn_ratio_balanced_N`` is the median over each two
 consecutive pairs of ours' time over stock's. ``--churn-order alternate`` swaps which steps
 first in every other pair instead (S O | O S | S O): each then follows itself in half of its
 steps, finding its own data still in the caches, and the other in the rest, which splits the
@@ -143,18 +144,21 @@ def decode_plan(n: int, steps: int):
     return plan
 
 
-def forward_pass(runner_output):
+def forward_pass(runner_output, writes: bool = True):
     """What a GPU stage's engine core does between ``schedule()`` and
     ``update_from_output()``: waits for the forward pass, the GIL free, and the observers'
     writer threads write what the reports handed them meanwhile
     (observability/writer_thread.py). Here there is no forward pass: the runner's outputs are
     built, and the threads are let finish, outside the timed span. Their CPU is counted apart
-    (``churn_writer_threads_us_per_transfer_N``)."""
+    (``churn_writer_threads_us_per_transfer_N``). ``writes``: whether the stepping scheduler
+    has observers; the threads are the process's, so a scheduler without (stock) leaves ours'
+    writes to ours' own gap instead of running them between its two timed halves."""
     from omni_runtime.observability.writer_thread import metrics_thread, span_thread
 
     outputs = runner_output()
-    metrics_thread().flush()
-    span_thread().flush()
+    if writes:
+        metrics_thread().flush()
+        span_thread().flush()
     return outputs
 
 
@@ -239,6 +243,8 @@ class Churn:
         )
         if not keep_observers and hasattr(self.sched, "transfer_ledger"):
             self.sched.transfer_ledger.remove_observers()
+        # Whether its gap lets the observers' writer threads run (see forward_pass).
+        self.observed = keep_observers and hasattr(self.sched, "transfer_ledger")
         self.next_id = 0
         self.arrivals: list = []
         self.acks: list = []
@@ -264,7 +270,7 @@ class Churn:
             sched.add_request(request)
         so = sched.schedule()
         t1 = time.perf_counter_ns()
-        mro = forward_pass(lambda: runner_output(so, acked=self.acks))
+        mro = forward_pass(lambda: runner_output(so, acked=self.acks), self.observed)
         t2 = time.perf_counter_ns()
         outputs = sched.update_from_output(so, mro)
         t3 = time.perf_counter_ns()
@@ -320,7 +326,7 @@ def measure_churn(n: int, steps: int, repeats: int, warmup: int = CHURN_WARMUP,
             ours.step()
         t = {"stock": 0, "omni": 0}
         base_transfers, base_finished = ours.transfers, ours.finished
-        previous = (0, 0)  # the pair before (ours, stock): set at each even k, read at the odd
+        previous = (0, 0)  # the pair before (ours, stock): set at every k, read at the odd ones
         gc.collect()
         gc.disable()
         try:

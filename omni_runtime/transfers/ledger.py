@@ -171,8 +171,9 @@ class TransferObserver:
         """The scheduler has handed its step to the model runner: the engine waits for the
         forward pass next, the GIL free. Work an observer does off the caller's thread is
         best started now (started while the step runs, it would slow the step). A per-change
-        observer hears it at every such wait; a batched one only at the first wait after a
-        report it was given (before that, it was told nothing new to start)."""
+        observer hears it at every such wait; a batched one only at the first wait after the
+        ledger's latest report (it is given work only in reports: without one since the last
+        wait, it has nothing new to start)."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what this observer was told is written out (work it does off the

@@ -521,15 +521,17 @@ class OmniKVTransferMixin:
         resolve_answers, which resolves each as the loop reaches it: its blocks are given
         back before the next resolves). The connector records those that resolved, where
         the engine collects stats (vLLM's log_stats)."""
-        ignored: list[str] = []
+        # The answers that resolved nothing, kept only for the stats' filter below: none
+        # without stats, where the connector records nothing (see stop_stats in __init__).
+        ignored: list[str] | None = [] if self.log_stats else None
         for transfer in self.transfer_ledger.resolve_answers(answers, ignored):
             if transfer.reason is not None:
                 logger.warning("KV transfer of request %s failed: %s", transfer.request_id,
                                transfer.reason)
             if transfer.held_since is not None or self._pinned:
                 self._release(transfer)  # else nothing to give back: still running, no pin
-        if not self.log_stats:
-            return  # the connector records nothing (see stop_stats in __init__)
+        if ignored is None:
+            return
         if ignored:
             ignored_ids = set(ignored)
             answers = {rid: a for rid, a in answers.items() if rid not in ignored_ids}

@@ -147,9 +147,13 @@ class OmniKVTransferMixin:
                 "attention), whose blocks a transfer of group 0's block ids would not cover"
             )
         self._kv_block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
-        # The one group's blocks per request, where vLLM's get_blocks reads them (see
-        # _group_blocks); None: another layout, read through get_blocks.
-        self._req_to_blocks = _req_to_blocks(self.kv_cache_manager) if len(groups) == 1 else None
+        # A request's blocks (of the one group), looked up once per marking: where vLLM's
+        # get_blocks reads them, its one manager's req_to_blocks, with that dict's own get
+        # (no Python frame per marking; a lookup must not add an entry to the defaultdict;
+        # None for a request it does not know); in another layout, through get_blocks.
+        req_to_blocks = _req_to_blocks(self.kv_cache_manager) if len(groups) == 1 else None
+        self._group_blocks = (req_to_blocks.get if req_to_blocks is not None
+                              else self._blocks_from_manager)
         # Our connector alone (not composed, its own request_finished) on KV cache managers
         # that free nothing early and keep no partial tails (full attention): vLLM's
         # preparation for a connector's request_finished (dropping out-of-window blocks,
@@ -465,13 +469,14 @@ class OmniKVTransferMixin:
         hold the snapshot."""
         awaiting = self._awaiting_trigger
         block_size = self._kv_block_size
+        group_blocks = self._group_blocks
         marks = []
         failed: dict[str, str] = {}  # request id -> why its marking failed
         for request, seq_len in zip(requests, seq_lens):
             request_id = request.request_id
             awaiting.discard(request_id)
             try:
-                blocks = self._group_blocks(request_id)
+                blocks = group_blocks(request_id) or ()
                 needed = -(-seq_len // block_size)
                 if len(blocks) < needed:
                     raise RuntimeError(
@@ -505,14 +510,10 @@ class OmniKVTransferMixin:
                 ledger.resolve(mark[0], Outcome.FAILED, error)
         return transfers
 
-    def _group_blocks(self, request_id: str) -> list[Any]:
-        """The request's KV blocks (of its one KV cache group), as vLLM's get_blocks reads
-        them (its coordinator's one manager's ``req_to_blocks``, read with ``get``: a
-        lookup must not add an entry to that defaultdict), without building a KVCacheBlocks
-        nor the ids of the blocks past a snapshot."""
-        req_to_blocks = self._req_to_blocks
-        if req_to_blocks is not None:
-            return req_to_blocks.get(request_id) or []
+    def _blocks_from_manager(self, request_id: str) -> list[Any]:
+        """The request's KV blocks (of its one KV cache group) through vLLM's get_blocks:
+        the lookup where the coordinator is not laid out as :func:`_req_to_blocks` reads it
+        (see ``_group_blocks`` in ``__init__``)."""
         return self.kv_cache_manager.get_blocks(request_id).blocks[0]
 
     def _resolve_from_runner(self, answers: dict[str, Answer]) -> None:

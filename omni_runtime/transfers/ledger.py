@@ -271,7 +271,7 @@ class TransferLedger:
         observers (when due: see ``report_interval``). Call it in a ``finally``: an unended
         batch would never be reported."""
         self._batch_depth -= 1
-        if not self._batch_depth and self._batch:
+        if not self._batch_depth and self._batch is not None:
             self._flush()
 
     def report(self) -> None:
@@ -305,13 +305,17 @@ class TransferLedger:
         return done
 
     def _flush(self) -> None:
-        """The changes since the last report, to the batched observers, if due: always
-        without an interval or with nothing unresolved, else once the interval has passed."""
+        """The changes since the last report, to the batched observers, if due (always
+        without an interval or with nothing unresolved, else once the interval has passed)
+        and if there are any. Due first: inside an interval (most of a busy stage's steps)
+        the batch's lists are not looked at."""
         if self.report_interval and self._by_deadline:
             now = self._clock()
-            if now - self._reported_at < self.report_interval:
+            if now - self._reported_at < self.report_interval or not self._batch:
                 return
             self._reported_at = now
+        elif not self._batch:
+            return
         batch, self._batch = self._batch, Batch()
         self._reported = True
         for observer in self._batched:

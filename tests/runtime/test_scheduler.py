@@ -32,6 +32,7 @@ from omni_runtime.devtools.sched_harness import (
     step,
     withdrawn,
 )
+from omni_runtime.sched import scheduler as sched_module
 from omni_runtime.sched.scheduler import OmniARScheduler
 from omni_runtime.transfers.ledger import Outcome, Phase, TransferObserver, Trigger
 
@@ -525,21 +526,26 @@ def test_acks_for_unknown_requests_are_ignored_and_an_ack_may_come_with_the_hand
 
 
 @pytest.mark.parametrize("layout", ["vllm", "unknown"])
-def test_marking_reads_the_blocks_vllms_get_blocks_reads_and_adds_no_entry(layout):
+def test_marking_reads_the_blocks_vllms_get_blocks_reads_and_adds_no_entry(layout, monkeypatch):
     """The scheduler reads a request's blocks from the coordinator's one manager (no
-    KVCacheBlocks per marking): the same list vLLM's get_blocks gives, for a running request
-    and for one vLLM does not know (empty; the lookup adds no entry to vLLM's defaultdict).
-    Where the coordinator is laid out otherwise, it asks get_blocks itself."""
-    s = omni(PREFILL)
+    KVCacheBlocks per marking, the lookup chosen at start-up): the same list vLLM's
+    get_blocks gives, for a running request and for one vLLM does not know (none; the lookup
+    adds no entry to vLLM's defaultdict). Where the coordinator is laid out otherwise, it asks
+    get_blocks itself."""
     if layout == "unknown":
-        s._req_to_blocks = None
+        monkeypatch.setattr(sched_module, "_req_to_blocks", lambda kv_cache_manager: None)
+    s = omni(PREFILL)
     manager = s.kv_cache_manager.coordinator.single_type_managers[0]
+    if layout == "vllm":
+        assert s._group_blocks == manager.req_to_blocks.get
+    else:
+        assert s._group_blocks == s._blocks_from_manager
     r = make_request(40, max_tokens=3)
     s.add_request(r)
     step(s)
     assert s._group_blocks(r.request_id) is s.kv_cache_manager.get_blocks(r.request_id).blocks[0]
     assert len(s._group_blocks(r.request_id)) == 3
-    assert list(s._group_blocks("never-added")) == []
+    assert list(s._group_blocks("never-added") or ()) == []
     assert "never-added" not in manager.req_to_blocks
     (t,) = s.recorder.marked
     assert list(t.block_ids) == [b.block_id for b in s._group_blocks(r.request_id)]

@@ -17,7 +17,7 @@ import pytest
 from omni_runtime.devtools.sched_harness import make_scheduler, make_vllm_config, step
 from omni_runtime.observability.writer_thread import WriterThread, metrics_thread, span_thread
 from omni_runtime.sched.scheduler import OmniARScheduler
-from omni_runtime.transfers.ledger import Batch, TransferLedger, TransferObserver
+from omni_runtime.transfers.ledger import Batch, Outcome, TransferLedger, TransferObserver, Trigger
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -314,7 +314,6 @@ def test_the_tracing_observer_kicks_its_span_thread_when_the_engine_waits():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 
     from omni_runtime.observability.tracing import TransferTracing
-    from omni_runtime.transfers.ledger import Outcome, Trigger
 
     exported = threading.Event()
 
@@ -367,8 +366,6 @@ class BatchedWaits(Waits):
 def test_a_batched_observer_hears_the_engine_wait_only_after_a_report():
     """It is given work only in reports: at a wait with no report since the last, it has
     nothing to start, and is not called (most steps at a telemetry interval make none)."""
-    from omni_runtime.transfers.ledger import Outcome, Trigger
-
     clock = [0.0]
     batched, per_change = BatchedWaits(), Waits()
     ledger = TransferLedger(60, clock=lambda: clock[0], report_interval=1.0,

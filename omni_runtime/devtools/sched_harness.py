@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,6 +41,7 @@ def make_vllm_config(
     num_blocks: int = 10_000,
     compose_with: Mapping[str, Any] | None = None,
     endpoints: Mapping[str, str] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(ensure_tiny_model()), dtype="float32", seed=0, max_model_len=max_model_len
@@ -72,6 +73,8 @@ def make_vllm_config(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
+        # The engine's tensor parallelism as the scheduler sees it (no worker runs here).
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         additional_config=additional,
         kv_transfer_config=kv_transfer,
     )

@@ -64,43 +64,73 @@ class ShardAnswers:
     Each rank's KV-head shard is read by the receivers from that rank's cache, and the rank
     answers for it, in whatever step its answer comes, so the answers of one transfer arrive
     over several steps. A transfer is delivered when every rank's shard was acked; it failed
-    as soon as any rank's failed (reported once, the remaining answers of that attempt are
-    then only counted). State per request: the attempt being answered and the ranks' answers
-    so far; an answer for a newer attempt starts over, one for an older attempt is ignored. An
-    entry leaves when every rank answered, so the state is bounded by the transfers in flight.
+    as soon as any rank's failed.
+
+    State per transfer handed off and not resolved (:meth:`expect` at its hand-off): the
+    attempt and the ranks' answers so far. It leaves when the transfer resolves: by the
+    answers (every rank acked, or one failed) or by the scheduler (:meth:`forget`: expiry,
+    reset, shutdown). An answer about anything else (another attempt, a transfer not handed
+    off or already resolved, a rank outside the world) is ignored and kept nowhere, so the
+    state is bounded by the transfers in flight whatever the ranks send.
+
+    A failure resolves a transfer while the ranks that have not answered may still let the
+    receivers read their shards: :meth:`combine` names those transfers too, for the scheduler
+    half to withdraw from every rank in the next step's metadata, which reaches the workers
+    before anything writes the blocks the failure gives back (the block guarantee, as for an
+    expired transfer).
     """
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        #: request id -> (attempt, {rank: its answer}, failure already reported)
-        self._partial: dict[str, tuple[int, dict[int, Answer], bool]] = {}
+        #: request id -> (attempt, {rank: its answer}) of each transfer in flight
+        self._expected: dict[str, tuple[int, dict[int, Answer]]] = {}
 
-    def combine(self, by_rank: Mapping[int, Mapping[str, Answer]]) -> dict[str, Answer]:
-        if self.world_size == 1:
-            return dict(by_rank.get(0, {}))
-        result: dict[str, Answer] = {}
+    def expect(self, request_id: str, attempt: int) -> None:
+        """A transfer handed off: its ranks' answers are awaited (a newer attempt of the same
+        request replaces an older one's, as the workers' offers do)."""
+        self._expected[request_id] = (attempt, {})
+
+    def forget(self, request_id: str, attempt: int) -> None:
+        """The scheduler resolved the transfer itself (and withdraws it from every rank): its
+        answers, come or to come, resolve nothing."""
+        current = self._expected.get(request_id)
+        if current is not None and current[0] <= attempt:
+            del self._expected[request_id]
+
+    def combine(self, by_rank: Mapping[int, Mapping[str, Answer]]
+                ) -> tuple[dict[str, Answer], dict[str, int]]:
+        """The transfers the ranks' answers of one step resolve, and (request id -> attempt)
+        those of them failed before every rank answered: the ranks still holding them must
+        have them withdrawn."""
+        resolved: dict[str, Answer] = {}
+        withdraw: dict[str, int] = {}
+        expected = self._expected
+        world = self.world_size
         for rank, answers in sorted(by_rank.items()):
+            if not 0 <= rank < world:
+                continue
             for rid, answer in answers.items():
-                attempt = answer.attempt
-                current = self._partial.get(rid)
-                if current is None or attempt > current[0]:
-                    current = (attempt, {}, False)
-                elif attempt < current[0]:
-                    continue  # a superseded attempt: resolves nothing
-                seen, reported = current[1], current[2]
-                seen[rank] = answer
-                if answer.reason is not None and not reported:
-                    result[rid] = Answer(attempt, f"tensor-parallel rank {rank}: {answer.reason}",
-                                         seconds=answer.seconds)
-                    reported = True
-                if len(seen) < self.world_size:
-                    self._partial[rid] = (attempt, seen, reported)
-                    continue
-                self._partial.pop(rid, None)
-                if not reported:  # every rank's shard was acked
-                    result[rid] = Answer(attempt, nbytes=sum(a.nbytes for a in seen.values()),
-                                         seconds=max(a.seconds for a in seen.values()))
-        return result
+                current = expected.get(rid)
+                if current is not None and current[0] == answer.attempt:
+                    current[1][rank] = answer  # else: resolved, superseded, or unknown
+        for rid in [rid for answers in by_rank.values() for rid in answers]:
+            current = expected.get(rid)
+            if current is None:
+                continue  # ignored above, or decided already in this loop
+            attempt, seen = current
+            failed = next((r for r in sorted(seen) if seen[r].reason is not None), None)
+            if failed is not None:
+                del expected[rid]
+                answer = seen[failed]
+                resolved[rid] = Answer(attempt, f"tensor-parallel rank {failed}: "
+                                                f"{answer.reason}", seconds=answer.seconds)
+                if len(seen) < world:
+                    withdraw[rid] = attempt
+            elif len(seen) == world:  # every rank's shard was acked
+                del expected[rid]
+                resolved[rid] = Answer(attempt, nbytes=sum(a.nbytes for a in seen.values()),
+                                       seconds=max(a.seconds for a in seen.values()))
+        return resolved, withdraw
 
     def __len__(self) -> int:
-        return len(self._partial)
+        return len(self._expected)

@@ -39,6 +39,9 @@ class OmniKVConnectorScheduler:
         self._withdrawn: dict[str, int] = {}
         self._hold: set[str] = set()
         self.shard_answers = ShardAnswers(world_size)
+        #: The ranks' answers combined, with tensor parallelism; None with one rank, whose
+        #: answers are the transfers' (no state kept).
+        self._ranks = self.shard_answers if world_size > 1 else None
         self._stats = stats
         self._to_stage = to_stages[0] if len(to_stages) == 1 else OTHER_STAGE
         #: A fan-out's held notices for the next step (metadata.held); None: one edge, whose
@@ -56,6 +59,9 @@ class OmniKVConnectorScheduler:
     def hand_off(self, hand_offs: list[HandOff]) -> None:
         """The scheduler's hand-offs for the step being scheduled."""
         self._hand_offs.extend(hand_offs)
+        if self._ranks is not None:
+            for h in hand_offs:
+                self._ranks.expect(h.request_id, h.attempt)
 
     def withdraw(self, request_id: str, attempt: int, outcome: str = "failed",
                  seconds: float = 0.0) -> None:
@@ -66,6 +72,8 @@ class OmniKVConnectorScheduler:
         delivered. The scheduler withdraws each handed-off transfer it resolves, once (its
         ledger resolves a transfer once)."""
         self._withdrawn[request_id] = attempt
+        if self._ranks is not None:
+            self._ranks.forget(request_id, attempt)
         if self._held:
             self._held.pop(request_id, None)  # resolved: no notice of its hold any more
         if self._stats is not None:
@@ -95,10 +103,18 @@ class OmniKVConnectorScheduler:
                          if isinstance(m, OmniKVWorkerMetadata)), None)
         if meta is None:
             return {}
-        if self.shard_answers.world_size == 1 and meta.rank == 0 and not meta.other_ranks:
-            answers = meta.answers  # one rank: its answers are the transfers' (read only)
+        if self._ranks is None:
+            # One rank: its answers are the transfers' (read only); a rank that answered is
+            # done with the transfer, so nothing is left to withdraw.
+            answers = (meta.answers if meta.rank == 0 and not meta.other_ranks
+                       else meta.by_rank().get(0, {}))
         else:
-            answers = self.shard_answers.combine(meta.by_rank())
+            answers, withdraw = self._ranks.combine(meta.by_rank())
+            # Failed while other ranks may still let the receivers read their shards: the
+            # next step's metadata withdraws it from every rank, before anything writes the
+            # blocks this failure gives back (the resolution itself is recorded with the
+            # answers, by record_answers).
+            self._withdrawn.update(withdraw)
         if self._held:  # resolved now: a notice of their hold, not sent yet, would be stale
             for rid in answers:
                 self._held.pop(rid, None)

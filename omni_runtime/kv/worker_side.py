@@ -16,10 +16,11 @@ Tensor parallelism: each rank's cache holds its own KV heads; the receivers read
 shard from that rank's agent and assemble the payload.
 
 The block guarantee at a distance: a receiver reads a transfer's blocks between the hand-off
-and the fence's verdict; the scheduler frees them only after this rank's answer, at its own
-deadline (after the sender's), or after withdrawing the transfer, which reaches this rank at
-the start of the next step, before anything writes the freed blocks; the sender commits a
-read only while the transfer is current (kv/transport/sender.py).
+and the fence's verdict; the scheduler frees them only after every rank's answer, at its own
+deadline (after the sender's), or with withdrawing the transfer from every rank (it resolved
+it itself, or another rank failed it), which reaches this rank at the start of the next step,
+before anything writes the freed blocks; the sender commits a read only while the transfer is
+current (kv/transport/sender.py).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from omni_runtime.observability.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE
 from omni_runtime.observability.transport_metrics import thread_up_setter
 
 RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
-EVICTION_REASONS: tuple[str, ...] = ("expired", "replaced")
+EVICTION_REASONS: tuple[str, ...] = ("expired", "replaced", "abandoned")
 WAIT_OUTCOMES: tuple[str, ...] = ("found", "timeout")
 
 #: inbox.get() wait (seconds): the consumer usually asks just before or after arrival.

@@ -236,6 +236,50 @@ def test_tensor_parallel_shards_assemble_into_one_payload(receiver, make_ar, mak
     assert np.array_equal(got.kv, want)
 
 
+def test_a_shard_withdrawn_after_the_other_was_stored_drops_the_assembly(
+        receiver, make_ar, make_sender, hold, registry):
+    """Rank 0's shard is stored (in its assembly), then rank 1's transfer is withdrawn while
+    its read waits for the verdict (the scheduler resolved it: another rank failed it, its
+    deadline, a reset): the receiver stores nothing, gives the reserved room back at once, and refuses
+    rank 1's shard of that attempt if it comes again."""
+    ranks = [make_ar(heads=2, shard=r, num_shards=2, seed=20 + r) for r in range(2)]
+    senders = [make_sender(a, {STAGE: receiver.endpoint}) for a in ranks]
+    senders[0].submit(ranks[0].offer("tp", [1, 2, 3], 10))
+    assert collect(senders[0], 1) == (["tp"], {})
+    assert receiver.inbox.bytes > 0 and "tp" not in receiver.inbox
+    held = hold(receiver, "_reply", at_read_done)
+    senders[1].submit(ranks[1].offer("tp", [4, 5, 6], 10))
+    held.wait_entered()
+    assert senders[1].cancel("tp", 0)
+    held.release()
+    wait_for(lambda: receiver.num_aborted == 1, what="the aborted read")
+    assert "tp" not in receiver.inbox and receiver.inbox.bytes == 0
+    assert sample(registry, "omni_kv_receiver_evicted_total", reason="abandoned") == 1
+    senders[1].submit(ranks[1].offer("tp", [4, 5, 6], 10))  # the same attempt, again
+    acked, failed = collect(senders[1], 1)
+    assert acked == [] and "shard_mismatch" in failed["tp"] and "cannot be assembled" in \
+        failed["tp"]
+    assert "tp" not in receiver.inbox and receiver.inbox.bytes == 0
+
+
+def test_a_shard_refused_first_keeps_the_others_of_its_attempt_out(receiver, make_ar,
+                                                                    make_sender, hold):
+    """Rank 0's read of an attempt is withdrawn (aborted) before rank 1's shard of it comes:
+    rank 1's shard, read and committed, is refused, and nothing is stored."""
+    ranks = [make_ar(heads=2, shard=r, num_shards=2, seed=30 + r) for r in range(2)]
+    senders = [make_sender(a, {STAGE: receiver.endpoint}) for a in ranks]
+    held = hold(receiver, "_reply", at_read_done)
+    senders[0].submit(ranks[0].offer("tp", [1], 4))
+    held.wait_entered()
+    assert senders[0].cancel("tp", 0)
+    held.release()
+    wait_for(lambda: receiver.num_aborted == 1, what="the aborted read")
+    senders[1].submit(ranks[1].offer("tp", [2], 4))
+    acked, failed = collect(senders[1], 1)
+    assert acked == [] and "shard_mismatch" in failed["tp"]
+    assert "tp" not in receiver.inbox and receiver.inbox.bytes == 0
+
+
 def test_the_second_shard_uses_the_room_its_transfer_reserved(make_receiver, make_ar,
                                                               make_sender):
     """The first shard reserves the whole payload in the inbox; the second must not be
@@ -915,7 +959,7 @@ def test_metric_labels_are_bounded_and_never_carry_request_ids(receiver, ar, mak
             assert set(s.labels) <= allowed, s
             assert "secret" not in json.dumps(s.labels), s
             assert s.labels.get("reason", "delivered") in REJECT_CODES + (
-                "delivered", "expired", "replaced"), s
+                "delivered", "expired", "replaced", "abandoned"), s
 
 
 @pytest.fixture

@@ -255,3 +255,44 @@ def test_has_room_answers_as_put_would(setup):
     assert inbox.has_room("u", 0, 1, 1) is False
     inbox.put(s1)
     np.testing.assert_array_equal(inbox.get("t").kv, whole)
+
+
+def test_a_refused_shard_ends_its_attempt_its_assembly_goes_and_later_shards_are_refused(setup):
+    """The receiver refused shard 1 (its rank withdrew the transfer, or its read failed)
+    after shard 0 was stored: the assembly goes at once, its room back, counted; shard 1 of
+    the same attempt, committed later all the same, is refused: nothing is ever assembled
+    from an attempt a rank failed or withdrew. A newer attempt assembles as usual."""
+    inbox, clock, registry = setup
+    _, (s0, s1) = shards("t", attempt=3)
+    inbox.put(s0)
+    assert inbox.bytes == 1024
+    inbox.abandon("t", 3, 2, "deadline: the sender aborted the read")
+    assert inbox.bytes == 0 and "t" not in inbox
+    assert sample(registry, "omni_kv_receiver_evicted_total", reason="abandoned") == 1
+    assert "another shard of this attempt was refused (deadline" in inbox.abandoned("t", 3, 2, 1)
+    with pytest.raises(Rejected) as e:
+        inbox.put(s1)
+    assert e.value.code == "shard_mismatch" and "cannot be assembled" in e.value.reason
+    assert inbox.bytes == 0 and "t" not in inbox
+    assert inbox.abandoned("t", 4, 2, 0) is None, "another attempt is not ended"
+    whole, (n0, n1) = shards("t", attempt=4)
+    inbox.put(n1)
+    inbox.put(n0)
+    np.testing.assert_array_equal(inbox.get("t").kv, whole)
+    inbox.abandon("whole", 0, 1, "x")  # a transfer of one shard has nothing to end
+    assert inbox.abandoned("whole", 0, 1, 0) is None
+
+
+def test_ended_attempts_are_remembered_for_the_ttl_and_at_most_max_abandoned(setup,
+                                                                              monkeypatch):
+    from omni_runtime.kv.transport import inbox as inbox_module
+
+    inbox, clock, _ = setup
+    monkeypatch.setattr(inbox_module, "MAX_ABANDONED", 3)
+    for i in range(5):
+        inbox.abandon(f"r{i}", 0, 2, "x")
+    assert [inbox.abandoned(f"r{i}", 0, 2, 0) is not None for i in range(5)] == [
+        False, False, True, True, True], "the oldest forgotten first"
+    clock.t += 10
+    assert all(inbox.abandoned(f"r{i}", 0, 2, 0) is None for i in range(5)), "the TTL"
+    assert not inbox._abandoned

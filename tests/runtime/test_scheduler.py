@@ -1076,12 +1076,9 @@ def test_async_a_stop_token_in_the_output_of_a_request_preempted_meanwhile_is_dr
 
 def tp2(kv_config=PREFILL, **kw):
     """The scheduler of a tensor_parallel_size 2 engine: its connector's scheduler side
-    combines two ranks' answers (no second rank runs here: the outputs are hand-made)."""
-    from omni_runtime.kv.metadata import ShardAnswers
-
-    s = omni(kv_config, **kw)
-    s._omni.scheduler_half.shard_answers = ShardAnswers(2)
-    return s
+    combines two ranks' answers (no second rank runs here: the outputs are hand-made; more in
+    test_tensor_parallel.py)."""
+    return omni(kv_config, tensor_parallel_size=2, **kw)
 
 
 def ranks_step(s, answers_by_rank):
@@ -1148,14 +1145,18 @@ def test_tp2_answers_of_a_superseded_attempt_resolve_nothing_and_are_not_kept():
     from omni_runtime.kv.metadata import ShardAnswers
 
     answers = ShardAnswers(2)
-    assert answers.combine({0: {"r": Answer(1)}}) == {}
-    assert answers.combine({0: {"r": Answer(2)}}) == {}, "attempt 2 starts over"
-    assert answers.combine({1: {"r": Answer(1)}}) == {}, "a late answer of attempt 1"
-    assert answers.combine({1: {"r": Answer(2)}}) == {"r": Answer(2)}
+    answers.expect("r", 1)
+    assert answers.combine({0: {"r": Answer(1)}}) == ({}, {})
+    answers.expect("r", 2)  # attempt 2 starts over
+    assert answers.combine({0: {"r": Answer(2)}}) == ({}, {})
+    assert answers.combine({1: {"r": Answer(1)}}) == ({}, {}), "a late answer of attempt 1"
+    assert answers.combine({1: {"r": Answer(2)}}) == ({"r": Answer(2)}, {})
     assert not answers
-    assert answers.combine({0: {"f": Answer(3, "boom")}}) == {
-        "f": Answer(3, "tensor-parallel rank 0: boom")}
-    assert answers.combine({1: {"f": Answer(3, "again")}}) == {}, "a failure is reported once"
+    answers.expect("f", 3)
+    assert answers.combine({0: {"f": Answer(3, "boom")}}) == (
+        {"f": Answer(3, "tensor-parallel rank 0: boom")}, {"f": 3})
+    assert answers.combine({1: {"f": Answer(3, "again")}}) == ({}, {}), \
+        "a failure is reported once"
     assert not answers
 
 

@@ -19,7 +19,11 @@ goes into that transfer's :class:`~.shards.ShardAssembly`; the assembled payload
 (and visible to consumers) only when every shard is in. An assembly reserves the whole
 payload's bytes when its first shard arrives (``inbox_full`` refuses that shard when they do
 not fit), and expires ``ttl_s`` after it started if a shard never comes. A newer attempt of
-the same request (a re-sent snapshot) supersedes an unfinished older one.
+the same request (a re-sent snapshot) supersedes an unfinished older one. A shard the
+receiver refused ends its attempt here (:meth:`KVInbox.abandon`): the attempt's assembly goes,
+its bytes with it, and a shard of it that comes later is refused, so a payload is never
+assembled from an attempt one of whose ranks failed or withdrew it (the ranks' reads commit
+at different times: another rank may commit its shard after one was refused).
 
 Invariants (under the lock): ``bytes == sum of stored payload sizes + sum of assemblies'
 reserved sizes <= max_bytes``; entries (and assemblies) are in store (start) order, which is
@@ -48,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_TTL_S = 300.0
+#: Abandoned tensor-parallel attempts remembered (each for the TTL at most, oldest forgotten
+#: first): a bound whatever a peer sends.
+MAX_ABANDONED = 4096
 
 
 @dataclass
@@ -79,6 +86,8 @@ class KVInbox:
         self._aliases: dict[str, str] = {}  # external request id -> stored request id
         #: Tensor-parallel transfers with shards still to come, oldest first.
         self._assemblies: OrderedDict[tuple[str, int, int], ShardAssembly] = OrderedDict()
+        #: Attempts a refused shard ended (see abandon()), oldest first: key -> (why, when).
+        self._abandoned: OrderedDict[tuple[str, int, int], tuple[str, float]] = OrderedDict()
         self._bytes = 0
         self._cond = threading.Condition(threading.Lock())
         self._metrics: ReceiverObserver | None = None
@@ -136,6 +145,9 @@ class KVInbox:
             now = self._clock()
             self._expire_locked(now)
             key = assembly_key(shard)
+            if (abandoned := self._abandoned.get(key)) is not None:
+                raise Rejected("shard_mismatch", _abandoned_reason(shard.shard, key,
+                                                                   abandoned[0]))
             assembly = self._assemblies.get(key)
             if assembly is None:
                 # Attempts supersede each other (as the sender's do): an older attempt's
@@ -172,6 +184,30 @@ class KVInbox:
         if self._metrics is not None:
             self._metrics.evicted(eviction)
         self._update_gauges()
+
+    def abandon(self, request_id: str, attempt: int, num_shards: int, why: str) -> None:
+        """A shard of this tensor-parallel attempt was refused (``why``): its assembly, if
+        one started, goes now, and its other shards are refused from now on (see the module
+        docstring)."""
+        if num_shards <= 1:
+            return
+        key = (request_id, attempt, num_shards)
+        with self._cond:
+            self._abandoned[key] = (why, self._clock())
+            self._abandoned.move_to_end(key)
+            while len(self._abandoned) > MAX_ABANDONED:
+                self._abandoned.popitem(last=False)
+            if key in self._assemblies:
+                self._drop_assembly_locked(key, "abandoned")
+
+    def abandoned(self, request_id: str, attempt: int, num_shards: int, shard: int
+                  ) -> str | None:
+        """Why a shard of this attempt would be refused (another shard of it was), or None."""
+        key = (request_id, attempt, num_shards)
+        with self._cond:
+            self._expire_locked(self._clock())
+            abandoned = self._abandoned.get(key)
+        return None if abandoned is None else _abandoned_reason(shard, key, abandoned[0])
 
     def has_room(self, request_id: str, attempt: int, num_shards: int, nbytes: int) -> bool:
         """Whether a payload of ``nbytes`` (one shard's, when ``num_shards`` > 1) would fit
@@ -281,6 +317,10 @@ class KVInbox:
                 break  # start order is expiry order
             self._drop_assembly_locked(key, "expired")
             evicted += 1
+        while self._abandoned:
+            if now - next(iter(self._abandoned.values()))[1] < self.ttl_s:
+                break  # abandon order is expiry order
+            self._abandoned.popitem(last=False)
         return evicted
 
     def _remove_locked(self, request_id: str, eviction: str | None) -> None:
@@ -303,3 +343,8 @@ class KVInbox:
     def _observe_wait(self, seconds: float, found: bool) -> None:
         if self._metrics is not None:
             self._metrics.observe_wait(seconds, found)
+
+
+def _abandoned_reason(shard: int, key: tuple[str, int, int], why: str) -> str:
+    return (f"shard {shard} of {key[2]} of request {key[0]} (attempt {key[1]}): another shard "
+            f"of this attempt was refused ({why}), so it cannot be assembled")

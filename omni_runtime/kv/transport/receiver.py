@@ -385,8 +385,15 @@ class KVReceiver:
             self._reject(router, identity, "internal_error", f"{type(e).__name__}: {e}", tid, rid)
 
     def _reject(self, router, identity: bytes, code: str, reason: str, tid: int | None,
-                rid: str | None, span: Any = None, from_stage: str | None = None) -> None:
+                rid: str | None, span: Any = None, from_stage: str | None = None,
+                read: ReadRequest | None = None) -> None:
+        """Refuse a message (``read``: the read it refuses, when it is one). A refused shard
+        of a tensor-parallel transfer ends its attempt here (KVInbox.abandon), but for
+        ``unknown_agent``, which the sender answers with a new hello and the same offer."""
         reason = reason[:MAX_REASON_CHARS]
+        if read is not None and read.num_shards > 1 and code != "unknown_agent":
+            self.inbox.abandon(read.request_id, read.attempt, read.num_shards,
+                               f"{code}: {reason}")
         self.num_rejected += 1
         try:
             self.metrics.rejected(code, from_stage)
@@ -521,12 +528,15 @@ class KVReceiver:
             if req.deadline_in_s <= 0:
                 raise Rejected("deadline", "the transfer's time ran out before it arrived",
                                **ids)
+            if req.num_shards > 1 and (why := self.inbox.abandoned(
+                    req.request_id, req.attempt, req.num_shards, req.shard)) is not None:
+                raise Rejected("shard_mismatch", why, **ids)
             # Inside the try: a block larger than a staging slot is refused here, and the
             # refusal ends the receive span with it (outside, the span never ended).
             chunks = self._plan(hello, needed)
         except Rejected as r:
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
-                         span, req.from_stage)
+                         span, req.from_stage, req)
             return
         job = _Read(identity, req, peer, time.monotonic() + req.deadline_in_s, received, span,
                     chunks)
@@ -565,17 +575,17 @@ class KVReceiver:
             self.num_aborted += 1
             self._reject(router, identity, "deadline", f"the sender aborted the read: "
                          f"{verdict.reason}", req.transfer_id, req.request_id, job.span,
-                         req.from_stage)
+                         req.from_stage, req)
             return
         try:
             self.inbox.put(payload)
         except InboxFull as e:
             self._reject(router, identity, "inbox_full", str(e), req.transfer_id,
-                         req.request_id, job.span, req.from_stage)
+                         req.request_id, job.span, req.from_stage, req)
             return
         except Rejected as r:  # a shard that does not fit its transfer's other shards
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
-                         job.span, req.from_stage)
+                         job.span, req.from_stage, req)
             return
         self.num_delivered += 1
         self.metrics.delivered(payload.nbytes, req.from_stage)
@@ -734,7 +744,7 @@ class KVReceiver:
     def _fail(self, router: zmq.Socket, job: _Read, code: str, reason: str) -> None:
         self._finish(job)
         self._reject(router, job.identity, code, reason, job.request.transfer_id,
-                     job.request.request_id, job.span, job.request.from_stage)
+                     job.request.request_id, job.span, job.request.from_stage, job.request)
 
     def _finish(self, job: _Read) -> None:
         """The job leaves: its slot back (or retired), its peer's count down."""

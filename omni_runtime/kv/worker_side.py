@@ -224,7 +224,9 @@ class OmniKVConnectorWorker:
                   runs=block_runs(h.block_ids[:needed]), nbytes=nbytes,
                   external_request_id=vllm_external_request_id(
                       h.request_id, randomized=self._randomized_ids),
-                  trace_context=dict(h.trace_headers) if h.trace_headers else None),
+                  trace_context=dict(h.trace_headers) if h.trace_headers else None,
+                  token_ids=h.carried.token_ids, prompt_len=h.carried.prompt_len,
+                  origin=dict(h.carried.origin) if h.carried.origin else None),
             # Give up just before the scheduler would expire it, so the failure (with its
             # reason) reaches the scheduler first.
             timeout_s=max(0.05, 0.95 * h.deadline_in_s))

@@ -21,6 +21,26 @@ def _unix_time(monotonic_time: float) -> float:
     return time.time() - (time.monotonic() - monotonic_time)
 
 
+class Carried(NamedTuple):
+    """What a hand-off carries besides the KV, fixed when its transfer is marked: the next
+    stage's input (a downstream vLLM stage's request is made from it) and the pipeline
+    request it belongs to."""
+
+    #: The request's tokens at the trigger: its prompt (``prefill_finished``), the tokens
+    #: before the sentinel (``special_token``), or every token it has, its last output
+    #: included (``request_finished``). The KV covers the first ``seq_len`` of them.
+    token_ids: tuple[int, ...] = ()
+    #: How many of ``token_ids`` are the request's prompt (the rest it generated).
+    prompt_len: int = 0
+    #: The pipeline request's context (its id, the endpoint awaiting its output), from the
+    #: request's ``kv_transfer_params["omni"]``; None for a request that came from no
+    #: pipeline endpoint.
+    origin: Mapping[str, str] | None = None
+
+
+NOTHING_CARRIED = Carried()
+
+
 class HandOff(NamedTuple):
     """One transfer handed to the connector in a step. Immutable (a named tuple: one is
     made per transfer on the scheduler's step, where a frozen dataclass's field-by-field
@@ -42,6 +62,8 @@ class HandOff(NamedTuple):
     #: transfer resolves): (unix time it finished, the blocks kept), for the per-edge families
     #: the data path of a fan-out feeds; None while the request runs.
     held: tuple[float, int] | None = None
+    #: What it carries besides the KV (:class:`Carried`).
+    carried: Carried = NOTHING_CARRIED
 
     @classmethod
     def of(cls, transfer: Transfer, wall_time: Callable[[float], float] = _unix_time) -> HandOff:
@@ -59,6 +81,7 @@ class HandOff(NamedTuple):
             left if left > 0.0 else 0.0,
             dict(headers) if headers else None,
             None if held_since is None else (wall_time(held_since), transfer.held_blocks),
+            transfer.carried or NOTHING_CARRIED,
         ))
 
 

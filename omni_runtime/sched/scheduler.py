@@ -62,7 +62,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
 from omni_runtime.observability.observers import build_observers
-from omni_runtime.sched.handoff import Answer, HandOff
+from omni_runtime.sched.handoff import Answer, Carried, HandOff
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.transfers.ledger import VALUES, Outcome, Transfer, TransferLedger, Trigger
 
@@ -96,6 +96,9 @@ _REQ_ID = operator.attrgetter("req_id")
 #: The attribute of vllm-omni's requests that carries their payload to the workers
 #: (OmniNewRequestData); absent on plain vLLM's.
 _PAYLOAD_ATTR = "additional_information"
+
+#: The key of a request's ``kv_transfer_params`` holding its pipeline context (Carried.origin).
+OMNI_PARAMS = "omni"
 
 #: A KV block's id (mapped over a snapshot's blocks in C: no comprehension frame per marking).
 _BLOCK_ID = operator.attrgetter("block_id")
@@ -493,8 +496,9 @@ class OmniKVTransferMixin:
         ledger = self.transfer_ledger
         if not failed:
             transfers = ledger.mark_many(trigger, marks)
-            for request, transfer in zip(requests, transfers):
+            for request, transfer, seq_len in zip(requests, transfers, seq_lens):
                 setattr(request, _TRANSFER_ATTR, transfer)
+                transfer.carried = _carried(request, trigger, seq_len)
             return transfers
         # A lookup failed (rare): one mark at a time, each failure resolved right after its
         # mark, so that the ledger changes (and its observers see it change) as with one
@@ -503,6 +507,7 @@ class OmniKVTransferMixin:
         for request, mark in zip(requests, marks):
             (transfer,) = ledger.mark_many(trigger, [mark])
             setattr(request, _TRANSFER_ATTR, transfer)
+            transfer.carried = _carried(request, trigger, mark[1])
             transfers.append(transfer)
             error = failed.get(mark[0])
             if error is not None:
@@ -662,6 +667,19 @@ def _find_omni_connector(connector: Any) -> Any:
         if getattr(candidate, "omni_kv_connector", False):
             return candidate
     return None
+
+
+def _carried(request: Request, trigger: Trigger, seq_len: int) -> Carried:
+    """What the request's transfer carries besides its KV (sched/handoff.py's Carried): its
+    tokens at the trigger (every one it has at its finish, else the ``seq_len`` the KV
+    covers) and its pipeline context (``kv_transfer_params["omni"]``, set by the pipeline's
+    endpoint, or by the stage that made the request from a hand-off)."""
+    tokens = request.all_token_ids
+    n = len(tokens) if trigger is Trigger.REQUEST_FINISHED else seq_len
+    params = request.kv_transfer_params
+    origin = params.get(OMNI_PARAMS) if params else None
+    return Carried(tokens[:n], min(request.num_prompt_tokens, n),
+                   origin if isinstance(origin, dict) else None)
 
 
 def _transfer_params(transfer: Transfer) -> dict[str, Any]:

@@ -117,6 +117,10 @@ class Transfer:
     outcome: Outcome | None = None
     reason: str | None = None
     resolved_at: float | None = None
+    #: What the hand-off carries besides the KV, set by whoever marked it (the scheduler:
+    #: the request's tokens and its pipeline context, sched/handoff.py's Carried); the
+    #: ledger never reads it.
+    carried: Any = field(default=None, repr=False)
     #: Free slot for an observer (one of another project's: the observers here keep none).
     observer_state: Any = field(default=None, repr=False)
 

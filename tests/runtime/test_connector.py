@@ -219,6 +219,20 @@ def test_offers_that_arrive_together_are_answered_read_by_read(make_receiver, ma
                               ar.expected([1 + ids.index(rid) * 250], 4)[0, 0, 0])
 
 
+def test_the_tokens_and_pipeline_context_a_hand_off_carries_arrive_with_its_payload(
+        receiver, make_ar, make_sender):
+    """The next stage's input travels with the KV, whole or as tensor-parallel shards."""
+    origin = {"request_id": "p-1", "endpoint": "http://127.0.0.1:1"}
+    ranks = [make_ar(heads=2, shard=r, num_shards=2, seed=r) for r in range(2)]
+    for rank in ranks:
+        sender = make_sender(rank, {STAGE: receiver.endpoint})
+        sender.submit(rank.offer("tp", [1, 2], 7, token_ids=tuple(range(8)), prompt_len=5,
+                                 origin=origin))
+        assert collect(sender, 1) == (["tp"], {})
+    got = receiver.inbox.get("tp")
+    assert (got.token_ids, got.prompt_len, got.origin) == (tuple(range(8)), 5, origin)
+
+
 def test_tensor_parallel_shards_assemble_into_one_payload(receiver, make_ar, make_sender):
     """Two ranks, each with its half of the KV heads in its own cache, agent and sender:
     the inbox shows the transfer only once both halves are in, heads in rank order."""

@@ -109,6 +109,29 @@ def test_a_read_round_trips_and_its_defaults_stay_off_the_wire():
     assert got == plain and (got.shard, got.num_shards) == (0, 1) and got.num_blocks == 3
 
 
+def test_a_read_carries_the_requests_tokens_and_pipeline_context_within_bounds():
+    """What a hand-off carries besides the KV (the next stage's input): the tokens, how
+    many were the prompt, the pipeline context; absent when empty; bad values refused,
+    naming the field."""
+    carrying = dataclasses.replace(READ, token_ids=(5, 6, 7, 0), prompt_len=2,
+                                   origin={"request_id": "p-1", "endpoint": "http://e:8000"})
+    assert parse(encode_read(carrying)) == carrying
+    assert not {"token_ids", "prompt_len", "origin"} & set(json.loads(encode_read(READ)[0]))
+    for changes, words in (
+        ({"token_ids": [1, -2]}, "token_ids must be token ids"),
+        ({"token_ids": [1, True]}, "token_ids must be token ids"),
+        ({"token_ids": [1 << 31]}, "token_ids must be token ids"),
+        ({"token_ids": "1,2"}, "token_ids must be a list"),
+        ({"token_ids": [1, 2], "prompt_len": 3}, "prompt_len must be in [0, 2]"),
+        ({"origin": {"request_id": "x", "url": "http://a"}}, "origin must map some of"),
+        ({"origin": {"endpoint": ""}}, "origin must map some of"),
+        ({"origin": {"endpoint": "x" * 2049}}, "origin must map some of"),
+        ({"origin": "http://a"}, "origin must be an object"),
+    ):
+        r = rejected(read_frames(**changes))
+        assert r.code == "malformed" and words in r.reason and r.transfer_id == 7, (changes, r)
+
+
 def test_verdicts_and_replies_round_trip_and_garbage_is_no_reply():
     v = Verdict(AR.name, 9, False, "the transfer's deadline passed during the read")
     assert parse(encode_verdict(v)) == v

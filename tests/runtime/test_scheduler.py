@@ -1333,6 +1333,43 @@ def test_a_hand_off_is_the_named_tuple_its_fields_make():
     assert HandOff.of(t, ledger.wall_time).held == (ledger.wall_time(t.held_since), 7)
 
 
+@pytest.mark.parametrize("config, tokens, seq_len", [
+    (PREFILL, [3] * 20, 20),
+    (SPECIAL, [3] * 20 + [11], 21),
+    # at its finish every token, the last one's KV not computed
+    (ON_FINISH, [3] * 20 + [11, SENTINEL, 12, 13], 23),
+], ids=["prefill", "special", "finish"])
+def test_a_hand_off_carries_the_requests_tokens_at_its_trigger_and_its_pipeline_context(
+        config, tokens, seq_len):
+    """The next stage's input travels with the KV: the request's tokens at the trigger (its
+    prompt after prefill, the tokens before the sentinel, every token at its finish), how
+    many are the prompt, and the pipeline context its kv_transfer_params["omni"] names."""
+    s = omni(config)
+    r = make_request(20, max_tokens=4, request_id="r", prompt_token=3)
+    r.kv_transfer_params = {"omni": {"request_id": "p-1", "endpoint": "http://e:8000"}}
+    s.add_request(r)
+    got = {}
+    outputs = [[11], [SENTINEL], [12], [13]]
+    while s.has_requests():
+        so = s.schedule()
+        got.update(handed_off(so))
+        sampled = {"r": outputs.pop(0)} if "r" in so.num_scheduled_tokens and outputs else {}
+        s.update_from_output(so, runner_output(so, sampled, scheduler=s,
+                                               acked=hand_off_attempts(so)))
+    carried = got["r"].carried
+    assert list(carried.token_ids) == tokens and carried.prompt_len == 20
+    assert got["r"].seq_len == seq_len
+    assert carried.origin == {"request_id": "p-1", "endpoint": "http://e:8000"}
+
+
+def test_a_hand_off_of_a_request_from_no_pipeline_carries_no_context():
+    s = omni(PREFILL)
+    s.add_request(make_request(20, max_tokens=2, request_id="r"))
+    step(s)
+    so, _ = step(s)
+    assert handed_off(so)["r"].carried.origin is None
+
+
 # ---------------------------------------------------------------------------- the bare schedule
 
 

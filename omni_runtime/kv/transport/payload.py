@@ -62,6 +62,13 @@ class KVPayload:
     #: receiver's inbox assembles the shards of a transfer into one payload (shard 0 of 1).
     shard: int = 0
     num_shards: int = 1
+    #: What the hand-off carried besides the KV: the producing request's tokens at its
+    #: trigger (the KV covers the first ``seq_len``; the rest is output after them), how
+    #: many of them were its prompt, and its pipeline context ({"request_id", "endpoint"},
+    #: or None).
+    token_ids: tuple[int, ...] = ()
+    prompt_len: int = 0
+    origin: dict[str, str] | None = None
     #: Not assembled yet (``kv`` is None): anything with the array's ``shape`` and
     #: ``dtype`` and ``into(out)`` writing it (assemble.StagedKV, shards.ShardAssembly).
     staged: Any = field(default=None, repr=False, compare=False)

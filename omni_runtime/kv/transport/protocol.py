@@ -50,6 +50,11 @@ MAX_RUNS = 1 << 16
 MAX_BLOCK_ID = 1 << 40
 MAX_TOKENS = 1 << 24
 MAX_NAME_CHARS = 256
+#: Token ids a read may carry are below this (vocabularies are far smaller).
+MAX_TOKEN_ID = 1 << 31
+#: A read's pipeline context (ReadRequest.origin): its keys and their values' length.
+ORIGIN_KEYS = frozenset({"request_id", "endpoint"})
+MAX_ORIGIN_CHARS = 2048
 
 #: Why a receiver refuses: a bounded enum, the ``reason`` metric label.
 REJECT_CODES: tuple[str, ...] = (
@@ -223,6 +228,13 @@ class ReadRequest:
     shard: int
     num_shards: int
     sent_at: float
+    #: What the hand-off carries besides the KV (sched/handoff.py's Carried): the request's
+    #: tokens at its trigger (the KV covers the first seq_len), how many are its prompt,
+    #: and its pipeline context ({"request_id", "endpoint"}: the pipeline's endpoint
+    #: awaiting the request's output); empty / None when there is none.
+    token_ids: tuple[int, ...] = ()
+    prompt_len: int = 0
+    origin: dict[str, str] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -285,6 +297,11 @@ def encode_read(r: ReadRequest) -> list[bytes]:
                                  if isinstance(k, str) and isinstance(v, str)}
     if r.num_shards != 1:
         body["shard"], body["num_shards"] = r.shard, r.num_shards
+    if r.token_ids:
+        body["token_ids"] = list(r.token_ids)
+        body["prompt_len"] = r.prompt_len
+    if r.origin:
+        body["origin"] = dict(r.origin)
     return [_dumps(body)]
 
 
@@ -542,6 +559,18 @@ def parse_read(body: dict[str, Any], rest: list) -> ReadRequest:
         if trace is not None and not all(isinstance(k, str) and isinstance(v, str)
                                          and len(v) <= 1024 for k, v in trace.items()):
             raise Rejected("malformed", "trace_context must map strings to strings")
+        token_ids = f.list("token_ids", MAX_TOKENS) if "token_ids" in body else []
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
+                   for t in token_ids):
+            raise Rejected("malformed", f"token_ids must be token ids in [0, {MAX_TOKEN_ID})")
+        prompt_len = f.int("prompt_len", 0, len(token_ids), default=0)
+        origin = f.obj("origin", optional=True)
+        if origin is not None and not (
+                set(origin) <= ORIGIN_KEYS and all(
+                    isinstance(v, str) and 0 < len(v) <= MAX_ORIGIN_CHARS
+                    for v in origin.values())):
+            raise Rejected("malformed", f"origin must map some of {sorted(ORIGIN_KEYS)} to "
+                                        f"strings of 1 to {MAX_ORIGIN_CHARS} characters")
         request = ReadRequest(
             transfer_id=tid, agent=f.str("agent", empty=False),
             compat_hash=f.str("compat_hash", empty=False),
@@ -553,6 +582,7 @@ def parse_read(body: dict[str, Any], rest: list) -> ReadRequest:
             from_stage=f.str("from_stage"), to_stage=f.str("to_stage"),
             shard=f.int("shard", 0, num_shards - 1, default=0), num_shards=num_shards,
             sent_at=f.number("sent_at", 0.0, 1e11),
+            token_ids=tuple(token_ids), prompt_len=prompt_len, origin=origin or None,
         )
     except Rejected as r:
         r.transfer_id = tid

@@ -605,7 +605,8 @@ class KVReceiver:
             extra={"attempt": req.attempt, "block_size": hello.block_format.block_size},
             dtype=hello.block_format.dtype, to_stage=req.to_stage, sent_at=req.sent_at,
             received_at=job.received, external_request_id=req.external_request_id,
-            shard=req.shard, num_shards=req.num_shards,
+            shard=req.shard, num_shards=req.num_shards, token_ids=req.token_ids,
+            prompt_len=req.prompt_len, origin=req.origin,
         )
 
     # ------------------------------------------------------------------ reads

@@ -89,6 +89,10 @@ class Offer:
     nbytes: int  # the payload's size (for the bytes histogram)
     external_request_id: str = ""
     trace_context: dict[str, str] | None = None
+    #: What the hand-off carries besides the KV (protocol.ReadRequest's fields of the names).
+    token_ids: tuple[int, ...] = ()
+    prompt_len: int = 0
+    origin: dict[str, str] | None = None
 
 
 @dataclass(eq=False)
@@ -472,7 +476,9 @@ class KVSender:
                 deadline_in_s=max(0.0, t.deadline - time.monotonic()),
                 trace_context=t.offer.trace_context, pipeline=self.hello.pipeline,
                 from_stage=self.hello.from_stage, to_stage=ep.stage, shard=self.hello.shard,
-                num_shards=self.hello.num_shards, sent_at=t.sent_at)
+                num_shards=self.hello.num_shards, sent_at=t.sent_at,
+                token_ids=t.offer.token_ids, prompt_len=t.offer.prompt_len,
+                origin=t.offer.origin)
             try:
                 ep.socket.send_multipart(encode_read(read), zmq.NOBLOCK)
             except zmq.Again:

@@ -106,5 +106,6 @@ class ShardAssembly:
             pipeline=meta.pipeline, from_stage=meta.from_stage,
             trace_context=meta.trace_context, extra=meta.extra, dtype=meta.dtype,
             to_stage=meta.to_stage, sent_at=meta.sent_at,
-            external_request_id=meta.external_request_id,
+            external_request_id=meta.external_request_id, token_ids=meta.token_ids,
+            prompt_len=meta.prompt_len, origin=meta.origin,
         )

@@ -23,6 +23,7 @@ def omni_llm(
     pipeline: str = "",
     compose_with: Mapping[str, Any] | None = None,
     io_cpus: str | list[int] | None = None,
+    loads: bool = False,
     **engine_args: Any,
 ):
     """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`; with
@@ -30,7 +31,8 @@ def omni_llm(
     every transfer fails with that reason), composed through vLLM's MultiConnector with the
     connector config ``compose_with`` when given (as ``omni-stage`` does with one in
     ``engineArgs``); ``io_cpus``: the transport threads' CPUs (the connector's ``io_cpus``
-    setting)."""
+    setting); ``loads``: the connector also loads the KV prefixes the requests name in
+    ``kv_transfer_params["omni_load"]`` (a downstream stage's, kv/load.py)."""
     from vllm import LLM
 
     from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
@@ -38,8 +40,8 @@ def omni_llm(
     additional = dict(engine_args.pop("additional_config", None) or {})
     if omni_kv_config is not None:
         additional["omni_kv_config"] = dict(omni_kv_config)
-        if omni_kv_config.get("need_send_cache"):
-            connector = kv_transfer_config(endpoints or {}, pipeline, io_cpus)
+        if omni_kv_config.get("need_send_cache") or loads:
+            connector = kv_transfer_config(endpoints or {}, pipeline, io_cpus, loads=loads)
             if compose_with is not None:
                 connector = composed_kv_transfer_config(connector, compose_with)
             engine_args["kv_transfer_config"] = connector

@@ -35,7 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
 from omni_runtime.kv.cpu_affinity import transport_cpus
-from omni_runtime.kv.layout import UnsupportedKVCache
+from omni_runtime.kv.layout import DTYPE_NAMES, UnsupportedKVCache
+from omni_runtime.kv.load import CacheLoader, LoadPlanner
 from omni_runtime.kv.metadata import (  # noqa: F401  (public names)
     OmniKVConnectorMetadata,
     OmniKVWorkerMetadata,
@@ -43,7 +44,11 @@ from omni_runtime.kv.metadata import (  # noqa: F401  (public names)
 )
 from omni_runtime.kv.scheduler_side import OmniKVConnectorScheduler
 from omni_runtime.kv.stats import OmniKVStatsMixin, known_to_stages
-from omni_runtime.kv.worker_side import OmniKVConnectorWorker, extra_config
+from omni_runtime.kv.worker_side import (
+    OmniKVConnectorWorker,
+    extra_config,
+    tensor_parallel_shard,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,16 +80,38 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         world_size = _check_parallelism(vllm_config)
+        extra = extra_config(vllm_config)
         # A bad io_cpus refuses the engine at start-up (not at the first transfer).
-        transport_cpus(extra_config(vllm_config).get("io_cpus"))
+        transport_cpus(extra.get("io_cpus"))
+        #: It ships KV downstream (its endpoints), and/or loads the KV prefixes its requests
+        #: name (a downstream stage: kv/load.py); at least one.
+        self.sends_kv = bool(extra.get("endpoints"))
+        self.loads_kv = extra.get("loads", False)
+        if not isinstance(self.loads_kv, bool):
+            raise UnsupportedKVCache("kv_connector_extra_config.loads must be true or false, "
+                                     f"got {self.loads_kv!r}")
+        if not (self.sends_kv or self.loads_kv):
+            raise UnsupportedKVCache(
+                "the omni KV connector has no downstream endpoint and loads nothing: set "
+                "kv_transfer_config.kv_connector_extra_config.endpoints ({stage: address}), "
+                "or loads: true")
         self.scheduler_half: OmniKVConnectorScheduler | None = None
         self.worker_half: OmniKVConnectorWorker | None = None
+        self.load_planner: LoadPlanner | None = None
+        self.cache_loader: CacheLoader | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_half = OmniKVConnectorScheduler(
-                world_size, self.omni_kv_stats, known_to_stages(vllm_config),
-                fans_out=len(extra_config(vllm_config).get("endpoints") or {}) > 1)
+            if self.sends_kv:
+                self.scheduler_half = OmniKVConnectorScheduler(
+                    world_size, self.omni_kv_stats, known_to_stages(vllm_config),
+                    fans_out=len(extra["endpoints"]) > 1)
+            if self.loads_kv:
+                self.load_planner = LoadPlanner(model_kv_identity(vllm_config))
         else:
-            self.worker_half = OmniKVConnectorWorker(vllm_config, kv_cache_config)
+            if self.sends_kv:
+                self.worker_half = OmniKVConnectorWorker(vllm_config, kv_cache_config)
+            if self.loads_kv:
+                self.cache_loader = CacheLoader(vllm_config,
+                                                *tensor_parallel_shard(vllm_config))
 
     # ================================================================ scheduler side
     def hand_off(self, hand_offs: list[HandOff]) -> None:
@@ -95,7 +122,8 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         self.scheduler_half.withdraw(request_id, attempt, outcome, seconds)
 
     def stop_stats(self) -> None:
-        self.scheduler_half.stop_stats()
+        if self.scheduler_half is not None:
+            self.scheduler_half.stop_stats()
         # Nothing is recorded from now on: vLLM's get_kv_connector_stats(), called every
         # step, answers None at once.
         self.omni_kv_stats = None
@@ -113,30 +141,55 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         self.scheduler_half.record_answers(answers)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
-        return 0, False  # a producer: nothing to load
+        if self.load_planner is None:
+            return 0, False  # a producer only: nothing to load
+        # Loaded before the step's forward (kv/load.py): not vLLM's asynchronous load.
+        return self.load_planner.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
-        return None
+        if self.load_planner is not None and num_external_tokens:
+            self.load_planner.allocated(request, blocks.get_block_ids()[0],
+                                        num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler_half.build_connector_meta(scheduler_output)
+        if self.scheduler_half is not None:
+            meta = self.scheduler_half.build_connector_meta(scheduler_output)
+        else:
+            meta = OmniKVConnectorMetadata(
+                idle=scheduler_output.total_num_scheduled_tokens == 0)
+        if self.load_planner is not None:
+            meta.loads = self.load_planner.take_loads()
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]):
+        if self.load_planner is not None:
+            self.load_planner.finished(request.request_id)
+        if self.scheduler_half is None:
+            return False, None
         return self.scheduler_half.request_finished(request, block_ids)
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_half.register_kv_caches(kv_caches)
+        if self.worker_half is not None:
+            self.worker_half.register_kv_caches(kv_caches)
+        if self.cache_loader is not None:
+            self.cache_loader.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, OmniKVConnectorMetadata) and (
+        if self.worker_half is not None and isinstance(
+                connector_metadata, OmniKVConnectorMetadata) and (
                 connector_metadata.hand_offs or connector_metadata.withdrawn
                 or connector_metadata.held):
             self.worker_half.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None  # a producer: nothing to load
+        meta = self._connector_metadata
+        if self.cache_loader is not None and getattr(meta, "loads", None):
+            self.cache_loader.load(meta.loads)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.cache_loader.take_failed_blocks() if self.cache_loader else set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -147,16 +200,30 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if getattr(meta, "idle", False):
+        if self.worker_half is not None and getattr(meta, "idle", False):
             self.worker_half.idle_wait()
 
     def build_connector_worker_meta(self) -> OmniKVWorkerMetadata | None:
+        if self.worker_half is None:
+            return None
         answers = self.worker_half.poll()
         return OmniKVWorkerMetadata(answers, self.worker_half.shard) if answers else None
 
     def shutdown(self) -> None:
         if self.worker_half is not None:
             self.worker_half.shutdown()
+
+
+def model_kv_identity(vllm_config: Any) -> tuple[int, int, int, str]:
+    """What a KV prefix must match to be loaded into this engine's cache: (layers, KV heads
+    in all, head size, dtype name)."""
+    model_config = vllm_config.model_config
+    dtype = model_config.dtype
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    return (model_config.get_num_layers(vllm_config.parallel_config),
+            model_config.get_total_num_kv_heads(), model_config.get_head_size(),
+            DTYPE_NAMES.get(dtype, str(dtype)) if cache_dtype in ("auto", None)
+            else str(cache_dtype))
 
 
 def _check_parallelism(vllm_config: Any) -> int:

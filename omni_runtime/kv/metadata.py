@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from omni_runtime.kv.load import Load
 from omni_runtime.sched.handoff import Answer, HandOff
 
 
@@ -35,6 +36,9 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
     #: only: its workers' per-edge families count them held on each edge until that edge
     #: answers).
     held: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    #: KV prefixes to load into this step's newly allocated blocks before its forward (a
+    #: downstream stage: kv/load.py).
+    loads: list[Load] = field(default_factory=list)
 
 
 @dataclass

@@ -125,7 +125,7 @@ class OmniKVTransferMixin:
         # never sends. A finished request's unresolved transfer keeps its blocks pinned
         # instead (as a preempted one's), and vLLM frees the request as the others decide.
         self._composed = self._omni is not None and self._omni is not self.connector
-        if cfg.need_send_cache and self._omni is None:
+        if cfg.need_send_cache and (self._omni is None or not self._omni.sends_kv):
             raise OmniKVConfigError(
                 "OmniARScheduler: omni_kv_config.need_send_cache needs the omni KV connector: "
                 "add --kv-transfer-config '{\"kv_connector\": \"OmniKVConnector\", "
@@ -164,6 +164,7 @@ class OmniKVTransferMixin:
         # nothing then, and our connector reads none of it. See _connector_finished.
         self._bare_finish = (
             cfg.need_send_cache and self._omni is self.connector
+            and not self._omni.loads_kv  # its request_finished ends a request's load
             and _reads_no_finish_blocks(self.connector)
             and _frees_nothing_early(self.kv_cache_manager)
         )
@@ -176,6 +177,7 @@ class OmniKVTransferMixin:
         # as vLLM would (see _schedule_bare).
         self._bare_schedule = (
             self._omni is not None and self._omni is self.connector
+            and not self._omni.loads_kv
             and _keeps_omni_hooks(self.connector, _LOAD_SIDE_HOOKS)
         )
         # Observers told at most every telemetry interval while transfers are in flight (see

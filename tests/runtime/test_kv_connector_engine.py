@@ -126,7 +126,8 @@ def test_an_io_cpus_the_process_cannot_use_refuses_the_engine_at_start_up(llm_fa
 
 
 def test_without_a_downstream_endpoint_the_engine_refuses_to_start(llm_factory):
-    with pytest.raises(Exception, match="no downstream endpoint: set kv_transfer_config"):
+    with pytest.raises(Exception, match="no downstream endpoint and loads nothing: set "
+                                        "kv_transfer_config"):
         llm_factory()
 
 

@@ -1141,3 +1141,69 @@ def test_a_read_refused_counts_its_sending_stage(make_receiver, ar, make_sender)
     assert "oversized" in failed["big"]
     assert sample(reg, "omni_kv_received_total", from_stage="ar", outcome="rejected") == 1
     assert sample(reg, "omni_kv_receiver_rejected_total", reason="oversized") == 1
+
+
+# ---------------------------------------------------------------------- a consuming stage
+
+
+class Consumer:
+    """What a downstream vLLM stage's input does with the receiver (stages/stage_input.py),
+    reduced to its answers: it records each stored payload's ticket, the test settles it."""
+
+    def __init__(self):
+        self.tickets = []
+        self.arrived = threading.Event()
+
+    def __call__(self, request_id, ticket):
+        self.tickets.append((request_id, ticket))
+        self.arrived.set()
+
+
+def test_with_a_consumer_the_transfer_is_acked_only_once_the_input_is_taken(
+        make_receiver, ar, make_sender, registry):
+    consumer = Consumer()
+    receiver = make_receiver(consumer=consumer)
+    sender = make_sender(ar, {STAGE: receiver.endpoint})
+    sender.submit(ar.offer("r", [1, 2], 7))
+    assert consumer.arrived.wait(WAIT)
+    ((rid, ticket),) = consumer.tickets
+    assert rid == "r" and "r" in receiver.inbox  # stored, waiting for its consumer
+    assert sender.wait(0.3) is False, "not acked before the stage holds the input"
+    receiver.settle(ticket)
+    assert collect(sender, 1) == (["r"], {})
+    assert sample(registry, "omni_kv_received_total", outcome="delivered") == 1
+
+
+def test_an_input_the_stage_refuses_fails_its_transfer_with_the_reason(make_receiver, ar,
+                                                                      make_sender, registry):
+    consumer = Consumer()
+    receiver = make_receiver(consumer=consumer)
+    sender = make_sender(ar, {STAGE: receiver.endpoint})
+    sender.submit(ar.offer("r", [1, 2], 7))
+    assert consumer.arrived.wait(WAIT)
+    receiver.settle(consumer.tickets[0][1], ("input_refused", "prompt of 300 tokens is over "
+                                                              "max-model-len 256"))
+    acked, failed = collect(sender, 1)
+    assert acked == [] and failed["r"] == ("stage talker rejected: input_refused: prompt of "
+                                           "300 tokens is over max-model-len 256")
+    assert "r" not in receiver.inbox, "a refused input is not kept"
+    assert rejected_counts(registry) == {"input_refused": 1}
+
+
+def test_an_input_never_taken_fails_at_the_transfers_deadline_and_a_late_answer_is_ignored(
+        make_receiver, ar, make_sender, registry):
+    consumer = Consumer()
+    receiver = make_receiver(consumer=consumer)
+    sender = make_sender(ar, {STAGE: receiver.endpoint}, send_timeout_s=0.5)
+    sender.submit(ar.offer("r", [1, 2], 7))
+    assert consumer.arrived.wait(WAIT)
+    acked, failed = collect(sender, 1)
+    assert acked == [] and "r" in failed
+    wait_for(lambda: rejected_counts(registry).get("deadline") == 1, what="the receiver's "
+             "own deadline")
+    assert "r" not in receiver.inbox
+    receiver.settle(consumer.tickets[0][1])  # too late: nothing is sent, nothing breaks
+    sender.submit(ar.offer("s", [3], 2))
+    wait_for(lambda: len(consumer.tickets) == 2, what="the next input")
+    receiver.settle(consumer.tickets[1][1])
+    assert collect(sender, 1) == (["s"], {})

@@ -106,16 +106,27 @@ class KVInbox:
         self._allocate = allocate
 
     # ------------------------------------------------------------------ producer side
-    def put(self, payload: KVPayload) -> None:
+    def put(self, payload: KVPayload) -> bool:
         """Store ``payload`` (replacing one of the same request id) or raise InboxFull.
         Wakes every get() waiting for it. A shard (``num_shards`` > 1) is stored into its
-        transfer's assembly instead (:meth:`_put_shard`)."""
+        transfer's assembly instead (:meth:`_put_shard`). Whether a whole payload is now
+        stored (False: a shard kept until the others come)."""
         if payload.num_shards > 1:
-            self._put_shard(payload)
-            return
+            return self._put_shard(payload)
         with self._cond:
             self._expire_locked(self._clock())
             self._store_locked(payload)
+        return True
+
+    def discard(self, request_id: str) -> bool:
+        """Drop the stored payload of ``request_id`` (either id), unconsumed and uncounted
+        (its consumer refused it); whether there was one."""
+        with self._cond:
+            key = self._key_locked(request_id)
+            if key is None:
+                return False
+            self._remove_locked(key, None)
+            return True
 
     def _store_locked(self, payload: KVPayload) -> None:
         """Store a whole payload (the caller holds the lock)."""
@@ -137,7 +148,7 @@ class KVInbox:
         self._update_gauges()
         self._cond.notify_all()
 
-    def _put_shard(self, shard: KVPayload) -> None:
+    def _put_shard(self, shard: KVPayload) -> bool:
         """Store one KV-head shard of a tensor-parallel transfer; the last one stores the
         assembled payload. Raises InboxFull (the first shard's reservation does not fit) or
         Rejected ``shard_mismatch``."""
@@ -169,12 +180,13 @@ class KVInbox:
             assembly.add(shard)
             if not assembly.complete:
                 self._update_gauges()
-                return
+                return False
             # Every shard is in: its reservation becomes the stored payload (which fits, as
             # the reservation did).
             del self._assemblies[key]
             self._bytes -= assembly.nbytes
             self._store_locked(assembly.payload())
+            return True
 
     def _drop_assembly_locked(self, key: tuple[str, int, int], eviction: str) -> None:
         assembly = self._assemblies.pop(key)

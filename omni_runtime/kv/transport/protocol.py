@@ -69,6 +69,7 @@ REJECT_CODES: tuple[str, ...] = (
     "shard_mismatch",       # a shard that does not fit the other shards of its transfer
     "read_failed",          # NIXL could not read the blocks (peer gone, memory not registered)
     "deadline",             # the transfer's time ran out before the read or the verdict
+    "input_refused",        # the stage that takes it as a request's input refused it (why)
     "internal_error",       # a bug on the receiver (logged with its traceback)
 )
 

@@ -38,7 +38,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -111,6 +111,32 @@ class _Chunk:
     blocks: tuple[int, int]  # [first, end) of the transfer's blocks, in payload order
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """A stored payload awaiting the stage that takes it as a request's input: the read it
+    came by (its sender's agent and transfer id), the request, and until when (monotonic)
+    the sender waits for the answer."""
+
+    agent: str
+    transfer_id: int
+    request_id: str
+    deadline: float
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.agent, self.transfer_id
+
+
+@dataclass(eq=False)
+class _Awaiting:
+    """A transfer stored and handed to the consumer, not yet answered."""
+
+    identity: bytes
+    request: ReadRequest
+    span: Any
+    nbytes: int
+
+
 @dataclass(eq=False)
 class _Read:
     identity: bytes
@@ -165,8 +191,17 @@ class KVReceiver:
         slots: int = DEFAULT_SLOTS,
         staging_device: str = "cpu",
         agent_idle_ttl_s: float = DEFAULT_AGENT_IDLE_TTL_S,
+        consumer: Callable[[str, Ticket], None] | None = None,
     ) -> None:
         self.bind = bind
+        #: The stage that takes each stored payload as a request's input (a downstream
+        #: vLLM stage's, stages/stage_input.py): told on this thread once a whole payload
+        #: is stored, it answers with settle(); the transfer is acked only then ("the
+        #: request holds its input"), or refused with its reason. None: acked when stored.
+        self._consumer = consumer
+        self._awaiting: dict[tuple[str, int], _Awaiting] = {}
+        self._awaiting_deadlines: dict[tuple[str, int], float] = {}  # monotonic
+        self._settled: deque[tuple[Ticket, tuple[str, str] | None]] = deque()
         self.inbox = inbox if inbox is not None else KVInbox()
         self.stage = stage
         self.pipeline = pipeline
@@ -188,6 +223,7 @@ class KVReceiver:
         self._ctx = zmq.Context(io_threads=1)
         self._ctrl_addr = f"inproc://omni-kv-receiver-ctrl-{id(self)}"
         self._ctrl: zmq.Socket | None = None
+        self._ctrl_lock = threading.Lock()  # close() and settle() share the caller's end
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -256,12 +292,25 @@ class KVReceiver:
             return
         self._closed = True
         if self._thread is not None and self._thread.is_alive() and self._ctrl is not None:
-            self._ctrl.send(b"stop")
+            with self._ctrl_lock:
+                self._ctrl.send(b"stop")
             self._thread.join(timeout_s)
             if self._thread.is_alive():  # pragma: no cover - a hung handler
                 logger.error("KV receiver thread did not stop within %.1fs", timeout_s)
                 return
         self._cleanup_caller_side()
+
+    def settle(self, ticket: Ticket, refusal: tuple[str, str] | None = None) -> None:
+        """The consumer's answer about a stored payload (any thread): taken (None: the
+        transfer is acked), or refused with (code, reason) (the transfer fails with it; the
+        payload is dropped). An answer after the transfer's time ran out is ignored: the
+        receiver has answered ``deadline`` then."""
+        self._settled.append((ticket, refusal))
+        ctrl = self._ctrl
+        if ctrl is not None:
+            with self._ctrl_lock:
+                if not ctrl.closed:
+                    ctrl.send(b"settle")
 
     def __enter__(self) -> KVReceiver:
         return self.start()
@@ -271,7 +320,8 @@ class KVReceiver:
 
     def _cleanup_caller_side(self) -> None:
         if self._ctrl is not None:
-            self._ctrl.close(linger=0)
+            with self._ctrl_lock:
+                self._ctrl.close(linger=0)
             self._ctrl = None
         self._ctx.term()
         if self._agent is not None:
@@ -309,7 +359,9 @@ class KVReceiver:
             while True:
                 events = dict(poller.poll(self._timeout_ms()))
                 if ctrl in events:
-                    break  # the only control message is "stop"
+                    if self._stop_asked(ctrl):
+                        break
+                    self._answer_settled(router)
                 if router in events:
                     for _ in range(_MAX_BATCH):
                         try:
@@ -335,12 +387,50 @@ class KVReceiver:
             ctrl.close(linger=0)
             self._report_thread(False)
 
+    @staticmethod
+    def _stop_asked(ctrl: zmq.Socket) -> bool:
+        """Drain the control socket: whether "stop" was among its messages (the others,
+        "settle", only wake the thread)."""
+        stop = False
+        while True:
+            try:
+                stop |= ctrl.recv(zmq.NOBLOCK) == b"stop"
+            except zmq.Again:
+                return stop
+
+    def _answer_settled(self, router: zmq.Socket) -> None:
+        """The consumer's answers: ``ok`` for a payload taken, ``rejected`` for one refused."""
+        while self._settled:
+            ticket, refusal = self._settled.popleft()
+            waiting = self._awaiting.pop(ticket.key, None)
+            self._awaiting_deadlines.pop(ticket.key, None)
+            if waiting is None:
+                logger.info("KV receiver of stage %r: the input of request %s was answered "
+                            "after its transfer's time ran out", self.stage, ticket.request_id)
+                continue
+            req = waiting.request
+            if refusal is not None:
+                self.inbox.discard(req.request_id)
+                self._reject(router, waiting.identity, refusal[0], refusal[1],
+                             req.transfer_id, req.request_id, waiting.span, req.from_stage)
+                continue
+            self._delivered(router, waiting.identity, req, waiting.span, waiting.nbytes)
+
+    def _delivered(self, router: zmq.Socket, identity: bytes, req: ReadRequest, span: Any,
+                   nbytes: int) -> None:
+        self.num_delivered += 1
+        self.metrics.delivered(nbytes, req.from_stage)
+        self._end_span(span, "delivered")
+        self._reply(router, identity, Reply("ok", req.transfer_id, req.request_id))
+
     def _timeout_ms(self) -> int:
         if self._queue and self._staging.available:
             return 0  # a read to start (one per pass: _advance)
         if any(r.phase == "reading" for r in self._reads.values()):
             return READ_POLL_MS
         wake = [r.read_by for r in self._reads.values()]
+        if self._awaiting:
+            wake.append(min(self._awaiting_deadlines.values()))
         if self._peers:
             wake.append(next(iter(self._peers.values())).last_seen + self.agent_idle_ttl_s)
         expiry = self.inbox.next_expiry_in()
@@ -479,6 +569,12 @@ class KVReceiver:
     def _on_read(self, router: zmq.Socket, identity: bytes, req: ReadRequest,
                  received: float) -> None:
         ids = {"transfer_id": req.transfer_id, "request_id": req.request_id}
+        awaiting = self._awaiting.get((req.agent, req.transfer_id))
+        if awaiting is not None:
+            # Read, stored and with its consumer (the AR re-sends what was in flight when
+            # its connection dropped): the answer goes on the new connection, once.
+            awaiting.identity = identity
+            return
         existing = self._reads.get((req.agent, req.transfer_id))
         if existing is not None:
             # The same read again (the AR re-sends what was in flight when its connection
@@ -578,7 +674,7 @@ class KVReceiver:
                          req.from_stage, req)
             return
         try:
-            self.inbox.put(payload)
+            stored = self.inbox.put(payload)
         except InboxFull as e:
             self._reject(router, identity, "inbox_full", str(e), req.transfer_id,
                          req.request_id, job.span, req.from_stage, req)
@@ -587,10 +683,18 @@ class KVReceiver:
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
                          job.span, req.from_stage, req)
             return
-        self.num_delivered += 1
-        self.metrics.delivered(payload.nbytes, req.from_stage)
-        self._end_span(job.span, "delivered")
-        self._reply(router, identity, Reply("ok", req.transfer_id, req.request_id))
+        if stored and self._consumer is not None:
+            ticket = Ticket(req.agent, req.transfer_id, req.request_id, job.read_by)
+            self._awaiting[ticket.key] = _Awaiting(identity, req, job.span, payload.nbytes)
+            self._awaiting_deadlines[ticket.key] = job.read_by + VERDICT_GRACE_S
+            try:
+                self._consumer(req.request_id, ticket)
+            except Exception as e:  # a bug in the consumer: this transfer alone fails
+                logger.exception("KV receiver of stage %r: the consumer failed", self.stage)
+                self._settled.append((ticket, ("internal_error", f"{type(e).__name__}: {e}")))
+                self._answer_settled(router)
+            return
+        self._delivered(router, identity, req, job.span, payload.nbytes)
 
     def _payload(self, job: _Read) -> KVPayload:
         req, hello = job.request, job.peer.hello
@@ -764,6 +868,15 @@ class KVReceiver:
         job.peer.jobs -= 1
 
     def _expire(self, router: zmq.Socket, now: float) -> None:
+        if self._awaiting_deadlines:
+            for key in [k for k, at in self._awaiting_deadlines.items() if now > at]:
+                waiting = self._awaiting.pop(key)
+                del self._awaiting_deadlines[key]
+                req = waiting.request
+                self.inbox.discard(req.request_id)
+                self._reject(router, waiting.identity, "deadline", "the stage did not take "
+                             "the input within the transfer's time", req.transfer_id,
+                             req.request_id, waiting.span, req.from_stage)
         for job in list(self._reads.values()):
             if job.phase == "verdict":
                 if now > job.read_by + VERDICT_GRACE_S:

@@ -38,8 +38,9 @@ KV_TRANSFER_CONFIG = "kv-transfer-config"
 OMNI_KV_CONFIG = "omni_kv_config"
 #: What an engine argument's name may be: letters, digits, '-', '_' and '.' (vLLM's
 #: --json-arg.key form), optionally after the dashes of the command line. Anything else
-#: could never be a vLLM flag.
-_KEY = re.compile(r"^-{0,2}[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: could never be a vLLM flag. Matched whole (fullmatch: ``$`` would also match before a
+#: final newline, and "max-model-len\n" is no flag).
+_KEY = re.compile(r"-{0,2}[A-Za-z0-9][A-Za-z0-9_.-]*")
 #: Word boundaries inside a camel-case key: aB, and the last capital of a run before a word
 #: (LoRAConfig -> Lo-RA-Config).
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -79,7 +80,7 @@ def engine_args_problems(engine_args: Any, *, sends_kv: bool) -> list[EngineArgP
     seen: dict[str, str] = {}
     for key, value in engine_args.items():
         key = str(key)
-        if not _KEY.match(key):
+        if not _KEY.fullmatch(key):
             problems.append(EngineArgProblem(key, "is not a vLLM flag name: use letters, digits, '-', '_' and '.', "
                                                   "as on the command line without the dashes (e.g. max-model-len)"))
             continue

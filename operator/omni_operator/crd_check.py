@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-import jsonschema
 import yaml
 
 from . import API_VERSION, KIND
 from .documents import DocumentError, iter_files, load_documents, read_text
 from .errors import SpecError
+from .gopattern import SchemaValidator
 from .validation import problems, to_jsonschema
 
 
@@ -57,7 +57,7 @@ class CRDSet:
         if schema is None:
             return None
         if key not in self._validators:
-            self._validators[key] = jsonschema.Draft202012Validator(to_jsonschema(schema, root=True))
+            self._validators[key] = SchemaValidator(to_jsonschema(schema, root=True))
         return [f"{field}: {message}" for field, message in problems(schema, obj, self._validators[key])]
 
 

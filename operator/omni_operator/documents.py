@@ -34,6 +34,8 @@ from typing import Any, Iterator
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from .schema_errors import key_path
+
 MAX_FILE_BYTES = 3 * 1024 * 1024  # kube-apiserver refuses request bodies over 3 MiB
 MAX_DEPTH = 64  # an OmniPipeline nests about 8 deep; engineArgs leave room for more
 MAX_VALUES = 200_000  # values after alias expansion ("billion laughs" stop here)
@@ -69,15 +71,16 @@ _NULLS = {"", "~", "null", "Null", "NULL"}
 _SPECIAL_FLOATS = {**{s: math.nan for s in (".nan", ".NaN", ".NAN")},
                    **{s: math.inf for s in (".inf", ".Inf", ".INF", "+.inf", "+.Inf", "+.INF")},
                    **{s: -math.inf for s in ("-.inf", "-.Inf", "-.INF")}}
-_YAML_STYLE_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+# Matched whole (fullmatch: Python's `$` would also match before a final newline).
+_YAML_STYLE_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 # Go's strconv.ParseInt(s, 0, 64) syntax once go-yaml removed the underscores: a sign, then
 # a base prefix (0x, 0o, 0b, or a bare leading 0 for octal) or decimal digits.
-_GO_INT = re.compile(r"^([-+]?)(0[xX][0-9a-fA-F]+|0[oO]?[0-7]+|0[bB][01]+|0|[1-9][0-9]*)$")
-_GO_DECIMAL_FLOAT = re.compile(r"^[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+_GO_INT = re.compile(r"([-+]?)(0[xX][0-9a-fA-F]+|0[oO]?[0-7]+|0[bB][01]+|0|[1-9][0-9]*)")
+_GO_DECIMAL_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 
 def _go_int(text: str) -> int | None:
-    match = _GO_INT.match(text)
+    match = _GO_INT.fullmatch(text)
     if not match:
         return None
     sign, digits = match.groups()
@@ -98,7 +101,7 @@ def _go_int(text: str) -> int | None:
 def _go_float(text: str) -> float | None:
     """strconv.ParseFloat(text, 64) for go-yaml's decimal forms; None on a syntax error or
     an overflow (which Go reports as an error)."""
-    if not _GO_DECIMAL_FLOAT.match(text):
+    if not _GO_DECIMAL_FLOAT.fullmatch(text):
         return None
     value = float(text)
     return None if math.isinf(value) else value
@@ -123,7 +126,7 @@ def _resolve_plain(text: str) -> Any:
         number = _go_int(plain)
         if number is not None and -_INT64 <= number < _UINT64:
             return number
-        if _YAML_STYLE_FLOAT.match(plain):
+        if _YAML_STYLE_FLOAT.fullmatch(plain):
             value = _go_float(plain)
             if value is not None:
                 return value
@@ -288,7 +291,7 @@ class _Builder:
                 raise DocumentError(f"not valid YAML: {where or 'the document'}: a map key must be a string, "
                                     f"not a {kind}")
             name = _key_string(self.resolved(key_node, where), where)
-            out[name] = self.value(value_node, _join(where, name), depth + 1)
+            out[name] = self.value(value_node, key_path(where, name), depth + 1)
 
     def merge(self, out: dict[str, Any], node: Node, where: str, depth: int) -> None:
         sources = node.value if isinstance(node, SequenceNode) else [node]
@@ -373,15 +376,6 @@ def to_json(node: Node | None) -> Any:
         return _Builder().value(node, "", 0)
     except RecursionError:
         raise DocumentError(f"nested deeper than {MAX_DEPTH} levels") from None
-
-
-_SIMPLE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-
-
-def _join(path: str, key: str) -> str:
-    if _SIMPLE_KEY.match(key):
-        return f"{path}.{key}" if path else key
-    return f"{path}[{key!r}]" if path else f"[{key!r}]"
 
 
 def _one_line(exc: yaml.YAMLError) -> str:

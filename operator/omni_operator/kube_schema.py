@@ -19,7 +19,8 @@ import jsonschema
 import referencing
 import referencing.jsonschema
 
-from .schema_errors import describe
+from .gopattern import SchemaValidator
+from .schema_errors import describe, key_path
 
 MIN_KUBERNETES = "1.30"  # the CRD's minimum server version (charts/omni-pipeline/README.md)
 _SCHEMA_DIR = f"kubernetes-json-schema/v{MIN_KUBERNETES}.0-local-strict"
@@ -67,7 +68,7 @@ def definition(name: str) -> dict[str, Any]:
 
 @functools.cache
 def _definition_validator(name: str) -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator({"$ref": f"{_DEFS_URI}#/$defs/{name}"}, registry=_registry())
+    return SchemaValidator({"$ref": f"{_DEFS_URI}#/$defs/{name}"}, registry=_registry())
 
 
 @functools.cache
@@ -79,7 +80,7 @@ def _kind_validator(kind: str, api_version: str) -> jsonschema.Draft202012Valida
         return None  # not a built-in kind (a PodMonitor): its CRD is not known here
     # The kind schemas reference /api/_definitions.json relative to their own $id.
     schema = json.loads(json.dumps(schema).replace('"/api/_definitions.json#', f'"{_DEFS_URI}#'))
-    return jsonschema.Draft202012Validator(schema, registry=_registry())
+    return SchemaValidator(schema, registry=_registry())
 
 
 def check_value(type_name: str, value: Any, field: str) -> list[tuple[str, str]]:
@@ -89,7 +90,7 @@ def check_value(type_name: str, value: Any, field: str) -> list[tuple[str, str]]
 
 def check_pod_spec_field(name: str, value: Any, field: str) -> list[tuple[str, str]]:
     """A single PodSpec field (nodeSelector, ...) against PodSpec's schema for it."""
-    validator = jsonschema.Draft202012Validator(definition(POD_SPEC)["properties"][name], registry=_registry())
+    validator = SchemaValidator(definition(POD_SPEC)["properties"][name], registry=_registry())
     return _errors(validator, value, field)
 
 
@@ -181,10 +182,8 @@ def _join(field: str, parts: Iterable[Any]) -> str:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif re.match(r"^[A-Za-z_][A-Za-z0-9_-]*$", str(part)):
-            out += f".{part}" if out else str(part)
         else:
-            out += f"[{str(part)!r}]"
+            out = key_path(out, str(part))
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,18 +17,28 @@ from typing import Sequence
 import kopf
 from prometheus_client import start_http_server
 
+from .gopattern import matches
 from .handlers import build_registry
 from .health import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, PodMetricsSource, PrometheusSource, TransferHealth
 from .kube import Kube
 from .metrics import OperatorMetrics
+from .objectmeta import is_dns1123_label, is_qualified_name, is_valid_label_value
 from .reconcile import Reconciler
 from .resync import Resync
 from .transfers import DEFAULT_FAILING_RATIO
 
 log = logging.getLogger("omni_operator")
-NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-LABEL = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                   r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?=([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _namespace_name(text: str) -> bool:
+    """A namespace name (a DNS-1123 label), by apimachinery's rule."""
+    return not is_dns1123_label(text)
+
+
+def _label_pair(text: str) -> bool:
+    """KEY=VALUE, a label key and value by apimachinery's rules."""
+    key, equals, value = text.partition("=")
+    return bool(equals) and not is_qualified_name(key) and not is_valid_label_value(value)
 
 
 @dataclass
@@ -94,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     for ns in args.namespace:
-        if not NAMESPACE.match(ns):
+        if not _namespace_name(ns):
             parser.error(f"--namespace {ns!r}: not a namespace name (lower case letters, digits, '-')")
     for flag, port in (("--metrics-port", args.metrics_port), ("--liveness-port", args.liveness_port)):
         if not 0 <= port <= 65535:
@@ -107,14 +116,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         parser.error("--metrics-concurrency must be from 1 to 1024")
     if not 0 <= args.transfers_failing_ratio < 1:
         parser.error("--transfers-failing-ratio must be at least 0 and below 1")
-    if args.prometheus_url and not re.match(r"^https?://[^\s/]+", args.prometheus_url):
+    if args.prometheus_url and not matches(r"^https?://[^\s/]+", args.prometheus_url):
         parser.error(f"--prometheus-url {args.prometheus_url!r}: not an http(s) URL")
-    if args.operator_namespace and not NAMESPACE.match(args.operator_namespace):
+    if args.operator_namespace and not _namespace_name(args.operator_namespace):
         parser.error(f"--operator-namespace {args.operator_namespace!r}: not a namespace name")
     labels = None
     if args.operator_pod_labels:
         pairs = [p for p in args.operator_pod_labels.split(",") if p]
-        bad = [p for p in pairs if not LABEL.match(p)]
+        bad = [p for p in pairs if not _label_pair(p)]
         if bad or not pairs:
             parser.error(f"--operator-pod-labels: not KEY=VALUE label pairs: {', '.join(bad) or args.operator_pod_labels}")
         labels = dict(p.split("=", 1) for p in pairs)

@@ -20,6 +20,7 @@ from omni_contract.kv_wire import KV_WIRE_VERSION
 
 from . import crd
 from .errors import Problem
+from .quantities import parse_quantity
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # kvTransfer.ioCpus: the CRD's pattern states its syntax; the ranges' order and the id bound
@@ -198,11 +199,9 @@ def revision_of(pipeline: "Pipeline") -> str:
 
 
 def _quantity_float(value: Any) -> float:
-    if isinstance(value, (int, float)):
-        return float(value)
-    from .quantities import parse_quantity
-
-    return float(parse_quantity(str(value)))
+    """A target as KEDA and the HPA's metrics read it, a float64 (inf beyond its range:
+    `graph_problems` refuses it)."""
+    return float(parse_quantity(value))
 
 
 def _stage(raw: Mapping[str, Any], default_image: str) -> Stage:
@@ -251,6 +250,11 @@ def graph_problems(pipeline: Pipeline) -> list[Problem]:
                                                                 "set send: false"))
         if stage.kv.io_cpus is not None:
             problems += _io_cpus(f"{where}.kvTransfer.ioCpus", stage.kv.io_cpus)
+        for j, metric in enumerate(stage.autoscaling.metrics if stage.autoscaling else ()):
+            if metric.target == float("inf"):
+                problems.append(Problem(f"{where}.autoscaling.metrics[{j}].target",
+                                        "is beyond the range of a 64-bit float, which KEDA's threshold and the HPA's "
+                                        "metric value are read as; use a target below 1.7e308"))
         for problem in engine_args_problems(stage.engine_args, sends_kv=stage.kv.send):
             # A key that is no flag name may hold anything: one with a newline or another
             # unprintable character is named quoted, so the field stays one printable line.

@@ -14,20 +14,23 @@ messages, each naming the field and, where there is one, the fix.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Iterable
 
+from .gopattern import matches
 from .kube_schema import OBJECT_META, check_value
+from .schema_errors import key_path
 
 # k8s.io/apimachinery/pkg/util/validation
 QUALIFIED_NAME_MAX = 63
 DNS1123_LABEL_MAX = 63
 DNS1123_SUBDOMAIN_MAX = 253
 LABEL_VALUE_MAX = 63
-_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Upstream's expressions, evaluated as Go evaluates them (gopattern: "$" is the end of the
+# text, so "ml\n" is no label value).
+_QUALIFIED_NAME = r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # k8s.io/apimachinery/pkg/api/validation
 TOTAL_ANNOTATION_SIZE_LIMIT = 256 * (1 << 10)
 _ORPHAN, _FOREGROUND = "orphan", "foregroundDeletion"
@@ -37,7 +40,7 @@ def is_dns1123_label(value: str) -> list[str]:
     errors = []
     if len(value) > DNS1123_LABEL_MAX:
         errors.append(f"must be no more than {DNS1123_LABEL_MAX} characters")
-    if not _DNS1123_LABEL.match(value):
+    if not matches(_DNS1123_LABEL, value):
         errors.append("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
                       "and must start and end with an alphanumeric character (e.g. 'my-name', or '123-abc')")
     return errors
@@ -47,7 +50,7 @@ def is_dns1123_subdomain(value: str) -> list[str]:
     errors = []
     if len(value) > DNS1123_SUBDOMAIN_MAX:
         errors.append(f"must be no more than {DNS1123_SUBDOMAIN_MAX} characters")
-    if not _DNS1123_SUBDOMAIN.match(value):
+    if not matches(_DNS1123_SUBDOMAIN, value):
         errors.append("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or "
                       "'.', and must start and end with an alphanumeric character (e.g. 'example.com')")
     return errors
@@ -73,7 +76,7 @@ def is_qualified_name(value: str) -> list[str]:
         errors.append("name part must be non-empty")
     elif len(name) > QUALIFIED_NAME_MAX:
         errors.append(f"name part must be no more than {QUALIFIED_NAME_MAX} characters")
-    if name and not _QUALIFIED_NAME.match(name):
+    if name and not matches(_QUALIFIED_NAME, name):
         errors.append("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end "
                       "with an alphanumeric character (e.g. 'MyName', or 'my.name', or '123-abc')")
     return errors
@@ -83,7 +86,7 @@ def is_valid_label_value(value: str) -> list[str]:
     errors = []
     if len(value) > LABEL_VALUE_MAX:
         errors.append(f"must be no more than {LABEL_VALUE_MAX} characters")
-    if not _LABEL_VALUE.match(value):
+    if not matches(_LABEL_VALUE, value):
         errors.append("a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or "
                       "'.', and must start and end with an alphanumeric character (e.g. 'MyValue', or 'my_value')")
     return errors
@@ -112,7 +115,7 @@ def metadata_problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
     for key, value in labels.items():
         problems += _key_problems("metadata.labels", key, is_qualified_name(key), "a label key")
         for message in is_valid_label_value(value or ""):
-            problems.append((_key_path("metadata.labels", key), f"{_shown(value)}: {message}"))
+            problems.append((key_path("metadata.labels", key), f"{_shown(value)}: {message}"))
     annotations = meta.get("annotations") or {}
     for key in annotations:
         problems += _key_problems("metadata.annotations", key, is_qualified_name(key.lower()), "an annotation key")
@@ -127,7 +130,7 @@ def metadata_problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _key_problems(where: str, key: str, messages: Iterable[str], what: str) -> list[tuple[str, str]]:
-    return [(_key_path(where, key), f"{_shown(key)} is not valid as {what}: {m}") for m in messages]
+    return [(key_path(where, key), f"{_shown(key)} is not valid as {what}: {m}") for m in messages]
 
 
 def _owner_reference_problems(refs: list[Any]) -> list[tuple[str, str]]:
@@ -165,13 +168,6 @@ def _finalizer_problems(finalizers: list[Any]) -> list[tuple[str, str]]:
     if _ORPHAN in finalizers and _FOREGROUND in finalizers:
         problems.append(("metadata.finalizers", f"finalizer {_ORPHAN} and {_FOREGROUND} cannot be both set"))
     return problems
-
-
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-
-
-def _key_path(where: str, key: str) -> str:
-    return f"{where}.{key}" if _PLAIN.match(key) else f"{where}[{key!r}]"
 
 
 def _shown(value: Any) -> str:

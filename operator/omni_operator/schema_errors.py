@@ -5,9 +5,23 @@ given schemas"."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
+
+#: A map key shown as `.key` in a field path; any other is shown quoted, `['nvidia.com/gpu']`.
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def key_path(path: str, key: str) -> str:
+    """A map key in a field path: `.memory`, or `['nvidia.com/gpu']` when it has dots, slashes
+    or anything but letters, digits, '-' and '_' (a newline included), so that a path never
+    reads as a deeper field and stays one printable line."""
+    if _PLAIN_KEY.fullmatch(key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
 
 MAX_MESSAGE = 300  # a message quotes the bad value; a huge value is cut, not printed whole
 MAX_SHOWN = 80

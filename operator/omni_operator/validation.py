@@ -12,8 +12,9 @@ x-kubernetes-preserve-unknown-fields, nullable, strict unknown-field rejection, 
 set/map, and the integer formats (an int32 field holds no more than 32 bits). Then, when
 the structure holds, apimachinery's ObjectMeta rules and the x-kubernetes-validations rules
 at each node, evaluated by cel-python with the Kubernetes quantity library (`isQuantity`,
-`quantity`, and the Quantity member functions) that the CRD's minimum server version has; a
-rule's `messageExpression` gives its message, as on the server.
+`quantity`, and the Quantity member functions, on apimachinery's parser: `quantities.py`)
+that the CRD's minimum server version has, and `matches()` and every `pattern` on Go's regexp
+(`gopattern.py`); a rule's `messageExpression` gives its message, as on the server.
 
 Nothing here raises on any JSON-like input: a rule that cannot be evaluated is reported as
 failed, naming its field, as the API server reports it.
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
-from decimal import Decimal
 from typing import Any
 
 import celpy
@@ -31,9 +30,10 @@ import jsonschema
 from celpy import celtypes
 
 from omni_operator import crd
+from omni_operator.gopattern import PatternError, SchemaValidator, matches
 from omni_operator.objectmeta import metadata_problems, metadata_shape_problems
-from omni_operator.quantities import parse_quantity
-from omni_operator.schema_errors import describe, json_type, short, shown
+from omni_operator.quantities import Quantity, QuantityError, is_quantity, parse
+from omni_operator.schema_errors import describe, json_type, key_path, short, shown
 
 _PASSTHROUGH = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
                 "minItems", "maxItems", "required", "description", "default", "minProperties", "maxProperties")
@@ -73,32 +73,22 @@ def to_jsonschema(node: dict[str, Any], *, root: bool = False) -> dict[str, Any]
 # -- the Kubernetes quantity library (k8s.io/apiserver/pkg/cel/library/quantity.go) -------------
 
 
-class Quantity:
-    """A CEL Quantity value: an exact decimal."""
-
-    def __init__(self, value: Decimal):
-        self.value = value
-
-
 class CELQuantityError(ValueError):
     pass
 
 
 def _quantity(text: Any) -> Quantity:
+    """`quantity(string)`: apimachinery's ParseQuantity (`quantities.parse`)."""
+    if not isinstance(text, str):
+        raise CELQuantityError("quantity() takes a string")
     try:
-        return Quantity(parse_quantity(str(text)) if isinstance(text, celtypes.StringType) else parse_quantity(text))
-    except ValueError as exc:
-        raise CELQuantityError(f"quantities must match the regular expression: {exc}") from None
+        return parse(str(text))
+    except QuantityError as exc:
+        raise CELQuantityError(str(exc)) from None
 
 
 def _is_quantity(text: Any) -> celtypes.BoolType:
-    if not isinstance(text, str):
-        return celtypes.BoolType(False)
-    try:
-        parse_quantity(str(text))
-    except ValueError:
-        return celtypes.BoolType(False)
-    return celtypes.BoolType(True)
+    return celtypes.BoolType(isinstance(text, str) and is_quantity(str(text)))
 
 
 def _cmp(a: Quantity, b: Quantity) -> int:
@@ -106,19 +96,20 @@ def _cmp(a: Quantity, b: Quantity) -> int:
 
 
 def _as_integer(q: Quantity) -> celtypes.IntType:
-    if q.value != q.value.to_integral_value() or abs(q.value) > 2**63 - 1:
+    value = q.as_int64()
+    if value is None:
         raise CELQuantityError("cannot convert value to integer")
-    return celtypes.IntType(int(q.value))
+    return celtypes.IntType(value)
 
 
 QUANTITY_FUNCTIONS = {
     "quantity": _quantity,
     "isQuantity": _is_quantity,
-    "sign": lambda q: celtypes.IntType((q.value > 0) - (q.value < 0)),
+    "sign": lambda q: celtypes.IntType(q.sign()),
     "compareTo": lambda a, b: celtypes.IntType(_cmp(a, b)),
     "isGreaterThan": lambda a, b: celtypes.BoolType(_cmp(a, b) > 0),
     "isLessThan": lambda a, b: celtypes.BoolType(_cmp(a, b) < 0),
-    "isInteger": lambda q: celtypes.BoolType(q.value == q.value.to_integral_value() and abs(q.value) <= 2**63 - 1),
+    "isInteger": lambda q: celtypes.BoolType(q.as_int64() is not None),
     "asInteger": _as_integer,
     "asApproximateFloat": lambda q: celtypes.DoubleType(float(q.value)),
 }
@@ -143,7 +134,15 @@ def _index_of(target: Any, item: Any) -> celtypes.IntType:
     return celtypes.IntType(-1)
 
 
-CEL_FUNCTIONS = {**QUANTITY_FUNCTIONS, "join": _join, "indexOf": _index_of}
+def _matches(text: Any, pattern: Any) -> Any:
+    """`string.matches(pattern)`: Go's regexp (RE2), as the API server evaluates it."""
+    try:
+        return celtypes.BoolType(matches(str(pattern), str(text)))
+    except PatternError as exc:
+        raise CELQuantityError(str(exc)) from None
+
+
+CEL_FUNCTIONS = {**QUANTITY_FUNCTIONS, "join": _join, "indexOf": _index_of, "matches": _matches}
 
 _env = celpy.Environment()
 
@@ -249,35 +248,24 @@ def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[tuple[str, 
         if isinstance(extra, dict):
             for name, item in value.items():
                 if name not in (node.get("properties") or {}):
-                    errors += _cel_errors(extra, item, _key_path(path, name))
+                    errors += _cel_errors(extra, item, key_path(path, name))
     if isinstance(value, list) and isinstance(node.get("items"), dict):
         for i, item in enumerate(value):
             errors += _cel_errors(node["items"], item, f"{path}[{i}]")
     return errors
 
 
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-
-
-def _key_path(path: str, key: str) -> str:
-    """A map key in a field path: `.memory`, or `['nvidia.com/gpu']` when it has dots or slashes,
-    so that a path never reads as a deeper field."""
-    if _PLAIN.match(key):
-        return f"{path}.{key}" if path else key
-    return f"{path}[{key!r}]"
-
-
 def _path(parts) -> str:
     """spec.stages[1].role: the field paths the operator's own errors use."""
     out = ""
     for part in parts:
-        out = f"{out}[{part}]" if isinstance(part, int) else _key_path(out, str(part))
+        out = f"{out}[{part}]" if isinstance(part, int) else key_path(out, str(part))
     return out
 
 
 @functools.cache
 def _crd_validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(to_jsonschema(crd.openapi_schema(), root=True))
+    return SchemaValidator(to_jsonschema(crd.openapi_schema(), root=True))
 
 
 def validate(schema: dict[str, Any], obj: Any, validator: jsonschema.Draft202012Validator | None = None) -> list[str]:
@@ -296,7 +284,7 @@ def problems(schema: dict[str, Any], obj: Any,
 def view_problems(schema: dict[str, Any], view: dict[str, Any],
                   validator: jsonschema.Draft202012Validator | None = None) -> list[tuple[str, str]]:
     """problems() of an object already as the server holds it (`crd.server_view`)."""
-    validator = validator or jsonschema.Draft202012Validator(to_jsonschema(schema, root=True))
+    validator = validator or SchemaValidator(to_jsonschema(schema, root=True))
     errors = metadata_shape_problems(view.get("metadata"))
     for e in sorted(validator.iter_errors(view), key=lambda e: list(map(str, e.absolute_path))):
         errors.append((_path(e.absolute_path) or "<root>", describe(e)))

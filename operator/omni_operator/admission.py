@@ -164,6 +164,7 @@ def _rendered_children(pipeline: Pipeline, children: tuple[dict[str, Any], ...])
     stage_of = {f"{pipeline.name}-{s.name}": i for i, s in enumerate(pipeline.stages)}
     stage_of.update({naming.revision_name(pipeline.name, s.name, pipeline.revision): i
                      for i, s in enumerate(pipeline.stages)})
+    stage_of.update({naming.scaledobject_name(pipeline.name, s.name): i for i, s in enumerate(pipeline.stages)})
     problems = []
     for child in children:
         name = child["metadata"]["name"]

@@ -29,6 +29,9 @@ INPUTS_ANNOTATION = "omnipipeline.dev/inputs"
 SENDS_ANNOTATION = "omnipipeline.dev/sends-kv"
 #: A Kubernetes object name (a DNS-1035 label, as a Service name must be) is at most this long.
 MAX_NAME = 63
+#: A KEDA ScaledObject's name: KEDA names its HPA ``keda-hpa-NAME`` (and labels it with NAME),
+#: so newer KEDA's webhook refuses a name longer than 63 - len("keda-hpa-").
+MAX_SCALEDOBJECT_NAME = MAX_NAME - len("keda-hpa-")
 
 
 def stage_name(pipeline: str, stage: str) -> str:
@@ -36,17 +39,29 @@ def stage_name(pipeline: str, stage: str) -> str:
     return f"{pipeline}-{stage}"
 
 
+def _fitted(base: str, limit: int, tail: str = "") -> str:
+    """``base-tail`` (or ``base``) within ``limit`` characters: where it passes, ``base`` is
+    cut and a hash of it keeps two names apart (``base-HASH6-tail``)."""
+    ending = f"-{tail}" if tail else ""
+    if len(base) + len(ending) <= limit:
+        return base + ending
+    digest = hashlib.sha256(base.encode()).hexdigest()[:6]
+    keep = limit - len(ending) - len(digest) - 1
+    return f"{base[:keep].rstrip('-')}-{digest}{ending}"
+
+
 def revision_name(pipeline: str, stage: str, revision: str) -> str:
     """Name of one revision's workload of a stage (its Deployment, ConfigMap and KV Service):
     ``P-S-REVISION``; where that passes 63 characters, ``P-S`` is cut and a hash of it keeps
     two stages apart (``P-S`` itself always fits: the CRD refuses longer)."""
-    name = f"{stage_name(pipeline, stage)}-{revision}"
-    if len(name) <= MAX_NAME:
-        return name
-    base = stage_name(pipeline, stage)
-    digest = hashlib.sha256(base.encode()).hexdigest()[:6]
-    keep = MAX_NAME - len(revision) - len(digest) - 2
-    return f"{base[:keep].rstrip('-')}-{digest}-{revision}"
+    return _fitted(stage_name(pipeline, stage), MAX_NAME, revision)
+
+
+def scaledobject_name(pipeline: str, stage: str) -> str:
+    """Name of a stage's KEDA ScaledObject: ``P-S``, cut as revision names are cut where it
+    passes 54 characters (``P-S`` cut, then a hash of it), so that KEDA's HPA name
+    ``keda-hpa-NAME`` fits 63."""
+    return _fitted(stage_name(pipeline, stage), MAX_SCALEDOBJECT_NAME)
 
 
 def kv_endpoint(pipeline: str, stage: str, namespace: str, revision: str | None = None) -> str:

@@ -472,7 +472,7 @@ def render_scaledobject(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
     return {
         "apiVersion": SCALEDOBJECT.api_version,
         "kind": SCALEDOBJECT.kind,
-        "metadata": _metadata(pipeline, naming.stage_name(pipeline.name, stage.name), stage.name),
+        "metadata": _metadata(pipeline, naming.scaledobject_name(pipeline.name, stage.name), stage.name),
         "spec": {
             "scaleTargetRef": _scale_target(pipeline, stage),
             "minReplicaCount": stage.autoscaling.min_replicas,

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import copy
+import io
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import kubernetes
 
+from omni_operator import cli
 from omni_operator import main as operator_main
 from omni_operator import naming
+from omni_operator.documents import load_documents
 from omni_operator.kinds import DEPLOYMENT
 from omni_operator.kube import Kube
 from omni_operator.metrics import OperatorMetrics
@@ -30,6 +34,22 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def validate_text(tmp_path: Path, text: str) -> tuple[int, list[str]]:
+    """`omni-pipeline validate` on a file holding this text: (exit code, the lines it prints)."""
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    out = io.StringIO()
+    code = cli.cmd_validate([path], out)
+    return code, out.getvalue().splitlines()
+
+
+def body_of(text: str) -> dict:
+    """The one document of a YAML text, read as kubectl reads it."""
+    (doc,) = load_documents(text)
+    assert doc.error is None, doc.error
+    return doc.value
 
 
 def free_port() -> int:

@@ -7,17 +7,14 @@ PodMonitor: the signals never exist)."""
 from __future__ import annotations
 
 import copy
-import io
-from pathlib import Path
 
 import pytest
 import yaml
 
 from k8s_emulator import EmulatorThread
-from omnip_support import NAMESPACE, create_pipeline, make_kube
-from omni_operator import cli, naming
+from omnip_support import NAMESPACE, body_of, create_pipeline, make_kube, validate_text
+from omni_operator import naming
 from omni_operator.admission import admit
-from omni_operator.documents import load_documents
 from omni_operator.kinds import HPA, SCALEDOBJECT
 from omni_operator.reconcile import Reconciler
 from omni_operator.validation import resource_problems
@@ -51,24 +48,11 @@ spec:
 """
 
 
-def validate(tmp_path: Path, text: str) -> tuple[int, list[str]]:
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(text)
-    out = io.StringIO()
-    code = cli.cmd_validate([path], out)
-    return code, out.getvalue().splitlines()
-
-
-def body_of(text: str) -> dict:
-    (doc,) = load_documents(text)
-    return doc.value
-
-
 @pytest.mark.parametrize("path", ["/tmp/", "/tmp", "//tmp", "/./tmp", "/tmp/.", "/tmp//", "/dev/shm/", "/dev//shm",
                                   "/dev/./shm", "/etc/omni/", "/etc/omni/models", "/etc//omni", "/", "/etc", "/dev/"])
 def test_a_cache_path_the_kubelet_resolves_to_the_pods_own_mounts_is_refused(tmp_path, path):
     text = PIPELINE.replace("mountPath: /models", f"mountPath: {path}")
-    code, lines = validate(tmp_path, text)
+    code, lines = validate_text(tmp_path, text)
     assert code == 1, lines
     (line,) = lines
     assert ": spec.model.cache.mountPath: " in line and repr(path) in line and "already mount" in line
@@ -78,7 +62,7 @@ def test_a_cache_path_the_kubelet_resolves_to_the_pods_own_mounts_is_refused(tmp
 
 
 def test_a_dot_dot_segment_is_refused_with_the_fix(tmp_path):
-    code, lines = validate(tmp_path, PIPELINE.replace("mountPath: /models", "mountPath: /models/../tmp"))
+    code, lines = validate_text(tmp_path, PIPELINE.replace("mountPath: /models", "mountPath: /models/../tmp"))
     assert code == 1, lines
     (line,) = lines
     assert "spec.model.cache.mountPath: '/models/../tmp' holds a '..' segment: write the path it resolves to" in line
@@ -87,7 +71,7 @@ def test_a_dot_dot_segment_is_refused_with_the_fix(tmp_path):
 @pytest.mark.parametrize("path", ["/models/", "/models//cache", "/tmp/models", "/dev/shm-models", "/etc/omnibus",
                                   "/.models", "/data/..cache", "/mnt/./models"])
 def test_other_cache_paths_are_accepted(tmp_path, path):
-    code, lines = validate(tmp_path, PIPELINE.replace("mountPath: /models", f"mountPath: {path}"))
+    code, lines = validate_text(tmp_path, PIPELINE.replace("mountPath: /models", f"mountPath: {path}"))
     assert code == 0, lines
 
 
@@ -97,7 +81,7 @@ LONG = PIPELINE.replace("name: qwen-omni", "name: " + "q" * 40).replace("name: c
 
 
 def test_a_scaledobject_name_is_cut_to_what_keda_takes(tmp_path):
-    code, lines = validate(tmp_path, LONG)
+    code, lines = validate_text(tmp_path, LONG)
     assert code == 0, lines
     body = body_of(LONG)
     body["metadata"]["namespace"] = "ml"
@@ -143,7 +127,7 @@ def test_the_operator_creates_the_cut_scaledobject():
 
 def test_autoscaling_without_metrics_is_refused_naming_the_stages(tmp_path):
     text = PIPELINE.replace("  observability:\n    metrics: true", "  observability:\n    metrics: false")
-    code, lines = validate(tmp_path, text)
+    code, lines = validate_text(tmp_path, text)
     assert code == 1, lines
     (line,) = lines
     assert ": spec.observability.metrics: is false, so no PodMonitor scrapes the stages" in line
@@ -155,5 +139,5 @@ def test_metrics_off_without_autoscaling_is_accepted(tmp_path):
     text = PIPELINE.replace("  observability:\n    metrics: true", "  observability:\n    metrics: false")
     body = body_of(text)
     del body["spec"]["stages"][1]["autoscaling"]
-    code, lines = validate(tmp_path, yaml.safe_dump(copy.deepcopy(body)))
+    code, lines = validate_text(tmp_path, yaml.safe_dump(copy.deepcopy(body)))
     assert code == 0, lines

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import ast
 import copy
-import io
 from pathlib import Path
 
 import pytest
 import yaml
 
-from omni_operator import cli
+from omnip_support import body_of, validate_text
 from omni_operator.admission import admit, problems_of
-from omni_operator.documents import load_documents
 from omni_operator.gopattern import PatternError, matches
 from omni_operator.quantities import QuantityError, canonical_quantity, parse
 from omni_operator.validation import resource_problems
@@ -80,22 +78,8 @@ def with_block(old: str, key: str, value: str) -> str:
     return PIPELINE.replace(old, f"{indent}{key} |\n{deeper}{value}", 1)
 
 
-def validate(tmp_path: Path, text: str) -> tuple[int, list[str]]:
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(text)
-    out = io.StringIO()
-    code = cli.cmd_validate([path], out)
-    return code, out.getvalue().splitlines()
-
-
-def body_of(text: str) -> dict:
-    (doc,) = load_documents(text)
-    assert doc.error is None, doc.error
-    return doc.value
-
-
 def test_the_pipeline_is_valid(tmp_path):
-    code, lines = validate(tmp_path, PIPELINE)
+    code, lines = validate_text(tmp_path, PIPELINE)
     assert code == 0, lines
 
 
@@ -132,7 +116,7 @@ def test_a_trailing_newline_is_refused_as_kubectl_apply_refuses_it(tmp_path, cas
     else:
         text = with_block(old, key, value)
     body = body_of(text)
-    code, lines = validate(tmp_path, text)
+    code, lines = validate_text(tmp_path, text)
     assert code == 1, lines
     assert any(f": {field}" in line for line in lines), lines
     assert all("\n" not in line for line in lines)
@@ -195,13 +179,13 @@ def test_the_api_servers_canonical_form():
     ("        requests: {memory: 8Gi}", "        requests: {memory: 10E}"),
 ])
 def test_quantities_beyond_int64_are_accepted(tmp_path, line, new):
-    code, lines = validate(tmp_path, PIPELINE.replace(line, new))
+    code, lines = validate_text(tmp_path, PIPELINE.replace(line, new))
     assert code == 0, lines
 
 
 def test_a_target_beyond_a_float64_is_refused_for_what_it_is(tmp_path):
     text = PIPELINE.replace("target: 8}", 'target: "1e999999999"}')
-    code, lines = validate(tmp_path, text)
+    code, lines = validate_text(tmp_path, text)
     assert code == 1, lines
     (line,) = lines
     assert "spec.stages[0].autoscaling.metrics[0].target" in line and "64-bit float" in line

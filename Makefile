@@ -16,7 +16,7 @@ NIXL_VERSION := 1.5.1
 DEBIAN_PACKAGES := prometheus prometheus-alertmanager
 PYTEST_ARGS ?=
 
-.PHONY: all setup test fuzz demo demo-scheduler bench bench-gpu dashboards check-generated clean images image-base runtime-image operator-image
+.PHONY: all setup test fuzz demo demo-scheduler bench bench-gpu dashboards vllm-args check-generated clean images image-base runtime-image operator-image
 
 all: test
 
@@ -90,8 +90,13 @@ bench-gpu: setup
 dashboards: setup
 	$(PY) monitoring/generate.py
 
+# The stage contract's table of vLLM's server arguments, from the installed (pinned) vLLM.
+vllm-args: setup
+	$(PY) tools/generate_vllm_args.py
+
 check-generated: setup
 	$(PY) monitoring/generate.py --check
+	$(PY) tools/generate_vllm_args.py --check
 
 # ---------------------------------------------------------------------------- images
 # The stage runtime (CPU build) and the operator as OCI images, built with podman (no Docker

@@ -9,6 +9,9 @@ the operator: both import this package, which imports only the standard library.
 * :mod:`omni_contract.engine_args`: the ``engineArgs`` a stage passes to vLLM as flags, the
   flags the stage owns, and the one spelling rule (``max-model-len``, ``max_model_len`` and
   ``maxModelLen`` are one flag);
+* :mod:`omni_contract.vllm_args`: what vLLM's server takes (its flags, their values, the rules
+  between them), read from ``vllm_args.json``, a table generated from the pinned vLLM's own
+  parser (``tools/generate_vllm_args.py``), and the version it describes;
 * :mod:`omni_contract.kv_transfer`: which user ``kv-transfer-config`` the stage can compose
   with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself;
 * :mod:`omni_contract.kv_wire`: the KV payload format version (the runtime's protocol

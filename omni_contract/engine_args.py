@@ -2,11 +2,21 @@
 
 One spelling rule (:func:`flag_name`): a key in kebab, snake or camel case, with or without
 leading dashes, is the flag ``--kebab-case`` (``max-model-len``, ``max_model_len``,
-``maxModelLen`` and ``--max-model-len`` are all ``--max-model-len``). The stage owns a few
-flags (:data:`RESERVED`): a user value would break the stage contract. ``additional-config``
-is merged with the stage's own (whose ``omni_kv_config`` key the stage owns), and a
-``kv-transfer-config`` (a mapping, or its JSON text as vLLM's flag takes it) is composed with
-the omni KV connector when the stage sends KV (:mod:`omni_contract.kv_transfer`).
+``maxModelLen`` and ``--max-model-len`` are all ``--max-model-len``); in a key with a '.'
+(vLLM's ``--json-arg.field value``) only the part before the first '.' is the flag's name,
+the field after it is kept as written. The stage owns a few flags (:data:`RESERVED`): a user
+value would break the stage contract. ``additional-config`` is merged with the stage's own
+(whose ``omni_kv_config`` key the stage owns), and a ``kv-transfer-config`` (a mapping, or its
+JSON text as vLLM's flag takes it) is composed with the omni KV connector when the stage sends
+KV (:mod:`omni_contract.kv_transfer`); neither may be given field by field with '.' keys (they
+would replace the stage's own value).
+
+Then what vLLM's own parser would refuse (:mod:`omni_contract.vllm_args`, a table generated
+from the pinned vLLM's parser): an unknown flag, a value outside a flag's choices or of the
+wrong form, a flag that needs another. The table is one vLLM version's: the stage checks
+against the vLLM it runs (its installed version), the operator against the version a stage's
+image names; another version gets the spelling rules above only, with a warning
+(:func:`engine_args_report`).
 
 :func:`engine_args_problems` is the whole check: ``omni-stage`` refuses a stage config with
 any of them (exit 2, naming ``engineArgs.KEY``), the operator and ``omni-pipeline validate``
@@ -21,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_contract import vllm_args
 from omni_contract.kv_transfer import ConnectorConfigError, user_connectors
 
 #: Flags the stage sets itself, and why a user value cannot be taken.
@@ -34,6 +45,12 @@ RESERVED: dict[str, str] = {
 }
 ADDITIONAL_CONFIG = "additional-config"
 KV_TRANSFER_CONFIG = "kv-transfer-config"
+#: Every flag the stage sets (why a user value, or a '.' field of it, cannot be taken as such).
+_OWNED: dict[str, str] = {
+    **RESERVED,
+    ADDITIONAL_CONFIG: "the stage merges engineArgs.additional-config, a mapping, with its own",
+    KV_TRANSFER_CONFIG: "the stage composes engineArgs.kv-transfer-config, a mapping, with its own KV connector",
+}
 #: The key of ``additional-config`` the stage fills from kvTransfer and the pipeline graph.
 OMNI_KV_CONFIG = "omni_kv_config"
 #: What an engine argument's name may be: letters, digits, '-', '_' and '.' (vLLM's
@@ -49,9 +66,10 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 def flag_name(key: str) -> str:
     """The vLLM flag (without its dashes) an ``engineArgs`` key stands for: camel case split
     into words (``maxModelLen``, ``enableLoRA``), snake case and any casing (``PORT``) folded
-    to vLLM's kebab case."""
-    words = _CAMEL.sub("-", key.lstrip("-"))
-    return words.replace("_", "-").lower()
+    to vLLM's kebab case. In ``json-arg.field`` only the flag's name is folded: the field is a
+    JSON key, kept as written (vLLM's parser does the same)."""
+    head, dot, field = key.lstrip("-").partition(".")
+    return _CAMEL.sub("-", head).replace("_", "-").lower() + dot + field
 
 
 @dataclass(frozen=True)
@@ -71,12 +89,25 @@ class EngineArgsError(ValueError):
         super().__init__(str(problem))
 
 
-def engine_args_problems(engine_args: Any, *, sends_kv: bool) -> list[EngineArgProblem]:
+def engine_args_problems(engine_args: Any, *, sends_kv: bool,
+                         vllm_version: str | None = None) -> list[EngineArgProblem]:
     """Every way these engineArgs break the stage contract (empty: none). ``sends_kv``: the
-    stage sends KV (``kvTransfer.send``), so a user's KV connector is composed with ours."""
+    stage sends KV (``kvTransfer.send``), so a user's KV connector is composed with ours.
+    ``vllm_version``: the vLLM the stage runs (None: the one installed here, else the
+    table's)."""
+    return engine_args_report(engine_args, sends_kv=sends_kv, vllm_version=vllm_version)[0]
+
+
+def engine_args_report(engine_args: Any, *, sends_kv: bool, vllm_version: str | None = None
+                       ) -> tuple[list[EngineArgProblem], list[EngineArgProblem]]:
+    """(problems, warnings): the problems of :func:`engine_args_problems`, and what the stage
+    would run with but the user should know: an abbreviated flag, ``false`` on a flag whose
+    default is not off, a vLLM version the argument table does not describe (then only the
+    spelling rules are checked)."""
     if not isinstance(engine_args, Mapping):
-        return [EngineArgProblem("", "must be a map of vLLM engine argument names to values")]
+        return [EngineArgProblem("", "must be a map of vLLM engine argument names to values")], []
     problems: list[EngineArgProblem] = []
+    flags: list[tuple[str, str, Any]] = []
     seen: dict[str, str] = {}
     for key, value in engine_args.items():
         key = str(key)
@@ -90,13 +121,52 @@ def engine_args_problems(engine_args: Any, *, sends_kv: bool) -> list[EngineArgP
                                                   "keep one of them"))
             continue
         seen[flag] = key
-        if flag in RESERVED:
+        head = flag.partition(".")[0]
+        if head != flag and head in _OWNED:
+            problems.append(EngineArgProblem(key, f"sets a field of --{head} with '.', which would replace the "
+                                                  f"whole --{head} ({_OWNED[head]}); "
+                                                  + (f"write it inside {head} (a mapping)" if head not in RESERVED
+                                                     else "remove it")))
+        elif flag in RESERVED:
             problems.append(EngineArgProblem(key, f"cannot be set: {RESERVED[flag]}; remove it"))
         elif flag == ADDITIONAL_CONFIG:
             problems += _additional_config(key, value)
         elif flag == KV_TRANSFER_CONFIG:
             problems += _kv_transfer_config(key, value, sends_kv)
-    return problems
+        else:
+            flags.append((key, flag, value))
+    if not flags:
+        return problems, []
+    version = _vllm_version(vllm_version)
+    if not vllm_args.applies(version):
+        table = vllm_args.table().version
+        runs = "a vLLM whose version its image does not tell" if version == "unknown" else f"vLLM {version}"
+        return problems, [EngineArgProblem("", f"the stage runs {runs}, and the contract's argument table is vLLM "
+                                               f"{table}'s: only the spelling rules are checked (flag names, the "
+                                               "flags the stage owns), not the flags and values vLLM takes")]
+    found, warned = vllm_args.check(flags, _OWNED)
+    problems += [EngineArgProblem(f.key, f.message) for f in found]
+    return problems, [EngineArgProblem(f.key, f.message) for f in warned]
+
+
+def engine_args_warnings(engine_args: Any, *, sends_kv: bool, vllm_version: str | None = None
+                         ) -> list[EngineArgProblem]:
+    """The warnings of :func:`engine_args_report`."""
+    return engine_args_report(engine_args, sends_kv=sends_kv, vllm_version=vllm_version)[1]
+
+
+def _vllm_version(version: str | None) -> str:
+    """The vLLM version to check against: the one given, else the one installed here
+    (omni-stage runs it: told once in the log when the table is another version's), else the
+    table's."""
+    if version is not None:
+        return version
+    installed = vllm_args.installed_vllm_version()
+    if installed is None:
+        return vllm_args.table().version
+    if not vllm_args.applies(installed):
+        vllm_args.warn_once(installed)
+    return installed
 
 
 def check_engine_args(engine_args: Any, *, sends_kv: bool) -> None:

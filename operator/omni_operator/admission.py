@@ -11,7 +11,8 @@ pipeline or for any object the operator renders from it, each step once:
    does: an old CRD on the cluster, or none (a local file), changes nothing;
 4. the typed view of that body (`model.pipeline_view`) and the rules no schema can state
    (`model.graph_problems`: cycles, a sender with no receiver, CPU-list order, the stage
-   contract's engineArgs rules, shared with `omni-stage`);
+   contract's engineArgs rules, shared with `omni-stage`, against the table of the vLLM the
+   stage's image runs; what it only warns of is kept in `Admitted.warnings`);
 5. the fields a stage passes through to its pod (resources, nodeSelector, tolerations, env),
    against Kubernetes' own schema for their type (`kube_schema.py`), plus what the API
    server's pod validation adds (`pod_rules.py`);
@@ -35,7 +36,7 @@ from .diff import with_last_applied
 from .errors import Problem, SpecError
 from .kinds import CONFIGMAP, HPA, PODMONITOR, SCALEDOBJECT
 from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod_spec_field, check_value
-from .model import Pipeline, Stage, graph_problems, pipeline_view
+from .model import Pipeline, Stage, graph_report, pipeline_view
 from .objectmeta import metadata_problems
 from .pod_rules import stage_problems
 from .render import render_children
@@ -58,6 +59,9 @@ class Admitted:
     reconciles of an unchanged spec: never modify them."""
     pipeline: Pipeline
     children: tuple[dict[str, Any], ...]
+    #: What the stages would run with but the user should know (`model.graph_report`): the
+    #: operator posts them as one Warning event, `omni-pipeline validate` prints them.
+    warnings: tuple[Problem, ...] = ()
 
     def children_for(self, *, podmonitor_available: bool, keda_available: bool = False) -> list[dict[str, Any]]:
         """The children to apply where the cluster serves (or not) PodMonitors and KEDA's
@@ -81,8 +85,13 @@ def admit(body: Any, *, operator_peer: Mapping[str, Any] | None = None) -> Admit
 
 def problems_of(body: Any) -> list[Problem]:
     """Every problem (empty: the pipeline is admitted). Never raises on any JSON value."""
+    return report_of(body)[0]
+
+
+def report_of(body: Any) -> tuple[list[Problem], list[Problem]]:
+    """(every problem, the warnings of a pipeline admitted). Never raises on any JSON value."""
     result = _admission(body, None)
-    return [] if isinstance(result, Admitted) else list(result)
+    return ([], list(result.warnings)) if isinstance(result, Admitted) else (list(result), [])
 
 
 def _admission(body: Any, operator_peer: Mapping[str, Any] | None) -> Admitted | tuple[Problem, ...]:
@@ -134,7 +143,7 @@ def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None)
     if found:
         return tuple(Problem(field, message) for field, message in found)
     pipeline = pipeline_view(view)
-    problems = graph_problems(pipeline)
+    problems, warnings = graph_report(pipeline)
     if problems:
         return tuple(problems)
     for i, stage in enumerate(pipeline.stages):
@@ -146,7 +155,7 @@ def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None)
     problems = _rendered_children(pipeline, children)
     if problems:
         return tuple(problems)
-    return Admitted(pipeline, children)
+    return Admitted(pipeline, children, tuple(warnings))
 
 
 def _stage_pod_fields(where: str, stage: Stage) -> list[Problem]:

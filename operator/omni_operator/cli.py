@@ -8,7 +8,9 @@
 ``validate`` runs the operator's own check (``admission.admit``: the CRD's schema and CEL
 rules, the graph rules, Kubernetes' schemas for the pod fields and the rendered objects) and
 prints one line per problem, ``FILE: document N (NAME): FIELD: MESSAGE``, or one line per
-valid document. Exit code 0 when every document is a valid OmniPipeline; 1 otherwise,
+valid document, after a line ``FILE: document N (NAME): warning: FIELD: MESSAGE`` for each
+thing its stages would run with but the user should know (a vLLM the stage contract's table
+does not describe, an abbreviated flag: warnings never make a document invalid). Exit code 0 when every document is a valid OmniPipeline; 1 otherwise,
 including an empty file, a file with no document, and a document of another kind. No input,
 however malformed, ends in a traceback.
 
@@ -24,16 +26,21 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from .admission import admit, problems_of
+from .admission import admit, report_of
 from .documents import Document, DocumentError, iter_files, load_documents, read_text
 from .errors import Problem, SpecError
 
 
 def check_document(doc: Document) -> list[Problem]:
     """The problems of one document (empty: a valid OmniPipeline)."""
+    return report_document(doc)[0]
+
+
+def report_document(doc: Document) -> tuple[list[Problem], list[Problem]]:
+    """(the problems, the warnings) of one document."""
     if doc.error is not None:
-        return [Problem("<document>", doc.error)]
-    return problems_of(doc.value)
+        return [Problem("<document>", doc.error)], []
+    return report_of(doc.value)
 
 
 def validate_file(path: Path, out: TextIO) -> bool:
@@ -50,10 +57,12 @@ def validate_file(path: Path, out: TextIO) -> bool:
     ok = True
     for doc in documents:
         try:
-            problems = check_document(doc)
+            problems, warnings = report_document(doc)
         except Exception as exc:  # noqa: BLE001 - a bug must still not become a traceback for the user
-            problems = [Problem("<document>", f"internal error while checking it ({type(exc).__name__}: {exc}); "
-                                              "please report this with the file")]
+            problems, warnings = [Problem("<document>", f"internal error while checking it ({type(exc).__name__}: "
+                                                        f"{exc}); please report this with the file")], []
+        for warning in warnings:
+            print(f"{path}: {doc.label}: warning: {warning.field}: {_one_line(warning.message)}", file=out)
         if problems:
             ok = False
             for problem in problems:
@@ -101,7 +110,10 @@ def _load_one(path: Path, out: TextIO):
     try:
         if document.error is not None:
             raise SpecError([Problem("<document>", document.error)])
-        return admit(document.value).pipeline
+        admitted = admit(document.value)
+        for warning in admitted.warnings:
+            print(f"{path}: warning: {warning.field}: {_one_line(warning.message)}", file=out)
+        return admitted.pipeline
     except SpecError as exc:
         for problem in exc.problems:
             print(f"{path}: {problem}", file=out)

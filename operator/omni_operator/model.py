@@ -15,10 +15,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from omni_contract.engine_args import engine_args_problems
+from omni_contract import vllm_args
+from omni_contract.engine_args import engine_args_problems, engine_args_warnings
 from omni_contract.kv_wire import KV_WIRE_VERSION
 
-from . import crd
+from . import crd, naming
 from .errors import Problem
 from .quantities import parse_quantity
 
@@ -118,6 +119,9 @@ class Pipeline:
     service_account: str | None = None
     #: The hash of everything the stages must agree on (`revision_of`).
     revision: str = ""
+    #: The vLLM version the stages' images run, as the pipeline's annotation states it (a
+    #: stage image's tag may name its own: `stage_vllm_version`); not part of the revision.
+    vllm_version: str | None = None
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -154,6 +158,7 @@ def pipeline_view(body: Mapping[str, Any]) -> Pipeline:
         image_pull_policy=spec["imagePullPolicy"],
         image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or []),
         service_account=spec.get("serviceAccountName"),
+        vllm_version=(meta.get("annotations") or {}).get(naming.VLLM_VERSION_ANNOTATION),
         model=Model(
             name=model["name"], path=model.get("path") or None, revision=model.get("revision") or None,
             cache_claim=cache["pvc"]["claimName"] if cache else None,
@@ -187,7 +192,7 @@ def revision_of(pipeline: "Pipeline") -> str:
     are configured with, and the KV payload format version (omni_contract.kv_wire, the
     runtime protocol's WIRE_VERSION). A new revision gets workloads of its own."""
     view = dataclasses.asdict(pipeline)
-    for key in ("name", "namespace", "uid", "generation", "revision"):
+    for key in ("name", "namespace", "uid", "generation", "revision", "vllm_version"):
         view.pop(key)
     view["observability"].pop("prometheus_url")
     for stage in view["stages"]:
@@ -241,7 +246,19 @@ def _autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
 
 def graph_problems(pipeline: Pipeline) -> list[Problem]:
     """What no schema can state, each naming its field and the fix."""
+    return graph_report(pipeline)[0]
+
+
+def graph_report(pipeline: Pipeline) -> tuple[list[Problem], list[Problem]]:
+    """(graph_problems, warnings): what the stages would run with but the user should know
+    (the stage contract's engineArgs warnings: a vLLM the contract's table does not describe,
+    an abbreviated flag, ...)."""
     problems: list[Problem] = []
+    warnings: list[Problem] = []
+    if pipeline.vllm_version is not None and not vllm_args.is_version(pipeline.vllm_version):
+        problems.append(Problem(f"metadata.annotations[{naming.VLLM_VERSION_ANNOTATION!r}]",
+                                f"{pipeline.vllm_version!r} is not a vLLM version: write the version the stages' "
+                                "image runs, e.g. 0.33.1"))
     for i, stage in enumerate(pipeline.stages):
         where = f"spec.stages[{i}]"
         if stage.kv.send and not pipeline.downstream_of(stage.name):
@@ -255,17 +272,38 @@ def graph_problems(pipeline: Pipeline) -> list[Problem]:
                 problems.append(Problem(f"{where}.autoscaling.metrics[{j}].target",
                                         "is beyond the range of a 64-bit float, which KEDA's threshold and the HPA's "
                                         "metric value are read as; use a target below 1.7e308"))
-        for problem in engine_args_problems(stage.engine_args, sends_kv=stage.kv.send):
-            # A key that is no flag name may hold anything: one with a newline or another
-            # unprintable character is named quoted, so the field stays one printable line.
-            key = "" if not problem.key else f".{problem.key}" if problem.key.isprintable() \
-                else f"[{json.dumps(problem.key)}]"
-            problems.append(Problem(f"{where}.engineArgs{key}", problem.message))
+        version = stage_vllm_version(pipeline, stage)
+        problems += [_engine_arg(where, p) for p in engine_args_problems(stage.engine_args, sends_kv=stage.kv.send,
+                                                                          vllm_version=version)]
+        warnings += [_engine_arg(where, p) for p in engine_args_warnings(stage.engine_args, sends_kv=stage.kv.send,
+                                                                          vllm_version=version)]
     cycle = find_cycle({s.name: list(s.inputs) for s in pipeline.stages})
     if cycle:
         problems.append(Problem("spec.stages[].inputs", f"the stage graph has a cycle: {' -> '.join(cycle)}; "
                                                         "remove one of these inputs"))
-    return problems
+    return problems, warnings
+
+
+def stage_vllm_version(pipeline: Pipeline, stage: Stage) -> str:
+    """The vLLM version a stage runs, as far as the pipeline tells: the one its image's tag
+    names (`vllm_args.image_vllm_version`: ``...:0.2.0-vllm0.33.1``, ``vllm/vllm-openai:v0.33.1``),
+    else the pipeline's annotation `omnipipeline.dev/vllm-version`, else the contract table's
+    (the project's own image pins that vLLM)."""
+    named = vllm_args.image_vllm_version(stage.image)
+    if named is not None:
+        return named
+    if pipeline.vllm_version is not None and vllm_args.is_version(pipeline.vllm_version):
+        return pipeline.vllm_version
+    return vllm_args.table().version
+
+
+def _engine_arg(where: str, problem: Any) -> Problem:
+    """A stage contract finding at its field. A key that is no flag name may hold anything:
+    one with a newline or another unprintable character is named quoted, so the field stays
+    one printable line."""
+    key = "" if not problem.key else f".{problem.key}" if problem.key.isprintable() \
+        else f"[{json.dumps(problem.key)}]"
+    return Problem(f"{where}.engineArgs{key}", problem.message)
 
 
 def _io_cpus(where: str, value: str) -> list[Problem]:

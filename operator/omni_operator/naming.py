@@ -27,6 +27,9 @@ LAST_APPLIED_ANNOTATION = "omnipipeline.dev/last-applied"
 #: old revision's graph is read from its own objects (the spec only tells the current one's).
 INPUTS_ANNOTATION = "omnipipeline.dev/inputs"
 SENDS_ANNOTATION = "omnipipeline.dev/sends-kv"
+#: On an OmniPipeline (set by its user): the vLLM version its stages' images run, where an
+#: image's tag does not name it (`model.stage_vllm_version`).
+VLLM_VERSION_ANNOTATION = "omnipipeline.dev/vllm-version"
 #: A Kubernetes object name (a DNS-1035 label, as a Service name must be) is at most this long.
 MAX_NAME = 63
 #: A KEDA ScaledObject's name: KEDA names its HPA ``keda-hpa-NAME`` (and labels it with NAME),

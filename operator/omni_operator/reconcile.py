@@ -171,6 +171,8 @@ class Reconciler:
         # Generations whose child the API server refused: (uid, generation) -> the report.
         # Such a generation is not applied again (it would be refused again).
         self._rejected: dict[tuple[str, str], tuple[str, int, str]] = {}
+        # The generation whose admission warnings were posted: (uid, generation).
+        self._warned: dict[tuple[str, str], tuple[str, int]] = {}
 
     # -- entry points ------------------------------------------------------------------------
     def close(self) -> None:
@@ -211,6 +213,7 @@ class Reconciler:
                 self._in_sync.pop(key, None)
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
+            self._warned.pop((namespace, name), None)
             for key in [k for k, (child, _, _) in self._replicated.items()
                         if k[0] == namespace and child["metadata"]["labels"].get(naming.PIPELINE_LABEL) == name]:
                 self._replicated.pop(key, None)
@@ -262,6 +265,8 @@ class Reconciler:
         except SpecError as exc:
             return self._refuse(body, "InvalidSpec", str(exc))
         pipeline = admitted.pipeline
+        if admitted.warnings and self._warned.get((namespace, name)) != (pipeline.uid, pipeline.generation):
+            self._warn(body, admitted)
         rejected = self._rejected.get((namespace, name))
         if rejected is not None and rejected[:2] == (pipeline.uid, pipeline.generation):
             # Refused before for this very generation: report it (a no-op when the status
@@ -575,6 +580,17 @@ class Reconciler:
         if self._write_status(body, invalid_status(gen, message, previous, self.clock(), reason)):
             outcome.writes += 1
         return outcome
+
+    def _warn(self, body: dict[str, Any], admitted: Admitted) -> None:
+        """What admission warns of (the stages would run, but the user should know): logged,
+        and one Warning event per generation, named for it, so another operator or a restart
+        posts it no more than once."""
+        pipeline = admitted.pipeline
+        message = "; ".join(str(w) for w in admitted.warnings)
+        log.warning("%s/%s: %s", pipeline.namespace, pipeline.name, message)
+        self._post_event(body, "Warning", "SpecWarning", message,
+                         name=f"{pipeline.name}.spec-warning.{pipeline.uid[:8] or 'local'}.{pipeline.generation}")
+        self._warned[(pipeline.namespace, pipeline.name)] = (pipeline.uid, pipeline.generation)
 
     def _post_event(self, body: Mapping[str, Any], event_type: str, reason: str, message: str,
                     name: str | None = None) -> bool:

@@ -297,10 +297,13 @@ def test_an_empty_directory_and_a_missing_file_are_errors(tmp_path):
 
 def test_valid_yaml_oddities_are_accepted(tmp_path):
     """YAML reads `2024-01-01` as a date and `2**70` as an integer beyond 64 bits; kubectl sends
-    the first as a string and the second as a number: valid revisions and engine arguments."""
+    the first as a string and the second as a number (a float64 on the server, so given to a
+    flag vLLM reads as a float: `--seed`, an integer, would refuse 1.1805916207174113e+21):
+    valid revisions and engine arguments."""
     body = copy.deepcopy(BASE)
     body["spec"]["model"]["revision"] = "DATE"
-    body["spec"]["stages"][0]["engineArgs"] = {"revision": "DATE", "seed": 2**70, "gpu-memory-utilization": 0.9}
+    body["spec"]["stages"][0]["engineArgs"] = {"revision": "DATE", "cpu-offload-gb": 2**70,
+                                               "gpu-memory-utilization": 0.9}
     text = yaml.safe_dump(body).replace("DATE", "2024-01-01")
     assert yaml.safe_load(text)["spec"]["model"]["revision"].__class__.__name__ == "date"  # what plain PyYAML sees
     code, lines = run_validate(tmp_path, text)

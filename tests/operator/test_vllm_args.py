@@ -1,0 +1,349 @@
+"""The contract's table of vLLM's server arguments (omni_contract/vllm_args.json) and the check
+of engineArgs against it (issue 44, class 1).
+
+The table is generated from the installed vLLM's own parser: a test regenerates it and fails
+when it drifts. Then the contract's verdict on an engineArgs value is compared with vLLM's own
+parser and serve checks, run on the very argv ``omni-stage`` builds (``engine_args_to_cli``),
+for every argument of the table and a spread of values: what the contract refuses, vLLM
+refuses (no good pipeline is locked out), and what vLLM refuses, the contract refuses, except
+where the table cannot know (a config object's fields, a custom action's format, the checks
+the table lists as not modelled). Then the review's pipelines as users write them: each
+refused by ``omni-pipeline validate`` naming the key and what vLLM accepts, and a pipeline for
+another vLLM gets the spelling rules only, with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni_contract import vllm_args
+from omni_contract.engine_args import RESERVED, engine_args_problems, engine_args_report, flag_name
+from omni_operator import cli
+from omnip_support import validate_text
+from omni_operator.admission import admit, problems_of
+from omni_operator.documents import load_documents
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+
+@pytest.fixture(scope="module")
+def generator():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import generate_vllm_args
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return generate_vllm_args
+
+
+@pytest.fixture(scope="module")
+def vllm_parser(generator):
+    return generator.server_parser()
+
+
+def test_the_table_is_generated_from_the_installed_vllm(generator):
+    """Regenerated from the installed vLLM's parser, the table is the one shipped: a new vLLM
+    (or a changed generator) fails here until `python tools/generate_vllm_args.py` is run."""
+    import vllm
+
+    built = generator.build()
+    assert built["vllm_version"] == vllm.__version__ == vllm_args.table().version
+    assert generator.render(built) == (ROOT / "omni_contract" / "vllm_args.json").read_text(encoding="utf-8"), \
+        "omni_contract/vllm_args.json is stale: run python tools/generate_vllm_args.py"
+
+
+def test_the_table_is_package_data_read_with_the_standard_library():
+    table = vllm_args.table()
+    assert len(table.arguments) > 250
+    assert table.options["max-model-len"][0].type == "human-int-or-auto"
+    assert table.options["no-enable-prefix-caching"] == (table.options["enable-prefix-caching"][0], True)
+    assert table.short["tp"].name == "tensor-parallel-size"
+    assert {r["rule"] for r in table.rules} >= {"requires", "excludes", "minimum"}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'omni_contract = \[[^\]]*"vllm_args\.json"', pyproject), "ship the table as package data"
+
+
+# -- the contract against vLLM's own parser ----------------------------------------------------
+
+SAMPLES = [True, False, None, 0, 1, -1, 7, 2.5, "0.85", "85%", "64Mi", "64M", "1.5K", "64k", "auto", "float32",
+           "float33", "None", "", "x", "-x", "- x", " 3 ", "1_000", {"a": 1}, [1, 2], '{"a": 1}', "[1, 2]", "{oops",
+           "Flashinfer-Cutlass", "yes"]
+
+
+def _vllm_verdict(parser, argv: list[str]) -> str | None:
+    """What vLLM's server says of these flags: None when it takes them, else why not."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = parser.parse_args(argv)
+            validate_parsed_serve_args(args)
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "exit"
+    except Exception as exc:  # noqa: BLE001 - vLLM's checks raise TypeError or ValueError
+        return f"{type(exc).__name__}: {exc}"
+    if args.model_tag is not None:  # a stray value became the positional model tag
+        return f"a stray value taken as the model tag: {args.model_tag!r}"
+    return None
+
+
+def _stage_argv(monkeypatch, engine_args: dict) -> list[str]:
+    """The flags omni-stage passes for these engineArgs (its own conversion, the contract's
+    check skipped, so that what it would refuse can be put to vLLM)."""
+    from omni_runtime.stages import ar
+
+    monkeypatch.setattr(ar, "check_engine_args", lambda *a, **k: None)
+    return ar.engine_args_to_cli(engine_args)[0]
+
+
+def _not_modelled_dests() -> set[str]:
+    """The arguments vLLM's serve checks read in the checks the table does not model."""
+    raw = json.loads((ROOT / "omni_contract" / "vllm_args.json").read_text(encoding="utf-8"))
+    return {dest for check in raw["not_modelled"] for dest in check["reads"]}
+
+
+def test_the_contract_and_vllms_parser_agree(vllm_parser, monkeypatch):
+    table = vllm_args.table()
+    owned = set(RESERVED) | {"additional-config", "kv-transfer-config"}
+    unmodelled = _not_modelled_dests()
+    refused_taken, taken_refused, compared = [], [], 0
+    for name, argument in table.arguments.items():
+        if name in owned or argument.takes == "exits":
+            continue
+        for value in SAMPLES:
+            engine_args = {name: value}
+            contract = engine_args_problems(engine_args, sends_kv=False)
+            vllm = _vllm_verdict(vllm_parser, _stage_argv(monkeypatch, engine_args))
+            compared += 1
+            if contract and vllm is None:
+                refused_taken.append(f"{name}: {value!r}: {contract[0]}")
+            elif not contract and vllm is not None:
+                # What the table cannot know: a config object's fields (pydantic), a custom
+                # action's own format, the serve checks it does not model.
+                if (argument.type in ("config", "config-file") or argument.action not in (None, "append")
+                        or argument.dest in unmodelled):
+                    continue
+                taken_refused.append(f"{name}: {value!r}: vLLM says {vllm}")
+    assert compared > 5000
+    assert refused_taken == [], "the contract refuses what vLLM takes:\n" + "\n".join(refused_taken[:40])
+    assert taken_refused == [], "vLLM refuses what the contract takes:\n" + "\n".join(taken_refused[:40])
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"enable-auto-tool-choice": True},
+    {"enable-auto-tool-choice": True, "tool-call-parser": "hermes"},
+    {"enable-log-outputs": True},
+    {"enable-log-outputs": True, "enable-log-requests": True},
+    {"enable-per-request-metrics": True, "disable-log-stats": True},
+    {"enable-per-request-metrics": True},
+    {"sse-keep-alive-interval": -1},
+    {"sse-keep-alive-interval": 0},
+    {"enable-lora": True, "no-enable-lora": True},
+    {"compilation-config.mode": 3},
+    {"compilation_config.cudagraph_mode": "FULL_AND_PIECEWISE"},
+    {"compilation-config.mode": True},
+    {"max-model": 1024},
+    {"enable-lo": True},
+    {"tensorParallelSize": 2},
+    {"max_model_len": "1k"},
+])
+def test_the_contract_and_vllm_agree_on_combinations(vllm_parser, monkeypatch, engine_args):
+    contract = engine_args_problems(engine_args, sends_kv=False)
+    vllm = _vllm_verdict(vllm_parser, _stage_argv(monkeypatch, engine_args))
+    if engine_args == {"enable-lora": True, "no-enable-lora": True}:
+        assert vllm is None and contract  # vLLM keeps the last silently; the contract asks for one
+        return
+    assert bool(contract) == (vllm is not None), (contract, vllm)
+
+
+# -- the review's pipelines, as users write them ---------------------------------------------
+
+PIPELINE = """\
+apiVersion: omnipipeline.dev/v1alpha1
+kind: OmniPipeline
+metadata:
+  name: qwen-omni
+spec:
+  image: ghcr.io/omni-pipeline/omni-stage:0.1.0
+  model:
+    name: Qwen/Qwen2.5-Omni-7B
+  stages:
+    - name: thinker
+      role: ar
+      engineArgs:
+        max-model-len: 8192
+        gpu-memory-utilization: 0.9
+      kvTransfer: {send: true}
+    - name: talker
+      role: generation
+      inputs: [thinker]
+"""
+
+
+def with_engine_args(lines: str) -> str:
+    return PIPELINE.replace("        max-model-len: 8192\n        gpu-memory-utilization: 0.9\n", lines)
+
+
+# (id, the engineArgs lines, the key named, words of the message: what vLLM accepts)
+REFUSED = [
+    ("unknown-flag", "        max-model-length: 8192\n", "max-model-length", ["not a flag of vLLM 0.32.0",
+                                                                              "did you mean max-model-len?"]),
+    ("value-outside-choices", "        dtype: float33\n", "dtype", ["'float33' is not one of", "float16",
+                                                                     "did you mean float32?"]),
+    ("binary-suffix-with-i", "        kv-cache-memory-bytes: 64Mi\n", "kv-cache-memory-bytes",
+     ["'64Mi' is not an integer", "did you mean 64M"]),
+    ("percent-for-a-float", "        gpu-memory-utilization: 85%\n", "gpu-memory-utilization",
+     ["'85%' is not a number", "e.g. 0.85"]),
+    ("needs-a-companion", "        enable-auto-tool-choice: true\n", "enable-auto-tool-choice",
+     ["needs tool-call-parser too", "--enable-auto-tool-choice requires --tool-call-parser"]),
+    ("vllm-omni-only-flag", "        model-stage: thinker\n", "model-stage", ["not a flag of vLLM 0.32.0"]),
+    ("short-option", "        tp: 2\n", "tp", ["short option -tp", "write tensor-parallel-size"]),
+    ("value-for-a-bare-flag", "        enforce-eager: 'yes'\n", "enforce-eager", ["takes no value", "write true"]),
+    ("no-value-for-a-flag", "        max-num-seqs: true\n", "max-num-seqs", ["needs a value", "an integer"]),
+    ("ambiguous-abbreviation", "        enable-lo: true\n", "enable-lo", ["ambiguous", "--enable-lora"]),
+    ("abbreviation-of-an-owned-flag", "        served-model: qwen\n", "served-model",
+     ["abbreviation of --served-model-name", "spec.model.name"]),
+    ("field-of-the-stages-config", "        additional-config.foo: 1\n", "additional-config.foo",
+     ["write it inside additional-config"]),
+    ("negative-keep-alive", "        sse-keep-alive-interval: -1\n", "sse-keep-alive-interval", ["is below 0"]),
+]
+
+
+@pytest.mark.parametrize("case_id,lines,key,words", REFUSED, ids=[c[0] for c in REFUSED])
+def test_what_vllm_refuses_is_refused_naming_the_key(tmp_path, case_id, lines, key, words):
+    code, out = validate_text(tmp_path, with_engine_args(lines))
+    assert code == 1, out
+    (line,) = out
+    assert f": spec.stages[0].engineArgs.{key}: " in line, line
+    for word in words:
+        assert word in line, (word, line)
+
+
+def test_a_good_set_of_flags_is_valid(tmp_path):
+    code, out = validate_text(tmp_path, with_engine_args(
+        "        max-model-len: 32k\n        gpu-memory-utilization: 0.9\n        dtype: bfloat16\n"
+        "        enable-auto-tool-choice: true\n        tool-call-parser: hermes\n        enforce-eager: true\n"
+        "        enable-prefix-caching: false\n        compilation-config: {mode: 3}\n"
+        "        kv-cache-memory-bytes: 64M\n        tensorParallelSize: 2\n        no-enable-log-requests: true\n"))
+    assert code == 0, out
+
+
+def test_warnings_do_not_refuse(tmp_path):
+    code, out = validate_text(tmp_path, with_engine_args("        max-model: 8192\n        enable-prefix-caching: false\n"))
+    assert code == 0, out
+    warnings = [line for line in out if ": warning: " in line]
+    assert any("spec.stages[0].engineArgs.max-model: is an abbreviation of --max-model-len" in w for w in warnings)
+    assert any("write no-enable-prefix-caching: true" in w for w in warnings)
+    assert out[-1].endswith("valid (2 stages)")
+
+
+# -- another vLLM: the spelling rules only, with a warning -----------------------------------
+
+@pytest.mark.parametrize("image,annotation,version", [
+    ("ghcr.io/example/omni-stage:0.2.0-vllm0.33.1", None, "0.33.1"),
+    ("registry.example.com:5000/omni-stage:vllm-v0.40.0", None, "0.40.0"),
+    ("vllm/vllm-openai:v0.33.0", None, "0.33.0"),
+    ("ghcr.io/example/omni-stage:0.2.0", "0.33.1", "0.33.1"),
+    ("vllm/vllm-openai:latest", None, "unknown"),
+])
+def test_a_stage_for_another_vllm_gets_the_spelling_rules_only(tmp_path, image, annotation, version):
+    text = with_engine_args("        model-stage: thinker\n        max-model-length: 8192\n").replace(
+        "  image: ghcr.io/omni-pipeline/omni-stage:0.1.0", f"  image: {image}")
+    if annotation:
+        text = text.replace("  name: qwen-omni\n", f"  name: qwen-omni\n  annotations:\n    "
+                                                   f"omnipipeline.dev/vllm-version: \"{annotation}\"\n")
+    code, out = validate_text(tmp_path, text)
+    assert code == 0, out
+    (warning,) = [line for line in out if ": warning: " in line]
+    assert ": warning: spec.stages[0].engineArgs: the stage runs " in warning
+    assert (f"vLLM {version}," if version != "unknown" else "whose version its image does not tell") in warning
+    assert "only the spelling rules are checked" in warning
+    # The spelling rules still hold for it: a flag the stage owns is refused.
+    code, out = validate_text(tmp_path, text.replace("        model-stage: thinker\n", "        port: 9000\n"))
+    assert code == 1 and any("engineArgs.port: cannot be set" in line for line in out), out
+
+
+def test_the_tables_own_version_in_any_spelling_checks_everything(tmp_path):
+    for image in ("vllm/vllm-openai:v0.32.0", "ghcr.io/example/omni-stage:0.1.0-vllm0.32", "x/y:vllm-0.32.0"):
+        code, out = validate_text(tmp_path, with_engine_args("        model-stage: thinker\n").replace(
+            "  image: ghcr.io/omni-pipeline/omni-stage:0.1.0", f"  image: {image}"))
+        assert code == 1 and "not a flag of vLLM 0.32.0" in out[0], (image, out)
+
+
+def test_a_stage_image_overrides_the_pipelines(tmp_path):
+    text = with_engine_args("        model-stage: thinker\n").replace(
+        "      role: ar\n", "      role: ar\n      image: ghcr.io/example/omni-stage:0.2.0-vllm0.33.1\n", 1)
+    code, out = validate_text(tmp_path, text)
+    assert code == 0, out
+
+
+def test_a_version_annotation_that_is_no_version_is_refused(tmp_path):
+    text = PIPELINE.replace("  name: qwen-omni\n", "  name: qwen-omni\n  annotations:\n    "
+                                                   "omnipipeline.dev/vllm-version: latest\n")
+    code, out = validate_text(tmp_path, text)
+    assert code == 1, out
+    assert "metadata.annotations['omnipipeline.dev/vllm-version']: 'latest' is not a vLLM version" in out[0]
+
+
+def test_the_version_annotation_is_not_part_of_the_revision():
+    (doc,) = load_documents(PIPELINE)
+    a = copy.deepcopy(doc.value)
+    b = copy.deepcopy(doc.value)
+    b["metadata"]["annotations"] = {"omnipipeline.dev/vllm-version": "0.32.0"}
+    for body in (a, b):
+        body["metadata"]["namespace"] = "ml"
+    assert admit(a).pipeline.revision == admit(b).pipeline.revision
+
+
+# -- omni-stage checks against the vLLM it runs ----------------------------------------------
+
+def test_omni_stage_checks_against_the_installed_vllm(monkeypatch, caplog):
+    assert engine_args_problems({"model-stage": "ar"}, sends_kv=False)  # vLLM 0.32.0 installed here
+    monkeypatch.setattr(vllm_args, "installed_vllm_version", lambda: "0.40.0")
+    with caplog.at_level("WARNING"):
+        assert engine_args_problems({"model-stage": "ar"}, sends_kv=False) == []
+        assert engine_args_problems({"port": 1}, sends_kv=False)  # the spelling rules hold
+    assert "vLLM 0.40.0 is installed" in caplog.text
+
+
+def test_a_stage_config_with_a_flag_vllm_refuses_stops_omni_stage():
+    from omni_runtime.stages.config import StageConfigError, parse_stage_config
+
+    raw = {"pipeline": "p", "stage": "ar", "role": "ar", "model": {"name": "m"},
+           "engineArgs": {"dtype": "float33"}}
+    with pytest.raises(StageConfigError, match=r"engineArgs.dtype: 'float33' is not one of"):
+        parse_stage_config(raw)
+
+
+def test_flag_name_keeps_a_json_fields_name():
+    assert flag_name("compilationConfig.cudagraph_mode") == "compilation-config.cudagraph_mode"
+    assert flag_name("max_model_len") == "max-model-len"
+
+
+def test_reports_are_pure_and_warnings_separate():
+    problems, warnings = engine_args_report({"max-model": 1}, sends_kv=False)
+    assert problems == [] and len(warnings) == 1
+
+
+# -- the shipped examples run on the image they name -----------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny-pipeline.yaml", "bagel-ar-diffusion.yaml", "qwen-omni-thinker-talker.yaml"])
+def test_the_examples_pass_with_the_image_they_name(tmp_path, name):
+    out = io.StringIO()
+    assert cli.cmd_validate([EXAMPLES / name], out) == 0, out.getvalue()
+    assert ": warning: " not in out.getvalue()
+    (doc,) = load_documents((EXAMPLES / name).read_text())
+    assert problems_of(copy.deepcopy(doc.value)) == []
+    assert yaml.safe_load((EXAMPLES / name).read_text())["spec"]["image"].startswith("ghcr.io/omni-pipeline/omni-stage:")

@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Generate omni_contract/vllm_args.json, the table of the vLLM server's arguments, from the
+installed vLLM's own parser.
+
+    python tools/generate_vllm_args.py           # (re)write the table
+    python tools/generate_vllm_args.py --check   # exit 1 if it differs from the installed vLLM
+
+The table is what ``omni_contract.vllm_args`` checks a stage's ``engineArgs`` against (the
+operator, ``omni-pipeline validate`` and ``omni-stage``; none of them imports vLLM). It is read
+from the parser ``omni-stage`` starts vLLM with, ``python -m vllm.entrypoints.openai.api_server``:
+``make_arg_parser`` on vLLM's ``FlexibleArgumentParser``. Per argument: its option strings
+(long, short, the ``--no-`` form of a boolean), whether it takes a value, the value's type as
+vLLM converts it (``int``, ``float``, ``human-int`` for ``1k``/``1K``, JSON, a config object,
+...), whether ``""``/``None`` mean None, its choices and how a value is normalised before
+them, and its default. Then the cross-argument rules of ``validate_parsed_serve_args`` (which
+the server runs right after parsing): each ``if`` of the forms ``args.A and not args.B``
+(A needs B), ``getattr(args, A) and getattr(args, B)`` (A excludes B) and
+``getattr(args, A, d) < N`` (A at least N) is read from its source and then confirmed by
+running vLLM's own check; its other checks are listed, not modelled.
+
+A type this script does not know stops it: a newer vLLM's new kind of argument is looked at,
+never guessed. tests/operator/test_vllm_args.py regenerates the table and fails when it
+drifts from the installed vLLM, and checks the contract's verdicts against vLLM's own parser.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE = ROOT / "omni_contract" / "vllm_args.json"
+SOURCE = "vllm.entrypoints.launchers.cli_args.make_arg_parser"
+
+
+def server_parser() -> argparse.ArgumentParser:
+    """The parser of vLLM's OpenAI server, as its entry point builds it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+
+
+def _closure(fn: Callable[..., Any], name: str) -> Any:
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        if var == name:
+            return cell.cell_contents
+    raise KeyError(name)
+
+
+def _value_type(fn: Any) -> tuple[str, bool]:
+    """(the type's name in the table, whether "" and "None" mean None) of an action's type."""
+    import vllm.engine.arg_utils as arg_utils
+    from vllm.utils import argparse_utils
+
+    if fn is None or fn is str:
+        return "str", False
+    if fn is int:
+        return "int", False
+    if fn is float:
+        return "float", False
+    if fn is json.loads:
+        return "json", False
+    if fn is argparse_utils.human_readable_int:
+        return "human-int", False
+    if fn is argparse_utils.human_readable_int_or_auto:
+        return "human-int-or-auto", False
+    if fn is arg_utils.union_dict_and_str:
+        return "json-object-or-str", False
+    qualname = getattr(fn, "__qualname__", "")
+    if qualname == "optional_type.<locals>._optional_type":
+        return _value_type(_closure(fn, "return_type"))[0], True
+    if qualname == "parse_type.<locals>._parse_type":
+        return _value_type(_closure(fn, "return_type"))
+    if qualname == "_compute_kwargs.<locals>.parse_dataclass":
+        return "config", False
+    if qualname.endswith("<lambda>"):
+        # vLLM's ad-hoc converters: one that folds case and '-' to '_' before its choices
+        # (--moe-backend), or one that takes any text (--device-ids).
+        if fn("Ab-Cd_e") == "ab_cd_e":
+            return "str-lower-underscore", False
+        if all(_never_raises(fn, probe) for probe in ("", "x", "1,2", "a b", "{}", "-1")):
+            return "str", False
+    raise SystemExit(f"generate_vllm_args.py: unknown argument type {fn!r} ({qualname}): teach this script "
+                     "what vLLM accepts for it")
+
+
+def _never_raises(fn: Callable[[str], Any], probe: str) -> bool:
+    try:
+        fn(probe)
+    except Exception:  # noqa: BLE001 - any failure means the type checks something
+        return False
+    return True
+
+
+def _json_default(value: Any) -> Any:
+    """A default as JSON (a config object's or other non-JSON default: null)."""
+    if value is argparse.SUPPRESS:
+        return None
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+def _config_file_suffixes(parser: argparse.ArgumentParser) -> list[str] | None:
+    """The suffixes FlexibleArgumentParser takes for ``--config FILE``, which it reads before
+    parsing (``_pull_args_from_config``); None when this parser reads no config file."""
+    load = getattr(type(parser), "load_config_file", None)
+    if load is None or "--config" not in inspect.getsource(type(parser).parse_args):
+        return None
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(load)))):
+        if (isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.NotIn)
+                and isinstance(node.comparators[0], ast.Tuple)):
+            return [f".{e.value}" for e in node.comparators[0].elts]
+    raise SystemExit("generate_vllm_args.py: cannot tell which files FlexibleArgumentParser.load_config_file reads")
+
+
+def _argument(action: argparse.Action, deprecated: bool) -> dict[str, Any]:
+    kind = type(action).__name__
+    long = [o[2:] for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
+    negations = [o[2:] for o in action.option_strings if o.startswith("--no-")]
+    short = [o[1:] for o in action.option_strings if not o.startswith("--")]
+    entry: dict[str, Any] = {"flags": long, "dest": action.dest}
+    if short:
+        entry["short"] = short
+    if negations and kind == "BooleanOptionalAction":
+        entry["negations"] = negations
+    elif negations:  # a flag vLLM spells --no-X itself
+        entry["flags"] += negations
+    if kind == "_HelpAction":
+        entry["takes"] = "exits"
+        return entry
+    if action.nargs == 0:
+        entry["takes"] = "none"
+        entry["default"] = _json_default(action.default)
+        return entry
+    entry["takes"] = "optional" if action.nargs == "?" else "value"
+    value_type, none_ok = _value_type(action.type)
+    entry["type"] = value_type
+    if none_ok:
+        entry["none"] = True
+    if action.nargs not in (None, "?"):
+        entry["nargs"] = action.nargs
+    if action.choices is not None:
+        entry["choices"] = [c for c in action.choices]
+    if kind not in ("_StoreAction",):
+        entry["action"] = {"_AppendAction": "append"}.get(kind, kind)
+    if deprecated:
+        entry["deprecated"] = True
+    entry["default"] = _json_default(action.default)
+    return entry
+
+
+# -- the cross-argument rules of validate_parsed_serve_args ------------------------------------
+
+def _arg_name(node: ast.AST) -> str | None:
+    """``args.X`` or ``getattr(args, "X", default)``: X."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+        return node.attr
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"
+            and isinstance(node.args[1], ast.Constant)):
+        return node.args[1].value
+    return None
+
+
+def _raised(body: list[ast.stmt]) -> str | None:
+    """The message of ``raise X("message")``, the body of a check."""
+    if len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call) and body[0].exc.args:
+        message = body[0].exc.args[0]
+        if isinstance(message, ast.Constant) and isinstance(message.value, str):
+            return message.value
+        if isinstance(message, ast.JoinedStr) and all(isinstance(v, ast.Constant) for v in message.values):
+            return "".join(v.value for v in message.values)
+    return None
+
+
+def _rule(test: ast.expr, message: str) -> dict[str, Any] | None:
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) == 2:
+        first, second = test.values
+        a = _arg_name(first)
+        if a and isinstance(second, ast.UnaryOp) and isinstance(second.op, ast.Not) and _arg_name(second.operand):
+            return {"rule": "requires", "dest": a, "other": _arg_name(second.operand), "message": message}
+        if a and _arg_name(second):
+            return {"rule": "excludes", "dest": a, "other": _arg_name(second), "message": message}
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Lt)
+            and _arg_name(test.left) and isinstance(test.comparators[0], ast.Constant)):
+        return {"rule": "minimum", "dest": _arg_name(test.left), "minimum": test.comparators[0].value,
+                "message": message}
+    return None
+
+
+def serve_rules(parser: argparse.ArgumentParser) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the rules modelled, each confirmed by vLLM's own check; the checks not modelled)."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    function = ast.parse(textwrap.dedent(inspect.getsource(validate_parsed_serve_args))).body[0]
+    module = sys.modules[validate_parsed_serve_args.__module__]
+    rules, others = [], []
+    for node in function.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        message = _raised(node.body) if isinstance(node, ast.If) else None
+        rule = _rule(node.test, message) if message is not None else None
+        if rule is None:
+            if not (isinstance(node, ast.If) and isinstance(node.body[0], ast.Return)):
+                others.append({"check": " ".join(ast.unparse(node).split())[:200],
+                               "reads": sorted(_reads(node, module))})
+            continue
+        _confirm(parser, validate_parsed_serve_args, rule)
+        rules.append(rule)
+    return rules, others
+
+
+def _reads(node: ast.AST, module: Any, depth: int = 1) -> set[str]:
+    """The arguments a check reads: ``args.X`` and ``getattr(args, "X")`` in it, and in the
+    functions it hands ``args`` to (one level down)."""
+    found = {name for n in ast.walk(node) for name in [_arg_name(n)] if name}
+    if depth <= 0:
+        return found
+    imported = {alias.asname or alias.name: (n.module, alias.name) for n in ast.walk(node)
+                if isinstance(n, ast.ImportFrom) for alias in n.names}
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
+        if not any(isinstance(a, ast.Name) and a.id == "args" for a in call.args):
+            continue
+        name = call.func.id
+        if name in imported:
+            import importlib
+
+            function = getattr(importlib.import_module(imported[name][0]), imported[name][1], None)
+        else:
+            function = getattr(module, name, None)
+        if function is not None:
+            found |= _reads(ast.parse(textwrap.dedent(inspect.getsource(function))), module, depth - 1)
+    return found
+
+
+def _flag_of(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest and a.option_strings)
+
+
+def _argv(action: argparse.Action, value: Any) -> list[str]:
+    flag = action.option_strings[0]
+    if action.nargs == 0:
+        return [flag] if value else []
+    if action.choices:
+        return [flag, str(next(c for c in action.choices if c is not None))]
+    return [flag, str(value)]
+
+
+def _confirm(parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], None], rule: dict) -> None:
+    """The rule holds in vLLM: what it refuses, vLLM's check refuses with its message; what it
+    takes, the check does not refuse with that message."""
+    a, other = _flag_of(parser, rule["dest"]), None
+    if rule["rule"] == "minimum":
+        refused = _argv(a, rule["minimum"] - 1)
+        taken = _argv(a, rule["minimum"])
+    else:
+        other = _flag_of(parser, rule["other"])
+        refused = _argv(a, 1) + (_argv(other, 1) if rule["rule"] == "excludes" else [])
+        taken = _argv(a, 1) + ([] if rule["rule"] == "excludes" else _argv(other, "x"))
+
+    def message(argv: list[str]) -> str | None:
+        try:
+            check(parser.parse_args(argv))
+        except Exception as exc:  # noqa: BLE001 - vLLM's checks raise TypeError or ValueError
+            return str(exc)
+        return None
+
+    if message(refused) != rule["message"] or message(taken) == rule["message"]:
+        raise SystemExit(f"generate_vllm_args.py: the rule {rule} does not hold in vLLM's validate_parsed_serve_args")
+
+
+def build() -> dict[str, Any]:
+    import vllm
+
+    parser = server_parser()
+    deprecated = getattr(parser, "_deprecated", set())
+    arguments = {}
+    for action in parser._actions:
+        if not action.option_strings:
+            continue  # the positional model tag: the stage passes --model
+        entry = _argument(action, action in deprecated)
+        arguments[entry["flags"][0] if entry["flags"] else entry["short"][0]] = entry
+    suffixes = _config_file_suffixes(parser)
+    if suffixes is not None and "config" in arguments:
+        # Read by the parser itself, before parsing: a YAML file of more flags.
+        arguments["config"].update(type="config-file", suffixes=suffixes)
+    rules, others = serve_rules(parser)
+    for rule in rules:
+        for dest in (rule["dest"], rule.get("other")):
+            if dest is not None:
+                rule.setdefault("defaults", {})[dest] = _json_default(_flag_of(parser, dest).default)
+    return {
+        "vllm_version": vllm.__version__,
+        "source": f"{SOURCE} on vllm.utils.argparse_utils.FlexibleArgumentParser",
+        "generated_by": "tools/generate_vllm_args.py",
+        "arguments": dict(sorted(arguments.items())),
+        "rules": rules,
+        "not_modelled": others,
+    }
+
+
+def render(table: dict[str, Any]) -> str:
+    """JSON with one argument (and one rule) a line, so that a new vLLM's changes read as a
+    short diff."""
+    def one(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+
+    lines = ["{"]
+    for key, value in table.items():
+        if isinstance(value, dict) and value:
+            lines.append(f"  {one(key)}: {{")
+            lines += [f"    {one(k)}: {one(v)}," for k, v in value.items()]
+            lines[-1] = lines[-1].rstrip(",")
+            lines.append("  },")
+        elif isinstance(value, list) and value:
+            lines.append(f"  {one(key)}: [")
+            lines += [f"    {one(v)}," for v in value]
+            lines[-1] = lines[-1].rstrip(",")
+            lines.append("  ],")
+        else:
+            lines.append(f"  {one(key)}: {one(value)},")
+    lines[-1] = lines[-1].rstrip(",")
+    return "\n".join(lines) + "\n}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the table differs from the installed vLLM")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    text = render(build())
+    if args.check:
+        if not TABLE.is_file() or TABLE.read_text(encoding="utf-8") != text:
+            print(f"{TABLE.relative_to(ROOT)} is stale: run python tools/generate_vllm_args.py", file=sys.stderr)
+            return 1
+        return 0
+    TABLE.write_text(text, encoding="utf-8")
+    print(f"wrote {TABLE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_contract import vllm_args
+#: How one entry becomes vLLM's command-line words (omni-stage's conversion).
+from omni_contract.vllm_args import argv_of
 from omni_contract.kv_transfer import ConnectorConfigError, user_connectors
 
 #: Flags the stage sets itself, and why a user value cannot be taken.

@@ -271,24 +271,36 @@ def _dotted(t: Table, argument: Argument, option: str, rest: str, value: Any) ->
     return []
 
 
+def argv_of(flag: str, value: Any) -> list[str]:
+    """The command-line words of one ``engineArgs`` entry (``flag`` without its dashes), as
+    the stage passes them to vLLM: ``true`` a bare flag, ``false`` and null nothing, a map or
+    a list its JSON, anything else its text."""
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [f"--{flag}"]
+    return [f"--{flag}", json.dumps(value) if isinstance(value, (Mapping, list)) else str(value)]
+
+
 def _value(t: Table, argument: Argument, negated: bool, option: str, value: Any) -> tuple[str | None, Any]:
     """(the problem's message or None, the value vLLM would hold: _LEFT_OUT when the stage
     leaves the flag out)."""
     if argument.takes == "exits":
         return f"--{option} prints vLLM's help and exits: the stage would never serve; remove it", None
-    if value is None or value is False:
+    words = argv_of(option, value)
+    if not words:
         return None, _LEFT_OUT
     if argument.takes == "none":
-        if value is True:
+        if len(words) == 1:
             return None, not negated
         return (f"{_shown(value)}: --{option} takes no value; write true to pass it (false or null leaves it out)",
                 None)
-    if value is True:
+    if len(words) == 1:
         if argument.takes == "optional":
             return None, True
         return (f"needs a value: true passes a bare --{option}, which vLLM {t.version} refuses (expected one "
                 f"argument); {_what(t, argument, option)}", None)
-    token = json.dumps(value) if isinstance(value, (Mapping, list)) else str(value)
+    token = words[1]
     if token.startswith("-") and len(token) > 1 and not _NEGATIVE_NUMBER.match(token) and " " not in token:
         return (f"{_shown(value)} starts with '-': vLLM's parser reads it as another flag, not as the value of "
                 f"--{option}", None)

@@ -108,6 +108,14 @@ def _stage_argv(monkeypatch, engine_args: dict) -> list[str]:
     return ar.engine_args_to_cli(engine_args)[0]
 
 
+def test_the_contract_converts_an_entry_as_omni_stage_does(monkeypatch):
+    """argv_of (what the check reads) is omni-stage's own conversion, word for word."""
+    from omni_contract.engine_args import argv_of
+
+    for value in SAMPLES:
+        assert _stage_argv(monkeypatch, {"max-model-len": value}) == argv_of("max-model-len", value), value
+
+
 def _not_modelled_dests() -> set[str]:
     """The arguments vLLM's serve checks read in the checks the table does not model."""
     raw = json.loads((ROOT / "omni_contract" / "vllm_args.json").read_text(encoding="utf-8"))

@@ -355,3 +355,37 @@ def test_the_examples_pass_with_the_image_they_name(tmp_path, name):
     (doc,) = load_documents((EXAMPLES / name).read_text())
     assert problems_of(copy.deepcopy(doc.value)) == []
     assert yaml.safe_load((EXAMPLES / name).read_text())["spec"]["image"].startswith("ghcr.io/omni-pipeline/omni-stage:")
+
+
+def test_the_operator_posts_the_warnings_once_per_generation():
+    from k8s_emulator import EmulatorThread
+    from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline
+    from omni_operator.reconcile import Reconciler
+
+    with EmulatorThread() as emu:
+        kube = make_kube(emu.url)
+        kube.request("create", "Namespace", "POST", "/api/v1/namespaces",
+                     body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        (doc,) = load_documents(with_engine_args("        max-model: 8192\n"))
+        body = doc.value
+        body["metadata"]["namespace"] = NAMESPACE
+        create_pipeline(kube, body)
+        reconciler = Reconciler(make_kube(emu.url))
+
+        def warnings() -> list[dict]:
+            items = kube.request("list", "Event", "GET", f"/api/v1/namespaces/{NAMESPACE}/events")["items"]
+            return [e for e in items if e["reason"] == "SpecWarning"]
+
+        reconciler.reconcile(NAMESPACE, "qwen-omni")
+        reconciler.reconcile(NAMESPACE, "qwen-omni")
+        (event,) = warnings()
+        assert event["type"] == "Warning"
+        assert "spec.stages[0].engineArgs.max-model: is an abbreviation of --max-model-len" in event["message"]
+        # A new generation that still warns: one more event (and none again for it).
+        patch_pipeline(kube, "qwen-omni", {"spec": {"stages": [
+            {**body["spec"]["stages"][0], "engineArgs": {"max-model": 4096}}, body["spec"]["stages"][1]]}})
+        reconciler.reconcile(NAMESPACE, "qwen-omni")
+        reconciler.reconcile(NAMESPACE, "qwen-omni")
+        assert len(warnings()) == 2
+        reconciler.kube.close()
+        kube.close()

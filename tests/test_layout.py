@@ -2,9 +2,9 @@
 cycles, the ledger free of vLLM, production free of development helpers; and every module or
 class path the docs, examples and images name really imports.
 
-The arrows (README.md, "The parts"): stages -> kv -> sched -> observability -> transfers, each
-also to everything further right, and kv, observability -> kv.transport (the receiver's reject
-codes label its metrics). ``transfers`` (the ledger and omni_kv_config) and ``kv.transport``
+The arrows (README.md, "The parts"): stages -> kv -> sched -> pipeline -> observability ->
+transfers, each also to everything further right but kv to pipeline, and kv, observability ->
+kv.transport (the receiver's reject codes label its metrics). ``transfers`` (the ledger and omni_kv_config) and ``kv.transport``
 (ZeroMQ) import nothing else of omni_runtime; ``devtools`` may import anything and nothing
 imports it.
 """
@@ -35,10 +35,12 @@ ALLOWED: dict[str, set[str]] = {
     "transfers": set(),
     "kv.transport": set(),
     "observability": {"transfers", "kv.transport"},
-    "sched": {"transfers", "observability"},
+    "pipeline": {"observability"},
+    "sched": {"transfers", "observability", "pipeline"},
     "kv": {"sched", "transfers", "observability", "kv.transport"},
-    "stages": {"kv", "kv.transport", "sched", "transfers", "observability"},
-    "devtools": {"kv", "kv.transport", "sched", "transfers", "observability", "stages"},
+    "stages": {"kv", "kv.transport", "sched", "transfers", "observability", "pipeline"},
+    "devtools": {"kv", "kv.transport", "sched", "transfers", "observability", "stages",
+                 "pipeline"},
     "": set(),  # omni_runtime/__init__.py
 }
 #: Third-party packages the ledger must not import (it is the bookkeeping alone).

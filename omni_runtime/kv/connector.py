@@ -35,8 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
 from omni_runtime.kv.cpu_affinity import transport_cpus
-from omni_runtime.kv.layout import DTYPE_NAMES, UnsupportedKVCache
-from omni_runtime.kv.load import CacheLoader, LoadPlanner
+from omni_runtime.kv.layout import UnsupportedKVCache
+from omni_runtime.kv.load import CacheLoader, LoadPlanner, model_kv_identity
 from omni_runtime.kv.metadata import (  # noqa: F401  (public names)
     OmniKVConnectorMetadata,
     OmniKVWorkerMetadata,
@@ -212,18 +212,6 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_half is not None:
             self.worker_half.shutdown()
-
-
-def model_kv_identity(vllm_config: Any) -> tuple[int, int, int, str]:
-    """What a KV prefix must match to be loaded into this engine's cache: (layers, KV heads
-    in all, head size, dtype name)."""
-    model_config = vllm_config.model_config
-    dtype = model_config.dtype
-    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-    return (model_config.get_num_layers(vllm_config.parallel_config),
-            model_config.get_total_num_kv_heads(), model_config.get_head_size(),
-            DTYPE_NAMES.get(dtype, str(dtype)) if cache_dtype in ("auto", None)
-            else str(cache_dtype))
 
 
 def _check_parallelism(vllm_config: Any) -> int:

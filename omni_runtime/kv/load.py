@@ -40,6 +40,21 @@ logger = logging.getLogger(__name__)
 LOAD_PARAMS = "omni_load"
 #: Payload dtype names (kv/transport/payload.py's) -> the numpy dtype of the file's array.
 _FILE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+#: torch dtypes (as str() names them) -> payload dtype names.
+_DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16",
+                "torch.bfloat16": "bfloat16"}
+
+
+def model_kv_identity(vllm_config: Any) -> tuple[int, int, int, str]:
+    """What a KV prefix must match to be loaded into this engine's cache: (layers, KV heads
+    in all, head size, dtype name)."""
+    model_config = vllm_config.model_config
+    dtype = model_config.dtype
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    return (model_config.get_num_layers(vllm_config.parallel_config),
+            model_config.get_total_num_kv_heads(), model_config.get_head_size(),
+            _DTYPE_NAMES.get(str(dtype), str(dtype)) if cache_dtype in ("auto", None)
+            else str(cache_dtype))
 
 
 class LoadError(ValueError):

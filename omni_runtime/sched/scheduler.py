@@ -62,6 +62,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
 from omni_runtime.observability.observers import build_observers
+from omni_runtime.pipeline.protocol import KV_PARAMS_KEY
 from omni_runtime.sched.handoff import Answer, Carried, HandOff
 from omni_runtime.sched.outputs import OmniNewRequestData
 from omni_runtime.transfers.ledger import VALUES, Outcome, Transfer, TransferLedger, Trigger
@@ -96,9 +97,6 @@ _REQ_ID = operator.attrgetter("req_id")
 #: The attribute of vllm-omni's requests that carries their payload to the workers
 #: (OmniNewRequestData); absent on plain vLLM's.
 _PAYLOAD_ATTR = "additional_information"
-
-#: The key of a request's ``kv_transfer_params`` holding its pipeline context (Carried.origin).
-OMNI_PARAMS = "omni"
 
 #: A KV block's id (mapped over a snapshot's blocks in C: no comprehension frame per marking).
 _BLOCK_ID = operator.attrgetter("block_id")
@@ -679,7 +677,7 @@ def _carried(request: Request, trigger: Trigger, seq_len: int) -> Carried:
     tokens = request.all_token_ids
     n = len(tokens) if trigger is Trigger.REQUEST_FINISHED else seq_len
     params = request.kv_transfer_params
-    origin = params.get(OMNI_PARAMS) if params else None
+    origin = params.get(KV_PARAMS_KEY) if params else None
     return Carried(tokens[:n], min(request.num_prompt_tokens, n),
                    origin if isinstance(origin, dict) else None)
 

@@ -49,10 +49,15 @@ from omni_contract.engine_args import (
 )
 from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
 from omni_runtime.stages.config import StageConfig, StageConfigError
+# Imports no vLLM at module level (its server process is where it runs).
+from omni_runtime.stages.stage_input import SETTINGS_KEY as INPUT_SETTINGS_KEY
+from omni_runtime.stages.stage_input import StageInputMiddleware
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_CLS = "omni_runtime.sched.OmniARScheduler"
+#: vLLM's --middleware that makes requests from hand-offs (stage_input.py).
+INPUT_MIDDLEWARE = f"{StageInputMiddleware.__module__}.{StageInputMiddleware.__name__}"
 #: How long vLLM gets, beyond the grace period its engine drains for, to tear down before
 #: SIGKILL.
 STOP_TIMEOUT_S = 30
@@ -127,20 +132,25 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
         "--host", host,
         "--port", str(config.http_port),
         "--scheduler-cls", SCHEDULER_CLS,
-        "--additional-config", json.dumps(additional, sort_keys=True),
     ]
     user = user_kv_connector(config.engine_args)
     connector = user[1] if user else None
-    if additional[OMNI_KV_CONFIG].get("need_send_cache"):
+    if config.takes_hand_offs:
+        # Its requests come from its upstreams' hand-offs (stage_input.py, in vLLM's server
+        # through its --middleware plug-in point).
+        additional[INPUT_SETTINGS_KEY] = _input_settings(config, host)
+        argv += ["--middleware", INPUT_MIDDLEWARE]
+    if additional[OMNI_KV_CONFIG].get("need_send_cache") or config.takes_hand_offs:
         # The omni KV connector moves the bytes (vLLM's KV connector interface; no worker
         # class of ours), composed with the user's own through vLLM's MultiConnector.
         # The user's connector config cannot reach ours (composed_kv_transfer_config refuses
         # one naming it): our settings, io_cpus included, come from kvTransfer alone.
         io_cpus = config.kv_io_cpus
+        sends = additional[OMNI_KV_CONFIG].get("need_send_cache")
         connector = kv_transfer_config(
-            {d.stage: d.zmq_address for d in config.downstream}, config.pipeline,
-            list(io_cpus) if isinstance(io_cpus, tuple) else io_cpus,
-            revision=config.revision,
+            {d.stage: d.zmq_address for d in config.downstream} if sends else {},
+            config.pipeline, list(io_cpus) if isinstance(io_cpus, tuple) else io_cpus,
+            revision=config.revision, loads=config.takes_hand_offs,
         )
         if user is not None:
             try:
@@ -148,6 +158,7 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
             except EngineArgsError as exc:
                 raise StageConfigError(str(exc)) from None
             connector = composed_kv_transfer_config(connector, user[1])
+    argv += ["--additional-config", json.dumps(additional, sort_keys=True)]
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector, sort_keys=True)]
     if config.model_dir:
@@ -157,6 +168,24 @@ def vllm_command(config: StageConfig, host: str, python: str = sys.executable, *
     if grace_seconds is not None:
         argv += shutdown_timeout_flag(grace_seconds)
     return argv + flags
+
+
+def _input_settings(config: StageConfig, host: str) -> dict[str, Any]:
+    """The stage input's settings (stage_input.InputSettings) from the stage config."""
+    settings: dict[str, Any] = {
+        "listen": f"tcp://{host}:{config.kv_port}", "pipeline": config.pipeline,
+        "stage": config.stage, "inputs": list(config.inputs),
+        "downstream": [d.stage for d in config.downstream] if config.kv_send else [],
+        "sampling_params": dict(config.input_sampling_params),
+        "load_kv": config.input_load_kv,
+    }
+    if config.revision:
+        settings["revision"] = config.revision
+    if config.input_hook:
+        settings["hook"] = config.input_hook
+    if config.input_max_inputs is not None:
+        settings["max_inputs"] = config.input_max_inputs
+    return settings
 
 
 def in_flight_transfers(metrics_text: str) -> float:

@@ -66,10 +66,30 @@ class StageConfig:
     #: AR stages only (vLLM's --otlp-traces-endpoint); a receiving stage's span exports
     #: follow the standard OTEL_* variables the operator sets.
     otlp_endpoint: str | None = None
+    #: An AR stage with inputs (a downstream vLLM stage, stage_input.py): the input hook's
+    #: import path (None: every upstream token), the requests' sampling parameters, how
+    #: many requests from hand-offs may be in flight, whether an upstream's KV may be
+    #: loaded as a prefix (``input`` in the stage config).
+    input_hook: str | None = None
+    input_sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    input_max_inputs: int | None = None
+    input_load_kv: bool = True
+    #: The pipeline's endpoint (``role: endpoint``): the ``endpoint`` mapping, checked by
+    #: omni_runtime.pipeline.endpoint.parse_endpoint_config.
+    endpoint: Mapping[str, Any] | None = None
 
     @property
     def is_ar(self) -> bool:
         return self.role == "ar"
+
+    @property
+    def is_endpoint(self) -> bool:
+        return self.role == "endpoint"
+
+    @property
+    def takes_hand_offs(self) -> bool:
+        """A vLLM stage whose requests come from its upstream stages' hand-offs."""
+        return self.is_ar and bool(self.inputs)
 
     def omni_kv_config(self) -> dict[str, Any]:
         """The scheduler's ``omni_kv_config`` (the CRD's camelCase mapped to its keys)."""
@@ -154,10 +174,26 @@ def parse_stage_config(raw: Any) -> StageConfig:
     inputs = _get(raw, "inputs", list, "", [])
     if not all(isinstance(name, str) and name for name in inputs):
         raise StageConfigError(f"inputs must be a list of stage names, got {inputs!r}")
+    stage_input = _get(raw, "input", Mapping, "", {})
+    unknown = set(stage_input) - {"hook", "samplingParams", "maxInputs", "loadKV"}
+    if unknown:
+        raise StageConfigError(f"input.{sorted(unknown)[0]} is not a key of input (hook, "
+                               "samplingParams, maxInputs, loadKV)")
+    max_inputs = _get(stage_input, "maxInputs", int, "input.", None)
+    if max_inputs is not None and max_inputs < 1:
+        raise StageConfigError(f"input.maxInputs must be at least 1, got {max_inputs}")
+    role = _get(raw, "role", str, "")
+    if stage_input and not (role == "ar" and inputs):
+        raise StageConfigError("input is set, but only an ar stage with inputs makes requests "
+                               "from hand-offs: remove input, or give the stage inputs")
+    endpoint = _get(raw, "endpoint", Mapping, "", None)
+    if (endpoint is not None) != (role == "endpoint"):
+        raise StageConfigError("endpoint goes with role: endpoint (the pipeline's endpoint's "
+                               "config), and role: endpoint needs it")
     config = StageConfig(
         pipeline=_get(raw, "pipeline", str, ""),
         stage=_get(raw, "stage", str, ""),
-        role=_get(raw, "role", str, ""),
+        role=role,
         model=model_ref,
         model_name=name or model_ref,
         model_dir=_optional_str(model, "cacheDir", "model."),
@@ -172,6 +208,11 @@ def parse_stage_config(raw: Any) -> StageConfig:
         kv_port=_port(ports, "kv", DEFAULT_KV_PORT),
         otlp_endpoint=_optional_str(tracing, "otlpEndpoint", "observability.tracing."),
         revision=_optional_str(raw, "revision", ""),
+        input_hook=_optional_str(stage_input, "hook", "input."),
+        input_sampling_params=dict(_get(stage_input, "samplingParams", Mapping, "input.", {})),
+        input_max_inputs=max_inputs,
+        input_load_kv=_get(stage_input, "loadKV", bool, "input.", True),
+        endpoint=dict(endpoint) if endpoint is not None else None,
     )
     if config.is_ar:
         # Fail here, naming the stage config's keys, rather than deep in vLLM's start-up.

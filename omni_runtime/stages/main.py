@@ -6,9 +6,13 @@ docs/operator.md; ``omni-pipeline up`` writes the same file for local runs). Two
 * an AR stage (``role: ar``): vLLM's OpenAI server with :class:`OmniARScheduler`, the omni
   KV connector and the stage's ``omni_kv_config``; this process supervises it (see
   :mod:`omni_runtime.stages.ar`);
+  with ``inputs``, its requests are made from the upstream stages' hand-offs, inside vLLM's
+  server (:mod:`omni_runtime.stages.stage_input`);
 * a receiving stage (any other role): a small HTTP server with ``/health``, ``/metrics`` and
   ``/v1/kv`` (what arrived), and the KV receiver with its inbox (see
-  :mod:`omni_runtime.stages.receiver`).
+  :mod:`omni_runtime.stages.receiver`);
+* the pipeline's endpoint (``role: endpoint``): the one address a client sends its requests
+  to and gets the last stage's output from (:mod:`omni_runtime.pipeline.endpoint`).
 
 Ports: ``http`` (default 8000) and ``kv`` (default 9600), from the config's ``ports``.
 SIGTERM drains: stop taking work, let in-flight requests and transfers finish within a grace
@@ -48,6 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     grace = args.grace_seconds
     if grace is None:
         grace = config.kv_timeout_seconds or DEFAULT_GRACE_SECONDS
+    if config.is_endpoint:
+        from omni_runtime.pipeline.endpoint import (
+            EndpointConfigError,
+            parse_endpoint_config,
+            run,
+        )
+
+        try:
+            endpoint = parse_endpoint_config(config.pipeline, config.model_name,
+                                             config.endpoint)
+        except EndpointConfigError as exc:
+            print(f"omni-stage: {args.config}: {exc}", file=sys.stderr)
+            return 2
+        return run(endpoint, args.host, config.http_port)
+    if config.takes_hand_offs:
+        from omni_runtime.stages.inputs import InputHookError, load_hook
+
+        try:  # here, before vLLM loads a model: the same import the stage's server does
+            load_hook(config.input_hook)
+        except InputHookError as exc:
+            print(f"omni-stage: {args.config}: {exc}", file=sys.stderr)
+            return 2
     if config.is_ar:
         from omni_runtime.stages.ar import ARStage, vllm_command
 

@@ -32,6 +32,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
+from omni_runtime.pipeline.link import LinkReporter
+from omni_runtime.pipeline.protocol import ProtocolError, parse_origin
 from omni_runtime.stages.config import StageConfig
 from omni_runtime.stages.heap import freeze_startup_heap
 
@@ -58,7 +60,10 @@ class ReceiverStage:
             # A sender of another model or pipeline revision is refused at its hello
             # (``incompatible``, counted): None (no revision in the config) checks nothing.
             expect={"model": config.model_name, "revision": config.revision},
+            consumer=self._stored,
         )
+        # The pipeline's last stage: what it stored is the answer of the request's endpoint.
+        self._links = LinkReporter(config.stage)
         self._stopping = threading.Event()
         self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())
         self._http.daemon_threads = True
@@ -79,8 +84,24 @@ class ReceiverStage:
             self._http.serve_forever(poll_interval=0.2)
         finally:
             self.receiver.close()
+            self._links.close()
             self._http.server_close()
         return 0
+
+    def _stored(self, payload, ticket) -> None:
+        """On the receiver's thread: a payload stored is held here (acked at once), and
+        reported to its pipeline request's endpoint when it came from one."""
+        self.receiver.settle(ticket)
+        try:
+            found = parse_origin(payload.origin)
+        except ProtocolError as exc:
+            logger.warning("payload of request %s: its pipeline context is malformed: %s",
+                           payload.request_id, exc)
+            return
+        if found is not None:
+            request_id, endpoint = found
+            self._links.report(endpoint, request_id, [
+                ("taken", {}), ("payload", {"payload": payload.summary()})])
 
     def health_problem(self) -> str | None:
         """Why the stage is not healthy, or None."""

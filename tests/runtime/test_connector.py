@@ -1154,8 +1154,8 @@ class Consumer:
         self.tickets = []
         self.arrived = threading.Event()
 
-    def __call__(self, request_id, ticket):
-        self.tickets.append((request_id, ticket))
+    def __call__(self, payload, ticket):
+        self.tickets.append((payload.request_id, ticket))
         self.arrived.set()
 
 

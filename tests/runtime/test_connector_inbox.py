@@ -111,7 +111,7 @@ def test_list_summaries_have_the_documented_fields(setup):
     (s,) = inbox.list()
     assert s == {"request_id": "a", "external_request_id": None, "seq_len": 2, "bytes": 256, "dtype": "float32",
                  "shape": [2, 2, 1, 2, 8], "received_at": s["received_at"], "from_stage": "ar",
-                 "pipeline": ""}
+                 "pipeline": "", "token_ids": [], "prompt_len": 0}
     assert abs(s["received_at"] - time.time()) < 60
 
 

@@ -106,17 +106,17 @@ class KVInbox:
         self._allocate = allocate
 
     # ------------------------------------------------------------------ producer side
-    def put(self, payload: KVPayload) -> bool:
+    def put(self, payload: KVPayload) -> KVPayload | None:
         """Store ``payload`` (replacing one of the same request id) or raise InboxFull.
         Wakes every get() waiting for it. A shard (``num_shards`` > 1) is stored into its
-        transfer's assembly instead (:meth:`_put_shard`). Whether a whole payload is now
-        stored (False: a shard kept until the others come)."""
+        transfer's assembly instead (:meth:`_put_shard`). The whole payload now stored (the
+        assembled one for the last shard), or None: a shard kept until the others come."""
         if payload.num_shards > 1:
             return self._put_shard(payload)
         with self._cond:
             self._expire_locked(self._clock())
             self._store_locked(payload)
-        return True
+        return payload
 
     def discard(self, request_id: str) -> bool:
         """Drop the stored payload of ``request_id`` (either id), unconsumed and uncounted
@@ -148,7 +148,7 @@ class KVInbox:
         self._update_gauges()
         self._cond.notify_all()
 
-    def _put_shard(self, shard: KVPayload) -> bool:
+    def _put_shard(self, shard: KVPayload) -> KVPayload | None:
         """Store one KV-head shard of a tensor-parallel transfer; the last one stores the
         assembled payload. Raises InboxFull (the first shard's reservation does not fit) or
         Rejected ``shard_mismatch``."""
@@ -180,13 +180,14 @@ class KVInbox:
             assembly.add(shard)
             if not assembly.complete:
                 self._update_gauges()
-                return False
+                return None
             # Every shard is in: its reservation becomes the stored payload (which fits, as
             # the reservation did).
             del self._assemblies[key]
             self._bytes -= assembly.nbytes
-            self._store_locked(assembly.payload())
-            return True
+            whole = assembly.payload()
+            self._store_locked(whole)
+            return whole
 
     def _drop_assembly_locked(self, key: tuple[str, int, int], eviction: str) -> None:
         assembly = self._assemblies.pop(key)
@@ -283,17 +284,7 @@ class KVInbox:
         """Summaries of the stored payloads, oldest first (for the stage's HTTP endpoint)."""
         with self._cond:
             self._expire_locked(self._clock())
-            return [{
-                "request_id": e.payload.request_id,
-                "external_request_id": e.payload.external_request_id or None,
-                "seq_len": e.payload.seq_len,
-                "bytes": e.nbytes,
-                "dtype": e.payload.dtype_name,
-                "shape": list(e.payload.shape),
-                "received_at": e.payload.received_at,
-                "from_stage": e.payload.from_stage,
-                "pipeline": e.payload.pipeline,
-            } for e in self._entries.values()]
+            return [e.payload.summary() for e in self._entries.values()]
 
     def __len__(self) -> int:
         with self._cond:

@@ -69,6 +69,8 @@ class KVPayload:
     token_ids: tuple[int, ...] = ()
     prompt_len: int = 0
     origin: dict[str, str] | None = None
+    #: The model whose KV this is (the sender's, as its hello names it), "" if unknown.
+    model: str = ""
     #: Not assembled yet (``kv`` is None): anything with the array's ``shape`` and
     #: ``dtype`` and ``into(out)`` writing it (assemble.StagedKV, shards.ShardAssembly).
     staged: Any = field(default=None, repr=False, compare=False)
@@ -106,6 +108,22 @@ class KVPayload:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * self.array_dtype.itemsize
+
+    def summary(self) -> dict[str, Any]:
+        """What a listing or a pipeline's answer says of the payload (never its bytes)."""
+        return {
+            "request_id": self.request_id,
+            "external_request_id": self.external_request_id or None,
+            "seq_len": self.seq_len,
+            "bytes": self.nbytes,
+            "dtype": self.dtype_name,
+            "shape": list(self.shape),
+            "received_at": self.received_at,
+            "from_stage": self.from_stage,
+            "pipeline": self.pipeline,
+            "token_ids": list(self.token_ids),
+            "prompt_len": self.prompt_len,
+        }
 
     def as_float32(self) -> np.ndarray:
         """The KV tensor as float32 (bfloat16 bits widened: they are float32's top half)."""

@@ -191,13 +191,15 @@ class KVReceiver:
         slots: int = DEFAULT_SLOTS,
         staging_device: str = "cpu",
         agent_idle_ttl_s: float = DEFAULT_AGENT_IDLE_TTL_S,
-        consumer: Callable[[str, Ticket], None] | None = None,
+        consumer: Callable[[KVPayload, Ticket], None] | None = None,
     ) -> None:
         self.bind = bind
-        #: The stage that takes each stored payload as a request's input (a downstream
-        #: vLLM stage's, stages/stage_input.py): told on this thread once a whole payload
-        #: is stored, it answers with settle(); the transfer is acked only then ("the
-        #: request holds its input"), or refused with its reason. None: acked when stored.
+        #: The stage that takes each stored payload (a downstream vLLM stage's input,
+        #: stages/stage_input.py; a receiving stage reporting it to the pipeline): told on
+        #: this thread once a whole payload is stored, with the payload (still in the inbox)
+        #: and its ticket, it answers with settle(), from any thread, then or later; the
+        #: transfer is acked only then ("the stage holds it"), or refused with its reason.
+        #: None: acked when stored.
         self._consumer = consumer
         self._awaiting: dict[tuple[str, int], _Awaiting] = {}
         self._awaiting_deadlines: dict[tuple[str, int], float] = {}  # monotonic
@@ -683,16 +685,16 @@ class KVReceiver:
             self._reject(router, identity, r.code, r.reason, req.transfer_id, req.request_id,
                          job.span, req.from_stage, req)
             return
-        if stored and self._consumer is not None:
+        if stored is not None and self._consumer is not None:
             ticket = Ticket(req.agent, req.transfer_id, req.request_id, job.read_by)
             self._awaiting[ticket.key] = _Awaiting(identity, req, job.span, payload.nbytes)
             self._awaiting_deadlines[ticket.key] = job.read_by + VERDICT_GRACE_S
             try:
-                self._consumer(req.request_id, ticket)
+                self._consumer(stored, ticket)
             except Exception as e:  # a bug in the consumer: this transfer alone fails
                 logger.exception("KV receiver of stage %r: the consumer failed", self.stage)
                 self._settled.append((ticket, ("internal_error", f"{type(e).__name__}: {e}")))
-                self._answer_settled(router)
+            self._answer_settled(router)  # what it answered at once goes out at once
             return
         self._delivered(router, identity, req, job.span, payload.nbytes)
 
@@ -710,7 +712,7 @@ class KVReceiver:
             dtype=hello.block_format.dtype, to_stage=req.to_stage, sent_at=req.sent_at,
             received_at=job.received, external_request_id=req.external_request_id,
             shard=req.shard, num_shards=req.num_shards, token_ids=req.token_ids,
-            prompt_len=req.prompt_len, origin=req.origin,
+            prompt_len=req.prompt_len, origin=req.origin, model=hello.compat.model,
         )
 
     # ------------------------------------------------------------------ reads

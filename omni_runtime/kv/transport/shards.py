@@ -107,5 +107,5 @@ class ShardAssembly:
             trace_context=meta.trace_context, extra=meta.extra, dtype=meta.dtype,
             to_stage=meta.to_stage, sent_at=meta.sent_at,
             external_request_id=meta.external_request_id, token_ids=meta.token_ids,
-            prompt_len=meta.prompt_len, origin=meta.origin,
+            prompt_len=meta.prompt_len, origin=meta.origin, model=meta.model,
         )

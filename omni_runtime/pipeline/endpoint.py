@@ -1,0 +1,554 @@
+"""The pipeline's endpoint: one OpenAI-compatible front door for the whole pipeline.
+
+A client sends ``POST /v1/completions`` or ``/v1/chat/completions`` here (the ``openai``
+client with ``base_url=<endpoint>/v1``); the endpoint sends the request to the pipeline's
+first stage with its origin (protocol.py), and answers with the output of its last stage:
+
+* the last stage is a vLLM stage: its tokens and text, as an OpenAI completion or chat
+  completion (streamed as server-sent events with ``"stream": true``), each choice with its
+  ``token_ids``;
+* the last stage is a receiving stage: its stored payload's summary, as the choice's
+  ``omni_payload`` (its request ids, tokens, shape, dtype, bytes).
+
+Every stage that takes the request from a hand-off links to this endpoint (link.py). The
+endpoint follows the request across them: a stage that reports an error, a link that drops,
+a hand-off that its next stage does not take within the edge's deadline (plus
+:data:`HOP_GRACE_S`), or a first stage that answers an error, end the client's request with
+an error naming the stage; a client that goes away aborts the request at every stage holding
+it. ``X-Request-Id`` (the client's, else a new one) is the request's id at every stage, and
+the W3C trace context goes with it (one trace across the stages).
+
+Other routes: ``GET /v1/models`` (the first stage's), ``GET /health``, and the stages' links
+(``/v1/omni/requests/{id}/stages/{stage}``, WebSocket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from omni_runtime.pipeline.protocol import (
+    CLOSE_UNKNOWN_REQUEST,
+    FINAL_EVENTS,
+    KV_PARAMS_KEY,
+    MAX_EVENT_BYTES,
+    ProtocolError,
+    encode_event,
+    origin,
+    parse_event,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a hand-off's next stage gets beyond the edge's transfer deadline to say it took it.
+HOP_GRACE_S = 2.0
+#: The default bound on a request's whole time in the pipeline.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+class EndpointConfigError(ValueError):
+    """A bad endpoint config; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """``entry``: the first stage and its base URL; ``sink``: the last stage (whose output
+    is the answer); ``edges``: the stage graph, each with its transfer deadline;
+    ``advertise``: this replica's base URL as the stages reach it."""
+
+    pipeline: str
+    model_name: str
+    entry_stage: str
+    entry_url: str
+    sink: str
+    edges: tuple[Edge, ...]
+    advertise: str
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    def downstream(self, stage: str) -> list[Edge]:
+        return [e for e in self.edges if e.source == stage]
+
+
+def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointConfig:
+    """The stage config's ``endpoint`` mapping; EndpointConfigError naming the key."""
+    if not isinstance(raw, Mapping):
+        raise EndpointConfigError("endpoint must be a mapping")
+
+    def text(mapping: Mapping[str, Any], key: str, where: str) -> str:
+        value = mapping.get(key)
+        if not isinstance(value, str) or not value:
+            raise EndpointConfigError(f"{where}{key} must be a non-empty string")
+        return value
+
+    entry = raw.get("entry")
+    if not isinstance(entry, Mapping):
+        raise EndpointConfigError("endpoint.entry must be a mapping with stage and url")
+    edges = []
+    for i, edge in enumerate(raw.get("edges") or []):
+        where = f"endpoint.edges[{i}]."
+        if not isinstance(edge, Mapping):
+            raise EndpointConfigError(f"endpoint.edges[{i}] must be a mapping")
+        timeout = edge.get("timeoutSeconds")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                0 < timeout < float("inf")):
+            raise EndpointConfigError(f"{where}timeoutSeconds must be a positive number of "
+                                      f"seconds, got {timeout!r}")
+        edges.append(Edge(text(edge, "from", where), text(edge, "to", where), float(timeout)))
+    timeout = raw.get("requestTimeoutSeconds", DEFAULT_REQUEST_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout < float("inf")):
+        raise EndpointConfigError("endpoint.requestTimeoutSeconds must be a positive number "
+                                  f"of seconds, got {timeout!r}")
+    for key in ("entry.url", "advertise"):
+        value = raw.get("advertise") if key == "advertise" else entry.get("url")
+        if not (isinstance(value, str) and value.startswith(("http://", "https://"))):
+            raise EndpointConfigError(f"endpoint.{key} must be an http(s) URL, got {value!r}")
+    config = EndpointConfig(
+        pipeline=pipeline, model_name=model_name,
+        entry_stage=text(entry, "stage", "endpoint.entry."),
+        entry_url=entry["url"].rstrip("/"), sink=text(raw, "sink", "endpoint."),
+        edges=tuple(edges), advertise=raw["advertise"].rstrip("/"),
+        request_timeout_s=float(timeout))
+    stages = {config.entry_stage} | {e.source for e in edges} | {e.target for e in edges}
+    if config.sink not in stages:
+        raise EndpointConfigError(f"endpoint.sink {config.sink!r} is not a stage of the "
+                                  f"edges ({sorted(stages)})")
+    return config
+
+
+class StageFailed(Exception):
+    """The request failed at a stage: (stage, message, HTTP status for the client)."""
+
+    def __init__(self, stage: str, message: str, status: int = 502) -> None:
+        super().__init__(f"stage {stage}: {message}")
+        self.stage, self.message, self.status = stage, message, status
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    links: dict[str, web.WebSocketResponse] = field(default_factory=dict)
+    taken: set[str] = field(default_factory=set)
+    #: stage -> (monotonic deadline by which it must take the request, the edge)
+    expected: dict[str, tuple[float, Edge]] = field(default_factory=dict)
+
+
+class PipelineEndpoint:
+    def __init__(self, config: EndpointConfig) -> None:
+        self.config = config
+        self._requests: dict[str, _Request] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tracer = None
+        self.app = web.Application(client_max_size=16 << 20)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat_completions)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/omni/requests/{request_id}/stages/{stage}", self._link)
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    async def _start(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        from omni_runtime.observability.tracing import resolve_tracer
+
+        self._tracer = resolve_tracer()
+
+    async def _stop(self, app: web.Application) -> None:
+        for pending in list(self._requests.values()):
+            await self._abort_links(pending, "the pipeline endpoint is stopping")
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ routes
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "in_flight": self.in_flight})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            async with self._session.get(f"{self.config.entry_url}/v1/models") as resp:
+                return web.Response(body=await resp.read(), status=resp.status,
+                                    content_type="application/json")
+        except (aiohttp.ClientError, OSError) as exc:
+            return _error(StageFailed(self.config.entry_stage, f"unreachable: {exc}"))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _link(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=MAX_EVENT_BYTES)
+        await ws.prepare(request)
+        stage = request.match_info["stage"]
+        pending = self._requests.get(request.match_info["request_id"])
+        if pending is None:
+            await ws.close(code=CLOSE_UNKNOWN_REQUEST, message=b"no such request")
+            return ws
+        pending.links[stage] = ws
+        final = False
+        try:
+            async for message in ws:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                try:
+                    event = parse_event(message.data)
+                except ProtocolError as exc:
+                    logger.warning("link of stage %s for request %s: %s", stage, pending.id,
+                                   exc)
+                    continue
+                final = final or event["event"] in FINAL_EVENTS
+                pending.events.put_nowait((stage, event))
+        finally:
+            if pending.links.get(stage) is ws:
+                del pending.links[stage]
+            if not final:
+                pending.events.put_nowait((stage, {"event": "lost"}))
+        return ws
+
+    # ------------------------------------------------------------------ a request
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _error_body(400, "the request body must be a JSON object")
+        if not isinstance(body, dict):
+            return _error_body(400, "the request body must be a JSON object")
+        request_id = request.headers.get("X-Request-Id") or f"omni-{uuid.uuid4().hex}"
+        if request_id in self._requests:
+            return _error_body(409, f"a request with X-Request-Id {request_id} is in flight")
+        stream = bool(body.get("stream"))
+        pending = self._requests[request_id] = _Request(request_id)
+        span, headers = self._start_span(request, request_id)
+        writer = _Writer(request, kind, request_id, body.get("model") or self.config.model_name,
+                         stream)
+        entry = asyncio.get_running_loop().create_task(
+            self._call_entry(pending, kind, body, headers))
+        ended = "the request ended at the pipeline endpoint"
+        try:
+            if stream and self.config.entry_stage != self.config.sink:
+                await writer.start()  # the client's stream begins now, as vLLM's does
+            await self._follow(pending, writer, entry)
+        except StageFailed as failed:
+            logger.warning("pipeline request %s failed: %s", request_id, failed)
+            if span is not None:
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_status(Status(StatusCode.ERROR, str(failed)))
+            await writer.error(failed)
+        except (asyncio.CancelledError, ConnectionResetError):
+            ended = "the client went away"
+            raise
+        finally:
+            entry.cancel()
+            self._requests.pop(request_id, None)
+            await asyncio.shield(self._abort_links(pending, ended))
+            if span is not None:
+                span.end()
+        return writer.response
+
+    def _start_span(self, request: web.Request, request_id: str
+                    ) -> tuple[Any, dict[str, str]]:
+        """The request's span (a child of the client's trace, when it sent one) and the
+        headers that carry its context to the first stage."""
+        headers = {"X-Request-Id": request_id}
+        if self._tracer is None:
+            if "traceparent" in request.headers:
+                headers["traceparent"] = request.headers["traceparent"]
+                if "tracestate" in request.headers:
+                    headers["tracestate"] = request.headers["tracestate"]
+            return None, headers
+        from opentelemetry import context as otel_context
+        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        propagator = TraceContextTextMapPropagator()
+        parent = propagator.extract(dict(request.headers))
+        span = self._tracer.start_span(
+            "omni.pipeline_request", context=parent, kind=SpanKind.SERVER,
+            attributes={"omni.pipeline": self.config.pipeline, "omni.request_id": request_id})
+        propagator.inject(headers, context=set_span_in_context(span, otel_context.get_current()))
+        return span, headers
+
+    async def _call_entry(self, pending: _Request, kind: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> None:
+        """The request at the first stage; its end (or failure) goes to the request's events
+        as the entry stage's."""
+        stage = self.config.entry_stage
+        forwarded = dict(body)
+        params = dict(forwarded.get("kv_transfer_params") or {})
+        params[KV_PARAMS_KEY] = origin(pending.id, self.config.advertise)
+        forwarded["kv_transfer_params"] = params
+        sink = stage == self.config.sink
+        if not sink:
+            forwarded["stream"] = False  # its own output is not the answer
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        try:
+            async with self._session.post(f"{self.config.entry_url}{path}", json=forwarded,
+                                          headers=headers) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:2000]
+                    pending.events.put_nowait((stage, {"event": "error", "status": resp.status,
+                                                       "message": _error_message(text)}))
+                    return
+                if sink:  # a one-stage pipeline: its answer is the client's, as it comes
+                    proxied = asyncio.Event()
+                    pending.events.put_nowait((stage, {"event": "proxy", "response": resp,
+                                                       "proxied": proxied}))
+                    await proxied.wait()
+                    return
+                answer = await resp.json()
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            pending.events.put_nowait((stage, {"event": "error", "message":
+                                               f"unreachable or broken: {exc}"}))
+            return
+        choice = (answer.get("choices") or [{}])[0]
+        pending.events.put_nowait((stage, {"event": "finished",
+                                           "finish_reason": choice.get("finish_reason"),
+                                           "kv_transfer_params": answer.get("kv_transfer_params")}))
+
+    async def _follow(self, pending: _Request, writer: _Writer, entry: asyncio.Task) -> None:
+        """Follow the request's events until the last stage's answer is written."""
+        config = self.config
+        deadline = time.monotonic() + config.request_timeout_s
+        while True:
+            now = time.monotonic()
+            wake = min([deadline, *(d for d, _ in pending.expected.values())])
+            try:
+                stage, event = await asyncio.wait_for(pending.events.get(), max(0.0, wake - now))
+            except asyncio.TimeoutError:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise StageFailed(self._holder(pending), "the request did not finish "
+                                      f"within {config.request_timeout_s:g}s", 504) from None
+                for target, (due, edge) in list(pending.expected.items()):
+                    if now >= due:
+                        raise StageFailed(target, f"did not take the hand-off of request "
+                                          f"{pending.id} from stage {edge.source} within "
+                                          f"{edge.timeout_s:g}s (its transfer deadline)",
+                                          504) from None
+                continue
+            kind = event["event"]
+            if kind == "error":
+                raise StageFailed(stage, str(event.get("message") or "failed"),
+                                  int(event.get("status") or 502))
+            if kind == "lost":
+                raise StageFailed(stage, f"lost request {pending.id} (its link to the "
+                                  "pipeline endpoint closed before it finished)")
+            if kind == "taken":
+                pending.taken.add(stage)
+                pending.expected.pop(stage, None)
+            elif kind == "proxy":
+                try:
+                    await writer.proxy(event["response"])
+                finally:
+                    event["proxied"].set()
+                return
+            elif kind == "finished":
+                self._entry_finished(pending, stage, event)
+            elif kind == "handed_off":
+                self._expect_downstream(pending, stage)
+            elif stage == config.sink and kind == "output":
+                await writer.output(event.get("text") or "", list(event.get("token_ids") or ()))
+            elif stage == config.sink and kind == "payload":
+                await writer.payload(stage, event.get("payload") or {})
+                return
+            elif stage == config.sink and kind == "done":
+                await writer.done(event.get("finish_reason"), event.get("usage"))
+                return
+            elif kind == "done":
+                raise StageFailed(stage, "its request finished without a hand-off to "
+                                  + ", ".join(e.target for e in config.downstream(stage)))
+
+    def _entry_finished(self, pending: _Request, stage: str, event: dict[str, Any]) -> None:
+        reason = event.get("finish_reason")
+        if reason not in ("stop", "length"):
+            raise StageFailed(stage, f"its request ended with finish_reason {reason!r}")
+        meta = ((event.get("kv_transfer_params") or {}).get("kv_metadata") or {})
+        if meta.get("outcome") in ("failed", "expired", "cancelled"):
+            raise StageFailed(stage, f"its hand-off {meta.get('outcome')}: "
+                              f"{meta.get('reason') or 'no reason given'}")
+        self._expect_downstream(pending, stage)
+
+    def _expect_downstream(self, pending: _Request, stage: str) -> None:
+        now = time.monotonic()
+        for edge in self.config.downstream(stage):
+            if edge.target not in pending.taken:
+                pending.expected.setdefault(edge.target,
+                                            (now + edge.timeout_s + HOP_GRACE_S, edge))
+
+    def _holder(self, pending: _Request) -> str:
+        """The stage the request waits on (for a timeout's message)."""
+        return next(iter(pending.links), None) or next(iter(pending.expected), None) or \
+            self.config.entry_stage
+
+    async def _abort_links(self, pending: _Request, reason: str) -> None:
+        if pending.links:
+            logger.info("pipeline request %s: aborting it at stage(s) %s: %s", pending.id,
+                        ", ".join(pending.links), reason)
+        for stage, ws in list(pending.links.items()):
+            pending.links.pop(stage, None)
+            try:
+                await ws.send_str(encode_event("abort", reason=reason))
+                await ws.close()
+            except (ConnectionError, RuntimeError, aiohttp.ClientError):
+                pass
+
+
+class _Writer:
+    """The client's answer, OpenAI-shaped: one JSON object, or server-sent events."""
+
+    def __init__(self, request: web.Request, kind: str, request_id: str, model: str,
+                 stream: bool) -> None:
+        self._request = request
+        self._chat = kind == "chat"
+        self._id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
+        self._request_id = request_id
+        self._model = model
+        self._stream = stream
+        self._created = int(time.time())
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+        self.response: web.StreamResponse | None = None
+
+    def _headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self._request_id}
+
+    async def start(self) -> None:
+        """Begin the server-sent events (the response's headers)."""
+        if self.response is None:
+            self.response = web.StreamResponse(headers={
+                **self._headers(), "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache"})
+            await self.response.prepare(self._request)
+
+    async def _sse(self, data: dict[str, Any] | str) -> None:
+        await self.start()
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await self.response.write(f"data: {text}\n\n".encode())
+
+    def _choice(self, text: str, token_ids: list[int], finish: str | None,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self._chat:
+            body = {"delta" if self._stream else "message": {"role": "assistant",
+                                                             "content": text}}
+        else:
+            body = {"text": text, "logprobs": None}
+        return {"index": 0, **body, "finish_reason": finish, "token_ids": token_ids,
+                **(extra or {})}
+
+    def _object(self, choice: dict[str, Any], usage: Any = None) -> dict[str, Any]:
+        kind = "chat.completion" if self._chat else "text_completion"
+        if self._chat and self._stream:
+            kind = "chat.completion.chunk"
+        body = {"id": self._id, "object": kind, "created": self._created, "model": self._model,
+                "choices": [choice]}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    async def output(self, text: str, token_ids: list[int]) -> None:
+        if self._stream:
+            await self._sse(self._object(self._choice(text, token_ids, None)))
+        else:
+            self._text.append(text)
+            self._tokens.extend(token_ids)
+
+    async def done(self, finish_reason: str | None, usage: Any) -> None:
+        if self._stream:
+            await self._sse(self._object(self._choice("", [], finish_reason), usage))
+            await self._sse("[DONE]")
+            await self.response.write_eof()
+            return
+        self.response = web.json_response(self._object(
+            self._choice("".join(self._text), self._tokens, finish_reason), usage),
+            headers=self._headers())
+
+    async def payload(self, stage: str, payload: dict[str, Any]) -> None:
+        extra = {"omni_payload": {"stage": stage, **payload}}
+        if self._stream:
+            await self._sse(self._object(self._choice("", [], "stop", extra)))
+            await self._sse("[DONE]")
+            await self.response.write_eof()
+            return
+        self.response = web.json_response(self._object(self._choice("", [], "stop", extra)),
+                                          headers=self._headers())
+
+    async def proxy(self, upstream: aiohttp.ClientResponse) -> None:
+        """A one-stage pipeline: the first stage's own answer, as it comes."""
+        self.response = web.StreamResponse(status=upstream.status, headers={
+            **self._headers(),
+            "Content-Type": upstream.headers.get("Content-Type", "application/json")})
+        await self.response.prepare(self._request)
+        async for chunk in upstream.content.iter_any():
+            await self.response.write(chunk)
+        await self.response.write_eof()
+
+    async def error(self, failed: StageFailed) -> None:
+        body = {"error": {"message": str(failed), "type": "omni_stage_error",
+                          "code": failed.status, "param": None, "stage": failed.stage}}
+        if self.response is not None and self.response.prepared:
+            try:  # the events have begun: the error is the stream's last event
+                await self._sse(body)
+                await self.response.write_eof()
+            except (ConnectionError, RuntimeError):
+                pass
+            return
+        self.response = web.json_response(body, status=failed.status, headers=self._headers())
+
+
+def _error(failed: StageFailed) -> web.Response:
+    return web.json_response({"error": {"message": str(failed), "type": "omni_stage_error",
+                                         "code": failed.status, "param": None,
+                                         "stage": failed.stage}}, status=failed.status)
+
+
+def _error_body(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error",
+                                         "code": status, "param": None}}, status=status)
+
+
+def _error_message(text: str) -> str:
+    """An OpenAI-style error body's message, or the text."""
+    try:
+        body = json.loads(text)
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        if isinstance(message, str):
+            return message
+    except ValueError:
+        pass
+    return text.strip() or "no answer"
+
+
+def run(config: EndpointConfig, host: str, port: int) -> int:
+    """Serve until SIGTERM/SIGINT; then stop taking requests and let those in flight end
+    (aiohttp's graceful shutdown)."""
+    endpoint = PipelineEndpoint(config)
+    logger.info("pipeline %s: endpoint on %s:%d (first stage %s at %s, last stage %s)",
+                config.pipeline, host, port, config.entry_stage, config.entry_url, config.sink)
+    web.run_app(endpoint.app, host=host, port=port, handler_cancellation=True,
+                shutdown_timeout=config.request_timeout_s, print=None, access_log=None)
+    return 0

@@ -1,0 +1,165 @@
+"""A stage's link to the pipeline's endpoint for one request (protocol.py): its events to the
+endpoint, and the endpoint's abort back. asyncio, on aiohttp's WebSocket client.
+
+:meth:`EndpointLink.open` connects (a refused or unknown request raises :class:`LinkError`:
+the request is gone, the stage drops its input); :meth:`send` reports; :attr:`aborted` is set
+when the endpoint aborts the request or the link drops, with :attr:`abort_reason`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from omni_runtime.pipeline.protocol import (
+    CLOSE_UNKNOWN_REQUEST,
+    FINAL_EVENTS,
+    MAX_EVENT_BYTES,
+    ProtocolError,
+    encode_event,
+    link_url,
+    parse_event,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How long a stage waits for the endpoint to accept its link.
+CONNECT_TIMEOUT_S = 5.0
+#: WebSocket pings: a link whose peer vanished is noticed within about twice this.
+HEARTBEAT_S = 5.0
+
+
+class LinkError(RuntimeError):
+    """The link could not be opened (the request is gone, or the endpoint unreachable)."""
+
+
+class EndpointLink:
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, request_id: str,
+                 stage: str) -> None:
+        self._ws = ws
+        self.request_id = request_id
+        self.stage = stage
+        self.aborted = asyncio.Event()
+        self.abort_reason = ""
+        self._final_sent = False
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def open(cls, session: aiohttp.ClientSession, endpoint: str, request_id: str,
+                   stage: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> EndpointLink:
+        url = link_url(endpoint, request_id, stage)
+        try:
+            ws = await asyncio.wait_for(
+                session.ws_connect(url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_EVENT_BYTES),
+                timeout_s)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise LinkError(f"the pipeline endpoint {endpoint} did not take the link of "
+                            f"request {request_id}: {type(exc).__name__}: {exc}") from None
+        return cls(ws, request_id, stage)
+
+    async def _read(self) -> None:
+        ws = self._ws
+        reason = "the pipeline endpoint closed the link"
+        try:
+            async for message in ws:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                try:
+                    event = parse_event(message.data)
+                except ProtocolError as exc:
+                    logger.warning("link of request %s: %s", self.request_id, exc)
+                    continue
+                if event["event"] == "abort":
+                    reason = str(event.get("reason") or "aborted at the pipeline endpoint")
+                    break
+            else:
+                if ws.close_code == CLOSE_UNKNOWN_REQUEST:
+                    reason = "the pipeline endpoint has no such request (it ended)"
+                elif ws.exception() is not None:
+                    reason = f"the link to the pipeline endpoint broke: {ws.exception()}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            reason = f"the link to the pipeline endpoint broke: {exc}"
+        finally:
+            if not self._final_sent:
+                self.abort_reason = reason
+                self.aborted.set()
+
+    async def send(self, event: str, **fields: Any) -> bool:
+        """Report ``event``; False when the link is gone (the request is then aborted)."""
+        if self._ws.closed:
+            return False
+        try:
+            await self._ws.send_str(encode_event(event, **fields))
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as exc:
+            logger.info("link of request %s: %s not sent: %s", self.request_id, event, exc)
+            return False
+        if event in FINAL_EVENTS:
+            self._final_sent = True
+        return True
+
+    async def close(self) -> None:
+        self._final_sent = True
+        if not self._ws.closed:
+            try:
+                await self._ws.close()
+            except (aiohttp.ClientError, ConnectionError, RuntimeError):
+                pass
+        self._reader.cancel()
+        try:
+            await self._reader
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
+class LinkReporter:
+    """For a stage that is not asyncio (a receiving stage's threads): reports to pipeline
+    endpoints from a thread of its own, each report a link opened, its events sent, closed.
+    A report that cannot be delivered (the request gone, the endpoint unreachable) is
+    logged; the stage goes on."""
+
+    def __init__(self, stage: str) -> None:
+        import threading
+
+        self.stage = stage
+        self._loop = asyncio.new_event_loop()
+        self._session: aiohttp.ClientSession | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name=f"omni-links-{stage}", daemon=True)
+        self._thread.start()
+
+    def report(self, endpoint: str, request_id: str,
+               events: list[tuple[str, dict[str, Any]]]) -> Any:
+        """Send ``events`` on a link of ``request_id``; a future of whether they went."""
+        return asyncio.run_coroutine_threadsafe(self._report(endpoint, request_id, events),
+                                                self._loop)
+
+    async def _report(self, endpoint: str, request_id: str,
+                      events: list[tuple[str, dict[str, Any]]]) -> bool:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            link = await EndpointLink.open(self._session, endpoint, request_id, self.stage)
+        except LinkError as exc:
+            logger.info("stage %s: nothing reported for request %s: %s", self.stage,
+                        request_id, exc)
+            return False
+        try:
+            for event, fields in events:
+                if not await link.send(event, **fields):
+                    return False
+            return True
+        finally:
+            await link.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self._session is not None:
+                await self._session.close()
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)

@@ -1,0 +1,101 @@
+"""How a pipeline request is known to every stage that takes it, and how those stages report
+to the pipeline's endpoint (endpoint.py).
+
+A client's request enters at the endpoint, which gives it an id (the client's
+``X-Request-Id``, else a new one) and sends it to the pipeline's first stage with its
+**origin** in ``kv_transfer_params["omni"]``: ``{"request_id", "endpoint"}``, the endpoint
+being the URL of the endpoint replica awaiting its output. A stage's scheduler carries the
+origin with each hand-off (sched/handoff.py's Carried), so each stage that takes the request
+from a hand-off knows where it belongs, and passes it on with its own request.
+
+Each stage that takes the request opens a **link** to the endpoint: a WebSocket at
+:func:`link_path` on the origin's endpoint, carrying :data:`EVENTS` as JSON text frames, one
+per message. The link is also the request's lifeline both ways: the endpoint aborts a stage's
+request by sending ``{"event": "abort"}`` or closing the link; a stage whose link drops
+before it said ``done``, ``handed_off`` or ``error`` is taken to have lost the request.
+
+Standard library only: the endpoint, the stages and the scheduler share these names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+#: The key of a request's ``kv_transfer_params`` that holds its origin.
+KV_PARAMS_KEY = "omni"
+#: The origin's keys: the pipeline request's id, and the endpoint replica's base URL.
+ORIGIN_REQUEST_ID = "request_id"
+ORIGIN_ENDPOINT = "endpoint"
+
+#: Stage -> endpoint:
+#:   taken       the stage holds the request (its input accepted; its hand-off acked)
+#:   output      new output of the pipeline's last stage: {"token_ids": [...], "text": "..."}
+#:   payload     a last stage that is a receiving stage stored its payload: {"payload": {...}}
+#:   handed_off  the stage's request finished and its hand-off goes on: {"to": [stages]}
+#:   done        the last stage's request finished: {"finish_reason", "usage"}
+#:   error       the stage failed the request: {"message"}
+#: Endpoint -> stage:
+#:   abort       stop the request (the client went away, or another stage failed it)
+EVENTS = ("taken", "output", "payload", "handed_off", "done", "error", "abort")
+#: The events after which a stage's link may close without the request being lost.
+FINAL_EVENTS = frozenset({"handed_off", "done", "error"})
+#: WebSocket close code of a link the endpoint has no request for (it ended or never was).
+CLOSE_UNKNOWN_REQUEST = 4404
+#: A frame's size bound (an output event carries one step's tokens and text).
+MAX_EVENT_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A malformed origin or event, with the reason."""
+
+
+def origin(request_id: str, endpoint: str) -> dict[str, str]:
+    return {ORIGIN_REQUEST_ID: request_id, ORIGIN_ENDPOINT: endpoint}
+
+
+def parse_origin(raw: Any) -> tuple[str, str] | None:
+    """(request id, endpoint URL) of an origin, None when there is none; ProtocolError when
+    it is malformed."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ProtocolError("the origin must be a mapping")
+    request_id, endpoint = raw.get(ORIGIN_REQUEST_ID), raw.get(ORIGIN_ENDPOINT)
+    if not (isinstance(request_id, str) and request_id and len(request_id) <= 1024):
+        raise ProtocolError("the origin's request_id must be a string of 1 to 1024 characters")
+    if not (isinstance(endpoint, str) and endpoint.startswith(("http://", "https://"))
+            and len(endpoint) <= 2048):
+        raise ProtocolError("the origin's endpoint must be an http(s) URL")
+    return request_id, endpoint.rstrip("/")
+
+
+def link_path(request_id: str, stage: str) -> str:
+    """The path of a stage's link for a request, on the endpoint."""
+    return f"/v1/omni/requests/{quote(request_id, safe='')}/stages/{quote(stage, safe='')}"
+
+
+def link_url(endpoint: str, request_id: str, stage: str) -> str:
+    """The WebSocket URL of a stage's link (``endpoint``: the origin's http(s) base URL)."""
+    return "ws" + endpoint.rstrip("/")[4:] + link_path(request_id, stage)
+
+
+def encode_event(event: str, **fields: Any) -> str:
+    if event not in EVENTS:
+        raise ProtocolError(f"unknown event {event!r}")
+    return json.dumps({"event": event, **fields}, separators=(",", ":"))
+
+
+def parse_event(text: str | bytes) -> dict[str, Any]:
+    """An event frame as a dict with a known ``event``; ProtocolError otherwise."""
+    if len(text) > MAX_EVENT_BYTES:
+        raise ProtocolError(f"an event of {len(text)} bytes is over {MAX_EVENT_BYTES}")
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"an event must be JSON: {exc}") from None
+    if not isinstance(body, dict) or body.get("event") not in EVENTS:
+        raise ProtocolError(f"an event must be an object whose event is one of {EVENTS}")
+    return body

@@ -1,0 +1,457 @@
+"""A downstream vLLM stage's input: each hand-off that arrives becomes a request in its engine.
+
+Runs inside vLLM's OpenAI API server process, loaded with vLLM's own plug-in point for it
+(``--middleware omni_runtime.stages.stage_input.StageInputMiddleware``) and configured by
+``--additional-config '{"omni_stage_input": {...}}'`` (:class:`InputSettings`; ``omni-stage``
+writes both from the stage config). At the server's start it starts the stage's KV receiver
+(the ``kv`` port) in consumer mode; for each payload stored:
+
+1. the input hook (inputs.py) makes the request's input from the hand-off: by default every
+   upstream token, so the request continues the upstream's sequence;
+2. where the upstream's KV can be the request's prefix (the same model, the prompt begins
+   with the tokens it covers), it is written to shared memory and the request names it in
+   ``kv_transfer_params["omni_load"]``: the engine's omni KV connector loads it into the
+   request's blocks instead of computing it (kv/load.py);
+3. the request links to the pipeline's endpoint when it came from one (its origin, carried
+   with the hand-off; pipeline/link.py), and is added to the engine (``AsyncLLM.add_request``,
+   vLLM's own validation: a prompt over ``max-model-len`` is refused there);
+4. the hand-off is acked only then, the request holding its input; anything that refuses it
+   (the hook raising, the engine's validation, more than ``max_inputs`` waiting past the
+   transfer's deadline, a pipeline request gone) fails the upstream's transfer with the
+   reason (``input_refused``) and tells the endpoint, naming this stage;
+5. the request goes on as any: the last stage of a pipeline streams its output to the
+   endpoint; another hands its own KV on (its ``kvTransfer``), the origin with it. An abort
+   from the endpoint (or its link dropping) aborts the request.
+
+The receiver's thread failing fails the server's ``/health`` (503, naming it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, write_payload
+from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, parse_origin
+from omni_runtime.stages.inputs import InputHookError, Upstream, load_hook, request_of
+
+logger = logging.getLogger(__name__)
+
+#: The ``additional_config`` key of the stage input's settings.
+SETTINGS_KEY = "omni_stage_input"
+DEFAULT_MAX_INPUTS = 64
+DEFAULT_PAYLOAD_DIR = "/dev/shm"
+
+
+class InputSettingsError(ValueError):
+    """Bad ``omni_stage_input`` settings; the message names the key."""
+
+
+@dataclass(frozen=True)
+class InputSettings:
+    """``listen``: the KV receiver's address (``tcp://0.0.0.0:9600``); ``inputs``: the
+    upstream stages; ``downstream``: the stages this one hands its own KV to (none: it is the
+    pipeline's last stage, whose output goes to the endpoint); ``hook``: the input hook's
+    import path; ``sampling_params``: the requests' (vLLM's SamplingParams fields);
+    ``max_inputs``: requests from hand-offs admitted and unfinished at once;
+    ``payload_dir``: where KV prefixes wait for the engine (shared memory); ``load_kv``:
+    whether the upstream's KV may be loaded as a prefix at all."""
+
+    listen: str
+    pipeline: str = ""
+    stage: str = ""
+    revision: str | None = None
+    inputs: tuple[str, ...] = ()
+    downstream: tuple[str, ...] = ()
+    hook: str | None = None
+    sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    max_inputs: int = DEFAULT_MAX_INPUTS
+    payload_dir: str = DEFAULT_PAYLOAD_DIR
+    load_kv: bool = True
+
+    @classmethod
+    def parse(cls, raw: Any) -> InputSettings:
+        where = f"additional_config.{SETTINGS_KEY}."
+        if not isinstance(raw, Mapping):
+            raise InputSettingsError(f"additional_config.{SETTINGS_KEY} must be a mapping")
+
+        def get(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+            if key not in raw or raw[key] is None:
+                if default is ...:
+                    raise InputSettingsError(f"{where}{key} is required")
+                return default
+            value = raw[key]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise InputSettingsError(f"{where}{key} must be a "
+                                         f"{getattr(kind, '__name__', kind)}, got {value!r}")
+            return value
+
+        names = {}
+        for key in ("inputs", "downstream"):
+            value = get(key, list, [])
+            if not all(isinstance(v, str) and v for v in value):
+                raise InputSettingsError(f"{where}{key} must be a list of stage names")
+            names[key] = tuple(value)
+        max_inputs = get("max_inputs", int, DEFAULT_MAX_INPUTS)
+        if max_inputs < 1:
+            raise InputSettingsError(f"{where}max_inputs must be at least 1, got {max_inputs}")
+        unknown = set(raw) - {"listen", "pipeline", "stage", "revision", "inputs",
+                              "downstream", "hook", "sampling_params", "max_inputs",
+                              "payload_dir", "load_kv"}
+        if unknown:
+            raise InputSettingsError(f"{where}{sorted(unknown)[0]} is not a setting")
+        return cls(listen=get("listen", str), pipeline=get("pipeline", str, ""),
+                   stage=get("stage", str, ""), revision=get("revision", str, None),
+                   inputs=names["inputs"], downstream=names["downstream"],
+                   hook=get("hook", str, None),
+                   sampling_params=dict(get("sampling_params", dict, {})),
+                   max_inputs=max_inputs, payload_dir=get("payload_dir", str,
+                                                          DEFAULT_PAYLOAD_DIR),
+                   load_kv=get("load_kv", bool, True))
+
+
+class Refused(Exception):
+    """An input this stage does not take: (code, reason) for the upstream's transfer."""
+
+    def __init__(self, reason: str, code: str = "input_refused") -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class StageInput:
+    def __init__(self, settings: InputSettings, engine_client: Any, vllm_config: Any) -> None:
+        from vllm import SamplingParams
+
+        self.settings = settings
+        self._engine = engine_client
+        model_config = vllm_config.model_config
+        self._model_name = str(model_config.served_model_name or model_config.model)
+        self._identity = model_kv_identity(vllm_config)
+        self._hook = load_hook(settings.hook)
+        try:  # the stage's own sampling parameters, checked once at start-up
+            SamplingParams(**settings.sampling_params)
+        except (TypeError, ValueError) as exc:
+            raise InputSettingsError(f"additional_config.{SETTINGS_KEY}.sampling_params: "
+                                     f"{exc}") from None
+        self._admission = asyncio.Semaphore(settings.max_inputs)
+        self._tasks: set[asyncio.Task] = set()
+        self._files = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._session = None
+        self.receiver = None
+
+    # ------------------------------------------------------------------ life
+    async def start(self) -> None:
+        import aiohttp
+
+        from omni_runtime.kv.transport import KVInbox, KVReceiver
+        from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+
+        self._loop = asyncio.get_running_loop()
+        os.makedirs(self.settings.payload_dir, exist_ok=True)
+        for stale in glob.glob(os.path.join(self.settings.payload_dir, self._file_prefix("*"))):
+            os.unlink(stale)  # a previous run of this stage died with prefixes waiting
+        self._session = aiohttp.ClientSession()
+        settings = self.settings
+        self.receiver = KVReceiver(
+            settings.listen, KVInbox(), pipeline=settings.pipeline, stage=settings.stage,
+            metrics=ReceiverMetrics(stage=settings.stage, model_name=self._model_name,
+                                    from_stages=settings.inputs),
+            # Any model's hand-off is an input (its tokens); only its KV needs this model.
+            expect={"revision": settings.revision},
+            consumer=self._arrived).start()
+        logger.info("stage %s: taking hand-offs from %s on %s as requests (input hook %s)",
+                    settings.stage, ", ".join(settings.inputs) or "any stage",
+                    self.receiver.endpoint, settings.hook or "the default: every token")
+
+    async def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def dead(self) -> str | None:
+        """Why the stage cannot take inputs any more (its receiver's thread died), or None."""
+        if self.receiver is None or self.receiver.running:
+            return None
+        return f"the KV receiver's thread died: {self.receiver.died or 'stopped'}"
+
+    def _file_prefix(self, suffix: str) -> str:
+        return f"omni-kv-{self.settings.pipeline}-{self.settings.stage}-{os.getpid()}-{suffix}"
+
+    # ------------------------------------------------------------------ an input
+    def _arrived(self, payload: Any, ticket: Any) -> None:
+        """On the receiver's thread: a payload stored, its transfer awaiting our answer."""
+        self._loop.call_soon_threadsafe(self._spawn, payload.request_id, ticket)
+
+    def _spawn(self, request_id: str, ticket: Any) -> None:
+        task = self._loop.create_task(self._take(request_id, ticket))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _take(self, request_id: str, ticket: Any) -> None:
+        settings = self.settings
+        payload = await self._loop.run_in_executor(None, self.receiver.inbox.get, request_id)
+        link = path = None
+        try:
+            if payload is None:
+                raise Refused("the payload left the inbox before the stage took it")
+            pipeline_id, endpoint = self._origin(payload)
+            if endpoint is not None:  # first: whatever refuses the input is told there
+                link = await self._link(endpoint, pipeline_id)
+            made = self._request(payload, pipeline_id)
+            params = self._sampling_params(made.sampling_params)
+            prompt = dict(made.prompt)
+            kv_params: dict[str, Any] = {}
+            if endpoint is not None:
+                kv_params[KV_PARAMS_KEY] = dict(payload.origin)
+            if made.reuse_kv and self._kv_fits(payload, prompt):
+                source = await self._loop.run_in_executor(None, self._write_prefix, payload)
+                path = source.path
+                kv_params[LOAD_PARAMS] = source.as_params()
+            if kv_params:
+                params.extra_args = {**(params.extra_args or {}),
+                                     "kv_transfer_params": kv_params}
+            await self._admit(ticket)
+            try:
+                collector = await self._engine.add_request(
+                    pipeline_id, prompt, params, trace_headers=payload.trace_context)
+            except BaseException:
+                self._admission.release()
+                raise
+        except Refused as refused:
+            await self._refuse(ticket, refused, link, path, request_id)
+            return
+        except asyncio.CancelledError:
+            self.receiver.settle(ticket, ("input_refused", "the stage is stopping"))
+            _remove(path)
+            raise
+        except Exception as exc:  # vLLM's validation (a prompt over max-model-len, ...)
+            await self._refuse(ticket, Refused(f"{type(exc).__name__}: {exc}"), link, path,
+                               request_id)
+            return
+        self.receiver.settle(ticket)  # the request holds its input: the hand-off is acked
+        try:
+            if link is not None:
+                await link.send("taken")
+            await self._follow(collector, link, path)
+        finally:
+            self._admission.release()
+            _remove(path)
+            if link is not None:
+                await link.close()
+
+    def _origin(self, payload: Any) -> tuple[str, str | None]:
+        """The pipeline request's id and its endpoint (None: it came from none)."""
+        try:
+            found = parse_origin(payload.origin)
+        except ProtocolError as exc:
+            raise Refused(f"its pipeline context is malformed: {exc}") from None
+        if found is not None:
+            return found
+        return payload.external_request_id or payload.request_id, None
+
+    def _request(self, payload: Any, pipeline_id: str):
+        upstream = Upstream(pipeline_id, payload.from_stage, tuple(payload.token_ids),
+                            payload.prompt_len, payload.seq_len, payload)
+        if not upstream.token_ids and self.settings.hook is None:
+            raise Refused(f"the hand-off from stage {payload.from_stage} carries no tokens "
+                          "(an upstream of an older version?) and no input hook makes an "
+                          "input without them")
+        try:
+            return request_of(self._hook, upstream)
+        except ValueError as exc:
+            raise Refused(str(exc)) from None
+
+    def _sampling_params(self, overrides: Mapping[str, Any]):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            params = SamplingParams(**{**self.settings.sampling_params, **overrides})
+        except (TypeError, ValueError) as exc:
+            raise Refused(f"the input hook's sampling parameters: {exc}") from None
+        params.output_kind = RequestOutputKind.DELTA
+        return params
+
+    def _kv_fits(self, payload: Any, prompt: Mapping[str, Any]) -> bool:
+        """Whether the payload's KV can be the request's prefix: allowed, the same model of
+        the same shape, and a prompt that begins with the tokens it covers."""
+        if not self.settings.load_kv or payload.model != self._model_name:
+            return False
+        layers, _, heads, seq_len, head_size = payload.shape
+        if (layers, heads, head_size, payload.dtype_name) != self._identity:
+            return False
+        tokens = prompt.get("prompt_token_ids")
+        return (isinstance(tokens, (list, tuple)) and len(tokens) > 1
+                and list(tokens[:seq_len]) == list(payload.token_ids[:seq_len]))
+
+    def _write_prefix(self, payload: Any):
+        self._files += 1
+        return write_payload(payload.materialize(), payload.dtype_name,
+                             self.settings.payload_dir, self._file_prefix(str(self._files)))
+
+    async def _link(self, endpoint: str, pipeline_id: str):
+        from omni_runtime.pipeline.link import EndpointLink, LinkError
+
+        try:
+            return await EndpointLink.open(self._session, endpoint, pipeline_id,
+                                           self.settings.stage)
+        except LinkError as exc:
+            raise Refused(f"the pipeline request is gone: {exc}") from None
+
+    async def _admit(self, ticket: Any) -> None:
+        left = ticket.deadline - time.monotonic()  # the receiver's clock
+        try:
+            await asyncio.wait_for(self._admission.acquire(), max(0.0, left))
+        except asyncio.TimeoutError:
+            raise Refused(f"stage {self.settings.stage} is busy: {self.settings.max_inputs} "
+                          "requests from hand-offs are in flight, none ended before the "
+                          "transfer's deadline") from None
+
+    async def _refuse(self, ticket: Any, refused: Refused, link: Any, path: str | None,
+                      request_id: str) -> None:
+        logger.warning("stage %s refused the hand-off of request %s: %s", self.settings.stage,
+                       request_id, refused.reason)
+        self.receiver.settle(ticket, (refused.code, refused.reason[:512]))
+        _remove(path)
+        if link is not None:
+            await link.send("error", message=f"refused its input: {refused.reason}")
+            await link.close()
+
+    async def _follow(self, collector: Any, link: Any, path: str | None) -> None:
+        """The request's outputs, to the endpoint when this is the pipeline's last stage;
+        its end told; an abort from the endpoint aborts it."""
+        sink = not self.settings.downstream
+        aborted = asyncio.ensure_future(link.aborted.wait()) if link is not None else None
+        generated = 0
+        try:
+            while True:
+                output = collector.get_nowait()
+                if output is None:
+                    getting = asyncio.ensure_future(collector.get())
+                    waits = {getting} | ({aborted} if aborted is not None else set())
+                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if getting not in done:
+                        getting.cancel()
+                        logger.info("request %s aborted: %s", collector.request_id,
+                                    link.abort_reason)
+                        await self._engine.abort(collector.request_id, internal=True)
+                        return
+                    output = getting.result()
+                _remove(path)  # scheduled at least once: the engine has loaded its prefix
+                path = None
+                completion = output.outputs[0]
+                generated += len(completion.token_ids)
+                if link is not None and sink and (completion.token_ids or completion.text):
+                    await link.send("output", token_ids=list(completion.token_ids),
+                                    text=completion.text)
+                if output.finished:
+                    await self._finished(output, link, sink, generated)
+                    return
+        except asyncio.CancelledError:
+            await self._engine.abort(collector.request_id, internal=True)
+            raise
+        except Exception as exc:  # the engine failed the request
+            logger.warning("request %s failed: %s: %s", collector.request_id,
+                           type(exc).__name__, exc)
+            if link is not None:
+                await link.send("error", message=f"{type(exc).__name__}: {exc}")
+        finally:
+            if aborted is not None:
+                aborted.cancel()
+            collector.close()
+
+    async def _finished(self, output: Any, link: Any, sink: bool, generated: int) -> None:
+        if link is None:
+            return
+        completion = output.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            await link.send("error", message=f"its request ended with finish_reason "
+                            f"{completion.finish_reason!r}")
+        elif sink:
+            prompt_tokens = len(output.prompt_token_ids or ())
+            await link.send("done", finish_reason=completion.finish_reason, usage={
+                "prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated,
+                "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}})
+        elif (output.kv_transfer_params or {}).get("kv_metadata") is not None:
+            await link.send("handed_off", to=list(self.settings.downstream))
+        else:
+            await link.send("done", finish_reason=completion.finish_reason)
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class StageInputMiddleware:
+    """vLLM's ``--middleware`` hook (an ASGI middleware): starts the stage input with the
+    server (its lifespan; the engine client is on the app's state by then), stops it with
+    the server, and fails ``/health`` while it cannot take inputs."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.stage_input: StageInput | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._lifespan_receive(scope, receive), send)
+            return
+        if (scope["type"] == "http" and scope.get("path") == "/health"
+                and self.stage_input is not None and (dead := self.stage_input.dead)):
+            await _respond(send, 503, f'{{"error": "{dead}"}}'.encode())
+            return
+        await self.app(scope, receive, send)
+
+    def _lifespan_receive(self, scope: dict, receive: Any) -> Any:
+        async def wrapped() -> dict:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                _log_to_stderr()
+                state = scope["app"].state
+                settings = InputSettings.parse(
+                    (state.vllm_config.additional_config or {}).get(SETTINGS_KEY))
+                self.stage_input = StageInput(settings, state.engine_client, state.vllm_config)
+                await self.stage_input.start()
+            elif message["type"] == "lifespan.shutdown" and self.stage_input is not None:
+                await self.stage_input.stop()
+            return message
+        return wrapped
+
+
+def _log_to_stderr() -> None:
+    """omni_runtime's log lines, INFO and up, on the server's stderr as vLLM's are (vLLM
+    configures only its own logger)."""
+    package = logging.getLogger("omni_runtime")
+    if not package.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+
+
+async def _respond(send: Any, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["InputSettings", "InputSettingsError", "StageInput", "StageInputMiddleware",
+           "InputHookError"]

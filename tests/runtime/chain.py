@@ -1,0 +1,68 @@
+"""A pipeline chain as real processes for the e2e tests: stage configs in the stage contract's
+form on local ports (the operator's rendering of the same pipeline is tested against them in
+tests/operator), each stage an ``omni-stage`` process, and the pipeline's endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from procs import StageProcess, free_port
+
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
+
+MODEL = "tiny-qwen2"
+ENGINE_ARGS = {"dtype": "float32", "max-model-len": 256, "kv-cache-memory-bytes": 32 << 20,
+               "enforce-eager": True}
+
+
+def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
+                  timeout_seconds: float = 10) -> dict[str, dict[str, Any]]:
+    """The stage configs of a chain, each stage fed by the one before, and the endpoint's
+    (``"endpoint"``). ``stages``: ``{"name", "role", "input"?, "engineArgs"?}`` in order."""
+    model = {"name": MODEL, "path": str(ensure_tiny_model())}
+    names = [s["name"] for s in stages]
+    ports = {name: {"http": free_port(), "kv": free_port()} for name in [*names, "endpoint"]}
+    configs: dict[str, dict[str, Any]] = {}
+    for i, stage in enumerate(stages):
+        name = stage["name"]
+        config: dict[str, Any] = {"pipeline": pipeline, "stage": name, "role": stage["role"],
+                                  "model": model, "ports": ports[name]}
+        if i:
+            config["inputs"] = [names[i - 1]]
+        if stage["role"] == "ar":
+            config["engineArgs"] = {**ENGINE_ARGS, **stage.get("engineArgs", {})}
+            if stage.get("input"):
+                config["input"] = stage["input"]
+            if i + 1 < len(stages):
+                config["kvTransfer"] = {"send": True, "timeoutSeconds": timeout_seconds}
+                config["downstream"] = [{"stage": names[i + 1],
+                                         "endpoint": f"127.0.0.1:{ports[names[i + 1]]['kv']}"}]
+        configs[name] = config
+    configs["endpoint"] = {
+        "pipeline": pipeline, "stage": "endpoint", "role": "endpoint", "model": model,
+        "ports": ports["endpoint"],
+        "endpoint": {
+            "entry": {"stage": names[0], "url": f"http://127.0.0.1:{ports[names[0]]['http']}"},
+            "sink": names[-1], "advertise": f"http://127.0.0.1:{ports['endpoint']['http']}",
+            "edges": [{"from": a, "to": b, "timeoutSeconds": timeout_seconds}
+                      for a, b in zip(names, names[1:])]}}
+    return configs
+
+
+@contextlib.contextmanager
+def running(configs: dict[str, dict[str, Any]], workdir: Path,
+            env: dict[str, str] | None = None) -> Iterator[dict[str, StageProcess]]:
+    """Every stage started, the last first (receivers listen before senders ship), the
+    endpoint last; all stopped on leaving."""
+    procs = {name: StageProcess(config, workdir, env=env) for name, config in configs.items()}
+    order = [name for name in reversed(list(configs)) if name != "endpoint"] + ["endpoint"]
+    try:
+        for name in order:
+            procs[name].start(timeout=240)
+        yield procs
+    finally:
+        for name in reversed(order):
+            procs[name].stop()

@@ -1,0 +1,196 @@
+"""A pipeline past its first hop, as real processes: thinker (a vLLM stage) -> talker (a vLLM
+stage whose requests are made from the thinker's hand-offs) -> receiver (a receiving stage),
+the pipeline's endpoint in front; the client is the ``openai`` package.
+
+Oracles that owe nothing to our code: the thinker's own answer to the same prompt (greedy,
+asked of it directly), and Hugging Face transformers' greedy continuation and
+``past_key_values`` for the talker's whole sequence with the same model: the KV the talker
+loaded as its prefix instead of computing it is checked through everything the talker
+computed on top of it, and what it shipped on.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from chain import MODEL, chain_configs, running
+from input_hooks import RAISE, TALK_LONG
+from procs import http_get, metric_value, wait_until
+
+from omni_runtime.devtools.tiny_model import ensure_tiny_model
+
+HERE = Path(__file__).resolve().parent
+TALKER_TOKENS = 16
+TALKER_INPUT = {"samplingParams": {"max_tokens": TALKER_TOKENS, "temperature": 0,
+                                   "ignore_eos": True},
+                "hook": "input_hooks:by_first_token"}
+#: The talker's own limit, below the thinker's: a long thinker answer is over it.
+TALKER_MAX_MODEL_LEN = 200
+ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
+                                     if p)}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar"},
+        {"name": "talker", "role": "ar", "input": TALKER_INPUT,
+         "engineArgs": {"max-model-len": TALKER_MAX_MODEL_LEN}},
+        {"name": "receiver", "role": "generation"},
+    ])
+    with running(configs, tmp_path_factory.mktemp("chain"), env=ENV) as stages:
+        yield stages
+
+
+def client(stage) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stage.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_kv(model, token_ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        pkv = model(torch.tensor([token_ids]), use_cache=True).past_key_values
+    return np.stack([np.stack([layer.keys[0].numpy(), layer.values[0].numpy()])
+                     for layer in pkv.layers])
+
+
+def hf_greedy(model, token_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([token_ids]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()
+
+
+def fetch_kv(receiver, request_id: str) -> np.ndarray:
+    status, body, _ = http_get(f"{receiver.url}/v1/kv/{request_id}?wait=5")
+    assert status == 200, body
+    return np.load(io.BytesIO(body), allow_pickle=False)
+
+
+def transfers_settled(stage) -> bool:
+    """No transfer of the stage pending, active or held."""
+    page = stage.metrics()
+    return all(metric_value(page, "omni_kv_transfers", state=s) == 0
+               for s in ("pending", "active", "held"))
+
+
+def test_the_talkers_input_is_the_thinkers_output_and_its_loaded_prefix_is_exact(chain):
+    """Through the one endpoint, with the client's X-Request-Id: the talker's request is the
+    thinker's whole sequence (its prompt and every token it generated, token for token as
+    the thinker answers the same prompt alone), the talker computed only its last prompt
+    token (the rest was the thinker's KV, loaded), and what the talker generated and shipped
+    on is exactly what the same model computes from scratch."""
+    prompt = [40, 41, 42, 43, 44]
+    answer = client(chain["endpoint"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+        extra_headers={"X-Request-Id": "chain-exact"})
+    assert answer.id == "cmpl-chain-exact"
+    payload = answer.choices[0].model_extra["omni_payload"]
+    assert payload["stage"] == "receiver" and payload["from_stage"] == "talker"
+    assert payload["external_request_id"] == "chain-exact"
+    alone = client(chain["thinker"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"return_token_ids": True})
+    thinker_sequence = prompt + list(alone.choices[0].model_extra["token_ids"])
+    talker_input = payload["token_ids"][:payload["prompt_len"]]
+    assert talker_input == thinker_sequence
+    model = hf_model()
+    talker_output = payload["token_ids"][payload["prompt_len"]:]
+    assert talker_output == hf_greedy(model, talker_input, TALKER_TOKENS)
+    kv = fetch_kv(chain["receiver"], payload["request_id"])
+    reference = hf_kv(model, payload["token_ids"][:payload["seq_len"]])
+    np.testing.assert_allclose(kv, reference, rtol=1e-3, atol=1e-4)
+    page = chain["talker"].metrics()
+    assert metric_value(page, "vllm:external_prefix_cache_hits_total") >= len(thinker_sequence) - 1
+
+
+def test_concurrent_requests_each_get_their_own_answer_and_every_transfer_resolves(chain):
+    prompts = [[50 + i, 60 + i, 70 + i] for i in range(8)]
+    answers: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = client(chain["endpoint"]).completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(answers) == list(range(len(prompts)))
+    for i, answer in answers.items():
+        payload = answer.choices[0].model_extra["omni_payload"]
+        assert payload["token_ids"][:3] == prompts[i], "each answer is its own request's"
+    for stage in ("thinker", "talker"):
+        wait_until(lambda: transfers_settled(chain[stage]), 20, f"{stage}'s transfers to settle")
+
+
+def test_a_thinker_answer_over_the_talkers_limit_comes_back_as_the_talkers_error(chain):
+    """The talker refuses an input over its max-model-len (vLLM's own validation): the
+    client's error names the talker and why; the thinker's transfer fails with the reason
+    (input_refused) and gives its blocks back."""
+    before = metric_value(chain["thinker"].metrics(), "omni_kv_transfers_resolved_total",
+                          outcome="failed") or 0
+    with pytest.raises(openai.APIStatusError) as err:
+        client(chain["endpoint"]).completions.create(
+            model=MODEL, prompt=[45, 46], max_tokens=TALKER_MAX_MODEL_LEN + 10, temperature=0,
+            extra_body={"ignore_eos": True})
+    body = err.value.body
+    assert err.value.status_code == 502 and body["stage"] == "talker"
+    assert "refused its input" in body["message"] and "maximum context length" in body["message"]
+    wait_until(lambda: transfers_settled(chain["thinker"]), 20, "the thinker's transfers")
+    after = metric_value(chain["thinker"].metrics(), "omni_kv_transfers_resolved_total",
+                         outcome="failed")
+    assert after == before + 1
+    assert metric_value(chain["talker"].metrics(), "omni_kv_receiver_rejected_total",
+                        reason="input_refused") >= 1
+
+
+def test_an_input_hook_that_raises_fails_that_request_alone(chain):
+    with pytest.raises(openai.APIStatusError) as err:
+        client(chain["endpoint"]).completions.create(model=MODEL, prompt=[RAISE, 9, 9],
+                                                     max_tokens=4, temperature=0)
+    assert err.value.body["stage"] == "talker"
+    assert "the input hook raised RuntimeError: this hook refuses" in err.value.body["message"]
+    fine = client(chain["endpoint"]).completions.create(model=MODEL, prompt=[7, 9, 9],
+                                                        max_tokens=4, temperature=0)
+    assert fine.choices[0].model_extra["omni_payload"]["token_ids"][:3] == [7, 9, 9]
+
+
+def test_an_abort_at_the_endpoint_reaches_the_stage_holding_the_request(chain):
+    """The client goes away while the talker generates (a long answer): the endpoint aborts
+    the talker's request: it stops without finishing, hands nothing on, holds nothing."""
+    talker, receiver = chain["talker"], chain["receiver"]
+
+    def counts():
+        page = talker.metrics()
+        return (metric_value(page, "omni_kv_transfers_started_total"),
+                metric_value(page, "vllm:request_success_total"),
+                metric_value(receiver.metrics(), "omni_kv_received_total"))
+
+    before = counts()
+    stream = client(chain["endpoint"]).completions.create(
+        model=MODEL, prompt=[TALK_LONG, 3, 4], max_tokens=4, temperature=0, stream=True)
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 1, 30,
+               "the talker to run the request", interval=0.02)
+    stream.close()  # the client goes away
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 0, 30,
+               "the talker's request to end")
+    assert counts() == before, "aborted: not finished, no transfer, nothing received"
+    for stage in ("thinker", "talker"):
+        wait_until(lambda: transfers_settled(chain[stage]), 20, f"{stage}'s transfers")

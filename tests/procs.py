@@ -55,6 +55,26 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2,
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     """Stop a process started with start_new_session=True, and whatever is left of its
     process group (vLLM's engine core)."""
@@ -171,9 +191,16 @@ class StageProcess:
         return self
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (a crash: no drain, no goodbye)."""
+        """SIGKILL the stage and every process under it (a crash of its pod: no drain, no
+        goodbye), vLLM's included, which an AR stage runs in a session of its own."""
         if self.proc is not None and self.proc.poll() is None:
+            below = descendants(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in below:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait(timeout=30)
 
     def stop(self, timeout: float = 60.0) -> int | None:

@@ -29,6 +29,7 @@ The receiver's thread failing fails the server's ``/health`` (503, naming it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import glob
 import logging
 import os
@@ -140,6 +141,11 @@ class StageInput:
             raise InputSettingsError(f"additional_config.{SETTINGS_KEY}.sampling_params: "
                                      f"{exc}") from None
         self._admission = asyncio.Semaphore(settings.max_inputs)
+        # Its own threads for the payloads' assembly and files: off the server's event loop,
+        # and not the loop's default executor, which the server's shutdown closes first.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix=f"omni-input-{settings.stage}")
+        self._stopping = False
         self._tasks: set[asyncio.Task] = set()
         self._files = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,6 +177,7 @@ class StageInput:
                     self.receiver.endpoint, settings.hook or "the default: every token")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self.receiver is not None:
             self.receiver.close()
         for task in list(self._tasks):
@@ -179,6 +186,7 @@ class StageInput:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def dead(self) -> str | None:
@@ -196,13 +204,18 @@ class StageInput:
         self._loop.call_soon_threadsafe(self._spawn, payload.request_id, ticket)
 
     def _spawn(self, request_id: str, ticket: Any) -> None:
+        if self._stopping:
+            self.receiver.settle(ticket, ("input_refused", f"stage {self.settings.stage} is "
+                                                           "stopping"))
+            return
         task = self._loop.create_task(self._take(request_id, ticket))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _take(self, request_id: str, ticket: Any) -> None:
         settings = self.settings
-        payload = await self._loop.run_in_executor(None, self.receiver.inbox.get, request_id)
+        payload = await self._loop.run_in_executor(self._executor, self.receiver.inbox.get,
+                                                   request_id)
         link = path = None
         try:
             if payload is None:
@@ -217,7 +230,8 @@ class StageInput:
             if endpoint is not None:
                 kv_params[KV_PARAMS_KEY] = dict(payload.origin)
             if made.reuse_kv and self._kv_fits(payload, prompt):
-                source = await self._loop.run_in_executor(None, self._write_prefix, payload)
+                source = await self._loop.run_in_executor(self._executor, self._write_prefix,
+                                                          payload)
                 path = source.path
                 kv_params[LOAD_PARAMS] = source.as_params()
             if kv_params:

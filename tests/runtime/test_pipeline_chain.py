@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 TALKER_TOKENS = 16
 TALKER_INPUT = {"samplingParams": {"max_tokens": TALKER_TOKENS, "temperature": 0,
                                    "ignore_eos": True},
-                "hook": "input_hooks:by_first_token"}
+                "hook": "input_hooks:by_first_tokens"}
 #: The talker's own limit, below the thinker's: a long thinker answer is over it.
 TALKER_MAX_MODEL_LEN = 200
 ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
@@ -70,10 +70,15 @@ def hf_kv(model, token_ids: list[int]) -> np.ndarray:
 
 
 def hf_greedy(model, token_ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens, the end-of-text token as any other (the stages ignore_eos)."""
+    out, past, step = [], None, torch.tensor([token_ids])
     with torch.no_grad():
-        out = model.generate(torch.tensor([token_ids]), max_new_tokens=n, do_sample=False,
-                             min_new_tokens=n, pad_token_id=0)
-    return out[0, len(token_ids):].tolist()
+        for _ in range(n):
+            result = model(step, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            out.append(int(result.logits[0, -1].argmax()))
+            step = torch.tensor([[out[-1]]])
+    return out
 
 
 def fetch_kv(receiver, request_id: str) -> np.ndarray:
@@ -163,10 +168,11 @@ def test_a_thinker_answer_over_the_talkers_limit_comes_back_as_the_talkers_error
 
 def test_an_input_hook_that_raises_fails_that_request_alone(chain):
     with pytest.raises(openai.APIStatusError) as err:
-        client(chain["endpoint"]).completions.create(model=MODEL, prompt=[RAISE, 9, 9],
+        client(chain["endpoint"]).completions.create(model=MODEL, prompt=[*RAISE, 9, 9],
                                                      max_tokens=4, temperature=0)
     assert err.value.body["stage"] == "talker"
-    assert "the input hook raised RuntimeError: this hook refuses" in err.value.body["message"]
+    assert ("the input hook raised RuntimeError: this hook refuses prompts"
+            in err.value.body["message"])
     fine = client(chain["endpoint"]).completions.create(model=MODEL, prompt=[7, 9, 9],
                                                         max_tokens=4, temperature=0)
     assert fine.choices[0].model_extra["omni_payload"]["token_ids"][:3] == [7, 9, 9]
@@ -185,7 +191,7 @@ def test_an_abort_at_the_endpoint_reaches_the_stage_holding_the_request(chain):
 
     before = counts()
     stream = client(chain["endpoint"]).completions.create(
-        model=MODEL, prompt=[TALK_LONG, 3, 4], max_tokens=4, temperature=0, stream=True)
+        model=MODEL, prompt=[*TALK_LONG, 3, 4], max_tokens=4, temperature=0, stream=True)
     wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 1, 30,
                "the talker to run the request", interval=0.02)
     stream.close()  # the client goes away
@@ -194,3 +200,133 @@ def test_an_abort_at_the_endpoint_reaches_the_stage_holding_the_request(chain):
     assert counts() == before, "aborted: not finished, no transfer, nothing received"
     for stage in ("thinker", "talker"):
         wait_until(lambda: transfers_settled(chain[stage]), 20, f"{stage}'s transfers")
+
+
+# ---------------------------------------------------------------------------- a vLLM last stage
+
+
+@pytest.fixture(scope="module")
+def duet(tmp_path_factory):
+    """thinker -> talker, the talker the last stage: its tokens are the answer."""
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar"},
+        {"name": "talker", "role": "ar", "input": TALKER_INPUT},
+    ], pipeline="duet")
+    with running(configs, tmp_path_factory.mktemp("duet"), env=ENV) as stages:
+        yield stages
+
+
+def thinker_sequence(stages, prompt: list[int], max_tokens: int) -> list[int]:
+    alone = client(stages["thinker"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"return_token_ids": True})
+    return prompt + list(alone.choices[0].model_extra["token_ids"])
+
+
+def test_the_last_vllm_stages_tokens_stream_back_as_openai_chunks(duet):
+    prompt = [80, 81, 82]
+    chunks = list(client(duet["endpoint"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+        extra_headers={"X-Request-Id": "duet-stream"}))
+    assert {c.id for c in chunks} == {"cmpl-duet-stream"}
+    assert chunks[-1].choices[0].finish_reason == "length"
+    tokens = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    expected = hf_greedy(hf_model(), thinker_sequence(duet, prompt, 8), TALKER_TOKENS)
+    assert tokens == expected, "the talker's own greedy answer to the thinker's sequence"
+    whole = client(duet["endpoint"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks)
+    assert whole.choices[0].model_extra["token_ids"] == tokens
+    assert whole.usage.completion_tokens == TALKER_TOKENS
+
+
+def test_a_chat_completion_comes_back_as_the_last_stages_message(duet):
+    answer = client(duet["endpoint"]).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+        temperature=0, extra_headers={"X-Request-Id": "duet-chat"})
+    assert answer.id == "chatcmpl-duet-chat" and answer.object == "chat.completion"
+    message = answer.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert len(answer.choices[0].model_extra["token_ids"]) == TALKER_TOKENS
+
+
+def test_a_bad_request_is_the_first_stages_error_with_its_status(duet):
+    with pytest.raises(openai.NotFoundError) as err:
+        client(duet["endpoint"]).completions.create(model="no-such-model", prompt=[1, 2],
+                                                    max_tokens=4)
+    assert err.value.body["stage"] == "thinker" and "no-such-model" in err.value.body["message"]
+
+
+# ---------------------------------------------------------------------------- stages that die
+
+
+@pytest.fixture
+def fragile(tmp_path):
+    """A thinker -> talker pipeline of its own, for tests that kill its stages."""
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar"},
+        {"name": "talker", "role": "ar", "input": TALKER_INPUT},
+    ], pipeline="fragile", timeout_seconds=5)
+    with running(configs, tmp_path, env=ENV) as stages:
+        yield stages
+
+
+def ask_all(stage, prompts: list[list[int]]) -> dict[int, object]:
+    """Each prompt through the endpoint on a thread of its own: its answer or its error."""
+    got: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        try:
+            got[i] = client(stage).completions.create(model=MODEL, prompt=prompts[i],
+                                                      max_tokens=4, temperature=0)
+        except openai.APIError as exc:
+            got[i] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return got, threads
+
+
+def test_the_talker_killed_mid_request_fails_its_clients_naming_it_and_comes_back(fragile):
+    """The talker dies (SIGKILL) while it holds requests: each of their clients gets an error
+    naming the talker, at once (their links drop), none waits for a deadline; the thinker's
+    transfers all resolve, nothing held; the talker restarted on its ports takes requests
+    again."""
+    talker = fragile["talker"]
+    got, threads = ask_all(fragile["endpoint"], [[*TALK_LONG, i, 5] for i in range(4)])
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") >= 1, 60,
+               "the talker to run a request", interval=0.02)
+    killed = time.monotonic()
+    talker.kill()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 4 and time.monotonic() - killed < 20, "every client answered, soon"
+    errors = [a for a in got.values() if isinstance(a, openai.APIError)]
+    assert errors and all(e.body["stage"] == "talker" for e in errors), got
+    wait_until(lambda: transfers_settled(fragile["thinker"]), 30, "the thinker's transfers")
+    talker.start(timeout=240)
+    answer = client(fragile["endpoint"]).completions.create(model=MODEL, prompt=[9, 8, 7],
+                                                            max_tokens=4, temperature=0)
+    assert answer.choices[0].model_extra["token_ids"]
+
+
+def test_the_thinker_killed_with_hand_offs_in_flight_leaves_no_client_waiting(fragile):
+    """The thinker (the first stage) dies while some requests are at the talker and others
+    at the thinker: those the talker took are answered; the others fail naming the thinker;
+    the talker holds nothing for the dead thinker."""
+    talker = fragile["talker"]
+    got, threads = ask_all(fragile["endpoint"], [[*TALK_LONG, i, 6] for i in range(6)])
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") >= 1, 60,
+               "the talker to take a request", interval=0.02)
+    fragile["thinker"].kill()
+    for t in threads:
+        t.join(90)
+    assert len(got) == 6, "every client answered"
+    answered = [a for a in got.values() if not isinstance(a, openai.APIError)]
+    failed = [a for a in got.values() if isinstance(a, openai.APIError)]
+    assert answered, "a request the talker had taken is answered"
+    assert all(e.body["stage"] == "thinker" for e in failed), [e.body for e in failed]
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 0, 60,
+               "the talker to finish")
+    assert metric_value(talker.metrics(), "omni_kv_receiver_buffered_payloads") == 0

@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -115,21 +117,38 @@ def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointC
             0 < timeout < float("inf")):
         raise EndpointConfigError("endpoint.requestTimeoutSeconds must be a positive number "
                                   f"of seconds, got {timeout!r}")
+    urls = {}
     for key in ("entry.url", "advertise"):
         value = raw.get("advertise") if key == "advertise" else entry.get("url")
+        if isinstance(value, str):
+            value = _expand(value, f"endpoint.{key}")
         if not (isinstance(value, str) and value.startswith(("http://", "https://"))):
             raise EndpointConfigError(f"endpoint.{key} must be an http(s) URL, got {value!r}")
+        urls[key] = value.rstrip("/")
     config = EndpointConfig(
         pipeline=pipeline, model_name=model_name,
         entry_stage=text(entry, "stage", "endpoint.entry."),
-        entry_url=entry["url"].rstrip("/"), sink=text(raw, "sink", "endpoint."),
-        edges=tuple(edges), advertise=raw["advertise"].rstrip("/"),
+        entry_url=urls["entry.url"], sink=text(raw, "sink", "endpoint."),
+        edges=tuple(edges), advertise=urls["advertise"],
         request_timeout_s=float(timeout))
     stages = {config.entry_stage} | {e.source for e in edges} | {e.target for e in edges}
     if config.sink not in stages:
         raise EndpointConfigError(f"endpoint.sink {config.sink!r} is not a stage of the "
                                   f"edges ({sorted(stages)})")
     return config
+
+
+def _expand(value: str, key: str) -> str:
+    """``${NAME}`` in a URL is the process's environment variable NAME (on Kubernetes the
+    pod's own address: ``${POD_IP}``, from the downward API)."""
+    def variable(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise EndpointConfigError(f"{key} names ${{{name}}}, which this process's "
+                                      "environment does not set")
+        return os.environ[name]
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", variable, value)
 
 
 class StageFailed(Exception):

@@ -41,7 +41,7 @@ from typing import Any, Callable, TextIO
 
 from .local_status import forget_endpoints, record_endpoints
 from .model import Pipeline, find_cycle
-from .stage_config import dump_stage_config, render_stage_config
+from .stage_config import dump_stage_config, render_endpoint_config, render_stage_config
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -75,15 +75,27 @@ def launch_order(pipeline: Pipeline) -> list[str]:
     return order
 
 
+#: The local endpoint's name in the table, its files, and ``local_stage_configs`` (a stage's
+#: name is a DNS label: no stage has it).
+ENDPOINT = "_endpoint"
+
+
 def local_stage_configs(
     pipeline: Pipeline, ports: dict[str, dict[str, int]], host: str = "127.0.0.1"
 ) -> dict[str, dict[str, Any]]:
-    """The operator's stage configs, with local ports and KV endpoints."""
+    """The operator's stage configs, with local ports and KV endpoints; with an
+    ``ENDPOINT`` entry in ``ports`` (its ``http``), the pipeline's endpoint's too."""
     configs = {}
     for stage in pipeline.stages:
         cfg = render_stage_config(pipeline, stage.name, lambda s: f"{host}:{ports[s]['kv']}")
         cfg["ports"] = dict(ports[stage.name])
         configs[stage.name] = cfg
+    shape = pipeline.endpoint_stages
+    if ENDPOINT in ports and shape is not None:
+        port = ports[ENDPOINT]["http"]
+        configs[ENDPOINT] = render_endpoint_config(
+            pipeline, f"http://{host}:{ports[shape[0].name]['http']}", f"http://{host}:{port}",
+            http_port=port)
     return configs
 
 
@@ -120,7 +132,8 @@ class LocalStage:
 
     def poll(self) -> None:
         self.ready = _get(self.url + "/health", timeout=1) is not None
-        page = _get(self.url + "/metrics", timeout=2) if self.ready else None
+        page = _get(self.url + "/metrics", timeout=2) if self.ready and self.role != "endpoint" \
+            else None
         if page is not None:
             self.counts = stage_counts(page)
 
@@ -172,6 +185,8 @@ def stage_counts(page: str) -> dict[str, float]:
 def render_table(pipeline: str, stages: list[LocalStage]) -> str:
     rows = [("STAGE", "ROLE", "READY", "PENDING/ACTIVE/HELD", "DELIVERED", "FAILED", "RECEIVED", "METRICS")]
     for st in stages:
+        if st.role == "endpoint":
+            continue  # its own line, below the table
         c = st.counts
         flight = "/".join(str(int(c.get(k, 0))) for k in ("pending", "active", "held")) if st.role == "ar" else "-"
         rows.append((
@@ -185,6 +200,10 @@ def render_table(pipeline: str, stages: list[LocalStage]) -> str:
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"pipeline {pipeline}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    for st in stages:
+        if st.role == "endpoint":
+            lines.append(f"the pipeline's endpoint (OpenAI API): {st.url}/v1 "
+                         f"({'ready' if st.ready else 'starting' if st.alive() else 'exited'})")
     return "\n".join(lines)
 
 
@@ -194,17 +213,29 @@ class LocalPipeline:
         self.workdir = workdir
         self.host = host
         ports = {s.name: {"http": free_port(host), "kv": free_port(host)} for s in pipeline.stages}
+        ports[ENDPOINT] = {"http": free_port(host)}
         configs = local_stage_configs(pipeline, ports, host)
         roles = {s.name: s.role for s in pipeline.stages}
-        self.order = launch_order(pipeline)
+        # Downstream first; the endpoint, in front of every stage, last.
+        self.order = launch_order(pipeline) + ([ENDPOINT] if ENDPOINT in configs else [])
+        roles[ENDPOINT] = "endpoint"
         self.stages: dict[str, LocalStage] = {}
         for name in self.order:
             path = workdir / f"{name}.yaml"
             path.write_text(dump_stage_config(configs[name]))
             self.stages[name] = LocalStage(name, roles[name], path, workdir / f"{name}.log", ports[name]["http"], host)
 
+    def stage_urls(self) -> dict[str, str]:
+        """Each stage's API (the endpoint apart)."""
+        return {s.name: s.url for s in self.table_order() if s.role != "endpoint"}
+
+    @property
+    def endpoint_url(self) -> str | None:
+        return self.stages[ENDPOINT].url if ENDPOINT in self.stages else None
+
     def table_order(self) -> list[LocalStage]:
-        return [self.stages[s.name] for s in self.pipeline.stages]
+        return [self.stages[s.name] for s in self.pipeline.stages] + \
+            ([self.stages[ENDPOINT]] if ENDPOINT in self.stages else [])
 
     def start(self, env: dict[str, str], stop: threading.Event, on_poll=None) -> bool:
         """Start every stage, downstream first, each once the ones below it are ready.
@@ -235,7 +266,10 @@ class LocalPipeline:
 
     @property
     def entry(self) -> LocalStage:
-        """The stage that takes the pipeline's requests: the first AR stage with no inputs."""
+        """Where the pipeline's requests go: its endpoint, else (a pipeline of another shape)
+        the first AR stage with no inputs."""
+        if ENDPOINT in self.stages:
+            return self.stages[ENDPOINT]
         first = next((s for s in self.pipeline.stages if s.role == "ar" and not s.inputs), self.pipeline.stages[0])
         return self.stages[first.name]
 
@@ -247,6 +281,10 @@ class LocalPipeline:
         totals: collections.Counter[str] = collections.Counter()
         for name in reversed(self.order):
             stage = self.stages[name]
+            if stage.role == "endpoint":
+                stage.stop(self.stop_timeout)
+                print(f"  stopped the endpoint (its requests had ended)", file=out)
+                continue
             if stage.role != "ar":
                 page = _get(stage.url + "/v1/kv", timeout=5)
                 (self.workdir / f"{name}.arrivals.json").write_text(page or '{"payloads": []}')
@@ -343,6 +381,8 @@ class Front:
 
 
 def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -> None:
+    """``count`` requests to ``stage`` (the pipeline's endpoint), each answer printed: the last
+    stage's text, or what its payload holds."""
     prompts = ["Hello world", "The quick brown fox jumps over the lazy dog.",
                "An omni pipeline ships KV caches between stages."]
     for i in range(count):
@@ -350,14 +390,18 @@ def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -
                            "temperature": 0}).encode()
         req = urllib.request.Request(stage.url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:
-            reply = json.loads(resp.read())
-        print(f"request {i}: {prompts[i % len(prompts)]!r} -> {reply['choices'][0]['text']!r}", file=out)
+            choice = json.loads(resp.read())["choices"][0]
+        payload = choice.get("omni_payload")
+        answer = repr(choice["text"]) if payload is None else (
+            f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} in, the rest generated) and their KV "
+            f"{payload['dtype']}{payload['shape']} at stage {payload['stage']}, from {payload['from_stage']}")
+        print(f"request {i}: {prompts[i % len(prompts)]!r} -> {answer}", file=out)
 
 
 def show_arrivals(local: LocalPipeline, expected: int, stop: threading.Event, out: TextIO) -> None:
     """Print what reached the receiving stages (their /v1/kv), once ``expected`` arrived or
     after 30 s."""
-    receivers = [s for s in local.table_order() if s.role != "ar"]
+    receivers = [s for s in local.table_order() if s.role not in ("ar", "endpoint")]
     deadline = time.monotonic() + 30
     listings: dict[str, list[dict]] = {}
     while not stop.is_set():
@@ -394,8 +438,7 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
     local = LocalPipeline(pipeline, workdir, args.host)
     front = Front(args.host, args.port) if args.reload is not None else None
     # Where `omni-pipeline status FILE` finds the stages (removed at exit).
-    record_endpoints(pipeline, workdir, {s.name: s.url for s in local.table_order()},
-                     front=front.url if front is not None else None)
+    record_endpoints(pipeline, workdir, local.stage_urls(), front=front.url if front is not None else local.endpoint_url)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -429,10 +472,8 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
             front.switch(local.entry.url)
         show()
         if args.demo:
-            ar = next((s for s in local.table_order() if s.role == "ar"), None)
-            if ar is not None:
-                send_demo_requests(ar, pipeline.model.name, args.demo, out)
-                show_arrivals(local, args.demo, stop, out)
+            send_demo_requests(front if front is not None else local.entry, pipeline.model.name, args.demo, out)
+            show_arrivals(local, args.demo, stop, out)
         while not stop.wait(1.0):
             local.poll()
             show()
@@ -445,8 +486,7 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
                 changed = args.reload()
                 if changed is not None and changed.revision != local.pipeline.revision:
                     local = roll(local, changed, front, env, stop, out, workdir / changed.revision)
-                    record_endpoints(local.pipeline, workdir, {s.name: s.url for s in local.table_order()},
-                                     front=front.url)
+                    record_endpoints(local.pipeline, workdir, local.stage_urls(), front=front.url)
         local.poll()
         show()
         return 0

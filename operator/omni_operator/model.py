@@ -65,6 +65,18 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class StageInput:
+    """How an ar stage with inputs makes a request of each hand-off (the runtime's
+    stages/inputs.py): the input hook's import path (None: every upstream token), the
+    requests' sampling parameters, how many may be in flight, whether an upstream's KV may
+    be loaded as a prefix."""
+    hook: str | None = None
+    sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    max_inputs: int | None = None
+    load_kv: bool = True
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     role: str
@@ -81,6 +93,8 @@ class Stage:
     env: tuple[Mapping[str, Any], ...] = ()
     rollout: Rollout = Rollout(0, 1)
     autoscaling: Autoscaling | None = None
+    #: An ar stage with inputs: how it makes requests of hand-offs (the CRD's ``input``).
+    input: StageInput | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,17 @@ class Pipeline:
     def downstream_of(self, name: str) -> list[str]:
         """Stages that list `name` in their inputs, in spec order."""
         return [s.name for s in self.stages if name in s.inputs]
+
+    @property
+    def endpoint_stages(self) -> tuple[Stage, Stage] | None:
+        """(entry, last) of a pipeline that has one endpoint: the one stage without inputs,
+        an ar stage (the client's requests enter there), and the one stage no other takes
+        from (its output is the answer); None for other shapes (several of either)."""
+        sources = [s for s in self.stages if not s.inputs]
+        sinks = [s for s in self.stages if not self.downstream_of(s.name)]
+        if len(sources) != 1 or len(sinks) != 1 or sources[0].role != "ar":
+            return None
+        return sources[0], sinks[0]
 
 
 def parse_pipeline(body: Mapping[str, Any]) -> Pipeline:
@@ -227,7 +252,16 @@ def _stage(raw: Mapping[str, Any], default_image: str) -> Stage:
         env=tuple(raw.get("env") or ()),
         rollout=_rollout(raw.get("rollout") or {}, raw["gpus"]),
         autoscaling=_autoscaling(raw.get("autoscaling")),
+        input=_input(raw.get("input")),
     )
+
+
+def _input(raw: Mapping[str, Any] | None) -> StageInput | None:
+    if raw is None:
+        return None
+    return StageInput(hook=raw.get("hook") or None,
+                      sampling_params=dict(raw.get("samplingParams") or {}),
+                      max_inputs=raw.get("maxInputs"), load_kv=bool(raw.get("loadKV", True)))
 
 
 def _rollout(raw: Mapping[str, Any], gpus: int) -> Rollout:

@@ -5,6 +5,14 @@ import hashlib
 
 HTTP_PORT = 8000
 KV_PORT = 9600
+#: The pipeline's endpoint (the one address a client uses for the whole pipeline): a
+#: container beside the entry stage's, on this port, with its config under this key of the
+#: entry stage's ConfigMap.
+ENDPOINT_PORT = 8080
+ENDPOINT_CONFIG_KEY = "endpoint.yaml"
+#: The endpoint container's own address (the downward API's status.podIP), which its config
+#: names as ``${POD_IP}`` for the stages' links to reach that replica.
+POD_IP_ENV = "POD_IP"
 #: The KV data plane's ports (inclusive): NIXL reads the KV blocks over UCX, and over TCP (no
 #: RDMA) UCX listens on ports of its own, which UCX_TCP_PORT_RANGE confines to this range
 #: (measured: about 2 ports per NIXL agent, one agent per tensor-parallel rank). Every stage

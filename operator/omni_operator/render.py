@@ -23,7 +23,7 @@ from typing import Any, Mapping
 from . import API_VERSION, KIND, naming
 from .kinds import CONFIGMAP, DEPLOYMENT, HPA, NETWORKPOLICY, PDB, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER
 from .model import GPU_RESOURCE, Metric, Pipeline, Stage
-from .stage_config import config_hash, dump_stage_config, render_stage_config
+from .stage_config import config_hash, dump_stage_config, render_endpoint_config, render_stage_config
 
 RUN_AS_USER = 1000  # the restricted Pod Security profile asks for a non-root user
 STARTUP_BUDGET_SECONDS = 1800  # loading a large model from a cold cache can take many minutes
@@ -62,13 +62,23 @@ def render_children(pipeline: Pipeline, *, podmonitor_available: bool,
     ``keda_available``: which autoscaler an autoscaled stage gets (None: both, as admission
     checks them; the reconcile keeps the one the cluster serves)."""
     children: list[dict[str, Any]] = []
+    shape = pipeline.endpoint_stages
+    entry = shape[0].name if shape is not None else None
     for stage in pipeline.stages:
         config_text = dump_stage_config(render_stage_config(pipeline, stage.name))
-        children.append(render_configmap(pipeline, stage, config_text))
+        endpoint_text = None
+        if stage.name == entry:
+            # The pipeline's endpoint, beside its entry stage: it reaches that stage in its
+            # own pod, and each stage reaches it at the pod's address.
+            endpoint_text = dump_stage_config(render_endpoint_config(
+                pipeline, f"http://127.0.0.1:{naming.HTTP_PORT}",
+                f"http://${{{naming.POD_IP_ENV}}}:{naming.ENDPOINT_PORT}"))
+        children.append(render_configmap(pipeline, stage, config_text, endpoint_text))
         children.append(render_service(pipeline, stage))
         if stage.inputs:  # a receiving stage: its revision's KV Service
             children.append(render_kv_service(pipeline, stage))
-        children.append(render_deployment(pipeline, stage, config_hash(config_text)))
+        text_hash = config_hash(config_text + (endpoint_text or ""))
+        children.append(render_deployment(pipeline, stage, text_hash))
         children.append(render_pdb(pipeline, stage))
     children.append(render_networkpolicy(pipeline, operator_peer))
     if podmonitor_available and pipeline.observability.metrics:
@@ -83,13 +93,17 @@ def render_children(pipeline: Pipeline, *, podmonitor_available: bool,
     return children
 
 
-def render_configmap(pipeline: Pipeline, stage: Stage, config_text: str) -> dict[str, Any]:
+def render_configmap(pipeline: Pipeline, stage: Stage, config_text: str,
+                     endpoint_text: str | None = None) -> dict[str, Any]:
+    data = {naming.CONFIG_KEY: config_text}
+    if endpoint_text is not None:
+        data[naming.ENDPOINT_CONFIG_KEY] = endpoint_text
     return {
         "apiVersion": CONFIGMAP.api_version,
         "kind": CONFIGMAP.kind,
         "metadata": _metadata(pipeline, naming.revision_name(pipeline.name, stage.name, pipeline.revision),
                               stage.name, pipeline.revision),
-        "data": {naming.CONFIG_KEY: config_text},
+        "data": data,
     }
 
 
@@ -107,9 +121,17 @@ def render_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
             "ports": [
                 {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                 {"name": "kv", "port": naming.KV_PORT, "targetPort": "kv", "protocol": "TCP"},
+                *([{"name": "endpoint", "port": naming.ENDPOINT_PORT, "targetPort": "endpoint",
+                    "protocol": "TCP"}] if _is_entry(pipeline, stage) else []),
             ],
         },
     }
+
+
+def _is_entry(pipeline: Pipeline, stage: Stage) -> bool:
+    """Whether the pipeline's endpoint runs beside this stage (its entry stage)."""
+    shape = pipeline.endpoint_stages
+    return shape is not None and shape[0].name == stage.name
 
 
 def render_kv_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
@@ -151,8 +173,10 @@ def render_networkpolicy(pipeline: Pipeline, operator_peer: Mapping[str, Any] | 
         # on every stage container): the pipeline's own pods alone may reach it.
         {"from": [{"podSelector": pods}],
          "ports": [{"protocol": "TCP", "port": naming.KV_DATA_PORTS[0], "endPort": naming.KV_DATA_PORTS[1]}]},
-        # The HTTP API and /metrics stay reachable for clients and Prometheus.
-        {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}]},
+        # The HTTP API and /metrics stay reachable for clients and Prometheus, and so does the
+        # pipeline's endpoint (clients; the stages' links to it).
+        {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT},
+                   {"protocol": "TCP", "port": naming.ENDPOINT_PORT}]},
     ]
     if operator_peer:
         # The operator reads each stage pod's /metrics on the http port (transfer health):
@@ -325,8 +349,11 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
     if stage.gpus > 0 and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
         # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule.
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    containers = [container]
+    if _is_entry(pipeline, stage):
+        containers.append(_endpoint_container(pipeline, stage, container))
     pod_spec: dict[str, Any] = {
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
         # No API access needed by a stage; no service-link variables (VLLM_PORT-like names
         # injected for Services break vLLM's own environment parsing).
@@ -378,6 +405,36 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
                 "spec": pod_spec,
             },
         },
+    }
+
+
+def _endpoint_container(pipeline: Pipeline, stage: Stage, stage_container: Mapping[str, Any]
+                        ) -> dict[str, Any]:
+    """The pipeline's endpoint beside its entry stage (runtime: omni_runtime/pipeline/
+    endpoint.py): a small asyncio server, the stage's image and security."""
+    probe = {"httpGet": {"path": "/health", "port": "endpoint", "scheme": "HTTP"},
+             "timeoutSeconds": 5, "successThreshold": 1}
+    otel = [e for e in _env(pipeline, stage) if e["name"].startswith("OTEL_")]
+    for item in otel:
+        if item["name"] == "OTEL_SERVICE_NAME":
+            item["value"] = f"{pipeline.name}-endpoint"
+    return {
+        "name": "endpoint",
+        "image": stage.image,
+        "imagePullPolicy": pipeline.image_pull_policy,
+        "command": ["omni-stage", "--config", f"{naming.CONFIG_DIR}/{naming.ENDPOINT_CONFIG_KEY}"],
+        "ports": [{"name": "endpoint", "containerPort": naming.ENDPOINT_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": naming.POD_IP_ENV, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+            {"name": "HOME", "value": "/tmp"},
+            *otel,
+        ],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 6},
+        "volumeMounts": [m for m in stage_container["volumeMounts"]
+                         if m["name"] in ("stage-config", "tmp")],
+        "securityContext": dict(stage_container["securityContext"]),
     }
 
 

@@ -53,7 +53,15 @@ def render_stage_config(
     if stage.kv.io_cpus is not None:
         # Only when set: a pipeline without it keeps its config hash (and its pods) as before.
         kv["ioCpus"] = stage.kv.io_cpus
-    return {
+    extra: dict[str, Any] = {}
+    if stage.input is not None:
+        made = {"samplingParams": dict(stage.input.sampling_params), "loadKV": stage.input.load_kv}
+        if stage.input.hook:
+            made["hook"] = stage.input.hook
+        if stage.input.max_inputs is not None:
+            made["maxInputs"] = stage.input.max_inputs
+        extra["input"] = made
+    return {**extra,
         "apiVersion": CONFIG_API_VERSION,
         "kind": CONFIG_KIND,
         "pipeline": pipeline.name,
@@ -73,6 +81,38 @@ def render_stage_config(
             "metrics": pipeline.observability.metrics,
             "tracing": {"otlpEndpoint": pipeline.observability.otlp_endpoint},
             "alerts": {"stuckTransferSeconds": pipeline.observability.stuck_transfer_seconds},
+        },
+    }
+
+
+def render_endpoint_config(pipeline: Pipeline, entry_url: str, advertise: str,
+                           http_port: int = naming.ENDPOINT_PORT) -> dict[str, Any] | None:
+    """The pipeline's endpoint's config (``omni-stage --config``, role ``endpoint``), or None
+    for a pipeline of another shape than one entry stage and one last stage. ``entry_url``:
+    the entry stage's API as the endpoint reaches it; ``advertise``: the endpoint replica's
+    own URL as the stages reach it (``${POD_IP}`` is the pod's address, from its
+    environment)."""
+    shape = pipeline.endpoint_stages
+    if shape is None:
+        return None
+    entry, last = shape
+    edges = [{"from": s.name, "to": d, "timeoutSeconds": s.kv.timeout_seconds}
+             for s in pipeline.stages for d in pipeline.downstream_of(s.name)]
+    return {
+        "apiVersion": CONFIG_API_VERSION,
+        "kind": CONFIG_KIND,
+        "pipeline": pipeline.name,
+        "namespace": pipeline.namespace,
+        "revision": pipeline.revision,
+        "stage": "endpoint",
+        "role": "endpoint",
+        "model": {"name": pipeline.model.name},
+        "ports": {"http": http_port},
+        "endpoint": {
+            "entry": {"stage": entry.name, "url": entry_url},
+            "sink": last.name,
+            "advertise": advertise,
+            "edges": edges,
         },
     }
 

@@ -353,7 +353,9 @@ def test_networkpolicy_limits_kv_port_to_pipeline_pods():
     # The KV data plane's UCX ports: a range, from the pipeline's own pods only.
     assert data_rule == {"from": [{"podSelector": {"matchLabels": {naming.PIPELINE_LABEL: "tiny"}}}],
                          "ports": [{"protocol": "TCP", "port": 9700, "endPort": 9731}]}
-    assert "from" not in http_rule and http_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    # The API, /metrics and the pipeline's endpoint (clients; the stages' links to it).
+    assert "from" not in http_rule and http_rule["ports"] == [{"protocol": "TCP", "port": 8000},
+                                                               {"protocol": "TCP", "port": 8080}]
 
 
 def test_every_stage_s_ucx_listens_inside_the_range_the_networkpolicy_opens():
@@ -529,3 +531,57 @@ def test_a_stage_config_entry_that_changes_is_dumped_afresh():
     assert text == yaml.safe_dump(changed, sort_keys=True, default_flow_style=False) != first
     assert "max-model-len: 2048" in text and "pipeline: other" in text
     assert dump_stage_config(config) == first
+
+
+# ---------------------------------------------------------------------------- the endpoint
+
+CHAIN = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-chain.yaml").read_text())
+
+
+def test_the_pipelines_endpoint_runs_beside_its_entry_stage():
+    """One endpoint per pipeline: a container beside the entry stage's (its config in that
+    stage's ConfigMap), reaching the stage in its own pod and reached by the stages at the
+    pod's address; the entry stage's Service gives it a port; no other stage has one."""
+    body = copy.deepcopy(CHAIN)
+    body["metadata"]["namespace"] = "default"
+    kids = children(body)
+    pod = kids[("Deployment", "tiny-chain-thinker")]["spec"]["template"]["spec"]
+    stage, endpoint = pod["containers"]
+    assert stage["name"] == "stage" and endpoint["name"] == "endpoint"
+    assert endpoint["command"] == ["omni-stage", "--config", "/etc/omni/endpoint.yaml"]
+    assert endpoint["ports"] == [{"name": "endpoint", "containerPort": 8080, "protocol": "TCP"}]
+    assert env_of(endpoint)["POD_IP"]["valueFrom"] == {
+        "fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    assert endpoint["readinessProbe"]["httpGet"]["port"] == "endpoint"
+    assert endpoint["securityContext"] == stage["securityContext"]
+    config = yaml.safe_load(kids[("ConfigMap", "tiny-chain-thinker")]["data"]["endpoint.yaml"])
+    assert config["role"] == "endpoint" and config["endpoint"] == {
+        "entry": {"stage": "thinker", "url": "http://127.0.0.1:8000"},
+        "sink": "vocoder", "advertise": "http://${POD_IP}:8080",
+        "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 10},
+                  {"from": "talker", "to": "vocoder", "timeoutSeconds": 10}]}
+    ports = {p["name"]: p["port"] for p in kids[("Service", "tiny-chain-thinker")]["spec"]["ports"]}
+    assert ports == {"http": 8000, "kv": 9600, "endpoint": 8080}
+    for other in ("talker", "vocoder"):
+        assert len(kids[("Deployment", f"tiny-chain-{other}")]["spec"]["template"]["spec"]["containers"]) == 1
+        assert "endpoint.yaml" not in kids[("ConfigMap", f"tiny-chain-{other}")]["data"]
+        assert "endpoint" not in {p["name"] for p in kids[("Service", f"tiny-chain-{other}")]["spec"]["ports"]}
+
+
+def test_a_pipeline_of_two_last_stages_has_no_one_endpoint():
+    body = copy.deepcopy(CHAIN)
+    body["spec"]["stages"].append({"name": "archive", "role": "generation", "gpus": 0,
+                                   "inputs": ["talker"]})
+    kids = children(body)
+    assert all(len(c["spec"]["template"]["spec"]["containers"]) == 1
+               for (kind, _), c in kids.items() if kind == "Deployment")
+
+
+def test_a_stage_input_is_in_its_stage_config():
+    body = copy.deepcopy(CHAIN)
+    body["spec"]["stages"][1]["input"] = {"hook": "hooks.tts:to_codes", "maxInputs": 8,
+                                          "samplingParams": {"max_tokens": 16}, "loadKV": False}
+    config = render_stage_config(parse(body), "talker")
+    assert config["input"] == {"hook": "hooks.tts:to_codes", "maxInputs": 8, "loadKV": False,
+                               "samplingParams": {"max_tokens": 16}}
+    assert "input" not in render_stage_config(parse(body), "thinker")

@@ -89,3 +89,56 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
             except ProcessLookupError:
                 pass
         reader.join(timeout=10)
+
+
+def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
+    """examples/tiny-chain.yaml (thinker -> talker -> vocoder) with the operator's own stage
+    configs: `up` prints the pipeline's endpoint; an OpenAI client's prompt there comes back
+    as the vocoder's payload, whose talker input is the thinker's own answer to the prompt,
+    token for token; Ctrl-C stops every process."""
+    import openai
+
+    body = yaml.safe_load((ROOT / "examples" / "tiny-chain.yaml").read_text())
+    model_path = tmp_path / body["spec"]["model"]["path"]
+    model_path.parent.mkdir(parents=True)
+    shutil.copytree(ensure_tiny_model(), model_path)
+    marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / "tiny-chain.yaml"),
+         "--demo", "1", "--workdir", str(tmp_path / "run")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        text = lambda: "".join(lines)  # noqa: E731
+        wait_until(lambda: re.search(r"^request 0: .* at stage vocoder, from talker$", text(), re.M),
+                   300, f"the demo request's answer; output so far:\n{text()}")
+        endpoint = re.search(r"the pipeline's endpoint \(OpenAI API\): (\S+) \(ready\)", text()).group(1)
+        thinker = re.search(r"^thinker\s+ar\s+.*(http://\S+)/metrics", text(), re.M).group(1)
+        prompt = [31, 32, 33, 34]
+        answer = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0).completions.create(
+            model="tiny-qwen2", prompt=prompt, max_tokens=6, temperature=0)
+        payload = answer.choices[0].model_extra["omni_payload"]
+        alone = openai.OpenAI(base_url=thinker + "/v1", api_key="unused").completions.create(
+            model="tiny-qwen2", prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"return_token_ids": True})
+        assert payload["token_ids"][:payload["prompt_len"]] == \
+            prompt + list(alone.choices[0].model_extra["token_ids"])
+        assert len(payload["token_ids"]) - payload["prompt_len"] == 16, "the talker's samplingParams"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        wait_until(lambda: not processes_with_env(marker), 30, "every process to be gone")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in processes_with_env(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reader.join(timeout=10)

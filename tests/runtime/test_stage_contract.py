@@ -187,3 +187,71 @@ def test_the_contract_is_what_the_operator_checks_not_a_copy():
     from omni_operator import model
 
     assert model.engine_args_problems is engine_args_problems
+
+
+# ---------------------------------------------------------------------------- a pipeline past its first hop
+
+CHAIN = yaml.safe_load((ROOT / "examples" / "tiny-chain.yaml").read_text())
+
+
+def chain_configmaps() -> dict[str, dict]:
+    admitted = admit(copy.deepcopy(CHAIN))
+    return {c["metadata"]["labels"]["omnipipeline.dev/stage"]: c["data"]
+            for c in admitted.children if c["kind"] == "ConfigMap"}
+
+
+def test_a_stage_with_inputs_runs_vllm_with_the_stage_input_and_a_loading_connector():
+    """What the operator renders for an ar stage with inputs, the runtime runs as a stage
+    that makes requests of its hand-offs: vLLM's --middleware, its settings, and the omni
+    connector loading prefixes as well as sending."""
+    import json
+
+    config = parse_stage_config(yaml.safe_load(chain_configmaps()["talker"]["stage.yaml"]))
+    assert config.takes_hand_offs and config.input_sampling_params["max_tokens"] == 16
+    argv = vllm_command(config, "0.0.0.0")
+    assert argv[argv.index("--middleware") + 1] == "omni_runtime.stages.stage_input.StageInputMiddleware"
+    settings = json.loads(argv[argv.index("--additional-config") + 1])["omni_stage_input"]
+    assert settings["listen"] == "tcp://0.0.0.0:9600" and settings["inputs"] == ["thinker"]
+    assert settings["downstream"] == ["vocoder"]
+    connector = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert connector["kv_role"] == "kv_both" and connector["kv_connector_extra_config"]["loads"]
+    thinker = parse_stage_config(yaml.safe_load(chain_configmaps()["thinker"]["stage.yaml"]))
+    assert "--middleware" not in vllm_command(thinker, "0.0.0.0")
+
+
+def test_the_rendered_endpoint_config_is_what_the_endpoint_runs(monkeypatch):
+    from omni_runtime.pipeline.endpoint import parse_endpoint_config
+
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    raw = yaml.safe_load(chain_configmaps()["thinker"]["endpoint.yaml"])
+    config = parse_stage_config(raw)
+    assert config.is_endpoint and config.http_port == 8080
+    endpoint = parse_endpoint_config(config.pipeline, config.model_name, config.endpoint)
+    assert (endpoint.entry_url, endpoint.advertise, endpoint.sink) == (
+        "http://127.0.0.1:8000", "http://10.1.2.3:8080", "vocoder")
+    assert [(e.source, e.target, e.timeout_s) for e in endpoint.edges] == [
+        ("thinker", "talker", 10.0), ("talker", "vocoder", 10.0)]
+
+
+def test_an_input_on_a_stage_that_makes_no_requests_of_hand_offs_is_refused_by_both():
+    body = copy.deepcopy(CHAIN)
+    body["spec"]["stages"][2]["input"] = {"samplingParams": {"max_tokens": 4}}
+    problems = problems_of(body)
+    assert any("spec.stages[2].input" in str(p) and "give the stage inputs and role ar" in str(p)
+               for p in problems), problems
+    config = yaml.safe_load(chain_configmaps()["vocoder"]["stage.yaml"])
+    config["input"] = {"samplingParams": {"max_tokens": 4}}
+    with pytest.raises(StageConfigError, match="only an ar stage with inputs makes requests"):
+        parse_stage_config(config)
+
+
+def test_an_input_hook_that_does_not_import_stops_the_stage_with_exit_2(tmp_path):
+    config = yaml.safe_load(chain_configmaps()["talker"]["stage.yaml"])
+    config["input"]["hook"] = "no_such_package.hooks:make"
+    path = tmp_path / "talker.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "input.hook 'no_such_package.hooks:make' does not import" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -571,3 +571,51 @@ def run(config: EndpointConfig, host: str, port: int) -> int:
     web.run_app(endpoint.app, host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=config.request_timeout_s, print=None, access_log=None)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m omni_runtime.pipeline.endpoint``: a pipeline's endpoint in front of stages
+    started by hand (``vllm serve``, docs/stages.md); ``omni-stage`` runs the same from a
+    stage config with ``role: endpoint``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m omni_runtime.pipeline.endpoint",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entry", required=True, metavar="STAGE=URL",
+                        help="the first stage and its API's base URL: thinker=http://127.0.0.1:8000")
+    parser.add_argument("--edge", action="append", default=[], metavar="FROM:TO:SECONDS",
+                        help="a hand-off between two stages and its transfer deadline "
+                             "(kvTransfer.timeoutSeconds); once per edge")
+    parser.add_argument("--sink", required=True, help="the last stage, whose output is the answer")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--advertise", help="this endpoint's URL as the stages reach it "
+                                            "(default http://127.0.0.1:PORT)")
+    parser.add_argument("--model", default="", help="the model name answers carry by default")
+    parser.add_argument("--pipeline", default="pipeline")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stage, _, url = args.entry.partition("=")
+    edges = []
+    for edge in args.edge:
+        parts = edge.split(":")
+        if len(parts) != 3:
+            parser.error(f"--edge {edge!r} must be FROM:TO:SECONDS")
+        try:
+            edges.append({"from": parts[0], "to": parts[1], "timeoutSeconds": float(parts[2])})
+        except ValueError:
+            parser.error(f"--edge {edge!r}: SECONDS must be a number")
+    raw = {"entry": {"stage": stage, "url": url}, "sink": args.sink, "edges": edges,
+           "advertise": args.advertise or f"http://127.0.0.1:{args.port}"}
+    try:
+        config = parse_endpoint_config(args.pipeline, args.model, raw)
+    except EndpointConfigError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    return run(config, args.host, args.port)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -330,3 +330,65 @@ def test_the_thinker_killed_with_hand_offs_in_flight_leaves_no_client_waiting(fr
     wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 0, 60,
                "the talker to finish")
     assert metric_value(talker.metrics(), "omni_kv_receiver_buffered_payloads") == 0
+
+
+# ---------------------------------------------------------------------------- plain vllm serve
+
+
+def readme_pair_commands() -> list[list[str]]:
+    """The README's plain ``vllm serve`` pair and endpoint, as argv lists."""
+    import re
+    import shlex
+
+    text = (HERE.parents[1] / "README.md").read_text()
+    block = re.search(r"```bash\n(# the talker: requests made of.*?)```", text, re.S).group(1)
+    code = "\n".join(line for line in block.splitlines() if not line.startswith("#"))
+    code = re.sub(r"\\\n\s*", " ", code)  # continuation lines
+    return [shlex.split(command) for command in re.split(r"&\s*\n", code) if command.strip()]
+
+
+def test_a_plain_vllm_pair_behind_the_endpoint_runs_as_the_readme_shows(tmp_path):
+    """The README's commands, run as written (the model, the ports and vLLM's CPU settings
+    put in): the talker's tokens through the endpoint are its own greedy answer to the
+    thinker's whole sequence."""
+    import subprocess
+    import sys
+
+    from procs import free_port, stop_group
+
+    model = str(ensure_tiny_model())
+    ports = {p: str(free_port()) for p in ("8000", "8001", "9600", "8080")}
+    cpu = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+           "--kv-cache-memory-bytes", str(32 << 20)]
+    procs = []
+    try:
+        for n, argv in enumerate(readme_pair_commands()):
+            argv = [model if a == "MODEL" else ports.get(a, a) for a in argv]
+            argv = [a.replace("127.0.0.1:9600", f"127.0.0.1:{ports['9600']}")
+                     .replace("0.0.0.0:9600", f"127.0.0.1:{ports['9600']}")
+                     .replace("127.0.0.1:8000", f"127.0.0.1:{ports['8000']}") for a in argv]
+            assert argv[0] == "python", argv
+            argv = [sys.executable, *argv[1:], *(cpu if "vllm" in argv[2] else [])]
+            log = open(tmp_path / f"{n}.log", "wb")
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True, env={**os.environ}))
+        for port, proc in zip(("8001", "8000", "8080"), procs):
+            wait_until(lambda: http_get(f"http://127.0.0.1:{ports[port]}/health", timeout=2)[0]
+                       == 200, 240, f"port {port} to serve", proc=proc,
+                       log=tmp_path / f"{procs.index(proc)}.log")
+        endpoint = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['8080']}/v1",
+                                 api_key="unused", max_retries=0)
+        prompt = [61, 62, 63]
+        answer = endpoint.completions.create(model=model, prompt=prompt, max_tokens=6,
+                                             temperature=0)
+        alone = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['8000']}/v1",
+                              api_key="unused").completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"return_token_ids": True})
+        sequence = prompt + list(alone.choices[0].model_extra["token_ids"])
+        said = answer.choices[0].model_extra["token_ids"]
+        assert said == hf_greedy(hf_model(), sequence, 16)[:len(said)]
+        assert len(said) == 16 or said[-1] == 0, "its max_tokens, or its end-of-text token"
+    finally:
+        for proc in reversed(procs):
+            stop_group(proc)

@@ -112,6 +112,30 @@ def write_payload(kv: np.ndarray, dtype: str, directory: str, name: str) -> Load
     return LoadSource(path, int(kv.shape[3]), tuple(int(x) for x in kv.shape), dtype)
 
 
+def payload_into_file(payload: Any, directory: str, name: str) -> LoadSource:
+    """A received payload (kv/transport/payload.py's KVPayload) into a new file
+    ``directory/name``, assembled straight into the file when it is not yet (no copy in
+    between)."""
+    path = os.path.join(directory, name)
+    dtype = np.dtype(_FILE_DTYPES[payload.dtype_name])
+    nbytes = int(np.prod(payload.shape)) * dtype.itemsize
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(1, nbytes))
+    finally:
+        os.close(fd)
+    try:
+        if payload.kv is None:
+            payload.materialize(lambda shape, kind: np.memmap(path, kind, "r+", shape=shape))
+        else:
+            np.memmap(path, dtype, "r+", shape=payload.shape)[...] = payload.kv
+    except BaseException:
+        os.unlink(path)
+        raise
+    return LoadSource(path, payload.seq_len, tuple(int(x) for x in payload.shape),
+                      payload.dtype_name)
+
+
 def read_payload(source: LoadSource) -> tuple[np.ndarray, mmap.mmap]:
     """The file's array, mapped read-only (close the map when done)."""
     fd = os.open(source.path, os.O_RDONLY)

@@ -165,6 +165,9 @@ class _Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     links: dict[str, web.WebSocketResponse] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
+    #: stage -> when (unix) its hand-off was offered and taken, and it finished: the answer's
+    #: ``omni.stages`` (where a request's time went).
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
     #: stage -> (monotonic deadline by which it must take the request, the edge)
     expected: dict[str, tuple[float, Edge]] = field(default_factory=dict)
 
@@ -261,6 +264,7 @@ class PipelineEndpoint:
             return _error_body(409, f"a request with X-Request-Id {request_id} is in flight")
         stream = bool(body.get("stream"))
         pending = self._requests[request_id] = _Request(request_id)
+        pending.timings[self.config.entry_stage] = {"sent_at": time.time()}
         span, headers = self._start_span(request, request_id)
         writer = _Writer(request, kind, request_id, body.get("model") or self.config.model_name,
                          stream)
@@ -377,6 +381,13 @@ class PipelineEndpoint:
             if kind == "lost":
                 raise StageFailed(stage, f"lost request {pending.id} (its link to the "
                                   "pipeline endpoint closed before it finished)")
+            if kind in ("taken", "finished", "handed_off", "done", "payload"):
+                times = pending.timings.setdefault(stage, {})
+                times[{"taken": "taken_at", "finished": "finished_at", "handed_off": "finished_at",
+                       "done": "finished_at", "payload": "stored_at"}[kind]] = time.time()
+                if kind == "taken":
+                    times.update({k: float(event[k]) for k in ("offered_at", "taken_at")
+                                  if isinstance(event.get(k), (int, float))})
             if kind == "taken":
                 pending.taken.add(stage)
                 pending.expected.pop(stage, None)
@@ -393,10 +404,10 @@ class PipelineEndpoint:
             elif stage == config.sink and kind == "output":
                 await writer.output(event.get("text") or "", list(event.get("token_ids") or ()))
             elif stage == config.sink and kind == "payload":
-                await writer.payload(stage, event.get("payload") or {})
+                await writer.payload(stage, event.get("payload") or {}, pending.timings)
                 return
             elif stage == config.sink and kind == "done":
-                await writer.done(event.get("finish_reason"), event.get("usage"))
+                await writer.done(event.get("finish_reason"), event.get("usage"), pending.timings)
                 return
             elif kind == "done":
                 raise StageFailed(stage, "its request finished without a hand-off to "
@@ -479,7 +490,8 @@ class _Writer:
         return {"index": 0, **body, "finish_reason": finish, "token_ids": token_ids,
                 **(extra or {})}
 
-    def _object(self, choice: dict[str, Any], usage: Any = None) -> dict[str, Any]:
+    def _object(self, choice: dict[str, Any], usage: Any = None,
+                timings: dict[str, Any] | None = None) -> dict[str, Any]:
         kind = "chat.completion" if self._chat else "text_completion"
         if self._chat and self._stream:
             kind = "chat.completion.chunk"
@@ -487,6 +499,8 @@ class _Writer:
                 "choices": [choice]}
         if usage is not None:
             body["usage"] = usage
+        if timings is not None:  # the last object: where the request's time went, per stage
+            body["omni"] = {"request_id": self._request_id, "stages": timings}
         return body
 
     async def output(self, text: str, token_ids: list[int]) -> None:
@@ -496,25 +510,28 @@ class _Writer:
             self._text.append(text)
             self._tokens.extend(token_ids)
 
-    async def done(self, finish_reason: str | None, usage: Any) -> None:
+    async def done(self, finish_reason: str | None, usage: Any,
+                   timings: dict[str, Any]) -> None:
         if self._stream:
-            await self._sse(self._object(self._choice("", [], finish_reason), usage))
+            await self._sse(self._object(self._choice("", [], finish_reason), usage, timings))
             await self._sse("[DONE]")
             await self.response.write_eof()
             return
         self.response = web.json_response(self._object(
-            self._choice("".join(self._text), self._tokens, finish_reason), usage),
+            self._choice("".join(self._text), self._tokens, finish_reason), usage, timings),
             headers=self._headers())
 
-    async def payload(self, stage: str, payload: dict[str, Any]) -> None:
+    async def payload(self, stage: str, payload: dict[str, Any],
+                      timings: dict[str, Any]) -> None:
         extra = {"omni_payload": {"stage": stage, **payload}}
         if self._stream:
-            await self._sse(self._object(self._choice("", [], "stop", extra)))
+            await self._sse(self._object(self._choice("", [], "stop", extra), None, timings))
             await self._sse("[DONE]")
             await self.response.write_eof()
             return
-        self.response = web.json_response(self._object(self._choice("", [], "stop", extra)),
-                                          headers=self._headers())
+        self.response = web.json_response(
+            self._object(self._choice("", [], "stop", extra), None, timings),
+            headers=self._headers())
 
     async def proxy(self, upstream: aiohttp.ClientResponse) -> None:
         """A one-stage pipeline: the first stage's own answer, as it comes."""

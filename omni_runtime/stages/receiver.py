@@ -101,7 +101,8 @@ class ReceiverStage:
         if found is not None:
             request_id, endpoint = found
             self._links.report(endpoint, request_id, [
-                ("taken", {}), ("payload", {"payload": payload.summary()})])
+                ("taken", {"offered_at": payload.sent_at, "taken_at": payload.received_at}),
+                ("payload", {"payload": payload.summary()})])
 
     def health_problem(self) -> str | None:
         """Why the stage is not healthy, or None."""

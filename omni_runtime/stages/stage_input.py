@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, write_payload
+from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, payload_into_file
 from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, parse_origin
 from omni_runtime.stages.inputs import InputHookError, Upstream, load_hook, request_of
 
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 SETTINGS_KEY = "omni_stage_input"
 DEFAULT_MAX_INPUTS = 64
 DEFAULT_PAYLOAD_DIR = "/dev/shm"
+#: A payload up to this size is made into its request on the server's event loop itself: its
+#: assembly costs less than handing it to a thread and back.
+INLINE_BYTES = 4 << 20
 
 
 class InputSettingsError(ValueError):
@@ -213,30 +216,20 @@ class StageInput:
         task.add_done_callback(self._tasks.discard)
 
     async def _take(self, request_id: str, ticket: Any) -> None:
-        settings = self.settings
-        payload = await self._loop.run_in_executor(self._executor, self.receiver.inbox.get,
-                                                   request_id)
-        link = path = None
+        # Not assembled here: the input hook and the KV prefix's file decide where (below).
+        payload = self.receiver.inbox.get(request_id, assemble=False)
+        link = linking = path = None
         try:
             if payload is None:
                 raise Refused("the payload left the inbox before the stage took it")
             pipeline_id, endpoint = self._origin(payload)
-            if endpoint is not None:  # first: whatever refuses the input is told there
-                link = await self._link(endpoint, pipeline_id)
-            made = self._request(payload, pipeline_id)
-            params = self._sampling_params(made.sampling_params)
-            prompt = dict(made.prompt)
-            kv_params: dict[str, Any] = {}
-            if endpoint is not None:
-                kv_params[KV_PARAMS_KEY] = dict(payload.origin)
-            if made.reuse_kv and self._kv_fits(payload, prompt):
-                source = await self._loop.run_in_executor(self._executor, self._write_prefix,
-                                                          payload)
-                path = source.path
-                kv_params[LOAD_PARAMS] = source.as_params()
-            if kv_params:
-                params.extra_args = {**(params.extra_args or {}),
-                                     "kv_transfer_params": kv_params}
+            if endpoint is not None:  # opens while the request is made
+                linking = self._loop.create_task(self._link(endpoint, pipeline_id))
+            if payload.nbytes <= INLINE_BYTES:
+                prompt, params, path = self._prepare(payload, pipeline_id)
+            else:  # a large payload's assembly off the server's event loop
+                prompt, params, path = await self._loop.run_in_executor(
+                    self._executor, self._prepare, payload, pipeline_id)
             await self._admit(ticket)
             try:
                 collector = await self._engine.add_request(
@@ -244,21 +237,37 @@ class StageInput:
             except BaseException:
                 self._admission.release()
                 raise
-        except Refused as refused:
-            await self._refuse(ticket, refused, link, path, request_id)
-            return
         except asyncio.CancelledError:
+            if linking is not None:
+                linking.cancel()
             self.receiver.settle(ticket, ("input_refused", "the stage is stopping"))
             _remove(path)
             raise
-        except Exception as exc:  # vLLM's validation (a prompt over max-model-len, ...)
-            await self._refuse(ticket, Refused(f"{type(exc).__name__}: {exc}"), link, path,
-                               request_id)
+        except Exception as exc:
+            if linking is not None:  # whatever refused the input is told at the endpoint
+                link = await _opened(linking)
+            refused = exc if isinstance(exc, Refused) else (
+                Refused(f"{type(exc).__name__}: {exc}"))  # vLLM's validation, say
+            await self._refuse(ticket, refused, link, path, request_id)
             return
-        self.receiver.settle(ticket)  # the request holds its input: the hand-off is acked
+        if linking is not None and linking.done() and linking.exception() is not None:
+            # The pipeline request was gone before its request was: no work, the input refused.
+            await self._engine.abort(collector.request_id, internal=True)
+            collector.close()
+            self._admission.release()
+            await self._refuse(ticket, linking.exception(), None, path, request_id)
+            return
+        # The request holds its input: the hand-off is acked (when: unix, for the endpoint).
+        self.receiver.settle(ticket)
+        taken_at = time.time()
         try:
-            if link is not None:
-                await link.send("taken")
+            if linking is not None:
+                link = await _opened(linking)
+                if link is None:  # the pipeline request went away meanwhile: its work too
+                    await self._engine.abort(collector.request_id, internal=True)
+                    collector.close()
+                    return
+                await link.send("taken", offered_at=payload.sent_at, taken_at=taken_at)
             await self._follow(collector, link, path)
         finally:
             self._admission.release()
@@ -311,10 +320,26 @@ class StageInput:
         return (isinstance(tokens, (list, tuple)) and len(tokens) > 1
                 and list(tokens[:seq_len]) == list(payload.token_ids[:seq_len]))
 
-    def _write_prefix(self, payload: Any):
-        self._files += 1
-        return write_payload(payload.materialize(), payload.dtype_name,
-                             self.settings.payload_dir, self._file_prefix(str(self._files)))
+    def _prepare(self, payload: Any, pipeline_id: str) -> tuple[dict, Any, str | None]:
+        """On a thread of ours: the request's prompt, its sampling parameters (with its
+        pipeline context and, where the upstream's KV is its prefix, the file the engine
+        loads it from), and that file's path; Refused when it cannot be made."""
+        made = self._request(payload, pipeline_id)
+        params = self._sampling_params(made.sampling_params)
+        prompt = dict(made.prompt)
+        kv_params: dict[str, Any] = {}
+        if payload.origin is not None:
+            kv_params[KV_PARAMS_KEY] = dict(payload.origin)
+        path = None
+        if made.reuse_kv and self._kv_fits(payload, prompt):
+            self._files += 1
+            source = payload_into_file(payload, self.settings.payload_dir,
+                                       self._file_prefix(str(self._files)))
+            path = source.path
+            kv_params[LOAD_PARAMS] = source.as_params()
+        if kv_params:
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_params}
+        return prompt, params, path
 
     async def _link(self, endpoint: str, pipeline_id: str):
         from omni_runtime.pipeline.link import EndpointLink, LinkError
@@ -404,6 +429,15 @@ class StageInput:
             await link.send("handed_off", to=list(self.settings.downstream))
         else:
             await link.send("done", finish_reason=completion.finish_reason)
+
+
+async def _opened(linking: asyncio.Task) -> Any:
+    """The link the task opened, or None (it could not: the request is gone)."""
+    try:
+        return await linking
+    except Refused as refused:
+        logger.info("no link: %s", refused.reason)
+        return None
 
 
 def _remove(path: str | None) -> None:

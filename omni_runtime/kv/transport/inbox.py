@@ -253,12 +253,14 @@ class KVInbox:
             return max(0.0, min(starts) + self.ttl_s - self._clock())
 
     # ------------------------------------------------------------------ consumer side
-    def get(self, request_id: str, timeout_s: float = 0.0, *, remove: bool = True
-            ) -> KVPayload | None:
+    def get(self, request_id: str, timeout_s: float = 0.0, *, remove: bool = True,
+            assemble: bool = True) -> KVPayload | None:
         """The payload of ``request_id`` (the id it was sent under, or its external request
         id), waiting up to ``timeout_s`` for it to arrive; None on timeout. ``remove``
         (default) consumes it, freeing its bytes. The payload comes assembled (``kv`` set):
-        one stored as read is assembled here, on the caller's thread, outside the lock."""
+        one stored as read is assembled here, on the caller's thread, outside the lock;
+        ``assemble=False`` leaves that to the caller (``payload.materialize``, into memory of
+        its choice)."""
         start = time.monotonic()
         deadline = start + max(0.0, timeout_s)
         with self._cond:
@@ -277,7 +279,8 @@ class KVInbox:
                     return None
                 # Woken by put(); the loop re-checks (spurious wake-ups, other request ids).
                 self._cond.wait(left)
-        entry.payload.materialize(self._allocate)
+        if assemble:
+            entry.payload.materialize(self._allocate)
         return entry.payload
 
     def list(self) -> list[dict]:

@@ -1,0 +1,251 @@
+"""A pipeline past its first hop: thinker -> talker through the pipeline's endpoint, against
+each stage run alone on the same requests, side by side in one run.
+
+Starts a thinker and a talker (``omni-stage``, the tiny CPU model, the stage configs the
+operator renders, as ``omni-pipeline up`` runs them) and the pipeline's endpoint on
+127.0.0.1. The thinker says ``--thinker-tokens`` (64) to each prompt and hands its whole
+sequence to the talker when it finishes; the talker says ``--talker-tokens`` (16), its prompt
+that sequence, whose KV it loads (the same model) instead of computing it. Then, for
+``--requests`` (50) prompts of ``--prompt-tokens`` (128) tokens, one at a time:
+
+* the chain: each prompt through the endpoint (the talker's tokens are the answer);
+* alone: the same prompts at the thinker's own API (their hand-offs name a pipeline request
+  the endpoint does not know: the talker refuses them at once), then the thinker's sequences
+  at the talker's own API (it computes its whole prompt).
+
+Figures (the last line, one JSON object):
+
+* ``hop_p50_ms``: the thinker's hand-off offered to the talker's request taken, i.e. added to
+  its engine, whose next step schedules it (both unix clocks of this host; the endpoint's
+  answer carries them per stage); target <= 10;
+* ``chain_overhead_ratio``: p50 end to end through the endpoint over (the thinker's p50 alone
+  + the talker's p50 alone); target <= 1.10;
+* ``prefix_reuse_prefill_ratio``: the talker's prefill time (vLLM's own
+  ``vllm:request_prefill_time_seconds``, scheduled to first token) with the KV loaded over
+  recomputed; target <= 0.5.
+
+    python benchmarks/pipeline_chain.py [--requests 50] [--prompt-tokens 128]
+
+Takes about 60 s here with the defaults, a third of it the two engines' start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "operator"))
+
+import yaml  # noqa: E402
+from omni_operator.local import ENDPOINT, free_port, local_stage_configs  # noqa: E402
+from omni_operator.model import parse_pipeline  # noqa: E402
+
+from omni_runtime.devtools.tiny_model import ensure_tiny_model  # noqa: E402
+
+TARGETS = {"hop_p50_ms": "<= 10", "chain_overhead_ratio": "<= 1.10",
+           "prefix_reuse_prefill_ratio": "<= 0.5"}
+
+
+def pipeline_body(model: str, talker_tokens: int) -> dict:
+    # No prefix cache: the same prompts go through the chain and then alone.
+    engine = {"dtype": "float32", "max-model-len": 2048, "max-num-seqs": 4,
+              "enforce-eager": True, "kv-cache-memory-bytes": 64 << 20,
+              "no-enable-prefix-caching": True}
+    return {
+        "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": "bench", "namespace": "default"},
+        "spec": {"image": "omni-stage:bench", "model": {"name": "tiny-qwen2", "path": model},
+                 "stages": [
+                     {"name": "thinker", "role": "ar", "gpus": 0, "engineArgs": engine,
+                      "kvTransfer": {"send": True, "criteria": {"type": "request_finished"},
+                                     "timeoutSeconds": 30}},
+                     {"name": "talker", "role": "ar", "gpus": 0, "inputs": ["thinker"],
+                      "engineArgs": engine,
+                      "input": {"samplingParams": {"max_tokens": talker_tokens,
+                                                   "temperature": 0, "ignore_eos": True}}},
+                 ]},
+    }
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> tuple[dict, float]:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        answer = json.loads(resp.read())
+    return answer, time.perf_counter() - start
+
+
+def get(url: str, timeout: float = 5.0) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
+
+
+def metric(page: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def prefill(url: str) -> tuple[float, float]:
+    """(sum, count) of the stage's vllm:request_prefill_time_seconds so far."""
+    page = get(url + "/metrics") or ""
+    return (metric(page, "vllm:request_prefill_time_seconds_sum"),
+            metric(page, "vllm:request_prefill_time_seconds_count"))
+
+
+def idle(url: str) -> None:
+    """Wait until the stage runs and queues nothing (bounded)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        page = get(url + "/metrics") or ""
+        if page and metric(page, "vllm:num_requests_running") == 0 and \
+                metric(page, "vllm:num_requests_waiting") == 0:
+            return
+        time.sleep(0.05)
+
+
+def start(configs: dict, workdir: Path) -> dict[str, tuple[subprocess.Popen, str]]:
+    """Every stage started at once (the engines load side by side), each engine's OpenMP
+    threads on a core of its own where there are two (the thinker's busy cores would
+    otherwise slow the talker's steps, and the reverse)."""
+    procs = {}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")])}
+    cores = sorted(os.sched_getaffinity(0))
+    for index, (name, config) in enumerate(configs.items()):
+        if config.get("role") == "ar" and len(cores) >= 2:
+            env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        log = open(workdir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "omni_runtime.stages.main", "--config",
+                                 str(path), "--host", "127.0.0.1"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        procs[name] = (proc, f"http://127.0.0.1:{config['ports']['http']}")
+    deadline = time.monotonic() + 300
+    for name, (proc, url) in procs.items():
+        while get(url + "/health", timeout=2) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise SystemExit(f"stage {name} did not start:\n{tail}")
+            time.sleep(0.2)
+    return procs
+
+
+def stop(procs: dict) -> None:
+    import signal
+
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, _ in procs.values():
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--thinker-tokens", type=int, default=64)
+    parser.add_argument("--talker-tokens", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    began = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="omni-bench-chain-"))
+    pipeline = parse_pipeline(pipeline_body(str(ensure_tiny_model()), args.talker_tokens))
+    ports = {s.name: {"http": free_port("127.0.0.1"), "kv": free_port("127.0.0.1")}
+             for s in pipeline.stages}
+    ports[ENDPOINT] = {"http": free_port("127.0.0.1")}
+    configs = local_stage_configs(pipeline, ports)
+    procs = start(configs, workdir)
+    started = time.monotonic() - began
+    urls = {name: url for name, (_, url) in procs.items()}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 500) for _ in range(args.prompt_tokens)]
+               for _ in range(args.warmup + args.requests)]
+    thinker_params = {"model": "tiny-qwen2", "max_tokens": args.thinker_tokens,
+                      "temperature": 0, "ignore_eos": True}
+    try:
+        chain, hops = [], []
+        for i, prompt in enumerate(prompts):
+            answer, seconds = post(urls[ENDPOINT] + "/v1/completions",
+                                   {**thinker_params, "prompt": prompt})
+            assert len(answer["choices"][0]["token_ids"]) == args.talker_tokens, answer
+            if i >= args.warmup:
+                chain.append(seconds)
+                talker = answer["omni"]["stages"]["talker"]
+                hops.append(talker["taken_at"] - talker["offered_at"])
+            if i == args.warmup - 1:
+                idle(urls["talker"])
+                chain_prefill = prefill(urls["talker"])
+        idle(urls["talker"])
+        loaded = prefill(urls["talker"])
+        thinker_alone, talker_alone, sequences = [], [], []
+        # Its hand-offs still go to the talker: they name a pipeline request the endpoint
+        # does not know, which the talker refuses (or aborts) at once instead of running.
+        gone = {"omni": {"request_id": "no-such-request", "endpoint": urls[ENDPOINT]}}
+        for prompt in prompts[args.warmup:]:
+            answer, seconds = post(urls["thinker"] + "/v1/completions",
+                                   {**thinker_params, "prompt": prompt, "return_token_ids": True,
+                                    "kv_transfer_params": gone})
+            thinker_alone.append(seconds)
+            sequences.append(prompt + answer["choices"][0]["token_ids"])
+        idle(urls["talker"])
+        before = prefill(urls["talker"])
+        for sequence in sequences:
+            _, seconds = post(urls["talker"] + "/v1/completions",
+                              {"model": "tiny-qwen2", "prompt": sequence,
+                               "max_tokens": args.talker_tokens, "temperature": 0,
+                               "ignore_eos": True})
+            talker_alone.append(seconds)
+        after = prefill(urls["talker"])
+    finally:
+        stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    p50 = statistics.median
+    loaded_prefill = (loaded[0] - chain_prefill[0]) / max(1, loaded[1] - chain_prefill[1])
+    computed_prefill = (after[0] - before[0]) / max(1, after[1] - before[1])
+    result = {
+        "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+        "thinker_tokens": args.thinker_tokens, "talker_tokens": args.talker_tokens,
+        "hop_p50_ms": round(p50(hops) * 1e3, 2),
+        "hop_p99_ms": round(sorted(hops)[int(0.99 * (len(hops) - 1))] * 1e3, 2),
+        "chain_p50_s": round(p50(chain), 4),
+        "thinker_alone_p50_s": round(p50(thinker_alone), 4),
+        "talker_alone_p50_s": round(p50(talker_alone), 4),
+        "chain_overhead_ratio": round(p50(chain) / (p50(thinker_alone) + p50(talker_alone)), 4),
+        "talker_prefill_loaded_ms": round(loaded_prefill * 1e3, 3),
+        "talker_prefill_computed_ms": round(computed_prefill * 1e3, 3),
+        "prefix_reuse_prefill_ratio": round(loaded_prefill / computed_prefill, 4),
+        "seconds": round(time.monotonic() - began, 1), "start_up_seconds": round(started, 1),
+        "targets": TARGETS,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

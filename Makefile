@@ -67,12 +67,14 @@ fuzz: setup
 	  -print_final_stats=1 receiver seeds
 
 # The tiny pipeline of examples/tiny-pipeline.yaml as local processes: an AR stage (vLLM on
-# the tiny CPU model) shipping each request's KV cache to a receiving stage. Runs until
-# Ctrl-C; DEMO_ARGS="--exit-after 20" stops it by itself.
+# the tiny CPU model) shipping each request's KV cache to a receiving stage, behind the
+# pipeline's endpoint. Runs until Ctrl-C; DEMO_ARGS="--exit-after 20" stops it by itself;
+# DEMO_FILE=examples/tiny-chain.yaml runs the thinker -> talker -> vocoder chain instead.
 DEMO_ARGS ?=
+DEMO_FILE ?= examples/tiny-pipeline.yaml
 demo: setup
 	$(PY) -m omni_runtime.devtools.tiny_model .omni-cache/tiny-qwen2
-	$(VENV)/bin/omni-pipeline up examples/tiny-pipeline.yaml --demo 3 $(DEMO_ARGS)
+	$(VENV)/bin/omni-pipeline up $(DEMO_FILE) --demo 3 $(DEMO_ARGS)
 
 # The scheduler alone in an offline vLLM engine, printing each transfer's life.
 demo-scheduler: setup

@@ -52,8 +52,9 @@ $(STAMP)/nixl: $(STAMP)/python Makefile
 	$(PY) -c "from nixl._api import nixl_agent"
 	@touch $@
 
+# The 30 slowest tests are listed at the end of every run (their cost in sight).
 test: setup images
-	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest $(PYTEST_ARGS)
+	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 # Coverage-guided fuzzing of the KV receiver's handling path (atheris) for FUZZ_SECONDS, with
 # a corpus kept in .fuzz-corpus/ between runs; `make test` runs the same harness for 20 s.

@@ -41,6 +41,7 @@ from aiohttp import web
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
     FINAL_EVENTS,
+    HEARTBEAT_S,
     KV_PARAMS_KEY,
     MAX_EVENT_BYTES,
     ProtocolError,
@@ -101,22 +102,22 @@ def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointC
     entry = raw.get("entry")
     if not isinstance(entry, Mapping):
         raise EndpointConfigError("endpoint.entry must be a mapping with stage and url")
+    def seconds(value: Any, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 < value < float("inf")):
+            raise EndpointConfigError(f"{key} must be a positive number of seconds, got "
+                                      f"{value!r}")
+        return float(value)
+
     edges = []
     for i, edge in enumerate(raw.get("edges") or []):
         where = f"endpoint.edges[{i}]."
         if not isinstance(edge, Mapping):
             raise EndpointConfigError(f"endpoint.edges[{i}] must be a mapping")
-        timeout = edge.get("timeoutSeconds")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-                0 < timeout < float("inf")):
-            raise EndpointConfigError(f"{where}timeoutSeconds must be a positive number of "
-                                      f"seconds, got {timeout!r}")
-        edges.append(Edge(text(edge, "from", where), text(edge, "to", where), float(timeout)))
-    timeout = raw.get("requestTimeoutSeconds", DEFAULT_REQUEST_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 < timeout < float("inf")):
-        raise EndpointConfigError("endpoint.requestTimeoutSeconds must be a positive number "
-                                  f"of seconds, got {timeout!r}")
+        edges.append(Edge(text(edge, "from", where), text(edge, "to", where),
+                          seconds(edge.get("timeoutSeconds"), f"{where}timeoutSeconds")))
+    timeout = seconds(raw.get("requestTimeoutSeconds", DEFAULT_REQUEST_TIMEOUT_S),
+                      "endpoint.requestTimeoutSeconds")
     urls = {}
     for key in ("entry.url", "advertise"):
         value = raw.get("advertise") if key == "advertise" else entry.get("url")
@@ -130,7 +131,7 @@ def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointC
         entry_stage=text(entry, "stage", "endpoint.entry."),
         entry_url=urls["entry.url"], sink=text(raw, "sink", "endpoint."),
         edges=tuple(edges), advertise=urls["advertise"],
-        request_timeout_s=float(timeout))
+        request_timeout_s=timeout)
     stages = {config.entry_stage} | {e.source for e in edges} | {e.target for e in edges}
     if config.sink not in stages:
         raise EndpointConfigError(f"endpoint.sink {config.sink!r} is not a stage of the "
@@ -223,7 +224,7 @@ class PipelineEndpoint:
         return await self._serve(request, "chat")
 
     async def _link(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=MAX_EVENT_BYTES)
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_EVENT_BYTES)
         await ws.prepare(request)
         stage = request.match_info["stage"]
         pending = self._requests.get(request.match_info["request_id"])

@@ -17,6 +17,7 @@ import aiohttp
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
     FINAL_EVENTS,
+    HEARTBEAT_S,
     MAX_EVENT_BYTES,
     ProtocolError,
     encode_event,
@@ -28,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a stage waits for the endpoint to accept its link.
 CONNECT_TIMEOUT_S = 5.0
-#: WebSocket pings: a link whose peer vanished is noticed within about twice this.
-HEARTBEAT_S = 5.0
 
 
 class LinkError(RuntimeError):

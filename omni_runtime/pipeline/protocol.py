@@ -46,6 +46,9 @@ FINAL_EVENTS = frozenset({"handed_off", "done", "error"})
 CLOSE_UNKNOWN_REQUEST = 4404
 #: A frame's size bound (an output event carries one step's tokens and text).
 MAX_EVENT_BYTES = 1 << 20
+#: WebSocket pings on a link, both ways: a peer that vanished is noticed within about twice
+#: this.
+HEARTBEAT_S = 5.0
 
 
 class ProtocolError(ValueError):

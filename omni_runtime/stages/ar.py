@@ -209,7 +209,12 @@ class ARStage:
     def _environment(self) -> dict[str, str]:
         from omni_runtime.observability.multiproc import MULTIPROC_ENV, prepare_prometheus_multiproc_dir
 
-        metrics_dir = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="omni-metrics-")
+        # A directory of this stage's own, under the one the environment names (the image's):
+        # two stages started from one environment (omni-pipeline up, a test) must not share one,
+        # each empties it at its start.
+        base = os.environ.get(MULTIPROC_ENV)
+        metrics_dir = (os.path.join(base, f"omni-stage-{os.getpid()}") if base
+                       else tempfile.mkdtemp(prefix="omni-metrics-"))
         prepare_prometheus_multiproc_dir(metrics_dir)  # emptied: a previous run's files go
         env = dict(os.environ)
         env[MULTIPROC_ENV] = metrics_dir

@@ -46,6 +46,7 @@ class ReceiverStage:
     def __init__(self, config: StageConfig, *, host: str) -> None:
         from omni_runtime.kv.transport import KVInbox, KVReceiver
         from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+        from omni_runtime.observability.tracing import resolve_tracer
 
         self.config = config
         self.host = host
@@ -61,6 +62,8 @@ class ReceiverStage:
             # (``incompatible``, counted): None (no revision in the config) checks nothing.
             expect={"model": config.model_name, "revision": config.revision},
             consumer=self._stored,
+            # Its receive spans exported as the standard OTEL_* variables say (None: no-op).
+            tracer=resolve_tracer(),
         )
         # The pipeline's last stage: what it stored is the answer of the request's endpoint.
         self._links = LinkReporter(config.stage)

@@ -514,7 +514,9 @@ def roll(old: LocalPipeline, pipeline: Pipeline, front: Front, env: dict[str, st
         new.stop()
         return old
     previous = front.switch(new.entry.url)
-    print(f"revision {after} is ready; the front forwards to {new.entry.name} at {new.entry.url}", file=out, flush=True)
+    shape = pipeline.endpoint_stages
+    target = f"{shape[0].name} through the pipeline's endpoint" if shape is not None else new.entry.name
+    print(f"revision {after} is ready; the front forwards to {target} at {new.entry.url}", file=out, flush=True)
     if not front.wait_idle(previous, old.stop_timeout):
         print(f"requests to revision {before} still in flight after {old.stop_timeout:g}s; draining anyway", file=out)
     print(f"revision {before}: draining, senders first", file=out, flush=True)

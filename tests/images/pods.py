@@ -106,15 +106,20 @@ class PodContainer:
 
 def start_pod(pod_spec: dict[str, Any], *, pod_name: str, namespace: str, config_maps: dict[str, dict[str, str]],
               claims: dict[str, Path] | None = None, hosts: dict[str, str] | None = None,
-              host_network: bool = False, workdir: Path) -> PodContainer:
-    """Start the pod's one container. `config_maps`: ConfigMap name -> its data; `claims`:
+              host_network: bool = False, workdir: Path, container_name: str | None = None) -> PodContainer:
+    """Start one container of the pod: its only one, or ``container_name`` (the entry stage's
+    pod holds the pipeline's endpoint beside the stage: a second container this one-container
+    translation leaves out). `config_maps`: ConfigMap name -> its data; `claims`:
     PersistentVolumeClaim name -> host directory; `hosts`: extra name -> IP (the cluster DNS
     of the Services the pod talks to). With host_network the container shares the machine's
     network (its declared ports must then be free there); else each declared port is
     published on a free port of 127.0.0.1."""
     unknown = set(pod_spec) - _POD_KEYS
     assert not unknown, f"pod spec fields this translation does not handle: {sorted(unknown)}"
-    (container,) = pod_spec["containers"]
+    if container_name is None:
+        (container,) = pod_spec["containers"]
+    else:
+        (container,) = [c for c in pod_spec["containers"] if c["name"] == container_name]
     unknown = set(container) - _CONTAINER_KEYS
     assert not unknown, f"container fields this translation does not handle: {sorted(unknown)}"
     pod_sc, sc = pod_spec.get("securityContext", {}), container.get("securityContext", {})
@@ -169,7 +174,7 @@ def start_pod(pod_spec: dict[str, Any], *, pod_name: str, namespace: str, config
             argv += ["--env", f"{item['name']}={item['value']}"]
         else:
             path = item["valueFrom"]["fieldRef"]["fieldPath"]
-            value = {"metadata.name": pod_name, "metadata.namespace": namespace}[path]
+            value = {"metadata.name": pod_name, "metadata.namespace": namespace, "status.podIP": "127.0.0.1"}[path]
             argv += ["--env", f"{item['name']}={value}"]
 
     ports: dict[str, int] = {}

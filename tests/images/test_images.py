@@ -48,9 +48,9 @@ def test_the_runtime_image_is_the_one_the_operator_deploys_for_every_example(ima
     deployments = [o for o in render_children(parse_pipeline(body), podmonitor_available=False)
                    if o["kind"] == "Deployment"]
     assert deployments
-    for deployment in deployments:
-        (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        assert container["image"] == RUNTIME_IMAGE, deployment["metadata"]["name"]
+    for deployment in deployments:  # the stage, and beside the entry stage the pipeline's endpoint
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            assert container["image"] == RUNTIME_IMAGE, deployment["metadata"]["name"]
 
 
 # ---------------------------------------------------------------------------- the runtime

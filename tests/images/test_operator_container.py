@@ -123,9 +123,11 @@ def test_operator_container_reconciles_a_pipeline_into_its_children(operator_con
                            and [kube.get(DEPLOYMENT, NAMESPACE, n) for n in names], 60,
                            "the stage Deployments, created by the operator container")
     for deployment in deployments:
-        (stage_container,) = deployment["spec"]["template"]["spec"]["containers"]
+        stage_container, *endpoint = deployment["spec"]["template"]["spec"]["containers"]
         assert stage_container["image"] == RUNTIME_IMAGE
         assert stage_container["command"] == ["omni-stage", "--config", naming.CONFIG_PATH]
+        for beside in endpoint:  # the pipeline's endpoint, beside its entry stage
+            assert beside["name"] == "endpoint" and beside["image"] == RUNTIME_IMAGE
     for stage, name in zip(stages, names):
         assert kube.get(SERVICE, NAMESPACE, naming.stage_name("tiny", stage))
         config_map = kube.get(CONFIGMAP, NAMESPACE, name)

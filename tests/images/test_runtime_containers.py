@@ -5,6 +5,10 @@ file system. A directory holding the tiny model stands in for the model cache PV
 
 A real OpenAI client (the `openai` SDK) talks to the AR container; every request's KV arrives
 in the receiving container; SIGTERM drains the AR container, which exits 0 within its grace.
+The AR stage's pod also holds the pipeline's endpoint, a second container reaching the stage
+through the pod's own network: the one-container translation (pods.py) leaves it out; the
+endpoint runs as a process in the e2e tests (tests/runtime/test_pipeline_chain.py,
+test_local_up.py).
 """
 from __future__ import annotations
 
@@ -84,7 +88,7 @@ def pipeline(images, tmp_path_factory):
         started[stage] = start_pod(
             deployments[name]["spec"]["template"]["spec"], pod_name=f"{name}-0", namespace=NAMESPACE,
             config_maps=config_maps, claims={MODELS_CLAIM: models}, hosts=hosts,
-            workdir=workdir)
+            workdir=workdir, container_name="stage")
         return started[stage]
 
     def wait_healthy(container: PodContainer, timeout: float, what: str) -> None:

@@ -19,9 +19,12 @@ ENGINE_ARGS = {"dtype": "float32", "max-model-len": 256, "kv-cache-memory-bytes"
 
 
 def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
-                  timeout_seconds: float = 10) -> dict[str, dict[str, Any]]:
+                  timeout_seconds: float = 10, otlp_endpoint: str | None = None
+                  ) -> dict[str, dict[str, Any]]:
     """The stage configs of a chain, each stage fed by the one before, and the endpoint's
-    (``"endpoint"``). ``stages``: ``{"name", "role", "input"?, "engineArgs"?}`` in order."""
+    (``"endpoint"``). ``stages``: ``{"name", "role", "input"?, "engineArgs"?}`` in order;
+    ``otlp_endpoint``: where the vLLM stages export their traces (the others follow the
+    standard OTEL_* variables)."""
     model = {"name": MODEL, "path": str(ensure_tiny_model())}
     names = [s["name"] for s in stages]
     ports = {name: {"http": free_port(), "kv": free_port()} for name in [*names, "endpoint"]}
@@ -34,6 +37,8 @@ def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
             config["inputs"] = [names[i - 1]]
         if stage["role"] == "ar":
             config["engineArgs"] = {**ENGINE_ARGS, **stage.get("engineArgs", {})}
+            if otlp_endpoint:
+                config["observability"] = {"tracing": {"otlpEndpoint": otlp_endpoint}}
             if stage.get("input"):
                 config["input"] = stage["input"]
             if i + 1 < len(stages):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from chain import MODEL, chain_configs, running
 from input_hooks import RAISE, TALK_LONG
+from otlp_receiver import OtlpReceiver
 from procs import http_get, metric_value, wait_until
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
@@ -39,14 +40,23 @@ ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTH
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
+def otlp():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, otlp):
     configs = chain_configs([
         {"name": "thinker", "role": "ar"},
         {"name": "talker", "role": "ar", "input": TALKER_INPUT,
          "engineArgs": {"max-model-len": TALKER_MAX_MODEL_LEN}},
         {"name": "receiver", "role": "generation"},
-    ])
-    with running(configs, tmp_path_factory.mktemp("chain"), env=ENV) as stages:
+    ], otlp_endpoint=otlp.endpoint)
+    tracing = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
+               "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+               "OTEL_BSP_SCHEDULE_DELAY": "200"}  # ms: spans exported promptly
+    with running(configs, tmp_path_factory.mktemp("chain"), env={**ENV, **tracing}) as stages:
         yield stages
 
 
@@ -122,6 +132,35 @@ def test_the_talkers_input_is_the_thinkers_output_and_its_loaded_prefix_is_exact
     np.testing.assert_allclose(kv, reference, rtol=1e-3, atol=1e-4)
     page = chain["talker"].metrics()
     assert metric_value(page, "vllm:external_prefix_cache_hits_total") >= len(thinker_sequence) - 1
+
+
+def test_one_trace_follows_the_request_through_every_stage(chain, otlp):
+    """The client's W3C trace context: the endpoint's span, each vLLM stage's request, each
+    stage's KV transfer and the last stage's receive are spans of one trace."""
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    client(chain["endpoint"]).completions.create(
+        model=MODEL, prompt=[21, 22, 23], max_tokens=4, temperature=0,
+        extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+
+    wanted = {("omni.pipeline_request", None), ("omni.kv_transfer", "thinker"),
+              ("omni.kv_transfer", "talker"), ("omni.kv_receive", "receiver")}
+    seen: set = set()
+
+    def whole(spans):
+        mine = [s for s in spans if s.trace_id == trace_id]
+        seen.update((s.name, s.attributes.get("omni.stage")) for s in mine)
+        requests = [s for s in mine if s.name == "llm_request"]
+        return mine if wanted <= seen and len(requests) >= 2 else None
+
+    try:
+        mine = otlp.wait_for(whole, 30)
+    except AssertionError:
+        raise AssertionError(f"the trace's spans: {sorted(seen, key=str)}; missing "
+                             f"{sorted(wanted - seen, key=str)}") from None
+    (root,) = [s for s in mine if s.name == "omni.pipeline_request"]
+    assert root.parent_span_id == client_span
+    # vLLM's own request spans, the thinker's and the talker's, in the same trace
+    assert len({s.span_id for s in mine if s.name == "llm_request"}) >= 2
 
 
 def test_concurrent_requests_each_get_their_own_answer_and_every_transfer_resolves(chain):
@@ -392,3 +431,28 @@ def test_a_plain_vllm_pair_behind_the_endpoint_runs_as_the_readme_shows(tmp_path
     finally:
         for proc in reversed(procs):
             stop_group(proc)
+
+
+def test_a_hand_off_the_busy_talker_cannot_take_by_its_deadline_is_refused_naming_why(tmp_path):
+    """input.maxInputs 1: while the talker runs one long request made of a hand-off, the next
+    hand-off waits for room until its transfer's deadline (1 s), then is refused: the client
+    gets the talker's error saying it is busy, the thinker's transfer resolves, and the first
+    request is answered."""
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar"},
+        {"name": "talker", "role": "ar", "input": {**TALKER_INPUT, "maxInputs": 1}},
+    ], pipeline="busy", timeout_seconds=1)
+    with running(configs, tmp_path, env=ENV) as stages:
+        talker = stages["talker"]
+        got, threads = ask_all(stages["endpoint"], [[*TALK_LONG, 1, 2]])
+        wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 1,
+                   60, "the talker to run the long request", interval=0.02)
+        with pytest.raises(openai.APIStatusError) as err:
+            client(stages["endpoint"]).completions.create(model=MODEL, prompt=[5, 6, 7],
+                                                          max_tokens=4, temperature=0)
+        assert err.value.body["stage"] == "talker"
+        assert "is busy: 1 requests from hand-offs are in flight" in err.value.body["message"]
+        for t in threads:
+            t.join(60)
+        assert not isinstance(got[0], openai.APIError), got[0]
+        wait_until(lambda: transfers_settled(stages["thinker"]), 20, "the thinker's transfers")

@@ -52,9 +52,14 @@ $(STAMP)/nixl: $(STAMP)/python Makefile
 	$(PY) -c "from nixl._api import nixl_agent"
 	@touch $@
 
-# The 30 slowest tests are listed at the end of every run (their cost in sight).
+# The tests run in TEST_WORKERS pytest-xdist workers (one per core, at most 4), a module to a
+# worker (its shared engines and fixtures stay in one process), the modules that start engines
+# handed out first (tests/conftest.py); TEST_WORKERS=0 runs them in this process. The 30
+# slowest tests are listed at the end of every run (their cost in sight).
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 test: setup images
-	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+	set -o pipefail; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)
 
 # Coverage-guided fuzzing of the KV receiver's handling path (atheris) for FUZZ_SECONDS, with
 # a corpus kept in .fuzz-corpus/ between runs; `make test` runs the same harness for 20 s.

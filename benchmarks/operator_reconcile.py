@@ -36,7 +36,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "operator"))
+sys.path[:0] = [os.path.join(REPO, "tests", "operator"), os.path.join(REPO, "tests")]
 
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, patch_pipeline,  # noqa: E402
                            pipeline_body)

@@ -32,7 +32,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "operator"))
+sys.path[:0] = [os.path.join(REPO, "tests", "operator"), os.path.join(REPO, "tests")]
 
 from cluster_sim import Clock, SimCluster  # noqa: E402
 from k8s_emulator import EmulatorThread  # noqa: E402

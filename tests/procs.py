@@ -21,10 +21,35 @@ import requests
 import yaml
 
 
+#: The ports tests pick lie below the kernel's ephemeral range (32768 and up on Linux), where
+#: nothing picks by itself: the ports vLLM, ZeroMQ and the kernel choose (port 0) never land in
+#: them. Each pytest-xdist worker has a block of its own, so two workers never pick one port.
+PORT_BLOCK = 2000
+FIRST_PORT = 20000
+_port_cursor = 0
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw3"; unset without xdist
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, from this worker's block, each call a port not handed out
+    before in this process (a port just closed may still be in TIME_WAIT; a plain bind
+    without SO_REUSEADDR refuses it, so it is passed over)."""
+    global _port_cursor
+    base = FIRST_PORT + _worker_index() * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = base + _port_cursor % PORT_BLOCK
+        _port_cursor += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + PORT_BLOCK - 1}")
 
 
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes, dict[str, str]]:

@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 from .local_status import forget_endpoints, record_endpoints
 from .model import Pipeline, find_cycle
@@ -53,6 +53,16 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def local_stage_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment the local stages run in: this one, with vLLM's CPU thread binding off
+    unless set. vLLM's CPU executor binds each engine's worker to cores it picks from the whole
+    host (``VLLM_CPU_OMP_THREADS_BIND=auto``), the same ones for every engine; here every stage
+    shares the host, so a starting engine's worker would be pinned to the core another engine's
+    worker keeps busy (it spins a while after each step) and wait there, minutes on a small
+    machine. Unbound, the kernel places them."""
+    return {**environ, "VLLM_CPU_OMP_THREADS_BIND": environ.get("VLLM_CPU_OMP_THREADS_BIND") or "nobind"}
 
 
 def launch_order(pipeline: Pipeline) -> list[str]:
@@ -455,7 +465,7 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
         print(("\x1b[H\x1b[2J" if tty else "") + table + f"\n(logs and stage configs in {workdir}; Ctrl-C stops)",
               file=out, flush=True)
 
-    env = dict(os.environ)
+    env = local_stage_env(os.environ)
     started_at = time.monotonic()
     try:
         if not local.start(env, stop, on_poll=show):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import atheris
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # transport_fixtures
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("runtime", ".")]  # transport_fixtures, procs
 
 with atheris.instrument_imports(include=["omni_runtime.kv.transport"]):
     import zmq

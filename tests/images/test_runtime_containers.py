@@ -27,6 +27,8 @@ from omni_operator.model import parse_pipeline
 from omni_operator.render import render_children
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
+pytestmark = pytest.mark.engine
+
 NAMESPACE = "team-a"
 MODELS_CLAIM = "models"
 PROMPTS = [

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import io
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from omni_operator.kinds import DEPLOYMENT
 from omni_operator.kube import Kube
 from omni_operator.metrics import OperatorMetrics
 from omni_operator.model import parse_pipeline
+from procs import free_port
 
 NAMESPACE = "team-a"
 PIPELINES = "/apis/omnipipeline.dev/v1alpha1/namespaces/{ns}/omnipipelines"
@@ -52,10 +52,6 @@ def body_of(text: str) -> dict:
     return doc.value
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pipeline_body(name: str = "tiny", namespace: str = NAMESPACE, stages: list[dict] | None = None, **spec: Any) -> dict:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from omni_operator.local import LocalStage, launch_order, local_stage_configs, render_table, stage_counts
+from omni_operator.local import (LocalStage, launch_order, local_stage_configs, local_stage_env, render_table,
+                                 stage_counts)
 from omni_operator.model import parse_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +70,15 @@ def test_stages_launch_downstream_first():
     for stage in pipeline.stages:
         for upstream in stage.inputs:
             assert order.index(stage.name) < order.index(upstream)
+
+
+def test_local_stages_run_with_vllms_cpu_binding_off_unless_the_user_set_one():
+    # Every local stage shares the host: vLLM's auto binding would pin their workers to one
+    # core (local_stage_env); test_local_rollout_e2e.py starts a second engine beside a busy one.
+    env = local_stage_env({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert local_stage_env({"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"})["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert local_stage_env({"VLLM_CPU_OMP_THREADS_BIND": ""})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 def test_local_configs_point_every_stage_at_its_downstream_on_loopback():

@@ -64,7 +64,9 @@ def test_a_changed_file_rolls_the_local_pipeline_receivers_first_and_loses_nothi
     spec, workdir, log = tmp_path / "pipeline.yaml", tmp_path / "run", tmp_path / "up.log"
     pipeline_file(spec, 512)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")]),
+    # The supervisor's own choice of vLLM's CPU binding (local_stage_env), not the tests'.
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"},
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")]),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with open(log, "wb") as out:
         up = subprocess.Popen([sys.executable, "-m", "omni_operator.cli", "up", str(spec), "--watch", "--port", str(port),

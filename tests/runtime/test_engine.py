@@ -11,6 +11,8 @@ from omni_runtime.devtools.offline import drain_transfers, engine_core_of, omni_
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 from omni_runtime.transfers.ledger import Outcome, TransferObserver, Trigger
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "An omni pipeline runs stages"]
 ENGINE_ARGS = dict(
     kv_cache_memory_bytes=64 << 20, max_model_len=512, dtype="float32", enforce_eager=True, seed=0

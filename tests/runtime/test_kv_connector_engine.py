@@ -15,6 +15,8 @@ from omni_runtime.devtools.tiny_model import ensure_tiny_model
 from omni_runtime.transfers.ledger import Outcome, TransferObserver
 from procs import free_port
 
+pytestmark = pytest.mark.engine
+
 ENGINE_ARGS = dict(
     kv_cache_memory_bytes=64 << 20,
     max_model_len=512,

@@ -30,6 +30,8 @@ from omni_runtime.kv.stats import (
     build_prom_metrics,
 )
 
+pytestmark = pytest.mark.engine
+
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 METRIC_TYPES = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}

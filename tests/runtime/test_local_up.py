@@ -14,10 +14,13 @@ import threading
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from procs import http_get, wait_until
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,6 +28,8 @@ from procs import http_get, metric_value, wait_until
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
+pytestmark = pytest.mark.engine
+
 HERE = Path(__file__).resolve().parent
 TALKER_TOKENS = 16
 TALKER_INPUT = {"samplingParams": {"max_tokens": TALKER_TOKENS, "temperature": 0,

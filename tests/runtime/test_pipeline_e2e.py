@@ -22,6 +22,8 @@ from procs import StageProcess, free_port, http_get, metric_value, wait_until
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = {
     "short": "Hello world",
     "medium": "The quick brown fox jumps over the lazy dog.",

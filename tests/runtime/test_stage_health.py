@@ -13,6 +13,8 @@ from omni_runtime.stages.ar import transport_threads_down
 from omni_runtime.stages.config import StageConfig
 
 
+pytestmark = pytest.mark.engine
+
 class BrokenInbox:
     """Raised from the receiver loop's own timer step, outside any message: a stand-in for a
     bug that ends the receiver thread (the only way it can end now that every message's

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -51,6 +50,7 @@ from omni_runtime.kv.transport.protocol import (
     encode_verdict,
 )
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
+from procs import free_port  # noqa: F401 (the tests take it from here too)
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -63,11 +63,6 @@ SLOT_BYTES = 256 << 10
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def free_port() -> int:
-    """A port nothing listens on (a plain socket closes synchronously, unlike ZeroMQ's)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "a condition",

@@ -195,6 +195,10 @@ class StageProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 180.0) -> StageProcess:
+        """Launched, and healthy within ``timeout`` (else stopped, and the wait's error)."""
+        return self.launch().wait_healthy(timeout)
+
+    def launch(self) -> StageProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_runtime.stages.main", "--config", str(self.config_path),
@@ -202,7 +206,9 @@ class StageProcess:
             stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )
         log.close()
+        return self
 
+    def wait_healthy(self, timeout: float = 180.0) -> StageProcess:
         def healthy():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"stage {self.name} exited: {self.log_tail()}")

@@ -57,16 +57,27 @@ def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
     return configs
 
 
+#: vLLM's engine core runs the model itself (its one-process executor: a one-GPU stage's
+#: topology; on this CPU build vLLM would otherwise add a worker process to every engine).
+#: The tests of vLLM's multi-process CPU executor under a stage are test_pipeline_e2e.py,
+#: test_soak.py and the monitoring e2e tests; a chain test that needs it passes its own.
+CHAIN_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @contextlib.contextmanager
 def running(configs: dict[str, dict[str, Any]], workdir: Path,
             env: dict[str, str] | None = None) -> Iterator[dict[str, StageProcess]]:
-    """Every stage started, the last first (receivers listen before senders ship), the
-    endpoint last; all stopped on leaving."""
-    procs = {name: StageProcess(config, workdir, env=env) for name, config in configs.items()}
+    """Every stage launched at once, the last first (a sender's first hand-off waits for a
+    request, which comes only once every stage is healthy), the endpoint last; each then
+    waited for; all stopped on leaving."""
+    procs = {name: StageProcess(config, workdir, env={**CHAIN_ENV, **(env or {})})
+             for name, config in configs.items()}
     order = [name for name in reversed(list(configs)) if name != "endpoint"] + ["endpoint"]
     try:
         for name in order:
-            procs[name].start(timeout=240)
+            procs[name].launch()
+        for name in order:
+            procs[name].wait_healthy(timeout=240)
         yield procs
     finally:
         for name in reversed(order):

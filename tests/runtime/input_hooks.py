@@ -7,6 +7,7 @@ from omni_runtime.stages.inputs import StageRequest, Upstream, pass_tokens
 #: A prompt beginning with one of these -> what the hook does.
 RAISE = [499, 1]
 TALK_LONG = [499, 2]
+TALK_LONGEST = [499, 3]
 
 
 def by_first_tokens(upstream: Upstream) -> StageRequest:
@@ -16,4 +17,6 @@ def by_first_tokens(upstream: Upstream) -> StageRequest:
     made = pass_tokens(upstream)
     if begins == TALK_LONG:  # a talker busy long enough to be aborted mid-way
         return StageRequest(made.prompt, sampling_params={"max_tokens": 180})
+    if begins == TALK_LONGEST:  # busy for seconds, however fast the engine steps
+        return StageRequest(made.prompt, sampling_params={"max_tokens": 1000})
     return made

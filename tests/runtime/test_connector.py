@@ -1052,7 +1052,7 @@ def test_metrics_in_multiprocess_mode(tmp_path):
         ar.close()
     """)
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir),
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "runtime")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "runtime"), str(REPO / "tests")])}
     subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=True, timeout=60)
     read = textwrap.dedent("""
         import json

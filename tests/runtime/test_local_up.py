@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from chain import CHAIN_ENV
 from procs import http_get, wait_until
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
@@ -111,7 +112,9 @@ def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
          "--demo", "1", "--workdir", str(tmp_path / "run")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]},
+        # vLLM's one-process executor in each engine core (tests/runtime/chain.py, CHAIN_ENV);
+        # the tiny pipeline's test above runs `up` on vLLM's default.
+        env={**os.environ, **CHAIN_ENV, "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]},
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)

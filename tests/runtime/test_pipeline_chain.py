@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 from chain import MODEL, chain_configs, running
-from input_hooks import RAISE, TALK_LONG
+from input_hooks import RAISE, TALK_LONG, TALK_LONGEST
 from otlp_receiver import OtlpReceiver
 from procs import http_get, metric_value, wait_until
 
@@ -248,11 +248,13 @@ def test_an_abort_at_the_endpoint_reaches_the_stage_holding_the_request(chain):
 
 @pytest.fixture(scope="module")
 def duet(tmp_path_factory):
-    """thinker -> talker, the talker the last stage: its tokens are the answer."""
+    """thinker -> talker, the talker the last stage: its tokens are the answer. The tests of
+    stages that die use it last (this file's order): the talker's comes back, the thinker's
+    does not."""
     configs = chain_configs([
         {"name": "thinker", "role": "ar"},
         {"name": "talker", "role": "ar", "input": TALKER_INPUT},
-    ], pipeline="duet")
+    ], pipeline="duet", timeout_seconds=5)
     with running(configs, tmp_path_factory.mktemp("duet"), env=ENV) as stages:
         yield stages
 
@@ -301,17 +303,6 @@ def test_a_bad_request_is_the_first_stages_error_with_its_status(duet):
 # ---------------------------------------------------------------------------- stages that die
 
 
-@pytest.fixture
-def fragile(tmp_path):
-    """A thinker -> talker pipeline of its own, for tests that kill its stages."""
-    configs = chain_configs([
-        {"name": "thinker", "role": "ar"},
-        {"name": "talker", "role": "ar", "input": TALKER_INPUT},
-    ], pipeline="fragile", timeout_seconds=5)
-    with running(configs, tmp_path, env=ENV) as stages:
-        yield stages
-
-
 def ask_all(stage, prompts: list[list[int]]) -> dict[int, object]:
     """Each prompt through the endpoint on a thread of its own: its answer or its error."""
     got: dict[int, object] = {}
@@ -329,13 +320,13 @@ def ask_all(stage, prompts: list[list[int]]) -> dict[int, object]:
     return got, threads
 
 
-def test_the_talker_killed_mid_request_fails_its_clients_naming_it_and_comes_back(fragile):
+def test_the_talker_killed_mid_request_fails_its_clients_naming_it_and_comes_back(duet):
     """The talker dies (SIGKILL) while it holds requests: each of their clients gets an error
     naming the talker, at once (their links drop), none waits for a deadline; the thinker's
     transfers all resolve, nothing held; the talker restarted on its ports takes requests
     again."""
-    talker = fragile["talker"]
-    got, threads = ask_all(fragile["endpoint"], [[*TALK_LONG, i, 5] for i in range(4)])
+    talker = duet["talker"]
+    got, threads = ask_all(duet["endpoint"], [[*TALK_LONG, i, 5] for i in range(4)])
     wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") >= 1, 60,
                "the talker to run a request", interval=0.02)
     killed = time.monotonic()
@@ -345,22 +336,22 @@ def test_the_talker_killed_mid_request_fails_its_clients_naming_it_and_comes_bac
     assert len(got) == 4 and time.monotonic() - killed < 20, "every client answered, soon"
     errors = [a for a in got.values() if isinstance(a, openai.APIError)]
     assert errors and all(e.body["stage"] == "talker" for e in errors), got
-    wait_until(lambda: transfers_settled(fragile["thinker"]), 30, "the thinker's transfers")
+    wait_until(lambda: transfers_settled(duet["thinker"]), 30, "the thinker's transfers")
     talker.start(timeout=240)
-    answer = client(fragile["endpoint"]).completions.create(model=MODEL, prompt=[9, 8, 7],
+    answer = client(duet["endpoint"]).completions.create(model=MODEL, prompt=[9, 8, 7],
                                                             max_tokens=4, temperature=0)
     assert answer.choices[0].model_extra["token_ids"]
 
 
-def test_the_thinker_killed_with_hand_offs_in_flight_leaves_no_client_waiting(fragile):
+def test_the_thinker_killed_with_hand_offs_in_flight_leaves_no_client_waiting(duet):
     """The thinker (the first stage) dies while some requests are at the talker and others
     at the thinker: those the talker took are answered; the others fail naming the thinker;
     the talker holds nothing for the dead thinker."""
-    talker = fragile["talker"]
-    got, threads = ask_all(fragile["endpoint"], [[*TALK_LONG, i, 6] for i in range(6)])
+    talker = duet["talker"]
+    got, threads = ask_all(duet["endpoint"], [[*TALK_LONG, i, 6] for i in range(6)])
     wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") >= 1, 60,
                "the talker to take a request", interval=0.02)
-    fragile["thinker"].kill()
+    duet["thinker"].kill()
     for t in threads:
         t.join(90)
     assert len(got) == 6, "every client answered"
@@ -442,11 +433,12 @@ def test_a_hand_off_the_busy_talker_cannot_take_by_its_deadline_is_refused_namin
     request is answered."""
     configs = chain_configs([
         {"name": "thinker", "role": "ar"},
-        {"name": "talker", "role": "ar", "input": {**TALKER_INPUT, "maxInputs": 1}},
+        {"name": "talker", "role": "ar", "input": {**TALKER_INPUT, "maxInputs": 1},
+         "engineArgs": {"max-model-len": 1100}},
     ], pipeline="busy", timeout_seconds=1)
     with running(configs, tmp_path, env=ENV) as stages:
         talker = stages["talker"]
-        got, threads = ask_all(stages["endpoint"], [[*TALK_LONG, 1, 2]])
+        got, threads = ask_all(stages["endpoint"], [[*TALK_LONGEST, 1, 2]])
         wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 1,
                    60, "the talker to run the long request", interval=0.02)
         with pytest.raises(openai.APIStatusError) as err:

@@ -486,7 +486,7 @@ def fake(zctx):
 
 # ---------------------------------------------------------------------- processes
 def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), str(HERE), os.environ.get("PYTHONPATH"))
+    path = os.pathsep.join(p for p in (str(REPO), str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH"))
                            if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 

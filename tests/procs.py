@@ -103,17 +103,29 @@ def descendants(pid: int) -> list[int]:
 def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     """Stop a process started with start_new_session=True, and whatever is left of its
     process group (vLLM's engine core)."""
-    if proc.poll() is None:
+    stop_groups([proc], timeout)
+
+
+def stop_groups(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """Stop processes started with start_new_session=True, and whatever is left of their
+    process groups, side by side: each is sent SIGTERM (in the order given) before any is
+    waited for, so their shutdowns overlap."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=timeout)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout)
 
 
 class VllmServer:

@@ -67,7 +67,9 @@ def test_a_changed_file_rolls_the_local_pipeline_receivers_first_and_loses_nothi
     # The supervisor's own choice of vLLM's CPU binding (local_stage_env), not the tests'.
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"},
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")]),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+           # vLLM's one-process executor in each engine core (as tests/runtime/chain.py's
+           # stages); the multi-process CPU executor's drain is test_pipeline_e2e.py's.
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "wb") as out:
         up = subprocess.Popen([sys.executable, "-m", "omni_operator.cli", "up", str(spec), "--watch", "--port", str(port),
                                "--workdir", str(workdir)], stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from procs import StageProcess, free_port
+from procs import StageProcess, free_port, stop_groups
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
@@ -69,7 +69,8 @@ def running(configs: dict[str, dict[str, Any]], workdir: Path,
             env: dict[str, str] | None = None) -> Iterator[dict[str, StageProcess]]:
     """Every stage launched at once, the last first (a sender's first hand-off waits for a
     request, which comes only once every stage is healthy), the endpoint last; each then
-    waited for; all stopped on leaving."""
+    waited for; all stopped side by side on leaving (the endpoint and upstream stages
+    signalled first)."""
     procs = {name: StageProcess(config, workdir, env={**CHAIN_ENV, **(env or {})})
              for name, config in configs.items()}
     order = [name for name in reversed(list(configs)) if name != "endpoint"] + ["endpoint"]
@@ -80,5 +81,4 @@ def running(configs: dict[str, dict[str, Any]], workdir: Path,
             procs[name].wait_healthy(timeout=240)
         yield procs
     finally:
-        for name in reversed(order):
-            procs[name].stop()
+        stop_groups([p.proc for name in reversed(order) if (p := procs[name]).proc is not None], 60)

@@ -18,5 +18,5 @@ def by_first_tokens(upstream: Upstream) -> StageRequest:
     if begins == TALK_LONG:  # a talker busy long enough to be aborted mid-way
         return StageRequest(made.prompt, sampling_params={"max_tokens": 180})
     if begins == TALK_LONGEST:  # busy for seconds, however fast the engine steps
-        return StageRequest(made.prompt, sampling_params={"max_tokens": 1000})
+        return StageRequest(made.prompt, sampling_params={"max_tokens": 600})
     return made

@@ -434,7 +434,7 @@ def test_a_hand_off_the_busy_talker_cannot_take_by_its_deadline_is_refused_namin
     configs = chain_configs([
         {"name": "thinker", "role": "ar"},
         {"name": "talker", "role": "ar", "input": {**TALKER_INPUT, "maxInputs": 1},
-         "engineArgs": {"max-model-len": 1100}},
+         "engineArgs": {"max-model-len": 700}},
     ], pipeline="busy", timeout_seconds=1)
     with running(configs, tmp_path, env=ENV) as stages:
         talker = stages["talker"]

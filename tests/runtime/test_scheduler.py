@@ -887,10 +887,10 @@ def test_preemption_of_an_active_transfer_never_gives_its_blocks_to_another_requ
         assert not b_blocks & _blocks_of_others(s, "b"), "an in-flight transfer's block reused"
     assert preempted_at is not None, "the scenario must preempt b during its transfer"
     assert s.transfer_ledger.get("b").phase is Phase.ACTIVE, "still in flight, not failed"
-    step(s, acked=["b"])
+    so, _ = step(s, acked=["b"])
     assert not s._pinned
-    while s.has_requests():
-        step(s)
+    while s.has_requests():  # c's own transfer answered as it is handed off (not left to expire)
+        so, _ = step(s, acked=list(handed_off(so)))
     b_transfers = [t for t in s.recorder.marked if t.request_id == "b"]
     assert [(t.seq_len, t.outcome) for t in b_transfers] == [(60, Outcome.ACKED)]
     assert_quiescent(s, start)

@@ -60,8 +60,8 @@ def local_stage_env(environ: Mapping[str, str]) -> dict[str, str]:
     unless set. vLLM's CPU executor binds each engine's worker to cores it picks from the whole
     host (``VLLM_CPU_OMP_THREADS_BIND=auto``), the same ones for every engine; here every stage
     shares the host, so a starting engine's worker would be pinned to the core another engine's
-    worker keeps busy (it spins a while after each step) and wait there, minutes on a small
-    machine. Unbound, the kernel places them."""
+    worker keeps busy (it spins a while after each step) and wait there while another core
+    idles. Unbound, the kernel places them."""
     return {**environ, "VLLM_CPU_OMP_THREADS_BIND": environ.get("VLLM_CPU_OMP_THREADS_BIND") or "nobind"}
 
 

@@ -80,7 +80,10 @@ class EngineArgProblem:
     message: str  # what is wrong and the fix, read after the key: "engineArgs.KEY: MESSAGE"
 
     def __str__(self) -> str:
-        return f"engineArgs.{self.key}: {self.message}"
+        # A key that is no plain name (a newline, a space) is named quoted, as the operator's
+        # field paths name it: the problem stays one line.
+        plain = self.key.isprintable() and not any(c.isspace() or c in '"[]' for c in self.key)
+        return f"engineArgs{'.' + self.key if plain else '[' + json.dumps(self.key) + ']'}: {self.message}"
 
 
 class EngineArgsError(ValueError):

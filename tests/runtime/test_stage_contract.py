@@ -109,6 +109,14 @@ _STAGE_KEYS = ["pipeline", "stage", "role", "model", "engineArgs", "kvTransfer",
                "observability", "inputs"]
 
 
+def test_an_engine_args_key_that_is_no_name_is_refused_on_one_line_named_quoted():
+    """Found by the test below: a key holding a newline was named raw, splitting the line."""
+    with pytest.raises(StageConfigError) as err:
+        parse_stage_config(stage_config({"max\nmodel len": 1}))
+    assert str(err.value).startswith('engineArgs["max\\nmodel len"]: is not a vLLM flag name')
+    assert "\n" not in str(err.value)
+
+
 @SETTINGS
 @given(data=st.data())
 def test_any_stage_config_is_run_or_refused_naming_a_key(data):

@@ -79,11 +79,18 @@ class EngineArgProblem:
     key: str  # the path under engineArgs: "port", "additional-config.omni_kv_config"
     message: str  # what is wrong and the fix, read after the key: "engineArgs.KEY: MESSAGE"
 
+    @property
+    def path(self) -> str:
+        """The key as its field path goes on after ``engineArgs``: ``.KEY``; quoted,
+        ``["KEY"]``, when it holds a newline or another unprintable character (a key that is no
+        flag name may hold anything), so the path stays one printable line; nothing for the
+        whole map."""
+        if not self.key:
+            return ""
+        return f".{self.key}" if self.key.isprintable() else f"[{json.dumps(self.key)}]"
+
     def __str__(self) -> str:
-        # A key that is no plain name (a newline, a space) is named quoted, as the operator's
-        # field paths name it: the problem stays one line.
-        plain = self.key.isprintable() and not any(c.isspace() or c in '"[]' for c in self.key)
-        return f"engineArgs{'.' + self.key if plain else '[' + json.dumps(self.key) + ']'}: {self.message}"
+        return f"engineArgs{self.path}: {self.message}"
 
 
 class EngineArgsError(ValueError):

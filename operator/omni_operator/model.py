@@ -332,12 +332,8 @@ def stage_vllm_version(pipeline: Pipeline, stage: Stage) -> str:
 
 
 def _engine_arg(where: str, problem: Any) -> Problem:
-    """A stage contract finding at its field. A key that is no flag name may hold anything:
-    one with a newline or another unprintable character is named quoted, so the field stays
-    one printable line."""
-    key = "" if not problem.key else f".{problem.key}" if problem.key.isprintable() \
-        else f"[{json.dumps(problem.key)}]"
-    return Problem(f"{where}.engineArgs{key}", problem.message)
+    """A stage contract finding at its field (the contract's own path under engineArgs)."""
+    return Problem(f"{where}.engineArgs{problem.path}", problem.message)
 
 
 def _io_cpus(where: str, value: str) -> list[Problem]:

@@ -52,8 +52,6 @@ def body_of(text: str) -> dict:
     return doc.value
 
 
-
-
 def pipeline_body(name: str = "tiny", namespace: str = NAMESPACE, stages: list[dict] | None = None, **spec: Any) -> dict:
     body = {
         "apiVersion": "omnipipeline.dev/v1alpha1",

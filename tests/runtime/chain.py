@@ -81,4 +81,4 @@ def running(configs: dict[str, dict[str, Any]], workdir: Path,
             procs[name].wait_healthy(timeout=240)
         yield procs
     finally:
-        stop_groups([p.proc for name in reversed(order) if (p := procs[name]).proc is not None], 60)
+        stop_groups([procs[n].proc for n in reversed(order) if procs[n].proc is not None], 60)

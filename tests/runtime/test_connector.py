@@ -49,7 +49,6 @@ from transport_fixtures import (  # noqa: F401 (fixtures)
     at_read_done,
     collect,
     fake,
-    free_port,
     hold,
     make_ar,
     make_receiver,
@@ -62,6 +61,7 @@ from transport_fixtures import (  # noqa: F401 (fixtures)
     wait_for,
     zctx,
 )
+from procs import free_port
 
 
 def count_posts(receiver: KVReceiver) -> list[int]:

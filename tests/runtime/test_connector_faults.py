@@ -34,7 +34,6 @@ from transport_fixtures import (  # noqa: F401 (fixtures)
     SyntheticAR,
     ar,
     collect,
-    free_port,
     hold,
     kv_digest,
     make_ar,
@@ -48,6 +47,7 @@ from transport_fixtures import (  # noqa: F401 (fixtures)
     wait_for,
     zctx,
 )
+from procs import free_port
 
 FAULTS = Path(__file__).resolve().parents[1] / "faults"
 

@@ -50,7 +50,6 @@ from omni_runtime.kv.transport.protocol import (
     encode_verdict,
 )
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
-from procs import free_port  # noqa: F401 (the tests take it from here too)
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -36,7 +36,7 @@ TALKER_INPUT = {"samplingParams": {"max_tokens": TALKER_TOKENS, "temperature": 0
                                    "ignore_eos": True},
                 "hook": "input_hooks:by_first_tokens"}
 #: The talker's own limit, below the thinker's: a long thinker answer is over it.
-TALKER_MAX_MODEL_LEN = 200
+TALKER_MAX_MODEL_LEN = 700
 ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
                                      if p)}
 
@@ -50,7 +50,7 @@ def otlp():
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, otlp):
     configs = chain_configs([
-        {"name": "thinker", "role": "ar"},
+        {"name": "thinker", "role": "ar", "engineArgs": {"max-model-len": 1024}},
         {"name": "talker", "role": "ar", "input": TALKER_INPUT,
          "engineArgs": {"max-model-len": TALKER_MAX_MODEL_LEN}},
         {"name": "receiver", "role": "generation"},
@@ -232,7 +232,7 @@ def test_an_abort_at_the_endpoint_reaches_the_stage_holding_the_request(chain):
 
     before = counts()
     stream = client(chain["endpoint"]).completions.create(
-        model=MODEL, prompt=[*TALK_LONG, 3, 4], max_tokens=4, temperature=0, stream=True)
+        model=MODEL, prompt=[*TALK_LONGEST, 3, 4], max_tokens=4, temperature=0, stream=True)
     wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 1, 30,
                "the talker to run the request", interval=0.02)
     stream.close()  # the client goes away

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_runtime.kv.transport.assemble import assemble_chunk, payload_view
+from omni_runtime.kv.transport.assemble import assemble_chunk, assemble_host, payload_view
 from omni_runtime.kv.transport.payload import DTYPES, KVPayload, vllm_external_request_id
 from omni_runtime.kv.transport.protocol import (
     MAX_MESSAGE_BYTES,
@@ -380,7 +380,10 @@ def staged_bytes(ar: SyntheticAR, layers: range, blocks: list[int]) -> torch.Ten
 @pytest.mark.parametrize("layout", ["cpu", "flash", "index"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("seq_len", [1, 4, 11])
-def test_staged_blocks_assemble_into_the_exact_payload(layout, dtype, seq_len):
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_staged_blocks_assemble_into_the_exact_payload(layout, dtype, seq_len, where):
+    """The device path (torch, a staging slot a chunk at a time) and the host path (numpy,
+    the landing slab's bytes) both give the payload, for every layout and dtype."""
     ar = SyntheticAR(agent=False, layout=layout, dtype=dtype, layers=3, heads=3,
                      block_size=4, head_size=5, blocks=6)
     blocks = [4, 0, 2][: -(-seq_len // 4)]
@@ -388,8 +391,12 @@ def test_staged_blocks_assemble_into_the_exact_payload(layout, dtype, seq_len):
     out = payload_view(kv, dtype)
     # Two chunks: layer 0 alone, then layers 1 and 2 (how a small slot reads them).
     for first, end in ((0, 1), (1, 3)):
-        assemble_chunk(staged_bytes(ar, range(first, end), blocks), ar.fmt, end - first,
-                       len(blocks), seq_len, out[first:end])
+        staged = staged_bytes(ar, range(first, end), blocks)
+        if where == "device":
+            assemble_chunk(staged, ar.fmt, end - first, len(blocks), seq_len, out[first:end])
+        else:
+            assemble_host(staged.numpy(), ar.fmt, end - first, len(blocks), seq_len,
+                          kv[first:end])
     assert np.array_equal(kv, ar.expected(blocks, seq_len))
 
 

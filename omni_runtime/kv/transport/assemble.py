@@ -7,7 +7,9 @@ slot a chunk at a time, or on the host into the payload's own memory, the whole 
 into their slice of the payload, with the block format the AR
 announced in its hello (:class:`~.protocol.BlockFormat`): for an affine format (every layout
 vLLM 0.32 writes) one strided copy per K and V per chunk (plus one for a partial last block),
-else one gather through the element index.
+else one gather through the element index. On the host the copy is numpy's, on the calling
+thread (:func:`assemble_host`): torch's would fan a copy this size out to its OpenMP pool,
+whose barrier waits for every thread of it, each a core another process may be busy on.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 from omni_runtime.kv.transport.payload import DTYPES
 from omni_runtime.kv.transport.protocol import Affine, BlockFormat
 
+#: Unsigned integers of each element size: the host copy moves bits, whatever the dtype
+#: (numpy has no bfloat16).
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -78,6 +84,53 @@ def _gather(flat: torch.Tensor, index: tuple[int, ...], fmt: BlockFormat, layers
     dst.copy_(per_layer.index_select(1, offsets).view(layers, H, tokens, D))
 
 
+def assemble_host(staged: np.ndarray, fmt: BlockFormat, num_layers: int, num_blocks: int,
+                  tokens: int, out: np.ndarray) -> None:
+    """:func:`assemble_chunk` for host memory, with numpy on the calling thread: ``staged``
+    uint8, ``out`` any dtype of the format's element size (bfloat16 as uint16 bits)."""
+    bits = _BITS[fmt.itemsize]
+    flat = staged[: num_layers * fmt.planes * num_blocks * fmt.block_bytes].view(bits)
+    target = out.view(bits)
+    for kv, (affine, index) in enumerate(((fmt.k, fmt.k_index), (fmt.v, fmt.v_index))):
+        dst = target[:, kv]
+        if affine is not None:
+            _copy_affine_host(flat, affine, fmt, num_layers, num_blocks, tokens, dst)
+        else:
+            _gather_host(flat, index, fmt, num_layers, num_blocks, tokens, dst)
+
+
+def _copy_affine_host(flat: np.ndarray, a: Affine, fmt: BlockFormat, layers: int, blocks: int,
+                      tokens: int, dst: np.ndarray) -> None:
+    H, B, D, numel = fmt.num_kv_heads, fmt.block_size, fmt.head_size, fmt.block_numel
+    item = flat.itemsize
+    layer_stride = fmt.planes * blocks * numel * item
+    origin = a.plane * blocks * numel + a.offset
+    full, rest = divmod(tokens, B)
+    if full:
+        src = as_strided(flat[origin:], (layers, H, full, B, D),
+                         (layer_stride, a.head * item, numel * item, a.token * item,
+                          a.dim * item))
+        s0, s1, s2, s3 = dst.strides
+        # The token axis split into (block, token in block): a view, written in place.
+        as_strided(dst, (layers, H, full, B, D), (s0, s1, B * s2, s2, s3))[...] = src
+    if rest:
+        dst[:, :, full * B: tokens] = as_strided(
+            flat[origin + full * numel:], (layers, H, rest, D),
+            (layer_stride, a.head * item, a.token * item, a.dim * item))
+
+
+def _gather_host(flat: np.ndarray, index: tuple[int, ...], fmt: BlockFormat, layers: int,
+                 blocks: int, tokens: int, dst: np.ndarray) -> None:
+    H, B, D, numel = fmt.num_kv_heads, fmt.block_size, fmt.head_size, fmt.block_numel
+    index = np.asarray(index, dtype=np.int64).reshape(H, B, D)
+    plane, inner = index // numel, index % numel
+    t = np.arange(tokens)
+    offsets = (plane[:, t % B, :] * (blocks * numel) + inner[:, t % B, :]
+               + (t // B).reshape(1, tokens, 1) * numel).reshape(-1)
+    per_layer = flat.reshape(layers, fmt.planes * blocks * numel)
+    dst[...] = per_layer[:, offsets].reshape(layers, H, tokens, D)
+
+
 @dataclass(eq=False)
 class StagedKV:
     """A transfer's KV as a host receiver read it, not yet assembled: ``raw`` holds
@@ -101,5 +154,4 @@ class StagedKV:
 
     def into(self, out: np.ndarray) -> None:
         """Assemble into ``out`` (this shape and dtype; any strides a slice gives)."""
-        assemble_chunk(torch.from_numpy(self.raw), self.fmt, self.num_layers, self.num_blocks,
-                       self.seq_len, payload_view(out, self.fmt.dtype))
+        assemble_host(self.raw, self.fmt, self.num_layers, self.num_blocks, self.seq_len, out)

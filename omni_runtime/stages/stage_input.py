@@ -351,6 +351,9 @@ class StageInput:
             raise Refused(f"the pipeline request is gone: {exc}") from None
 
     async def _admit(self, ticket: Any) -> None:
+        if not self._admission.locked():  # room now: taken without a task to time it out
+            await self._admission.acquire()
+            return
         left = ticket.deadline - time.monotonic()  # the receiver's clock
         try:
             await asyncio.wait_for(self._admission.acquire(), max(0.0, left))

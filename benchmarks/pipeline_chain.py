@@ -6,12 +6,13 @@ operator renders, as ``omni-pipeline up`` runs them) and the pipeline's endpoint
 127.0.0.1. The thinker says ``--thinker-tokens`` (64) to each prompt and hands its whole
 sequence to the talker when it finishes; the talker says ``--talker-tokens`` (16), its prompt
 that sequence, whose KV it loads (the same model) instead of computing it. Then, for
-``--requests`` (50) prompts of ``--prompt-tokens`` (128) tokens, one at a time:
+``--requests`` (50) prompts of ``--prompt-tokens`` (1024) tokens, one at a time, side by
+side prompt by prompt (so that the machine's state is the same for each way):
 
 * the chain: each prompt through the endpoint (the talker's tokens are the answer);
-* alone: the same prompts at the thinker's own API (their hand-offs name a pipeline request
-  the endpoint does not know: the talker refuses them at once), then the thinker's sequences
-  at the talker's own API (it computes its whole prompt).
+* alone, every ``--alone-every`` (2) prompts: the prompt at the thinker's own API (its hand-off names no pipeline endpoint: the
+  talker refuses it before making a request of it), then the thinker's sequence at the
+  talker's own API (it computes its whole prompt).
 
 Figures (the last line, one JSON object):
 
@@ -21,12 +22,12 @@ Figures (the last line, one JSON object):
 * ``chain_overhead_ratio``: p50 end to end through the endpoint over (the thinker's p50 alone
   + the talker's p50 alone); target <= 1.10;
 * ``prefix_reuse_prefill_ratio``: the talker's prefill time (vLLM's own
-  ``vllm:request_prefill_time_seconds``, scheduled to first token) with the KV loaded over
-  recomputed; target <= 0.5.
+  ``vllm:request_prefill_time_seconds``, scheduled to first token, per request from its
+  histogram's sum) with the KV loaded over recomputed, p50 of each; target <= 0.5.
 
-    python benchmarks/pipeline_chain.py [--requests 50] [--prompt-tokens 128]
+    python benchmarks/pipeline_chain.py [--requests 50] [--prompt-tokens 1024]
 
-Takes about 60 s here with the defaults, a third of it the two engines' start-up.
+Takes about 60 s here with the defaults, 25 s of it the two engines' start-up.
 """
 
 from __future__ import annotations
@@ -96,33 +97,31 @@ def get(url: str, timeout: float = 5.0) -> str | None:
         return None
 
 
-def metric(page: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def prefill(url: str) -> tuple[float, float]:
-    """(sum, count) of the stage's vllm:request_prefill_time_seconds so far."""
-    page = get(url + "/metrics") or ""
-    return (metric(page, "vllm:request_prefill_time_seconds_sum"),
-            metric(page, "vllm:request_prefill_time_seconds_count"))
+    """(sum, count) of the stage's vllm:request_prefill_time_seconds so far (the two lines
+    read straight off the page: parsing all of it took longer than the requests)."""
+    totals = {"sum": 0.0, "count": 0.0}
+    for line in (get(url + "/metrics") or "").splitlines():
+        if line.startswith("vllm:request_prefill_time_seconds_"):
+            name, _, value = line.rpartition(" ")
+            kind = name.removeprefix("vllm:request_prefill_time_seconds_").split("{")[0]
+            if kind in totals:
+                totals[kind] += float(value)
+    return totals["sum"], totals["count"]
 
 
-def idle(url: str) -> None:
-    """Wait until the stage runs and queues nothing (bounded)."""
+def prefill_after(url: str, before: tuple[float, float]) -> tuple[float, tuple[float, float]]:
+    """The prefill time of the one request the stage finished since ``before`` (its
+    histogram's sum grows with it when vLLM's output handler records it; bounded wait), and
+    the histogram's (sum, count) now."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        page = get(url + "/metrics") or ""
-        if page and metric(page, "vllm:num_requests_running") == 0 and \
-                metric(page, "vllm:num_requests_waiting") == 0:
-            return
-        time.sleep(0.05)
+        now = prefill(url)
+        if now[1] > before[1]:
+            assert now[1] == before[1] + 1, "one request at a time"
+            return now[0] - before[0], now
+        time.sleep(0.01)
+    raise SystemExit(f"{url}: no request's prefill time recorded in 30 s")
 
 
 def start(configs: dict, workdir: Path) -> dict[str, tuple[subprocess.Popen, str]]:
@@ -172,7 +171,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--thinker-tokens", type=int, default=64)
     parser.add_argument("--talker-tokens", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--alone-every", type=int, default=2,
+                        help="run each stage alone on every N-th prompt")
     args = parser.parse_args()
     began = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="omni-bench-chain-"))
@@ -189,48 +190,49 @@ def main() -> None:
                for _ in range(args.warmup + args.requests)]
     thinker_params = {"model": "tiny-qwen2", "max_tokens": args.thinker_tokens,
                       "temperature": 0, "ignore_eos": True}
+    # Its hand-offs still go to the talker, with a pipeline context that names no endpoint,
+    # which the talker refuses before it makes a request of it (no work on the talker).
+    gone = {"omni": {"request_id": "alone", "endpoint": "none"}}
     try:
-        chain, hops = [], []
+        chain, hops, thinker_alone, talker_alone = [], [], [], []
+        loaded_prefills, computed_prefills = [], []
+        talker_prefills = prefill(urls["talker"])  # (sum, count): only our requests move it
         for i, prompt in enumerate(prompts):
+            # Side by side prompt by prompt, so that the machine's state (which engine's
+            # worker still spins after its step, say) is the same for the three; alone on
+            # every ``--alone-every``-th prompt (the run's time).
             answer, seconds = post(urls[ENDPOINT] + "/v1/completions",
                                    {**thinker_params, "prompt": prompt})
             assert len(answer["choices"][0]["token_ids"]) == args.talker_tokens, answer
+            loaded, talker_prefills = prefill_after(urls["talker"], talker_prefills)
             if i >= args.warmup:
-                chain.append(seconds)
                 talker = answer["omni"]["stages"]["talker"]
+                chain.append(seconds)
                 hops.append(talker["taken_at"] - talker["offered_at"])
-            if i == args.warmup - 1:
-                idle(urls["talker"])
-                chain_prefill = prefill(urls["talker"])
-        idle(urls["talker"])
-        loaded = prefill(urls["talker"])
-        thinker_alone, talker_alone, sequences = [], [], []
-        # Its hand-offs still go to the talker: they name a pipeline request the endpoint
-        # does not know, which the talker refuses (or aborts) at once instead of running.
-        gone = {"omni": {"request_id": "no-such-request", "endpoint": urls[ENDPOINT]}}
-        for prompt in prompts[args.warmup:]:
-            answer, seconds = post(urls["thinker"] + "/v1/completions",
-                                   {**thinker_params, "prompt": prompt, "return_token_ids": True,
-                                    "kv_transfer_params": gone})
-            thinker_alone.append(seconds)
-            sequences.append(prompt + answer["choices"][0]["token_ids"])
-        idle(urls["talker"])
-        before = prefill(urls["talker"])
-        for sequence in sequences:
-            _, seconds = post(urls["talker"] + "/v1/completions",
-                              {"model": "tiny-qwen2", "prompt": sequence,
-                               "max_tokens": args.talker_tokens, "temperature": 0,
-                               "ignore_eos": True})
-            talker_alone.append(seconds)
-        after = prefill(urls["talker"])
+                loaded_prefills.append(loaded)
+            if i % args.alone_every:
+                continue
+            alone, thinker_s = post(urls["thinker"] + "/v1/completions",
+                                    {**thinker_params, "prompt": prompt,
+                                     "return_token_ids": True, "kv_transfer_params": gone})
+            sequence = prompt + alone["choices"][0]["token_ids"]
+            _, talker_s = post(urls["talker"] + "/v1/completions",
+                               {"model": "tiny-qwen2", "prompt": sequence,
+                                "max_tokens": args.talker_tokens, "temperature": 0,
+                                "ignore_eos": True})
+            computed, talker_prefills = prefill_after(urls["talker"], talker_prefills)
+            if i >= args.warmup:
+                thinker_alone.append(thinker_s)
+                talker_alone.append(talker_s)
+                computed_prefills.append(computed)
     finally:
         stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
     p50 = statistics.median
-    loaded_prefill = (loaded[0] - chain_prefill[0]) / max(1, loaded[1] - chain_prefill[1])
-    computed_prefill = (after[0] - before[0]) / max(1, after[1] - before[1])
+    loaded_prefill = p50(loaded_prefills)
+    computed_prefill = p50(computed_prefills)
     result = {
-        "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+        "requests": args.requests, "alone_requests": len(thinker_alone), "prompt_tokens": args.prompt_tokens,
         "thinker_tokens": args.thinker_tokens, "talker_tokens": args.talker_tokens,
         "hop_p50_ms": round(p50(hops) * 1e3, 2),
         "hop_p99_ms": round(sorted(hops)[int(0.99 * (len(hops) - 1))] * 1e3, 2),

@@ -14,6 +14,6 @@ the operator: both import this package, which imports only the standard library.
   parser (``tools/generate_vllm_args.py``), and the version it describes;
 * :mod:`omni_contract.kv_transfer`: which user ``kv-transfer-config`` the stage can compose
   with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself;
-* :mod:`omni_contract.kv_wire`: the KV payload format version (the runtime's protocol
-  ``WIRE_VERSION``), which the operator puts in a pipeline's revision hash.
+* :mod:`omni_contract.kv_wire`: the KV wire's version (which the operator puts in a
+  pipeline's revision hash) and a receiver's refusal codes (its metrics' ``reason`` label).
 """

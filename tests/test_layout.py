@@ -3,8 +3,8 @@ cycles, the ledger free of vLLM, production free of development helpers; and eve
 class path the docs, examples and images name really imports.
 
 The arrows (README.md, "The parts"): stages -> kv -> sched -> pipeline -> observability ->
-transfers, each also to everything further right but kv to pipeline, and kv, observability ->
-kv.transport (the receiver's reject codes label its metrics). ``transfers`` (the ledger and omni_kv_config) and ``kv.transport``
+transfers, each also to everything further right but kv to pipeline, and stages, kv ->
+kv.transport. ``transfers`` (the ledger and omni_kv_config) and ``kv.transport``
 (ZeroMQ) import nothing else of omni_runtime; ``devtools`` may import anything and nothing
 imports it.
 """
@@ -34,7 +34,7 @@ CONTRACT = ROOT / "omni_contract"
 ALLOWED: dict[str, set[str]] = {
     "transfers": set(),
     "kv.transport": set(),
-    "observability": {"transfers", "kv.transport"},
+    "observability": {"transfers"},
     "pipeline": {"observability"},
     "sched": {"transfers", "observability", "pipeline"},
     "kv": {"sched", "transfers", "observability", "kv.transport"},

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from omni_runtime.kv.transport.protocol import REJECT_CODES
+from omni_contract.kv_wire import REJECT_CODES
 from omni_runtime.observability.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE_MODE, Family
 from omni_runtime.observability.transport_metrics import thread_up_setter
 

@@ -321,12 +321,13 @@ def test_replicas_autoscaling_and_rollout_limits_are_no_revision():
 def test_the_kv_payload_format_version_is_part_of_the_revision(monkeypatch):
     """A new KV payload format (the runtime protocol's WIRE_VERSION, known to the operator as
     omni_contract.kv_wire.KV_WIRE_VERSION) makes a new revision of the same spec, so its
-    senders only ever reach receivers that speak it; the two constants are one."""
+    senders only ever reach receivers that speak it; the runtime's protocol speaks the
+    contract's version."""
     from omni_contract import kv_wire
     from omni_operator import model
     from omni_runtime.kv.transport import protocol
 
-    assert kv_wire.KV_WIRE_VERSION == protocol.WIRE_VERSION == protocol.Compat.__dataclass_fields__["wire_version"].default
+    assert protocol.Compat.__dataclass_fields__["wire_version"].default == kv_wire.KV_WIRE_VERSION
     before = parse(pipeline_body()).revision
     monkeypatch.setattr(model, "KV_WIRE_VERSION", kv_wire.KV_WIRE_VERSION + 1)
     assert parse(pipeline_body()).revision != before

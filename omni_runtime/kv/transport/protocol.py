@@ -34,10 +34,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omni_contract.kv_wire import KV_WIRE_VERSION as WIRE_VERSION
+from omni_contract.kv_wire import REJECT_CODES
 from omni_runtime.kv.transport.payload import DTYPES, MAX_SHARDS
 
-#: 3: the compatibility fields name the sender's pipeline revision (``Compat.revision``).
-WIRE_VERSION = 3
 #: A message's JSON frame; a hello with a full block index (a layout that is no affine map)
 #: is the largest: 2 x blocks' elements ints.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -55,23 +55,6 @@ MAX_TOKEN_ID = 1 << 31
 #: A read's pipeline context (ReadRequest.origin): its keys and their values' length.
 ORIGIN_KEYS = frozenset({"request_id", "endpoint"})
 MAX_ORIGIN_CHARS = 2048
-
-#: Why a receiver refuses: a bounded enum, the ``reason`` metric label.
-REJECT_CODES: tuple[str, ...] = (
-    "bad_frames",           # not the frames a message of its type has
-    "malformed",            # not JSON, not an object, a field missing, mistyped or out of range
-    "unsupported_version",  # "v" is not WIRE_VERSION
-    "incompatible",         # compatibility fields or hash differ from what this stage expects
-    "unknown_agent",        # a read from an agent that sent no accepted hello (re-handshake)
-    "wrong_destination",    # to_stage / pipeline name another stage or pipeline
-    "oversized",            # the payload would exceed the receiver's max_payload_bytes
-    "inbox_full",           # storing it would exceed the inbox's memory bound
-    "shard_mismatch",       # a shard that does not fit the other shards of its transfer
-    "read_failed",          # NIXL could not read the blocks (peer gone, memory not registered)
-    "deadline",             # the transfer's time ran out before the read or the verdict
-    "input_refused",        # the stage that takes it as a request's input refused it (why)
-    "internal_error",       # a bug on the receiver (logged with its traceback)
-)
 
 
 class Rejected(Exception):

@@ -20,7 +20,7 @@ Invariants:
   the AR had freed (its deadline passed, a reset) are never stored (the fence; the AR decides
   after the read is complete, so a commit covers every byte of it).
 * Every ``hello`` and ``read`` gets one answer (``hello_ok``; ``read_done`` then ``ok``; or
-  ``rejected`` with a code from ``protocol.REJECT_CODES``), unless the transfer's time runs
+  ``rejected`` with a code from ``omni_contract.kv_wire.REJECT_CODES``), unless the transfer's time runs
   out while waiting for the verdict. Bad input of any kind (and even a bug while handling
   it) is logged, counted and answered; it never ends the thread.
 * A staging slot (or landing slab) is reused only once the read into it is released; a read

@@ -15,5 +15,6 @@ the operator: both import this package, which imports only the standard library.
 * :mod:`omni_contract.kv_transfer`: which user ``kv-transfer-config`` the stage can compose
   with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself;
 * :mod:`omni_contract.kv_wire`: the KV wire's version (which the operator puts in a
-  pipeline's revision hash) and a receiver's refusal codes (its metrics' ``reason`` label).
+  pipeline's revision hash) and a receiver's refusal codes (its metrics' ``reason`` label);
+* :mod:`omni_contract.ports`: a stage's ``http`` and ``kv`` ports and the pipeline endpoint's.
 """

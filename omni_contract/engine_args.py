@@ -35,13 +35,14 @@ from omni_contract import vllm_args
 #: How one entry becomes vLLM's command-line words (omni-stage's conversion).
 from omni_contract.vllm_args import argv_of
 from omni_contract.kv_transfer import ConnectorConfigError, user_connectors
+from omni_contract.ports import HTTP_PORT
 
 #: Flags the stage sets itself, and why a user value cannot be taken.
 RESERVED: dict[str, str] = {
     "model": "the model comes from spec.model (model.path, else model.name, in the stage config)",
     "served-model-name": "the served name is spec.model.name (model.name in the stage config)",
     "host": "the stage chooses the address it listens on (omni-stage --host)",
-    "port": "the stage's HTTP port is fixed at 8000 by the stage contract (ports.http in the stage config)",
+    "port": f"the stage's HTTP port is fixed at {HTTP_PORT} by the stage contract (ports.http in the stage config)",
     "scheduler-cls": "the stage runs the omni AR scheduler itself",
     "shutdown-timeout": "the stage sets it from its drain grace period (kvTransfer.timeoutSeconds)",
 }

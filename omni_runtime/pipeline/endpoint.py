@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from omni_contract.ports import ENDPOINT_PORT
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
     FINAL_EVENTS,
@@ -607,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(kvTransfer.timeoutSeconds); once per edge")
     parser.add_argument("--sink", required=True, help="the last stage, whose output is the answer")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=ENDPOINT_PORT)
     parser.add_argument("--advertise", help="this endpoint's URL as the stages reach it "
                                             "(default http://127.0.0.1:PORT)")
     parser.add_argument("--model", default="", help="the model name answers carry by default")

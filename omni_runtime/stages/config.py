@@ -15,11 +15,11 @@ from typing import Any
 import yaml
 
 from omni_contract.engine_args import engine_args_problems
+from omni_contract.ports import HTTP_PORT as DEFAULT_HTTP_PORT
+from omni_contract.ports import KV_PORT as DEFAULT_KV_PORT
 from omni_runtime.kv.cpu_affinity import CPUListError, requested_cpus
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config
 
-DEFAULT_HTTP_PORT = 8000
-DEFAULT_KV_PORT = 9600
 DEFAULT_GRACE_SECONDS = 30.0
 
 

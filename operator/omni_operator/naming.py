@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import hashlib
 
-HTTP_PORT = 8000
-KV_PORT = 9600
-#: The pipeline's endpoint (the one address a client uses for the whole pipeline): a
-#: container beside the entry stage's, on this port, with its config under this key of the
-#: entry stage's ConfigMap.
-ENDPOINT_PORT = 8080
+from omni_contract.ports import ENDPOINT_PORT, HTTP_PORT, KV_PORT
+
+#: The pipeline's endpoint runs as a container beside the entry stage's, on ENDPOINT_PORT,
+#: with its config under this key of the entry stage's ConfigMap.
 ENDPOINT_CONFIG_KEY = "endpoint.yaml"
 #: The endpoint container's own address (the downward API's status.podIP), which its config
 #: names as ``${POD_IP}`` for the stages' links to reach that replica.

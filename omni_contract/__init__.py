@@ -16,5 +16,7 @@ the operator: both import this package, which imports only the standard library.
   with the omni KV connector through vLLM's ``MultiConnector``, and the composition itself;
 * :mod:`omni_contract.kv_wire`: the KV wire's version (which the operator puts in a
   pipeline's revision hash) and a receiver's refusal codes (its metrics' ``reason`` label);
+* :mod:`omni_contract.cpu_list`: a Linux CPU list (a stage's ``kvTransfer.ioCpus``), its
+  ranges' order and its ids' bound;
 * :mod:`omni_contract.ports`: a stage's ``http`` and ``kv`` ports and the pipeline endpoint's.
 """

@@ -22,34 +22,13 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
+from omni_contract.cpu_list import MAX_CPU_ID, parse_cpu_list
+
 FIELD = "kv_transfer_config.kv_connector_extra_config.io_cpus"
-#: The highest CPU id a list may name. No Linux kernel supports this many CPUs (NR_CPUS is
-#: at most 8192); the bound keeps a typo such as "0-9999999999" from building a set of ten
-#: billion ids in the engine, or in a config check, before anything can refuse it.
-MAX_CPU_ID = 65535
 
 
 class CPUListError(ValueError):
     """A CPU list setting that cannot be used (the message names the field and the fix)."""
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """``"0,2-3"`` -> {0, 2, 3}; raises ValueError on anything else (a descending range, an
-    id above :data:`MAX_CPU_ID`)."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if m is None:
-            raise ValueError(f"not a CPU list item: {part!r}")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if hi < lo:
-            raise ValueError(f"descending CPU range: {part!r}")
-        if hi > MAX_CPU_ID:
-            raise ValueError(f"CPU id above {MAX_CPU_ID}: {part!r}")
-        cpus.update(range(lo, hi + 1))
-    return cpus
 
 
 def available_cpus() -> set[int]:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from omni_contract import vllm_args
 from omni_contract.engine_args import engine_args_problems, engine_args_warnings
+from omni_contract.cpu_list import parse_cpu_list
 from omni_contract.kv_wire import KV_WIRE_VERSION
 
 from . import crd, naming
@@ -24,10 +25,6 @@ from .errors import Problem
 from .quantities import parse_quantity
 
 GPU_RESOURCE = "nvidia.com/gpu"
-# kvTransfer.ioCpus: the CRD's pattern states its syntax; the ranges' order and the id bound
-# are checked here. MAX_CPU_ID is the runtime's (omni_runtime/kv/cpu_affinity.py, which the
-# operator image does not carry; a test keeps the two equal).
-MAX_CPU_ID = 65535
 
 
 @dataclass(frozen=True)
@@ -337,15 +334,14 @@ def _engine_arg(where: str, problem: Any) -> Problem:
 
 
 def _io_cpus(where: str, value: str) -> list[Problem]:
-    """The order and bound of a CPU list whose syntax the CRD's pattern accepted. Whether the
-    pod may use those CPUs is checked in the pod at engine start-up."""
-    for part in value.split(","):
-        low, _, high = part.partition("-")
-        if high and int(high) < int(low):
-            return [Problem(where, f"has a descending range {part!r}; write it low-high, e.g. {high}-{low}")]
-        if int(high or low) > MAX_CPU_ID:
-            return [Problem(where, f"names CPU {int(high or low)}, above {MAX_CPU_ID}; use \"auto\" or a Linux CPU "
-                                   "list such as \"3\" or \"2-3,6\" (no spaces)")]
+    """The order and bound of a CPU list whose syntax the CRD's pattern accepted (the
+    contract's rule, omni_contract/cpu_list.py). Whether the pod may use those CPUs is checked
+    in the pod at engine start-up."""
+    try:
+        parse_cpu_list(value)
+    except ValueError as exc:
+        return [Problem(where, f"{exc}; use \"auto\" or a Linux CPU list such as \"3\" or "
+                               "\"2-3,6\" (no spaces)")]
     return []
 
 

@@ -75,7 +75,7 @@ OPERATOR_REJECTS = [
     ("send-with-no-receiver", mutate(_set("stages.2", {"name": "code2wav", "role": "ar", "inputs": ["talker"], "kvTransfer": {"send": True}})),
      "spec.stages[2].kvTransfer.send", "no stage lists 'code2wav'"),
     ("reserved-engine-arg", mutate(_set("stages.0.engineArgs", {"port": 9000})), "spec.stages[0].engineArgs.port", "fixed at 8000"),
-    ("io-cpus-descending", mutate(_set("stages.0.kvTransfer.ioCpus", "3-1")), "spec.stages[0].kvTransfer.ioCpus", "descending range '3-1'"),
+    ("io-cpus-descending", mutate(_set("stages.0.kvTransfer.ioCpus", "3-1")), "spec.stages[0].kvTransfer.ioCpus", "descending CPU range '3-1'"),
     ("io-cpus-above-the-bound", mutate(_set("stages.0.kvTransfer.ioCpus", "0,70000")), "spec.stages[0].kvTransfer.ioCpus",
-     "names CPU 70000, above 65535"),
+     "CPU id above 65535: '70000'"),
 ]

@@ -150,7 +150,7 @@ CASES = [
     ("io-cpus-on-a-receiving-stage", edit(stage(2, kvTransfer={"ioCpus": "2-3"})),
      "spec.stages[2].kvTransfer.ioCpus", CRD, "only used by a stage that sends KV"),
     ("io-cpus-descending", edit(stage(0, kvTransfer={"send": True, "ioCpus": "6-2"})),
-     "spec.stages[0].kvTransfer.ioCpus", CLI, "descending range"),
+     "spec.stages[0].kvTransfer.ioCpus", CLI, "descending CPU range"),
     ("stuck-seconds-a-week", edit(spec(observability={"alerts": {"stuckTransferSeconds": 604800}})),
      "spec.observability.alerts.stuckTransferSeconds", CRD, "maximum"),
     # not an OmniPipeline, or not shaped like one

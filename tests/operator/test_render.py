@@ -453,13 +453,6 @@ def test_the_rendered_io_cpus_reach_the_omni_kv_connector():
     assert connector["kv_connector_extra_config"]["io_cpus"] == "3"
 
 
-def test_the_operator_bounds_cpu_ids_as_the_runtime_does():
-    from omni_operator import model
-    from omni_runtime.kv import cpu_affinity
-
-    assert model.MAX_CPU_ID == cpu_affinity.MAX_CPU_ID
-
-
 def test_a_valid_shape_is_remembered_and_an_invalid_child_still_refused():
     """check_object remembers valid shapes (strings the kind's schema never reads differ);
     a child whose structure differs is checked in full, with its own values in the message."""

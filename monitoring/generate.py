@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "monitoring"))
+sys.path.insert(0, str(ROOT))  # omni_contract: the metric names
 
 from omni_mixin import render  # noqa: E402
 from omni_mixin.dashboards import DASHBOARDS  # noqa: E402

@@ -18,5 +18,7 @@ the operator: both import this package, which imports only the standard library.
   pipeline's revision hash) and a receiver's refusal codes (its metrics' ``reason`` label);
 * :mod:`omni_contract.cpu_list`: a Linux CPU list (a stage's ``kvTransfer.ioCpus``), its
   ranges' order and its ids' bound;
+* :mod:`omni_contract.metrics`: the metric contract's families (names, types, labels, help),
+  which the runtime registers and the operator and the monitoring mixin read;
 * :mod:`omni_contract.ports`: a stage's ``http`` and ``kv`` ports and the pipeline endpoint's.
 """

@@ -1,34 +1,37 @@
 """Metric and label names the mixin queries, in one place so that a rename is one edit.
 
-The `omni_kv_*` names are fixed by the metric contract in ARCHITECTURE.md; the receiver and
-operator names follow the runtime's and the operator's registries (tests check every name a
-rule or panel queries against those registries and vLLM's own).
+The `omni_kv_*` names are the metric contract's (ARCHITECTURE.md), read from
+omni_contract/metrics.py, which the runtime registers them from; the operator's names follow
+its registry (tests check every name a rule or panel queries against those registries and
+vLLM's own).
 """
 from __future__ import annotations
 
-# Runtime (stage) metrics: the ARCHITECTURE.md metric contract.
-KV_TRANSFERS = "omni_kv_transfers"  # gauge, label state
-KV_HELD_BLOCKS = "omni_kv_held_blocks"  # gauge
-KV_OLDEST_START = "omni_kv_transfer_oldest_start_timestamp_seconds"  # gauge, label state
-KV_STARTED = "omni_kv_transfers_started_total"  # counter, label trigger
-KV_RESOLVED = "omni_kv_transfers_resolved_total"  # counter, label outcome
-KV_DURATION = "omni_kv_transfer_duration_seconds"  # histogram, label outcome
-KV_HOLD_DURATION = "omni_kv_hold_duration_seconds"  # histogram
-KV_BYTES = "omni_kv_transfer_bytes"  # histogram (worker side)
+from omni_contract import metrics as contract
+
+# Runtime (stage) metrics: the metric contract's families (omni_contract/metrics.py).
+KV_TRANSFERS = contract.TRANSFERS.name  # gauge, label state
+KV_HELD_BLOCKS = contract.HELD_BLOCKS.name  # gauge
+KV_OLDEST_START = contract.OLDEST_START.name  # gauge, label state
+KV_STARTED = contract.STARTED.name  # counter, label trigger
+KV_RESOLVED = contract.RESOLVED.name  # counter, label outcome
+KV_DURATION = contract.DURATION.name  # histogram, label outcome
+KV_HOLD_DURATION = contract.HOLD_DURATION.name  # histogram
+KV_BYTES = contract.TRANSFER_BYTES.name  # histogram (worker side)
 # Per edge of the pipeline graph (label to_stage, the downstream stage): one transfer to two
 # stages resolves once in the families above and once per edge in these.
-KV_EDGE_ACTIVE = "omni_kv_edge_transfers_active"  # gauge, label to_stage
-KV_EDGE_OLDEST_START = "omni_kv_edge_oldest_active_start_timestamp_seconds"  # gauge, to_stage
-KV_EDGE_HELD_BLOCKS = "omni_kv_edge_held_blocks"  # gauge, to_stage: finished requests' blocks kept for it
-KV_EDGE_RESOLVED = "omni_kv_edge_transfers_resolved_total"  # counter, labels to_stage, outcome
-KV_EDGE_DURATION = "omni_kv_edge_transfer_duration_seconds"  # histogram, to_stage, outcome
-KV_EDGE_BYTES = "omni_kv_edge_transfer_bytes"  # histogram, to_stage
+KV_EDGE_ACTIVE = contract.EDGE_ACTIVE.name  # gauge, label to_stage
+KV_EDGE_OLDEST_START = contract.EDGE_OLDEST_ACTIVE.name  # gauge, to_stage
+KV_EDGE_HELD_BLOCKS = contract.EDGE_HELD_BLOCKS.name  # gauge, to_stage: finished requests' blocks kept for it
+KV_EDGE_RESOLVED = contract.EDGE_RESOLVED.name  # counter, labels to_stage, outcome
+KV_EDGE_DURATION = contract.EDGE_DURATION.name  # histogram, to_stage, outcome
+KV_EDGE_BYTES = contract.EDGE_BYTES.name  # histogram, to_stage
 # Receiving stage: transfers answered, labels from_stage (the sender) and outcome.
-KV_RECEIVED = "omni_kv_received_total"
+KV_RECEIVED = contract.RECEIVED.name
 # Receiving stage: transfers it refused (bad payload, unknown request, full), label reason.
-KV_RECEIVER_REJECTED = "omni_kv_receiver_rejected_total"
+KV_RECEIVER_REJECTED = contract.RECEIVER_REJECTED.name
 # Either stage: 1 while the KV transport's thread runs, label thread = sender, receiver.
-KV_TRANSPORT_THREAD_UP = "omni_kv_transport_thread_up"
+KV_TRANSPORT_THREAD_UP = contract.TRANSPORT_THREAD_UP.name
 
 # Operator metrics.
 OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result

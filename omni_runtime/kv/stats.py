@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from omni_contract.metrics import RESOLVED, TRANSFER_BYTES
 from omni_runtime.observability.metrics import BYTES_BUCKETS, OUTCOMES, duration_buckets
 from omni_runtime.observability.multiproc import MULTIPROC_ENV
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
@@ -71,8 +72,8 @@ logger = logging.getLogger(__name__)
 FIELDS: tuple[str, ...] = ("outcome", "bytes", "duration_s", "to_stage")
 
 #: Families of the metric contract (ARCHITECTURE.md) this path exports where nothing else does.
-RESOLVED_FAMILY = "omni_kv_transfers_resolved_total"
-BYTES_FAMILY = "omni_kv_transfer_bytes"
+RESOLVED_FAMILY = RESOLVED.name
+BYTES_FAMILY = TRANSFER_BYTES.name
 #: Only this path measures it: the contract's omni_kv_transfer_duration_seconds is marking to
 #: resolution (the scheduler's ledger); this is hand-off to the connector's answer.
 HANDOFF_FAMILY = "omni_kv_handoff_answer_duration_seconds"

@@ -63,11 +63,22 @@ from collections.abc import Callable, Hashable, Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from omni_contract.metrics import (
+    EDGE_ACTIVE,
+    EDGE_BYTES,
+    EDGE_DURATION,
+    EDGE_FAMILIES,
+    EDGE_HELD,
+    EDGE_HELD_BLOCKS,
+    EDGE_OLDEST_ACTIVE,
+    EDGE_OLDEST_HELD,
+    EDGE_RESOLVED,
+    TO_STAGE_LABELS,
+    Family,
+)
 from omni_runtime.observability.metrics import (
-    BASE_LABELS,
     BYTES_BUCKETS,
     GAUGE_MODE,
-    Family,
     _Histogram,
     _Latest,
     duration_buckets,
@@ -83,32 +94,11 @@ from omni_runtime.transfers.ledger import (
 
 logger = logging.getLogger(__name__)
 
-EDGE_LABELS: tuple[str, ...] = BASE_LABELS + ("to_stage",)
+EDGE_LABELS: tuple[str, ...] = TO_STAGE_LABELS
 #: What an edge can resolve as (a cancellation happens before any edge is attempted).
 EDGE_OUTCOMES: tuple[str, ...] = ("acked", "failed", "expired")
 
-FAMILIES: tuple[Family, ...] = (
-    Family("omni_kv_edge_transfers_active", "gauge", EDGE_LABELS,
-           "KV transfers handed to the data path whose edge to to_stage has not resolved yet."),
-    Family("omni_kv_edge_oldest_active_start_timestamp_seconds", "gauge", EDGE_LABELS,
-           "Unix time at which the oldest transfer still unresolved toward to_stage was handed "
-           "to the data path; 0 when none."),
-    Family("omni_kv_edge_transfers_held", "gauge", EDGE_LABELS,
-           "KV transfers unresolved toward to_stage whose request has finished: its KV blocks "
-           "stay allocated until every edge has answered."),
-    Family("omni_kv_edge_held_blocks", "gauge", EDGE_LABELS,
-           "KV blocks of finished requests kept allocated for transfers unresolved toward "
-           "to_stage."),
-    Family("omni_kv_edge_oldest_held_start_timestamp_seconds", "gauge", EDGE_LABELS,
-           "Unix time at which the request of the oldest transfer held for to_stage finished; "
-           "0 when none."),
-    Family("omni_kv_edge_transfers_resolved_total", "counter", EDGE_LABELS + ("outcome",),
-           "KV transfer edges resolved, by downstream stage and outcome."),
-    Family("omni_kv_edge_transfer_duration_seconds", "histogram", EDGE_LABELS + ("outcome",),
-           "Time from a transfer's hand-off to the data path to its resolution toward to_stage."),
-    Family("omni_kv_edge_transfer_bytes", "histogram", EDGE_LABELS,
-           "Payload size of KV transfers delivered to to_stage."),
-)
+FAMILIES: tuple[Family, ...] = EDGE_FAMILIES
 FAMILIES_BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -116,27 +106,25 @@ class _Families:
     def __init__(self, registry: CollectorRegistry | None, buckets: tuple[float, ...]) -> None:
         self.registry = registry
         self.buckets = buckets
-        f, r = FAMILIES_BY_NAME, registry
-        self.active = Gauge("omni_kv_edge_transfers_active", f["omni_kv_edge_transfers_active"].help,
-                            EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
-        name = "omni_kv_edge_oldest_active_start_timestamp_seconds"
-        self.oldest = Gauge(name, f[name].help, EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
-        self.held = Gauge("omni_kv_edge_transfers_held", f["omni_kv_edge_transfers_held"].help,
-                          EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
-        self.held_blocks = Gauge("omni_kv_edge_held_blocks", f["omni_kv_edge_held_blocks"].help,
-                                 EDGE_LABELS, registry=r, multiprocess_mode=GAUGE_MODE)
-        name = "omni_kv_edge_oldest_held_start_timestamp_seconds"
-        self.oldest_held = Gauge(name, f[name].help, EDGE_LABELS, registry=r,
+        r = registry
+        self.active = Gauge(EDGE_ACTIVE.name, EDGE_ACTIVE.help, EDGE_ACTIVE.labels, registry=r,
+                            multiprocess_mode=GAUGE_MODE)
+        self.oldest = Gauge(EDGE_OLDEST_ACTIVE.name, EDGE_OLDEST_ACTIVE.help,
+                            EDGE_OLDEST_ACTIVE.labels, registry=r, multiprocess_mode=GAUGE_MODE)
+        self.held = Gauge(EDGE_HELD.name, EDGE_HELD.help, EDGE_HELD.labels, registry=r,
+                          multiprocess_mode=GAUGE_MODE)
+        self.held_blocks = Gauge(EDGE_HELD_BLOCKS.name, EDGE_HELD_BLOCKS.help,
+                                 EDGE_HELD_BLOCKS.labels, registry=r,
                                  multiprocess_mode=GAUGE_MODE)
-        # prometheus_client appends _total to counter names itself.
-        self.resolved = Counter("omni_kv_edge_transfers_resolved",
-                                f["omni_kv_edge_transfers_resolved_total"].help,
-                                EDGE_LABELS + ("outcome",), registry=r)
-        self.duration = Histogram("omni_kv_edge_transfer_duration_seconds",
-                                  f["omni_kv_edge_transfer_duration_seconds"].help,
-                                  EDGE_LABELS + ("outcome",), registry=r, buckets=buckets)
-        self.bytes = Histogram("omni_kv_edge_transfer_bytes", f["omni_kv_edge_transfer_bytes"].help,
-                               EDGE_LABELS, registry=r, buckets=BYTES_BUCKETS)
+        self.oldest_held = Gauge(EDGE_OLDEST_HELD.name, EDGE_OLDEST_HELD.help,
+                                 EDGE_OLDEST_HELD.labels, registry=r,
+                                 multiprocess_mode=GAUGE_MODE)
+        self.resolved = Counter(EDGE_RESOLVED.registered_name, EDGE_RESOLVED.help,
+                                EDGE_RESOLVED.labels, registry=r)
+        self.duration = Histogram(EDGE_DURATION.name, EDGE_DURATION.help, EDGE_DURATION.labels,
+                                  registry=r, buckets=buckets)
+        self.bytes = Histogram(EDGE_BYTES.name, EDGE_BYTES.help, EDGE_BYTES.labels, registry=r,
+                               buckets=BYTES_BUCKETS)
 
     def unregister(self) -> None:
         if self.registry is not None:

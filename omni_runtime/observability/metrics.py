@@ -31,9 +31,22 @@ import logging
 import weakref
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from omni_contract.metrics import (
+    DURATION,
+    HELD_BLOCKS,
+    HOLD_DURATION,
+    LEDGER_FAMILIES,
+    OLDEST_START,
+    RESOLVED,
+    STAGE_LABELS,
+    STARTED,
+    TRANSFER_BYTES,
+    TRANSFERS,
+    Family,
+)
 
 from omni_runtime.observability.writer_thread import WriterThread, WritesOffStep
 from omni_runtime.transfers.ledger import (
@@ -49,7 +62,7 @@ from omni_runtime.transfers.ledger import (
 logger = logging.getLogger(__name__)
 
 #: The only labels every family carries: bounded, set once per stage process.
-BASE_LABELS: tuple[str, ...] = ("stage", "model_name")
+BASE_LABELS: tuple[str, ...] = STAGE_LABELS
 STATES: tuple[str, ...] = ("pending", "active", "held")
 TRIGGERS: tuple[str, ...] = tuple(t.value for t in Trigger)
 OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
@@ -65,34 +78,7 @@ BYTES_BUCKETS: tuple[float, ...] = tuple(float(4096 * 4**i) for i in range(12))
 GAUGE_MODE = "livemostrecent"
 
 
-@dataclass(frozen=True)
-class Family:
-    """One metric family of the contract, as exposed (counter names with ``_total``)."""
-
-    name: str
-    type: str
-    labels: tuple[str, ...]
-    help: str
-
-
-FAMILIES: tuple[Family, ...] = (
-    Family("omni_kv_transfers", "gauge", BASE_LABELS + ("state",),
-           "KV transfers in each state now (held transfers are also pending or active)."),
-    Family("omni_kv_held_blocks", "gauge", BASE_LABELS,
-           "KV blocks kept allocated for finished requests whose transfer is unresolved."),
-    Family("omni_kv_transfer_oldest_start_timestamp_seconds", "gauge", BASE_LABELS + ("state",),
-           "Unix time at which the oldest transfer now in the state entered it; 0 when none."),
-    Family("omni_kv_transfers_started_total", "counter", BASE_LABELS + ("trigger",),
-           "KV transfers marked, by trigger."),
-    Family("omni_kv_transfers_resolved_total", "counter", BASE_LABELS + ("outcome",),
-           "KV transfers resolved, by outcome."),
-    Family("omni_kv_transfer_duration_seconds", "histogram", BASE_LABELS + ("outcome",),
-           "Time from marking a KV transfer to its resolution."),
-    Family("omni_kv_hold_duration_seconds", "histogram", BASE_LABELS,
-           "Time from a request finishing to its held KV blocks being freed."),
-    Family("omni_kv_transfer_bytes", "histogram", BASE_LABELS,
-           "Payload size of delivered KV transfers (observed by the omni KV connector's worker side)."),
-)
+FAMILIES: tuple[Family, ...] = LEDGER_FAMILIES
 FAMILIES_BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -110,30 +96,23 @@ class _Families:
     def __init__(self, registry: CollectorRegistry | None, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
         self.registry = registry
-        f = FAMILIES_BY_NAME
-        self.transfers = Gauge("omni_kv_transfers", f["omni_kv_transfers"].help,
-                               BASE_LABELS + ("state",), registry=registry,
+        r = registry
+        self.transfers = Gauge(TRANSFERS.name, TRANSFERS.help, TRANSFERS.labels, registry=r,
                                multiprocess_mode=GAUGE_MODE)
-        self.held_blocks = Gauge("omni_kv_held_blocks", f["omni_kv_held_blocks"].help,
-                                 BASE_LABELS, registry=registry, multiprocess_mode=GAUGE_MODE)
-        name = "omni_kv_transfer_oldest_start_timestamp_seconds"
-        self.oldest = Gauge(name, f[name].help, BASE_LABELS + ("state",), registry=registry,
-                            multiprocess_mode=GAUGE_MODE)
-        # prometheus_client appends _total to counter names itself.
-        self.started = Counter("omni_kv_transfers_started",
-                               f["omni_kv_transfers_started_total"].help,
-                               BASE_LABELS + ("trigger",), registry=registry)
-        self.resolved = Counter("omni_kv_transfers_resolved",
-                                f["omni_kv_transfers_resolved_total"].help,
-                                BASE_LABELS + ("outcome",), registry=registry)
-        self.duration = Histogram("omni_kv_transfer_duration_seconds",
-                                  f["omni_kv_transfer_duration_seconds"].help,
-                                  BASE_LABELS + ("outcome",), registry=registry, buckets=buckets)
-        self.hold = Histogram("omni_kv_hold_duration_seconds",
-                              f["omni_kv_hold_duration_seconds"].help,
-                              BASE_LABELS, registry=registry, buckets=buckets)
-        self.bytes = Histogram("omni_kv_transfer_bytes", f["omni_kv_transfer_bytes"].help,
-                               BASE_LABELS, registry=registry, buckets=BYTES_BUCKETS)
+        self.held_blocks = Gauge(HELD_BLOCKS.name, HELD_BLOCKS.help, HELD_BLOCKS.labels,
+                                 registry=r, multiprocess_mode=GAUGE_MODE)
+        self.oldest = Gauge(OLDEST_START.name, OLDEST_START.help, OLDEST_START.labels,
+                            registry=r, multiprocess_mode=GAUGE_MODE)
+        self.started = Counter(STARTED.registered_name, STARTED.help, STARTED.labels,
+                               registry=r)
+        self.resolved = Counter(RESOLVED.registered_name, RESOLVED.help, RESOLVED.labels,
+                                registry=r)
+        self.duration = Histogram(DURATION.name, DURATION.help, DURATION.labels, registry=r,
+                                  buckets=buckets)
+        self.hold = Histogram(HOLD_DURATION.name, HOLD_DURATION.help, HOLD_DURATION.labels,
+                              registry=r, buckets=buckets)
+        self.bytes = Histogram(TRANSFER_BYTES.name, TRANSFER_BYTES.help, TRANSFER_BYTES.labels,
+                               registry=r, buckets=BYTES_BUCKETS)
 
     def unregister(self) -> None:
         if self.registry is None:

@@ -28,7 +28,19 @@ from collections.abc import Iterable
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from omni_contract.kv_wire import REJECT_CODES
-from omni_runtime.observability.metrics import BASE_LABELS, BYTES_BUCKETS, GAUGE_MODE, Family
+from omni_contract.metrics import (
+    FROM_STAGE_LABELS,
+    RECEIVED,
+    RECEIVED_BYTES,
+    RECEIVER_BUFFERED_BYTES,
+    RECEIVER_BUFFERED_PAYLOADS,
+    RECEIVER_EVICTED,
+    RECEIVER_FAMILIES,
+    RECEIVER_REJECTED,
+    RECEIVER_WAIT,
+    Family,
+)
+from omni_runtime.observability.metrics import BYTES_BUCKETS, GAUGE_MODE
 from omni_runtime.observability.transport_metrics import thread_up_setter
 
 RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
@@ -42,50 +54,31 @@ WAIT_BUCKETS: tuple[float, ...] = (
 
 #: ``from_stage`` of a transfer not attributed to one of the stage's inputs.
 UNKNOWN_FROM_STAGE = "unknown"
-EDGE_LABELS: tuple[str, ...] = BASE_LABELS + ("from_stage",)
+EDGE_LABELS: tuple[str, ...] = FROM_STAGE_LABELS
 
-FAMILIES: tuple[Family, ...] = (
-    Family("omni_kv_received_total", "counter", EDGE_LABELS + ("outcome",),
-           "Incoming KV transfers answered, by sending stage: delivered (stored and acked) or "
-           "rejected."),
-    Family("omni_kv_receiver_rejected_total", "counter", BASE_LABELS + ("reason",),
-           "Incoming KV transfers rejected, by reason."),
-    Family("omni_kv_received_bytes", "histogram", EDGE_LABELS,
-           "Payload size of delivered incoming KV transfers, by sending stage."),
-    Family("omni_kv_receiver_buffered_payloads", "gauge", BASE_LABELS,
-           "KV payloads stored in the inbox, not yet consumed."),
-    Family("omni_kv_receiver_buffered_bytes", "gauge", BASE_LABELS,
-           "Bytes of KV payloads stored in the inbox, not yet consumed."),
-    Family("omni_kv_receiver_evicted_total", "counter", BASE_LABELS + ("reason",),
-           "Stored KV payloads dropped unconsumed: expired (TTL) or replaced (same request)."),
-    Family("omni_kv_receiver_wait_seconds", "histogram", BASE_LABELS + ("outcome",),
-           "Time a consumer waited in inbox.get(), by outcome (found, timeout)."),
-)
+FAMILIES: tuple[Family, ...] = RECEIVER_FAMILIES
 
 
 class _Families:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.registry = registry
-        help_ = {f.name: f.help for f in FAMILIES}
         r = registry
-        # prometheus_client appends _total to counter names itself.
-        self.received = Counter("omni_kv_received", help_["omni_kv_received_total"],
-                                EDGE_LABELS + ("outcome",), registry=r)
-        self.rejected = Counter("omni_kv_receiver_rejected",
-                                help_["omni_kv_receiver_rejected_total"],
-                                BASE_LABELS + ("reason",), registry=r)
-        self.received_bytes = Histogram("omni_kv_received_bytes", help_["omni_kv_received_bytes"],
-                                        EDGE_LABELS, registry=r, buckets=BYTES_BUCKETS)
-        self.payloads = Gauge("omni_kv_receiver_buffered_payloads",
-                              help_["omni_kv_receiver_buffered_payloads"], BASE_LABELS,
-                              registry=r, multiprocess_mode=GAUGE_MODE)
-        self.bytes = Gauge("omni_kv_receiver_buffered_bytes",
-                           help_["omni_kv_receiver_buffered_bytes"], BASE_LABELS,
-                           registry=r, multiprocess_mode=GAUGE_MODE)
-        self.evicted = Counter("omni_kv_receiver_evicted", help_["omni_kv_receiver_evicted_total"],
-                               BASE_LABELS + ("reason",), registry=r)
-        self.wait = Histogram("omni_kv_receiver_wait_seconds",
-                              help_["omni_kv_receiver_wait_seconds"], BASE_LABELS + ("outcome",),
+        self.received = Counter(RECEIVED.registered_name, RECEIVED.help, RECEIVED.labels,
+                                registry=r)
+        self.rejected = Counter(RECEIVER_REJECTED.registered_name, RECEIVER_REJECTED.help,
+                                RECEIVER_REJECTED.labels, registry=r)
+        self.received_bytes = Histogram(RECEIVED_BYTES.name, RECEIVED_BYTES.help,
+                                        RECEIVED_BYTES.labels, registry=r,
+                                        buckets=BYTES_BUCKETS)
+        self.payloads = Gauge(RECEIVER_BUFFERED_PAYLOADS.name, RECEIVER_BUFFERED_PAYLOADS.help,
+                              RECEIVER_BUFFERED_PAYLOADS.labels, registry=r,
+                              multiprocess_mode=GAUGE_MODE)
+        self.bytes = Gauge(RECEIVER_BUFFERED_BYTES.name, RECEIVER_BUFFERED_BYTES.help,
+                           RECEIVER_BUFFERED_BYTES.labels, registry=r,
+                           multiprocess_mode=GAUGE_MODE)
+        self.evicted = Counter(RECEIVER_EVICTED.registered_name, RECEIVER_EVICTED.help,
+                               RECEIVER_EVICTED.labels, registry=r)
+        self.wait = Histogram(RECEIVER_WAIT.name, RECEIVER_WAIT.help, RECEIVER_WAIT.labels,
                               registry=r, buckets=WAIT_BUCKETS)
 
 

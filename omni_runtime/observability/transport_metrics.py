@@ -16,13 +16,10 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
-from omni_runtime.observability.metrics import BASE_LABELS, GAUGE_MODE, Family
+from omni_contract.metrics import TRANSPORT_THREAD_UP as FAMILY
+from omni_runtime.observability.metrics import GAUGE_MODE
 
 THREADS: tuple[str, ...] = ("sender", "receiver")
-
-FAMILY = Family("omni_kv_transport_thread_up", "gauge", BASE_LABELS + ("thread",),
-                "1 while the KV transport's thread runs (sender: the AR stage's I/O thread, "
-                "receiver: the receiving stage's), 0 once it ended.")
 
 _gauges: weakref.WeakKeyDictionary[CollectorRegistry, Gauge] = weakref.WeakKeyDictionary()
 _unregistered: list[Gauge] = []

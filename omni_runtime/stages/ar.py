@@ -47,6 +47,7 @@ from omni_contract.engine_args import (
     flag_name,
     user_kv_transfer_config,
 )
+from omni_contract.metrics import TRANSFERS, TRANSPORT_THREAD_UP
 from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
 from omni_runtime.stages.config import StageConfig, StageConfigError
 # Imports no vLLM at module level (its server process is where it runs).
@@ -71,9 +72,10 @@ EXIT_TRANSPORT_DEAD = 3
 #: the engine alone. Raising niceness needs no privilege.
 ENGINE_NICE = 10
 ENGINE_NICE_ENV = "OMNI_ENGINE_NICE"
-_IN_FLIGHT = re.compile(r'^omni_kv_transfers\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
+_IN_FLIGHT = re.compile(
+    "^" + TRANSFERS.name + r'\{[^}]*state="(pending|active)"[^}]*\}\s+(\S+)', re.M)
 _THREAD_UP = re.compile(
-    r'^omni_kv_transport_thread_up\{[^}]*thread="(sender|receiver)"[^}]*\}\s+(\S+)', re.M)
+    "^" + TRANSPORT_THREAD_UP.name + r'\{[^}]*thread="(sender|receiver)"[^}]*\}\s+(\S+)', re.M)
 
 
 def engine_args_to_cli(engine_args: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:

@@ -39,6 +39,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
+from omni_contract.metrics import RECEIVED, RESOLVED, TRANSFERS
+
 from .local_status import forget_endpoints, record_endpoints
 from .model import Pipeline, find_cycle
 from .stage_config import dump_stage_config, render_endpoint_config, render_stage_config
@@ -182,12 +184,12 @@ def stage_counts(page: str) -> dict[str, float]:
 
     for family in text_string_to_metric_families(page):
         for s in family.samples:
-            if s.name == "omni_kv_transfers" and s.labels.get("state") in ("pending", "active", "held"):
+            if s.name == TRANSFERS.name and s.labels.get("state") in ("pending", "active", "held"):
                 add(s.labels["state"], s.value)
-            elif s.name == "omni_kv_transfers_resolved_total":
+            elif s.name == RESOLVED.name:
                 outcome = s.labels.get("outcome")
                 add("delivered" if outcome == "acked" else "failed" if outcome in ("failed", "expired") else "other", s.value)
-            elif s.name == "omni_kv_received_total":
+            elif s.name == RECEIVED.name:
                 add("received" if s.labels.get("outcome") == "delivered" else "rejected", s.value)
     return counts
 

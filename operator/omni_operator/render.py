@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from omni_contract.metrics import EDGE_ACTIVE, OLDEST_START, TRANSFERS
+
 from . import API_VERSION, KIND, naming
 from .kinds import CONFIGMAP, DEPLOYMENT, HPA, NETWORKPOLICY, PDB, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER
 from .model import GPU_RESOURCE, Metric, Pipeline, Stage
@@ -447,13 +449,14 @@ def _endpoint_container(pipeline: Pipeline, stage: Stage, stage_container: Mappi
 SIGNALS: dict[str, tuple[str, str, str]] = {
     "queuedRequests": ("sum(vllm:num_requests_waiting{{{sel}}})", "omni_stage_queued_requests", "AverageValue"),
     "kvCacheUsage": ("sum(vllm:kv_cache_usage_perc{{{sel}}})", "omni_stage_kv_cache_usage", "AverageValue"),
-    "pendingTransfers": ('sum(omni_kv_transfers{{{sel},state="pending"}})', "omni_stage_pending_transfers",
+    "pendingTransfers": ("sum(" + TRANSFERS.name + '{{{sel},state="pending"}})', "omni_stage_pending_transfers",
                          "AverageValue"),
-    "heldTransfers": ('sum(omni_kv_transfers{{{sel},state="held"}})', "omni_stage_held_transfers", "AverageValue"),
+    "heldTransfers": ("sum(" + TRANSFERS.name + '{{{sel},state="held"}})', "omni_stage_held_transfers",
+                      "AverageValue"),
     "oldestPendingTransferSeconds": (
-        'max(time() - (omni_kv_transfer_oldest_start_timestamp_seconds{{{sel},state="pending"}} > 0)) or vector(0)',
+        "max(time() - (" + OLDEST_START.name + '{{{sel},state="pending"}} > 0)) or vector(0)',
         "omni_stage_oldest_pending_transfer_seconds", "Value"),
-    "incomingTransfers": ("sum(omni_kv_edge_transfers_active{{{to}}})", "omni_stage_incoming_transfers",
+    "incomingTransfers": ("sum(" + EDGE_ACTIVE.name + "{{{to}}})", "omni_stage_incoming_transfers",
                           "AverageValue"),
 }
 

@@ -24,23 +24,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from omni_contract import metrics
+
 from .model import Pipeline
 
-# The families read (docs/metrics.md): the ledger's ...
-TRANSFERS = "omni_kv_transfers"
-HELD_BLOCKS = "omni_kv_held_blocks"
-OLDEST = "omni_kv_transfer_oldest_start_timestamp_seconds"
-RESOLVED = "omni_kv_transfers_resolved_total"
+# The families read (docs/metrics.md; their names are the metric contract's): the ledger's ...
+TRANSFERS = metrics.TRANSFERS.name
+HELD_BLOCKS = metrics.HELD_BLOCKS.name
+OLDEST = metrics.OLDEST_START.name
+RESOLVED = metrics.RESOLVED.name
 # ... the data path's, per edge (label to_stage) ...
-EDGE_ACTIVE = "omni_kv_edge_transfers_active"
-EDGE_OLDEST = "omni_kv_edge_oldest_active_start_timestamp_seconds"
-EDGE_RESOLVED = "omni_kv_edge_transfers_resolved_total"
-EDGE_HELD = "omni_kv_edge_transfers_held"
-EDGE_HELD_BLOCKS = "omni_kv_edge_held_blocks"
-EDGE_OLDEST_HELD = "omni_kv_edge_oldest_held_start_timestamp_seconds"
+EDGE_ACTIVE = metrics.EDGE_ACTIVE.name
+EDGE_OLDEST = metrics.EDGE_OLDEST_ACTIVE.name
+EDGE_RESOLVED = metrics.EDGE_RESOLVED.name
+EDGE_HELD = metrics.EDGE_HELD.name
+EDGE_HELD_BLOCKS = metrics.EDGE_HELD_BLOCKS.name
+EDGE_OLDEST_HELD = metrics.EDGE_OLDEST_HELD.name
 EDGE_GAUGES = (EDGE_ACTIVE, EDGE_OLDEST, EDGE_HELD, EDGE_HELD_BLOCKS, EDGE_OLDEST_HELD)
 # ... and a receiving stage's (label from_stage).
-RECEIVED = "omni_kv_received_total"
+RECEIVED = metrics.RECEIVED.name
 FAMILIES = (TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, *EDGE_GAUGES, EDGE_RESOLVED, RECEIVED)
 # vLLM's own request gauges: whether a draining AR pod still runs requests (rollout.py).
 REQUESTS_RUNNING = "vllm:num_requests_running"

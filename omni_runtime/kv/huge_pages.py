@@ -3,17 +3,16 @@
 A receiving stage reads each transfer's blocks straight out of the AR's KV cache with NIXL; on
 the host, UCX's ``cma`` transport does it with ``process_vm_readv``, which pins the AR's pages
 one by one as it copies. vLLM's CPU KV cache is plain ``malloc``ed memory, on 4 KiB pages
-wherever transparent huge pages are in their common ``madvise`` mode: a 117 MB request (7B
-shape) is ~28,700 pages to pin, and the copy ran at ~6 GB/s, 15-35 % slower than the same
-READs a moment later (benchmarks/kv_data_path.py). On 2 MiB pages it is ~56, and the copy runs
-at the memory's speed: hand-off to ack 0.043-0.053 s instead of 0.078-0.082 s for 4 x 117 MB
-(docs/connector.md). The engine's own attention reads the same cache through fewer TLB misses.
+wherever transparent huge pages are in their common ``madvise`` mode: a 7B request's KV is
+tens of thousands of pages to pin, and the copy ran slower than the same READs a moment
+later. On 2 MiB pages it is a few dozen, and the copy runs at the memory's speed
+(docs/connector.md, "Figures behind the design"). The engine's own attention reads the same cache through fewer TLB misses.
 
 :func:`collapse_into_huge_pages` asks the kernel for that on an existing range: ``madvise``
 ``MADV_HUGEPAGE`` (new faults and khugepaged use huge pages from now on), then
 ``MADV_COLLAPSE`` (Linux 6.1+) huge page by huge page: the pages already there are moved onto
-huge pages now, in the calling thread (~1.7 s for 712 MB on this project's VM, growing with
-the cache). It never raises: where THP is off, or ``MADV_COLLAPSE`` is missing or refused,
+huge pages now, in the calling thread (seconds for a cache of hundreds of MB, growing with
+its size; docs/connector.md). It never raises: where THP is off, or ``MADV_COLLAPSE`` is missing or refused,
 the outcome says why and how much was moved.
 """
 

@@ -14,12 +14,11 @@ Two ways, chosen per span by :func:`span_writer`:
   sampler skips the sampler call, whose answer is then known (sample, the attributes as
   given, no trace state). What it leaves out is what a span that is still open needs: its lock, a
   mutable attribute map validated per call, an event list appended under the lock, and the
-  processors' ``on_start``/``_on_ending``, which these processors ignore. Measured (this
-  machine, one span with 7 attributes and 2 events): about a fifth of the SDK path's time
-  (benchmarks/scheduler_overhead.py counts it per transfer; tests prove the two give the same
-  span). ``write_many`` writes several spans as ``write`` would one by one, reading what is
+  processors' ``on_start``/``_on_ending``, which these processors ignore: a fraction of the
+  SDK path's time (docs/tracing.md, "Cost"; benchmarks/scheduler_overhead.py counts it per transfer;
+  tests prove the two give the same span). ``write_many`` writes several spans as ``write`` would one by one, reading what is
   the same for all of them once (the processors, the tracer's switch, sampler, id generator
-  and limits, the current context's span): about 5.8 µs a span hot against 7.6.
+  and limits, the current context's span).
 * :class:`ApiSpanWriter` otherwise (another SDK's tracer, a processor that acts on start or
   ending, a tracer the SDK's internals do not look as expected): the public API, span by span.
 

@@ -2,9 +2,9 @@
 
 A process that imported torch and set up NIXL holds hundreds of thousands of objects that live
 as long as it does. Python's full (generation 2) collection walks all of them whenever enough
-young objects survive, on whichever thread allocates at that moment: measured on the 2-core
-machine, about 100 ms on the KV receiver's thread in the middle of a transfer's reads
-(benchmarks/kv_data_path.py), a round's hand-off to ack nearly doubled. Frozen, they are left
+young objects survive, on whichever thread allocates at that moment: on the KV receiver's
+thread, in the middle of a transfer's reads, a collection long enough to nearly double a
+round's hand-off to ack (docs/stages.md, "Receiving stage"). Frozen, they are left
 out of every collection. vLLM does the same for its engine core (``freeze_gc_heap`` after
 start-up), which covers a stage that is a vLLM engine; this is for the processes we start
 ourselves.

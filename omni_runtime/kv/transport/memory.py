@@ -2,12 +2,12 @@
 
 A payload's memory is written once, by the receiver's assembly, then read by its consumer.
 Fresh memory is expensive to write the first time: every page faults in (the kernel zeroes
-it; on a virtual machine the host may fault it in too). Measured on this project's VM,
-assembling 58 MB into fresh 4 KiB pages took 200-400 ms, into memory written before ~20 ms.
-So payload memory comes from a :class:`PayloadPool`: a payload's array is a view of a pooled
+it; on a virtual machine the host may fault it in too): on this project's VM ten to twenty
+times the time of writing memory written before (docs/connector.md, "Figures behind the
+design"). So payload memory comes from a :class:`PayloadPool`: a payload's array is a view of a pooled
 slab, and when the last view of it is gone (the consumer dropped it), the slab goes back to
 the pool for the next payload. Slabs are mapped on transparent huge pages where the kernel
-offers them (``madvise`` mode, the common default): 512 times fewer faults for new slabs.
+offers them (``madvise`` mode, the common default): a fault per 2 MiB instead of per 4 KiB.
 
 The pool keeps at most ``max_bytes`` of free slabs (beyond that a slab is unmapped when it
 comes back); memory in use is bounded elsewhere (the inbox's ``max_bytes``).

@@ -10,8 +10,9 @@ whose memory is read needs progress only on transports that emulate remote reads
 software (UCX's TCP). An agent made with ``progress_thread`` (the AR's) has NIXL's own
 progress thread do it: the thread waits on UCX's event descriptor, so it runs when a peer's
 request arrives and not otherwise. NIXL's Python wrapper fixes that thread's poll timeout at
-0, which makes it spin (measured: a whole core while idle), so the agent is made with a
-timeout of :data:`PROGRESS_THREAD_TIMEOUT_US` instead (measured: 1.5 ms of CPU in 2 s idle).
+0, which makes it spin (a whole core while idle), so the agent is made with a timeout of
+:data:`PROGRESS_THREAD_TIMEOUT_US` instead (next to no CPU while idle: docs/connector.md,
+"Figures behind the design").
 An agent without it is progressed by whoever calls :meth:`KVAgent.progress`.
 """
 
@@ -34,8 +35,9 @@ DONE, IN_PROGRESS, ERROR = "DONE", "PROC", "ERR"
 #: The poll timeout of NIXL's progress thread, in microseconds: how long the thread sleeps when
 #: UCX's event descriptor says nothing (a peer's request over TCP wakes it at once). Only
 #: progress that raises no event waits for it: UCX's own timers, and a wake-up that UCX's
-#: descriptor misses (NIXL's source keeps a timeout for that). Measured: 10 ms made the
-#: local rollout test (several stage processes on 2 CPUs) take 551 s instead of 200 s.
+#: descriptor misses (NIXL's source keeps a timeout for that). Much shorter, and idle agents
+#: take the CPU from busy ones where several stages share a host (docs/connector.md,
+#: "Figures behind the design").
 PROGRESS_THREAD_TIMEOUT_US = 100_000
 
 # The wrapper's progress-thread timeout is replaced while an agent is made (below): one at a time.
@@ -50,7 +52,8 @@ class NixlUnavailable(RuntimeError):
 #: the first agent is created):
 #: * CUDA IPC reads: UCX serves a GET between two processes' GPU memory with CUDA IPC only
 #:   when it detects NVLink; otherwise it bounces the bytes through host memory. The receiver
-#:   pulls (GET): measured on one H200, 0.6 GB/s bounced against 1,565 GB/s with IPC reads.
+#:   pulls (GET), and bounced reads were three orders of magnitude slower on an H200
+#:   (docs/connector.md, "Figures behind the design").
 #:   (Set only where an NVIDIA driver is: UCX warns about a variable of a module it lacks.)
 #: * the registration cache's unreleased-region limit vLLM sets too (a rare leak in UCX).
 UCX_DEFAULTS = {"UCX_RCACHE_MAX_UNRELEASED": "1024"}

@@ -1,4 +1,5 @@
-"""The control protocol between an AR stage's KV sender and a receiving stage (version 2).
+"""The control protocol between an AR stage's KV sender and a receiving stage (its version:
+``omni_contract.kv_wire.KV_WIRE_VERSION``).
 
 The KV bytes never travel here: the receiving stage reads them with NIXL straight out of the
 AR's registered KV cache. What travels, over one ZeroMQ DEALER (AR rank) -> ROUTER (receiver)

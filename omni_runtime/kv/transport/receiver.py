@@ -725,8 +725,8 @@ class KVReceiver:
         Answering it then (``read_done``), and going back to the socket before the next
         read is started (the loop polls without waiting while reads are queued), lets its
         verdict and ``ok`` travel while the next one copies. Started all together, even
-        the first transfer of a burst waited for every queued read's copy (4 x 117 MB:
-        ~80 ms; docs/connector.md). Reads the backend runs asynchronously (a GPU's) still
+        the first transfer of a burst waited for every queued read's copy (docs/connector.md,
+        "Figures behind the design"). Reads the backend runs asynchronously (a GPU's) still
         overlap: the next pass starts the next one without waiting."""
         self._move_reads_on(router)
         if self._queue and self._staging.available:

@@ -70,8 +70,8 @@ HEARTBEAT_TIMEOUT_MS = 3000
 #: progress a NIXL agent that has no progress thread of its own (the AR's has:
 #: ``KVAgent(progress_thread=True)``, woken by UCX when a peer's request arrives). Only UCX's
 #: TCP transport needs it (RDMA, CUDA IPC and cma read without the owner); each wake-up costs
-#: the AR's CPU. Measured here (7B shape, 4 x 117 MB): 2 ms -> 3 ms cut the sender's CPU per
-#: transfer by more than half and slowed TCP reads by ~15 % (5 ms: 50 %).
+#: the AR's CPU, and a longer period slows TCP reads: this one is where the two met
+#: (docs/connector.md, "Figures behind the design").
 PROGRESS_MS = 3
 #: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0

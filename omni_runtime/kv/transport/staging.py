@@ -2,7 +2,7 @@
 ``slot_bytes``.
 
 On a GPU a slot is device memory, registered with NIXL once (registering costs: pinning,
-keys; ~18 ms for 117 MB here): the receiver reads every transfer through a slot, in chunks
+keys; docs/connector.md, "Figures behind the design"): the receiver reads every transfer through a slot, in chunks
 of whole layers (or of blocks, for a layer larger than a slot), and assembles each chunk on
 the device into the host payload. On the host a slot has no memory of its own: reads land
 in the payload's memory (landing.py) and the slot only bounds the reads in flight and the
@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOT_BYTES = 64 << 20
 #: On the host a slot has no memory; its size only bounds one READ, which UCX's ``cma``
-#: transport copies inside the post, on the receiver's thread (256 MiB: ~40 ms at 6.5 GB/s).
-#: A 7B request's 117 MB then goes in one READ: offer to ack 0.091 s where 64 MiB chunks took
-#: 0.0995 s (synthetic rank, medians of 6 rounds each, side by side).
+#: transport copies inside the post, on the receiver's thread: large enough that a 7B
+#: request's KV goes in one READ, which was faster than smaller chunks (docs/connector.md,
+#: "Figures behind the design").
 DEFAULT_HOST_SLOT_BYTES = 256 << 20
 DEFAULT_SLOTS = 4
 

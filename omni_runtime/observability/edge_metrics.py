@@ -61,7 +61,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from omni_contract.metrics import (
     EDGE_ACTIVE,
@@ -78,7 +78,7 @@ from omni_contract.metrics import (
 )
 from omni_runtime.observability.metrics import (
     BYTES_BUCKETS,
-    GAUGE_MODE,
+    register,
     _Histogram,
     _Latest,
     duration_buckets,
@@ -106,25 +106,14 @@ class _Families:
     def __init__(self, registry: CollectorRegistry | None, buckets: tuple[float, ...]) -> None:
         self.registry = registry
         self.buckets = buckets
-        r = registry
-        self.active = Gauge(EDGE_ACTIVE.name, EDGE_ACTIVE.help, EDGE_ACTIVE.labels, registry=r,
-                            multiprocess_mode=GAUGE_MODE)
-        self.oldest = Gauge(EDGE_OLDEST_ACTIVE.name, EDGE_OLDEST_ACTIVE.help,
-                            EDGE_OLDEST_ACTIVE.labels, registry=r, multiprocess_mode=GAUGE_MODE)
-        self.held = Gauge(EDGE_HELD.name, EDGE_HELD.help, EDGE_HELD.labels, registry=r,
-                          multiprocess_mode=GAUGE_MODE)
-        self.held_blocks = Gauge(EDGE_HELD_BLOCKS.name, EDGE_HELD_BLOCKS.help,
-                                 EDGE_HELD_BLOCKS.labels, registry=r,
-                                 multiprocess_mode=GAUGE_MODE)
-        self.oldest_held = Gauge(EDGE_OLDEST_HELD.name, EDGE_OLDEST_HELD.help,
-                                 EDGE_OLDEST_HELD.labels, registry=r,
-                                 multiprocess_mode=GAUGE_MODE)
-        self.resolved = Counter(EDGE_RESOLVED.registered_name, EDGE_RESOLVED.help,
-                                EDGE_RESOLVED.labels, registry=r)
-        self.duration = Histogram(EDGE_DURATION.name, EDGE_DURATION.help, EDGE_DURATION.labels,
-                                  registry=r, buckets=buckets)
-        self.bytes = Histogram(EDGE_BYTES.name, EDGE_BYTES.help, EDGE_BYTES.labels, registry=r,
-                               buckets=BYTES_BUCKETS)
+        self.active = register(EDGE_ACTIVE, registry)
+        self.oldest = register(EDGE_OLDEST_ACTIVE, registry)
+        self.held = register(EDGE_HELD, registry)
+        self.held_blocks = register(EDGE_HELD_BLOCKS, registry)
+        self.oldest_held = register(EDGE_OLDEST_HELD, registry)
+        self.resolved = register(EDGE_RESOLVED, registry)
+        self.duration = register(EDGE_DURATION, registry, buckets)
+        self.bytes = register(EDGE_BYTES, registry, BYTES_BUCKETS)
 
     def unregister(self) -> None:
         if self.registry is not None:

@@ -82,6 +82,22 @@ FAMILIES: tuple[Family, ...] = LEDGER_FAMILIES
 FAMILIES_BY_NAME = {f.name: f for f in FAMILIES}
 
 
+def register(family: Family, registry: CollectorRegistry | None,
+             buckets: tuple[float, ...] | None = None) -> Gauge | Counter | Histogram:
+    """A contract family registered in ``registry`` (None: in none) as its type says: a gauge
+    in the ``livemostrecent`` multiprocess mode, a counter under its name without ``_total``
+    (prometheus_client appends it), a histogram with ``buckets``."""
+    if family.type == "gauge":
+        return Gauge(family.name, family.help, family.labels, registry=registry,
+                     multiprocess_mode=GAUGE_MODE)
+    if family.type == "counter":
+        return Counter(family.registered_name, family.help, family.labels, registry=registry)
+    if family.type == "histogram":
+        return Histogram(family.name, family.help, family.labels, registry=registry,
+                         buckets=buckets)
+    raise ValueError(f"{family.name}: no metric type {family.type!r}")
+
+
 def duration_buckets(deadline_seconds: float | None) -> tuple[float, ...]:
     """The duration buckets plus the deadline, so 'expired at the deadline' is its own bucket."""
     buckets = set(BASE_DURATION_BUCKETS)
@@ -96,23 +112,14 @@ class _Families:
     def __init__(self, registry: CollectorRegistry | None, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
         self.registry = registry
-        r = registry
-        self.transfers = Gauge(TRANSFERS.name, TRANSFERS.help, TRANSFERS.labels, registry=r,
-                               multiprocess_mode=GAUGE_MODE)
-        self.held_blocks = Gauge(HELD_BLOCKS.name, HELD_BLOCKS.help, HELD_BLOCKS.labels,
-                                 registry=r, multiprocess_mode=GAUGE_MODE)
-        self.oldest = Gauge(OLDEST_START.name, OLDEST_START.help, OLDEST_START.labels,
-                            registry=r, multiprocess_mode=GAUGE_MODE)
-        self.started = Counter(STARTED.registered_name, STARTED.help, STARTED.labels,
-                               registry=r)
-        self.resolved = Counter(RESOLVED.registered_name, RESOLVED.help, RESOLVED.labels,
-                                registry=r)
-        self.duration = Histogram(DURATION.name, DURATION.help, DURATION.labels, registry=r,
-                                  buckets=buckets)
-        self.hold = Histogram(HOLD_DURATION.name, HOLD_DURATION.help, HOLD_DURATION.labels,
-                              registry=r, buckets=buckets)
-        self.bytes = Histogram(TRANSFER_BYTES.name, TRANSFER_BYTES.help, TRANSFER_BYTES.labels,
-                               registry=r, buckets=BYTES_BUCKETS)
+        self.transfers = register(TRANSFERS, registry)
+        self.held_blocks = register(HELD_BLOCKS, registry)
+        self.oldest = register(OLDEST_START, registry)
+        self.started = register(STARTED, registry)
+        self.resolved = register(RESOLVED, registry)
+        self.duration = register(DURATION, registry, buckets)
+        self.hold = register(HOLD_DURATION, registry, buckets)
+        self.bytes = register(TRANSFER_BYTES, registry, BYTES_BUCKETS)
 
     def unregister(self) -> None:
         if self.registry is None:

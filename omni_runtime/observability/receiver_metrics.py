@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from omni_contract.kv_wire import REJECT_CODES
 from omni_contract.metrics import (
@@ -40,7 +40,7 @@ from omni_contract.metrics import (
     RECEIVER_WAIT,
     Family,
 )
-from omni_runtime.observability.metrics import BYTES_BUCKETS, GAUGE_MODE
+from omni_runtime.observability.metrics import BYTES_BUCKETS, register
 from omni_runtime.observability.transport_metrics import thread_up_setter
 
 RECEIVE_OUTCOMES: tuple[str, ...] = ("delivered", "rejected")
@@ -62,24 +62,13 @@ FAMILIES: tuple[Family, ...] = RECEIVER_FAMILIES
 class _Families:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.registry = registry
-        r = registry
-        self.received = Counter(RECEIVED.registered_name, RECEIVED.help, RECEIVED.labels,
-                                registry=r)
-        self.rejected = Counter(RECEIVER_REJECTED.registered_name, RECEIVER_REJECTED.help,
-                                RECEIVER_REJECTED.labels, registry=r)
-        self.received_bytes = Histogram(RECEIVED_BYTES.name, RECEIVED_BYTES.help,
-                                        RECEIVED_BYTES.labels, registry=r,
-                                        buckets=BYTES_BUCKETS)
-        self.payloads = Gauge(RECEIVER_BUFFERED_PAYLOADS.name, RECEIVER_BUFFERED_PAYLOADS.help,
-                              RECEIVER_BUFFERED_PAYLOADS.labels, registry=r,
-                              multiprocess_mode=GAUGE_MODE)
-        self.bytes = Gauge(RECEIVER_BUFFERED_BYTES.name, RECEIVER_BUFFERED_BYTES.help,
-                           RECEIVER_BUFFERED_BYTES.labels, registry=r,
-                           multiprocess_mode=GAUGE_MODE)
-        self.evicted = Counter(RECEIVER_EVICTED.registered_name, RECEIVER_EVICTED.help,
-                               RECEIVER_EVICTED.labels, registry=r)
-        self.wait = Histogram(RECEIVER_WAIT.name, RECEIVER_WAIT.help, RECEIVER_WAIT.labels,
-                              registry=r, buckets=WAIT_BUCKETS)
+        self.received = register(RECEIVED, registry)
+        self.rejected = register(RECEIVER_REJECTED, registry)
+        self.received_bytes = register(RECEIVED_BYTES, registry, BYTES_BUCKETS)
+        self.payloads = register(RECEIVER_BUFFERED_PAYLOADS, registry)
+        self.bytes = register(RECEIVER_BUFFERED_BYTES, registry)
+        self.evicted = register(RECEIVER_EVICTED, registry)
+        self.wait = register(RECEIVER_WAIT, registry, WAIT_BUCKETS)
 
 
 # One set of families per registry (several receivers in one process, tests re-creating

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -52,9 +53,33 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
+    """A port free on ``host`` now, for a stage that binds it a moment later: one below the
+    kernel's ephemeral range, which the kernel never hands out by itself (a port 0 would come
+    from that range, where any outgoing connection's local end could take it before the stage
+    binds it: a new revision's receiver once failed so, "Address already in use")."""
+    high = _ephemeral_ports()[0]
+    low = max(1024, high // 3)
+    for _ in range(256):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: what the kernel gives
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for connections' local ends (Linux's default otherwise)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def local_stage_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -191,3 +191,21 @@ def test_the_watcher_reports_a_changed_file_once(tmp_path):
     assert reload() is None and loads == []
     path.write_text("a: 2\n")
     assert reload() == "a: 2\n" and reload() is None and loads == ["a: 2\n"]
+
+
+def test_the_ports_up_picks_lie_below_the_kernels_ephemeral_range_and_are_free():
+    """A stage binds its port a moment after the supervisor picked it: a port from the
+    kernel's ephemeral range could be taken meanwhile by any connection's local end (a new
+    revision's receiver failed to start so, "Address already in use"); below it, nothing
+    takes a port by itself."""
+    import socket
+
+    from omni_operator.local import _ephemeral_ports, free_port
+
+    first, _ = _ephemeral_ports()
+    ports = {free_port("127.0.0.1") for _ in range(50)}
+    assert all(1024 <= p < first for p in ports), sorted(ports)
+    assert len(ports) > 1, "picked at random, not one port over and over"
+    for port in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: the pick held nothing open

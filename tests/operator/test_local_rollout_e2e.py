@@ -110,8 +110,9 @@ def test_a_changed_file_rolls_the_local_pipeline_receivers_first_and_loses_nothi
         wait_until(lambda: len(results) >= 3, 120, "three requests through the front")
 
         pipeline_file(spec, 384)  # an engine argument of the AR stage: a new revision
-        wait_until(lambda: "rolled out" in up_log() or up.poll() is not None, 1200, "the rollout")
-        assert up.poll() is None, up_log()[-3000:]
+        wait_until(lambda: "rolled out" in up_log() or "did not come up" in up_log()
+                   or up.poll() is not None, 1200, "the rollout")
+        assert up.poll() is None and "did not come up" not in up_log(), up_log()[-3000:]
         after = json.loads((workdir / "endpoints.json").read_text())
         assert after["revision"] != before["revision"] and after["front"] == front
         done = len(results)

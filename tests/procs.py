@@ -52,6 +52,42 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {base}-{base + PORT_BLOCK - 1}")
 
 
+def shell_commands(code: str, substitutions: dict[str, str] | None = None
+                   ) -> list[tuple[dict[str, str], list[str]]]:
+    """A README's bash block as commands to run: (environment assignments, argv) each.
+    Comment lines dropped, continuation lines joined, commands split where one ends with
+    ``&``; ``substitutions`` (``$(mktemp -d)`` -> a directory, say) replaced first; the
+    ``NAME=value`` words before the program are the environment's."""
+    import re
+    import shlex
+
+    for old, new in (substitutions or {}).items():
+        code = code.replace(old, new)
+    code = "\n".join(line for line in code.splitlines() if not line.startswith("#"))
+    code = re.sub(r"\\\n\s*", " ", code)
+    commands = []
+    for command in re.split(r"&\s*\n", code):
+        words = shlex.split(command)
+        env = {}
+        while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        if words:
+            commands.append((env, words))
+    return commands
+
+
+def readme_block(containing: str) -> str:
+    """The README's first bash block that holds ``containing``."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        if containing in block:
+            return block
+    raise AssertionError(f"no bash block of README.md holds {containing!r}")
+
+
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes, dict[str, str]]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:

@@ -502,12 +502,64 @@ def test_as_omni_stage_runs_it_each_contract_family_is_exported_once(serve):
                      to_stage=TO_STAGE, outcome="failed") == 1
 
 
-@pytest.mark.parametrize("composed", [False, True], ids=["alone", "under-multi-connector"])
-def test_a_plain_vllm_serve_with_the_real_connector_shows_its_transfers(tmp_path, composed):
+def test_the_readmes_plain_vllm_serve_shows_every_family_of_the_metric_contract(tmp_path):
+    """The README's plain ``vllm serve`` command, run as written (the model, the next stage's
+    address and vLLM's CPU settings put in; its fresh PROMETHEUS_MULTIPROC_DIR a directory of
+    this test), with the real OmniKVConnector and a receiver in this process reading the
+    server's KV cache: its /metrics shows every family of the metric contract that a sending
+    stage exports (the ledger's, the per-edge ones, the transport thread's) and the
+    connector-stats path's hand-off histogram, each transfer counted once; vLLM's log line
+    counts them too."""
+    from omni_contract.metrics import EDGE_FAMILIES, LEDGER_FAMILIES, STARTED, TRANSPORT_THREAD_UP
+    from omni_runtime.kv.transport import KVInbox, KVReceiver
+    from procs import readme_block, shell_commands
+
+    inbox = KVInbox()
+    receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage="next").start()
+    try:
+        directory = tmp_path / "prometheus-multiproc"
+        directory.mkdir()
+        ((env, argv),) = shell_commands(readme_block("tcp://next-stage:9600"),
+                                        {"$(mktemp -d)": str(directory)})
+        assert argv[0] == "python" and set(env) == {"PROMETHEUS_MULTIPROC_DIR"}, (env, argv)
+        server = Server(tmp_path, {}, multiproc=False)
+        argv = [a.replace("tcp://next-stage:9600", receiver.endpoint) for a in argv]
+        model = server.cmd[server.cmd.index("--model") + 1]
+        server.cmd = [sys.executable, *[model if a == "MODEL" else a for a in argv[1:]],
+                      "--served-model-name", MODEL, "--host", "127.0.0.1",
+                      "--port", str(server.port), "--kv-cache-memory-bytes", str(64 << 20),
+                      "--max-model-len", "512", "--enforce-eager"]
+        server.env = {**server.env, **env}
+        server.start()
+        try:
+            logged = _run_three_requests_and_wait_for_the_log(server)
+            assert logged == {"Acked": 3, "Failed": 0}
+            assert receiver.num_delivered == 3
+            stored = sum(p["bytes"] for p in inbox.list())
+            text = _poll_metrics(server, RESOLVED_FAMILY, 3, outcome="acked")
+            for family in (*LEDGER_FAMILIES, *EDGE_FAMILIES, TRANSPORT_THREAD_UP):
+                sample = family.name + ("_count" if family.type == "histogram" else "")
+                assert _samples(text, sample), f"{family.name} is not on /metrics"
+            assert _value_in(text, STARTED.name) == 3
+            assert _value_in(text, BYTES_FAMILY + "_count") == 3
+            assert _value_in(text, BYTES_FAMILY + "_sum") == stored
+            assert _value_in(text, HANDOFF_FAMILY + "_count", outcome="acked") == 3
+            assert _value_in(text, TRANSPORT_THREAD_UP.name, thread="sender") == 1
+            # Each once: the observability layer's series (no vLLM engine label), none from
+            # the connector-stats path besides its own hand-off histogram.
+            assert all("engine" not in s.labels for s in _samples(text, RESOLVED_FAMILY))
+        finally:
+            server.stop()
+    finally:
+        receiver.close()
+
+
+def test_a_plain_vllm_serve_with_the_real_connector_under_multi_connector_shows_its_transfers(
+        tmp_path):
     """The real OmniKVConnector (NIXL: a receiver in this process reads the server's KV
-    cache), no omni-stage: vLLM's periodic log line and /metrics count every transfer the
-    receiver stored, with its payload bytes; alone and as a MultiConnector's child beside
-    vLLM's ExampleConnector."""
+    cache) as a MultiConnector's child beside vLLM's ExampleConnector, no omni-stage and no
+    multiprocess directory: vLLM's periodic log line and /metrics (its connector-stats path)
+    count every transfer the receiver stored, with its payload bytes."""
     from omni_runtime.kv.connector_config import kv_transfer_config
     from omni_runtime.kv.transport import KVInbox, KVReceiver
 
@@ -515,13 +567,12 @@ def test_a_plain_vllm_serve_with_the_real_connector_shows_its_transfers(tmp_path
     receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage=TO_STAGE).start()
     try:
         config = kv_transfer_config({TO_STAGE: receiver.endpoint})
-        if composed:
-            storage = tmp_path / "example-connector"
-            storage.mkdir()
-            example = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
-                       "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-            config = {"kv_connector": "MultiConnector", "kv_role": "kv_producer",
-                      "kv_connector_extra_config": {"connectors": [example, config]}}
+        storage = tmp_path / "example-connector"
+        storage.mkdir()
+        example = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                   "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        config = {"kv_connector": "MultiConnector", "kv_role": "kv_producer",
+                  "kv_connector_extra_config": {"connectors": [example, config]}}
         server = Server(tmp_path, config, multiproc=False)
         server.cmd[server.cmd.index("--additional-config") + 1] = json.dumps(
             {"omni_kv_config": {"stage_name": STAGE, "need_send_cache": True,
@@ -537,9 +588,8 @@ def test_a_plain_vllm_serve_with_the_real_connector_shows_its_transfers(tmp_path
             assert _value_in(text, BYTES_FAMILY + "_count", **labels) == 3
             assert _value_in(text, BYTES_FAMILY + "_sum", **labels) == stored
             assert _value_in(text, HANDOFF_FAMILY + "_count", **labels, outcome="acked") == 3
-            if composed:
-                log = server.log_path.read_text(errors="replace")
-                assert "OmniKVConnector={" in log
+            log = server.log_path.read_text(errors="replace")
+            assert "OmniKVConnector={" in log
         finally:
             server.stop()
     finally:

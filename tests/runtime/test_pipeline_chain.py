@@ -367,16 +367,11 @@ def test_the_thinker_killed_with_hand_offs_in_flight_leaves_no_client_waiting(du
 # ---------------------------------------------------------------------------- plain vllm serve
 
 
-def readme_pair_commands() -> list[list[str]]:
-    """The README's plain ``vllm serve`` pair and endpoint, as argv lists."""
-    import re
-    import shlex
+def readme_pair_commands() -> list[tuple[dict[str, str], list[str]]]:
+    """The README's plain ``vllm serve`` pair and endpoint: (environment, argv) each."""
+    from procs import readme_block, shell_commands
 
-    text = (HERE.parents[1] / "README.md").read_text()
-    block = re.search(r"```bash\n(# the talker: requests made of.*?)```", text, re.S).group(1)
-    code = "\n".join(line for line in block.splitlines() if not line.startswith("#"))
-    code = re.sub(r"\\\n\s*", " ", code)  # continuation lines
-    return [shlex.split(command) for command in re.split(r"&\s*\n", code) if command.strip()]
+    return shell_commands(readme_block("# the talker: requests made of"))
 
 
 def test_a_plain_vllm_pair_behind_the_endpoint_runs_as_the_readme_shows(tmp_path):
@@ -394,7 +389,7 @@ def test_a_plain_vllm_pair_behind_the_endpoint_runs_as_the_readme_shows(tmp_path
            "--kv-cache-memory-bytes", str(32 << 20)]
     procs = []
     try:
-        for n, argv in enumerate(readme_pair_commands()):
+        for n, (env, argv) in enumerate(readme_pair_commands()):
             argv = [model if a == "MODEL" else ports.get(a, a) for a in argv]
             argv = [a.replace("127.0.0.1:9600", f"127.0.0.1:{ports['9600']}")
                      .replace("0.0.0.0:9600", f"127.0.0.1:{ports['9600']}")
@@ -403,7 +398,7 @@ def test_a_plain_vllm_pair_behind_the_endpoint_runs_as_the_readme_shows(tmp_path
             argv = [sys.executable, *argv[1:], *(cpu if "vllm" in argv[2] else [])]
             log = open(tmp_path / f"{n}.log", "wb")
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True, env={**os.environ}))
+                                          start_new_session=True, env={**os.environ, **env}))
         for port, proc in zip(("8001", "8000", "8080"), procs):
             wait_until(lambda: http_get(f"http://127.0.0.1:{ports[port]}/health", timeout=2)[0]
                        == 200, 240, f"port {port} to serve", proc=proc,

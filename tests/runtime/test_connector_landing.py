@@ -145,3 +145,19 @@ def test_a_retired_slab_is_never_handed_out_again(agent):
     assert pool.free_bytes == 0
     other, _ = pool.take(2 << 20)
     assert other is not slab and pool.registered == 2
+
+
+def test_the_free_slabs_hand_out_the_smallest_that_fits_within_twice_the_size():
+    """The re-use rule both of the transport's pools keep (payload memory, landing memory)."""
+    from omni_runtime.kv.transport.memory import FreeSlabs
+
+    free = FreeSlabs()
+    for size, name in ((8, "eight"), (3, "three"), (5, "five"), (20, "twenty")):
+        free.put(size, name)
+    assert free.bytes == 36
+    assert free.take(4) == "five"       # 3 is too small; 5 is the smallest that fits
+    assert free.take(4) == "eight"      # 8 <= 2 x 4
+    assert free.take(4) is None         # 20 > 2 x 4: kept for a larger request
+    assert free.take(11) == "twenty"
+    assert free.bytes == 3
+    assert free.pop_largest() == "three" and free.pop_largest() is None and free.bytes == 0

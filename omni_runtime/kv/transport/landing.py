@@ -22,7 +22,6 @@ not be released: the backend may still write it) is never handed out or unmapped
 
 from __future__ import annotations
 
-import bisect
 import logging
 import mmap
 import queue
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_runtime.kv.transport.memory import empty_huge
+from omni_runtime.kv.transport.memory import FreeSlabs, empty_huge
 from omni_runtime.kv.transport.nixl_agent import KVAgent
 
 logger = logging.getLogger(__name__)
@@ -54,8 +53,7 @@ class LandingPool:
     def __init__(self, agent: KVAgent, max_free_bytes: int) -> None:
         self._agent = agent
         self.max_free_bytes = max_free_bytes
-        self._free: list[tuple[int, int, LandingSlab]] = []  # (size, id, slab), by size
-        self._free_bytes = 0
+        self._free = FreeSlabs()
         self._returned: queue.SimpleQueue[LandingSlab] = queue.SimpleQueue()
         self._retired: list[LandingSlab] = []
         self._closed = False
@@ -66,10 +64,8 @@ class LandingPool:
         """A registered slab of at least ``nbytes`` and a uint8 array of ``nbytes`` on it;
         the slab comes back when the array and every view of it are gone."""
         self.collect()
-        i = bisect.bisect_left(self._free, (nbytes,))
-        if i < len(self._free) and self._free[i][0] <= 2 * nbytes:
-            size, _, slab = self._free.pop(i)
-            self._free_bytes -= size
+        slab = self._free.take(nbytes)
+        if slab is not None:
             self.reused += 1
         else:
             memory = empty_huge(nbytes)
@@ -106,25 +102,21 @@ class LandingPool:
             except queue.Empty:
                 break
             slab.finalizer = None
-            bisect.insort(self._free, (slab.size, id(slab), slab))
-            self._free_bytes += slab.size
-        while self._free_bytes > self.max_free_bytes:
-            size, _, slab = self._free.pop()
-            self._free_bytes -= size
-            self._unmap(slab)
+            self._free.put(slab.size, slab)
+        while self._free.bytes > self.max_free_bytes:
+            self._unmap(self._free.pop_largest())
 
     def close(self) -> None:
         """Deregister and unmap the free slabs; slabs still in payloads stay mapped (their
         arrays keep them) and are deregistered by the agent's close."""
         self.collect()
         self._closed = True
-        while self._free:
-            self._unmap(self._free.pop()[2])
-        self._free_bytes = 0
+        while (slab := self._free.pop_largest()) is not None:
+            self._unmap(slab)
 
     @property
     def free_bytes(self) -> int:
-        return self._free_bytes
+        return self._free.bytes
 
     def _unmap(self, slab: LandingSlab) -> None:
         try:

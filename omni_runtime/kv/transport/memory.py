@@ -36,6 +36,38 @@ def empty_huge(nbytes: int) -> mmap.mmap:
     return memory
 
 
+class FreeSlabs:
+    """Free slabs by size, for re-use: the rule both pools of this transport keep (this
+    module's payload memory, landing.py's registered landing memory). Not thread-safe: its
+    pool holds it under its own discipline."""
+
+    def __init__(self) -> None:
+        self._free: list[tuple[int, int, object]] = []  # (size, id, slab), by size
+        self.bytes = 0
+
+    def take(self, nbytes: int) -> object | None:
+        """The smallest free slab that fits ``nbytes``, if it is not more than twice that
+        size (a larger one would hold memory a smaller payload does not use); else None."""
+        i = bisect.bisect_left(self._free, (nbytes,))
+        if i < len(self._free) and self._free[i][0] <= 2 * nbytes:
+            size, _, slab = self._free.pop(i)
+            self.bytes -= size
+            return slab
+        return None
+
+    def put(self, size: int, slab: object) -> None:
+        bisect.insort(self._free, (size, id(slab), slab))
+        self.bytes += size
+
+    def pop_largest(self) -> object | None:
+        """The largest free slab, taken out (None when there is none)."""
+        if not self._free:
+            return None
+        size, _, slab = self._free.pop()
+        self.bytes -= size
+        return slab
+
+
 class PayloadPool:
     """Arrays for payloads, on re-used slabs. Thread-safe: a slab may come back from any
     thread (whichever drops the last view of its array). ``pinned``: slabs in page-locked
@@ -46,8 +78,7 @@ class PayloadPool:
         self.max_bytes = max_bytes
         self.pinned = pinned
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int, object]] = []  # (size, id, slab), by size
-        self._free_bytes = 0
+        self._free = FreeSlabs()
         self.reused = 0
         self.mapped = 0
 
@@ -68,11 +99,8 @@ class PayloadPool:
 
     def _take(self, nbytes: int):
         with self._lock:
-            # The smallest free slab that fits, if it is not more than twice the size.
-            i = bisect.bisect_left(self._free, (nbytes,))
-            if i < len(self._free) and self._free[i][0] <= 2 * nbytes:
-                size, _, slab = self._free.pop(i)
-                self._free_bytes -= size
+            slab = self._free.take(nbytes)
+            if slab is not None:
                 self.reused += 1
                 return slab
             self.mapped += 1
@@ -85,9 +113,8 @@ class PayloadPool:
     def _give_back(self, slab) -> None:
         size = slab.numel() if self.pinned else len(slab)
         with self._lock:
-            if self._free_bytes + size <= self.max_bytes:
-                bisect.insort(self._free, (size, id(slab), slab))
-                self._free_bytes += size
+            if self._free.bytes + size <= self.max_bytes:
+                self._free.put(size, slab)
                 return
         if not self.pinned:
             slab.close()
@@ -95,4 +122,4 @@ class PayloadPool:
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            return self._free_bytes
+            return self._free.bytes

@@ -25,8 +25,8 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import random
+import signal
 import socket
 import subprocess
 import sys

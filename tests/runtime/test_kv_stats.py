@@ -6,6 +6,7 @@ connector that records through the same API (tests/stats_kv_connector.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -502,6 +503,30 @@ def test_as_omni_stage_runs_it_each_contract_family_is_exported_once(serve):
                      to_stage=TO_STAGE, outcome="failed") == 1
 
 
+@contextlib.contextmanager
+def _receiver(stage: str):
+    """A real KV receiver in this process (NIXL reads the server's KV cache into its inbox)."""
+    from omni_runtime.kv.transport import KVInbox, KVReceiver
+
+    inbox = KVInbox()
+    receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage=stage).start()
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
+def _three_delivered(server: Server, receiver) -> tuple[str, int]:
+    """Three requests through the started ``server``, each transfer delivered to
+    ``receiver`` and counted acked on vLLM's log line: the /metrics page once its resolved
+    counter says so, and the bytes the receiver stored."""
+    logged = _run_three_requests_and_wait_for_the_log(server)
+    assert logged == {"Acked": 3, "Failed": 0}
+    assert receiver.num_delivered == 3
+    stored = sum(p["bytes"] for p in receiver.inbox.list())
+    return _poll_metrics(server, RESOLVED_FAMILY, 3, outcome="acked"), stored
+
+
 def test_the_readmes_plain_vllm_serve_shows_every_family_of_the_metric_contract(tmp_path):
     """The README's plain ``vllm serve`` command, run as written (the model, the next stage's
     address and vLLM's CPU settings put in; its fresh PROMETHEUS_MULTIPROC_DIR a directory of
@@ -511,12 +536,9 @@ def test_the_readmes_plain_vllm_serve_shows_every_family_of_the_metric_contract(
     connector-stats path's hand-off histogram, each transfer counted once; vLLM's log line
     counts them too."""
     from omni_contract.metrics import EDGE_FAMILIES, LEDGER_FAMILIES, STARTED, TRANSPORT_THREAD_UP
-    from omni_runtime.kv.transport import KVInbox, KVReceiver
     from procs import readme_block, shell_commands
 
-    inbox = KVInbox()
-    receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage="next").start()
-    try:
+    with _receiver("next") as receiver:
         directory = tmp_path / "prometheus-multiproc"
         directory.mkdir()
         ((env, argv),) = shell_commands(readme_block("tcp://next-stage:9600"),
@@ -532,11 +554,7 @@ def test_the_readmes_plain_vllm_serve_shows_every_family_of_the_metric_contract(
         server.env = {**server.env, **env}
         server.start()
         try:
-            logged = _run_three_requests_and_wait_for_the_log(server)
-            assert logged == {"Acked": 3, "Failed": 0}
-            assert receiver.num_delivered == 3
-            stored = sum(p["bytes"] for p in inbox.list())
-            text = _poll_metrics(server, RESOLVED_FAMILY, 3, outcome="acked")
+            text, stored = _three_delivered(server, receiver)
             for family in (*LEDGER_FAMILIES, *EDGE_FAMILIES, TRANSPORT_THREAD_UP):
                 sample = family.name + ("_count" if family.type == "histogram" else "")
                 assert _samples(text, sample), f"{family.name} is not on /metrics"
@@ -550,8 +568,6 @@ def test_the_readmes_plain_vllm_serve_shows_every_family_of_the_metric_contract(
             assert all("engine" not in s.labels for s in _samples(text, RESOLVED_FAMILY))
         finally:
             server.stop()
-    finally:
-        receiver.close()
 
 
 def test_a_plain_vllm_serve_with_the_real_connector_under_multi_connector_shows_its_transfers(
@@ -561,11 +577,8 @@ def test_a_plain_vllm_serve_with_the_real_connector_under_multi_connector_shows_
     multiprocess directory: vLLM's periodic log line and /metrics (its connector-stats path)
     count every transfer the receiver stored, with its payload bytes."""
     from omni_runtime.kv.connector_config import kv_transfer_config
-    from omni_runtime.kv.transport import KVInbox, KVReceiver
 
-    inbox = KVInbox()
-    receiver = KVReceiver("tcp://127.0.0.1:0", inbox, stage=TO_STAGE).start()
-    try:
+    with _receiver(TO_STAGE) as receiver:
         config = kv_transfer_config({TO_STAGE: receiver.endpoint})
         storage = tmp_path / "example-connector"
         storage.mkdir()
@@ -579,11 +592,7 @@ def test_a_plain_vllm_serve_with_the_real_connector_under_multi_connector_shows_
                                 "kv_transfer_criteria": {"type": "prefill_finished"}}})
         server.start()
         try:
-            logged = _run_three_requests_and_wait_for_the_log(server)
-            assert logged == {"Acked": 3, "Failed": 0}
-            assert receiver.num_delivered == 3
-            stored = sum(p["bytes"] for p in inbox.list())
-            text = _poll_metrics(server, RESOLVED_FAMILY, 3, outcome="acked")
+            text, stored = _three_delivered(server, receiver)
             labels = {"model_name": MODEL, "engine": "0", "stage": STAGE, "to_stage": TO_STAGE}
             assert _value_in(text, BYTES_FAMILY + "_count", **labels) == 3
             assert _value_in(text, BYTES_FAMILY + "_sum", **labels) == stored
@@ -592,5 +601,3 @@ def test_a_plain_vllm_serve_with_the_real_connector_under_multi_connector_shows_
             assert "OmniKVConnector={" in log
         finally:
             server.stop()
-    finally:
-        receiver.close()

@@ -20,5 +20,7 @@ the operator: both import this package, which imports only the standard library.
   ranges' order and its ids' bound;
 * :mod:`omni_contract.metrics`: the metric contract's families (names, types, labels, help),
   which the runtime registers and the operator and the monitoring mixin read;
+* :mod:`omni_contract.edges`: an edge of the stage graph, fed whole or streamed: its form in
+  ``inputs``, a stream's cadence, deadlines and credits, their defaults and bounds;
 * :mod:`omni_contract.ports`: a stage's ``http`` and ``kv`` ports and the pipeline endpoint's.
 """

@@ -18,6 +18,10 @@ STAGE_LABELS: tuple[str, ...] = ("stage", "model_name")
 #: on the receiving side (bounded: the stages the configuration names).
 TO_STAGE_LABELS: tuple[str, ...] = STAGE_LABELS + ("to_stage",)
 FROM_STAGE_LABELS: tuple[str, ...] = STAGE_LABELS + ("from_stage",)
+#: A streamed edge, named whole on both of its ends: ``stage`` says which end reports (the
+#: producer's series have ``stage == from_stage``, the consumer's ``stage == to_stage``), so one
+#: family serves a stage that consumes one stream and produces another.
+EDGE_LABELS: tuple[str, ...] = STAGE_LABELS + ("from_stage", "to_stage")
 
 
 @dataclass(frozen=True)
@@ -115,3 +119,30 @@ RECEIVER_FAMILIES: tuple[Family, ...] = (RECEIVED, RECEIVER_REJECTED, RECEIVED_B
 TRANSPORT_THREAD_UP = Family("omni_kv_transport_thread_up", "gauge", STAGE_LABELS + ("thread",),
                              "1 while the KV transport's thread runs (sender: the AR stage's I/O "
                              "thread, receiver: the receiving stage's), 0 once it ended.")
+
+# ---------------------------------------------------------------- streamed edges, either end
+STREAMS = Family("omni_kv_streams", "gauge", EDGE_LABELS + ("state",),
+                 "Streams now: open (sending, producer), held (producer out of credit), waiting "
+                 "(consumer waiting for the next chunk).")
+STREAM_OLDEST_WAIT = Family("omni_kv_stream_oldest_wait_start_timestamp_seconds", "gauge",
+                            EDGE_LABELS,
+                            "Unix time at which the stream waiting longest now began to wait "
+                            "(for a chunk, an ack or a credit); 0 when none.")
+STREAM_CHUNKS = Family("omni_kv_stream_chunks_total", "counter", EDGE_LABELS + ("outcome",),
+                       "Stream chunks resolved, by outcome (acked, failed, expired).")
+STREAMS_RESOLVED = Family("omni_kv_streams_resolved_total", "counter", EDGE_LABELS + ("outcome",),
+                          "Streams resolved, by outcome (finished, producer_error, "
+                          "consumer_error, expired, aborted).")
+STREAM_FIRST_CHUNK = Family("omni_kv_stream_first_chunk_seconds", "histogram", EDGE_LABELS,
+                            "From a stream's start to its first chunk consumable downstream.")
+STREAM_CHUNK_HOP = Family("omni_kv_stream_chunk_hop_seconds", "histogram", EDGE_LABELS,
+                          "From a chunk produced to consumable downstream.")
+STREAM_CHUNK_GAP = Family("omni_kv_stream_chunk_gap_seconds", "histogram", EDGE_LABELS,
+                          "Between two chunks of a stream.")
+STREAM_CREDIT_EXHAUSTED = Family("omni_kv_stream_credit_exhausted_seconds_total", "counter",
+                                 EDGE_LABELS,
+                                 "Time producers' streams spent out of credit (holding chunks "
+                                 "or a new stream back).")
+STREAM_FAMILIES: tuple[Family, ...] = (STREAMS, STREAM_OLDEST_WAIT, STREAM_CHUNKS,
+                                       STREAMS_RESOLVED, STREAM_FIRST_CHUNK, STREAM_CHUNK_HOP,
+                                       STREAM_CHUNK_GAP, STREAM_CREDIT_EXHAUSTED)

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from omni_contract.edges import Edge, EdgeError, StreamSettings, parse_input, parse_inputs
 from omni_contract.engine_args import engine_args_problems
 from omni_contract.ports import HTTP_PORT as DEFAULT_HTTP_PORT
 from omni_contract.ports import KV_PORT as DEFAULT_KV_PORT
@@ -31,6 +32,9 @@ class StageConfigError(ValueError):
 class Downstream:
     stage: str
     endpoint: str  # host:port of the stage's KV receiver
+    #: The edge's stream settings when it is streamed (both ends' configs carry them,
+    #: omni_contract/edges.py); None: whole hand-offs.
+    stream: StreamSettings | None = None
 
     @property
     def zmq_address(self) -> str:
@@ -57,6 +61,8 @@ class StageConfig:
     #: The upstream stages (the stage config's ``inputs``): the bounded ``from_stage`` values
     #: of a receiving stage's metrics (ReceiverMetrics(from_stages=...)).
     inputs: tuple[str, ...] = ()
+    #: The same inputs as edges: each fed whole or streamed, with the stream's settings.
+    input_edges: tuple[Edge, ...] = ()
     http_port: int = DEFAULT_HTTP_PORT
     kv_port: int = DEFAULT_KV_PORT
     #: The pipeline revision (the operator's hash of what the stages must agree on): an AR
@@ -154,9 +160,9 @@ def parse_stage_config(raw: Any) -> StageConfig:
         where = f"downstream[{i}]."
         if not isinstance(entry, Mapping):
             raise StageConfigError(f"downstream[{i}] must be a mapping")
-        downstream.append(
-            Downstream(_get(entry, "stage", str, where), _get(entry, "endpoint", str, where))
-        )
+        edge = _edge({k: v for k, v in entry.items() if k != "endpoint"}, f"downstream[{i}]")
+        downstream.append(Downstream(edge.stage, _get(entry, "endpoint", str, where),
+                                     edge.stream if edge.streamed else None))
     timeout = kv.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
         raise StageConfigError(f"kvTransfer.timeoutSeconds must be a number, got {timeout!r}")
@@ -171,9 +177,11 @@ def parse_stage_config(raw: Any) -> StageConfig:
     # `omni-pipeline validate` check a pipeline with: what they accept, the stage runs.
     for problem in engine_args_problems(engine_args, sends_kv=kv_send):
         raise StageConfigError(str(problem))
-    inputs = _get(raw, "inputs", list, "", [])
-    if not all(isinstance(name, str) and name for name in inputs):
-        raise StageConfigError(f"inputs must be a list of stage names, got {inputs!r}")
+    try:
+        edges = parse_inputs(raw.get("inputs"))
+    except EdgeError as exc:
+        raise StageConfigError(str(exc)) from None
+    inputs = [edge.stage for edge in edges]
     stage_input = _get(raw, "input", Mapping, "", {})
     unknown = set(stage_input) - {"hook", "samplingParams", "maxInputs", "loadKV"}
     if unknown:
@@ -204,6 +212,7 @@ def parse_stage_config(raw: Any) -> StageConfig:
         kv_io_cpus=_io_cpus(kv.get("ioCpus"), kv_send),
         downstream=tuple(downstream),
         inputs=tuple(inputs),
+        input_edges=edges,
         http_port=_port(ports, "http", DEFAULT_HTTP_PORT),
         kv_port=_port(ports, "kv", DEFAULT_KV_PORT),
         otlp_endpoint=_optional_str(tracing, "otlpEndpoint", "observability.tracing."),
@@ -221,6 +230,13 @@ def parse_stage_config(raw: Any) -> StageConfig:
         except OmniKVConfigError as exc:
             raise StageConfigError(_as_stage_keys(str(exc))) from None
     return config
+
+
+def _edge(raw: Mapping[str, Any], where: str) -> Edge:
+    try:
+        return parse_input(dict(raw), where)
+    except EdgeError as exc:
+        raise StageConfigError(str(exc)) from None
 
 
 def _io_cpus(value: Any, send: bool) -> str | tuple[int, ...] | None:

@@ -145,11 +145,33 @@ def test_without_transfers_no_connector_is_loaded():
         ({"downstream": [{"stage": "talker"}]}, r"downstream\[0\].endpoint is required"),
         ({"kvTransfer": {"send": "yes"}}, "kvTransfer.send must be a bool"),
         ({"kvTransfer": {"timeoutSeconds": "soon"}}, "kvTransfer.timeoutSeconds"),
+        ({"inputs": ["a", ""]}, r"inputs\[1\]: a stage name cannot be empty"),
+        ({"downstream": [{"stage": "talker", "endpoint": "x:1", "mode": "stream",
+                          "stream": {"gapSeconds": float("nan")}}]},
+         r"downstream\[0\].stream.gapSeconds must be a finite number"),
+        ({"downstream": [{"stage": "talker", "endpoint": "x:1", "stream": {}}]},
+         r"downstream\[0\].stream is set but downstream\[0\].mode is whole"),
     ],
 )
 def test_bad_stage_configs_name_the_key(change, key):
     with pytest.raises(StageConfigError, match=key):
         parse_stage_config({**BASE, **change})
+
+
+def test_both_ends_of_a_streamed_edge_read_it_from_their_configs():
+    from omni_contract.edges import Edge, StreamSettings
+    settings = StreamSettings(first_chunk_tokens=2, gap_seconds=3.0)
+    edge = Edge("talker", "stream", settings).to_config()
+    producer = parse_stage_config({**BASE, "downstream": [
+        {**edge, "endpoint": "p-talker.ns.svc:9600"},
+        {"stage": "code2wav", "endpoint": "p-code2wav.ns.svc:9600"}]})
+    assert [(d.stage, d.stream) for d in producer.downstream] == [
+        ("talker", settings), ("code2wav", None)]
+    consumer = parse_stage_config({**BASE, "stage": "talker", "downstream": [],
+                                   "kvTransfer": {"send": False},
+                                   "inputs": [{**edge, "stage": "thinker"}, "vision"]})
+    assert consumer.inputs == ("thinker", "vision")
+    assert consumer.input_edges == (Edge("thinker", "stream", settings), Edge("vision"))
 
 
 def test_in_flight_transfers_are_read_from_the_metrics_page():

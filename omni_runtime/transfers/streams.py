@@ -81,6 +81,8 @@ class Chunk:
     produced_at: float
     #: Monotonic time it was sent (producer) or arrived (consumer); None while queued.
     sent_at: float | None = None
+    #: Consumer: seconds since the stream's previous chunk arrived (None for the first).
+    gap: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +103,8 @@ class Stream:
     #: When it began to wait: for a chunk (consumer), for an ack or a credit (producer);
     #: None while not waiting.
     waiting_since: float | None = None
+    #: Consumer: when the latest chunk taken in order arrived.
+    last_arrival: float | None = None
     #: When it ran out of credit (producer), for the time spent so.
     held_since: float | None = None
     #: The last chunk's time on this end (consumer: arrival; producer: ack), for the gap.
@@ -492,6 +496,9 @@ class ConsumerStreams(_Streams):
             ready.append(stream.early.pop(stream.next_seq))
             stream.next_seq += 1
         for taken in ready:
+            if stream.last_arrival is not None:
+                taken.gap = max(0.0, taken.sent_at - stream.last_arrival)
+            stream.last_arrival = taken.sent_at
             stream.in_flight[taken.seq] = taken
         stream.waiting_since = None
         return "next", ready

@@ -9,8 +9,10 @@ pipeline or for any object the operator renders from it, each step once:
 3. what the API server checks for the resource (`validation.py`): its metadata (ObjectMeta's
    shape and apimachinery's rules), the CRD's schema and CEL rules, evaluated as the server
    does: an old CRD on the cluster, or none (a local file), changes nothing;
-4. the typed view of that body (`model.pipeline_view`) and the rules no schema can state
-   (`model.graph_problems`: cycles, a sender with no receiver, CPU-list order, the stage
+4. the streamed edges' settings by the contract (`model.stream_problems`,
+   `omni_contract.edges`), the typed view of that body (`model.pipeline_view`) and the rules
+   no schema can state (`model.graph_problems`: cycles, a sender with no receiver, CPU-list
+   order, a stream's chunk an engine at either end cannot hold, the stage
    contract's engineArgs rules, shared with `omni-stage`, against the table of the vLLM the
    stage's image runs; what it only warns of is kept in `Admitted.warnings`);
 5. the fields a stage passes through to its pod (resources, nodeSelector, tolerations, env),
@@ -36,7 +38,7 @@ from .diff import with_last_applied
 from .errors import Problem, SpecError
 from .kinds import CONFIGMAP, HPA, PODMONITOR, SCALEDOBJECT
 from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod_spec_field, check_value
-from .model import Pipeline, Stage, graph_report, pipeline_view
+from .model import Pipeline, Stage, graph_report, pipeline_view, stream_problems
 from .objectmeta import metadata_problems
 from .pod_rules import stage_problems
 from .render import render_children
@@ -142,6 +144,9 @@ def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None)
     found = pipeline_view_problems(view)
     if found:
         return tuple(Problem(field, message) for field, message in found)
+    problems = stream_problems(view)
+    if problems:
+        return tuple(problems)
     pipeline = pipeline_view(view)
     problems, warnings = graph_report(pipeline)
     if problems:

@@ -5,7 +5,14 @@
 defaults applied once: `crd.server_view`); it checks nothing the schema states. What a
 schema cannot state is `graph_problems`: a cycle in the stage graph, a sending stage that no
 stage receives from, the order and bound of an `ioCpus` CPU list, and the stage contract's
-rules for `engineArgs` (`omni_contract.engine_args`, the very check `omni-stage` runs).
+rules for `engineArgs` (`omni_contract.engine_args`, the very check `omni-stage` runs), and
+a streamed edge's cadence against the ``max-model-len`` of the engines at its ends.
+
+An edge (``omni_contract.edges``) is stated once, on its consumer: ``inputs`` names the
+upstream stages, ``streams`` says which of them are streamed and with what settings (the
+CRD's form: a structural schema cannot let one list hold both a string and a mapping). The
+typed view turns them into the contract's ``Edge``s, which the stage configs of both ends
+are rendered from, so the two ends cannot disagree about an edge.
 """
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from omni_contract import vllm_args
-from omni_contract.engine_args import engine_args_problems, engine_args_warnings
+from omni_contract.edges import STREAM, Edge, EdgeError, parse_stream
+from omni_contract.engine_args import engine_args_problems, engine_args_warnings, flag_name
 from omni_contract.cpu_list import parse_cpu_list
 from omni_contract.kv_wire import KV_WIRE_VERSION
 
@@ -92,6 +100,22 @@ class Stage:
     autoscaling: Autoscaling | None = None
     #: An ar stage with inputs: how it makes requests of hand-offs (the CRD's ``input``).
     input: StageInput | None = None
+    #: The inputs fed as streams (the CRD's ``streams``), as the contract's edges, in the
+    #: order the spec lists them; an input not here is fed whole.
+    streams: tuple[Edge, ...] = ()
+
+    @property
+    def edges(self) -> tuple[Edge, ...]:
+        """Every input as the contract's edge, in ``inputs`` order: streamed or whole."""
+        streamed = {edge.stage: edge for edge in self.streams}
+        return tuple(streamed.get(name) or Edge(name) for name in self.inputs)
+
+    def edge_from(self, upstream: str) -> Edge:
+        """The edge from ``upstream`` (one of this stage's inputs) into this stage."""
+        for edge in self.streams:
+            if edge.stage == upstream:
+                return edge
+        return Edge(upstream)
 
 
 @dataclass(frozen=True)
@@ -143,6 +167,10 @@ class Pipeline:
     def downstream_of(self, name: str) -> list[str]:
         """Stages that list `name` in their inputs, in spec order."""
         return [s.name for s in self.stages if name in s.inputs]
+
+    def streamed_edges(self) -> list[tuple[str, str, Edge]]:
+        """(producer, consumer, edge) of every streamed edge, in spec order."""
+        return [(edge.stage, s.name, edge) for s in self.stages for edge in s.streams]
 
     @property
     def endpoint_stages(self) -> tuple[Stage, Stage] | None:
@@ -220,6 +248,10 @@ def revision_of(pipeline: "Pipeline") -> str:
     for stage in view["stages"]:
         for key in _NOT_IN_REVISION:
             stage.pop(key)
+        if not stage["streams"]:
+            # A pipeline without streamed edges keeps the revision it had before they existed
+            # (its pods are not rolled by an operator upgrade).
+            stage.pop("streams")
     view["kv_wire_version"] = KV_WIRE_VERSION
     text = json.dumps(view, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:REVISION_CHARS]
@@ -250,7 +282,31 @@ def _stage(raw: Mapping[str, Any], default_image: str) -> Stage:
         rollout=_rollout(raw.get("rollout") or {}, raw["gpus"]),
         autoscaling=_autoscaling(raw.get("autoscaling")),
         input=_input(raw.get("input")),
+        streams=tuple(Edge(entry["stage"], STREAM, parse_stream(_stream_settings(entry), "streams"))
+                      for entry in raw.get("streams") or ()),
     )
+
+
+def _stream_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``streams[]`` entry's settings, as the contract's ``stream`` mapping keys them."""
+    return {k: v for k, v in entry.items() if k != "stage"}
+
+
+def stream_problems(view: Mapping[str, Any]) -> list[Problem]:
+    """The streamed edges' settings of a body in the server's view, checked by the contract
+    (``omni_contract.edges.parse_stream``: what the CRD's bounds leave, such as a
+    ``firstChunkSeconds`` above a ``streamSeconds`` left at its default), each naming its key.
+    Run before `pipeline_view`, which takes them as checked."""
+    problems: list[Problem] = []
+    for i, stage in enumerate(view.get("spec", {}).get("stages") or ()):
+        for j, entry in enumerate(stage.get("streams") or ()):
+            where = f"spec.stages[{i}].streams[{j}]"
+            try:
+                parse_stream(_stream_settings(entry), where)
+            except EdgeError as exc:
+                field, _, message = str(exc).partition(" ")
+                problems.append(Problem(field.rstrip(":"), message))
+    return problems
 
 
 def _input(raw: Mapping[str, Any] | None) -> StageInput | None:
@@ -308,11 +364,56 @@ def graph_report(pipeline: Pipeline) -> tuple[list[Problem], list[Problem]]:
                                                                           vllm_version=version)]
         warnings += [_engine_arg(where, p) for p in engine_args_warnings(stage.engine_args, sends_kv=stage.kv.send,
                                                                           vllm_version=version)]
+    problems += _stream_cadence_problems(pipeline)
     cycle = find_cycle({s.name: list(s.inputs) for s in pipeline.stages})
     if cycle:
         problems.append(Problem("spec.stages[].inputs", f"the stage graph has a cycle: {' -> '.join(cycle)}; "
                                                         "remove one of these inputs"))
     return problems, warnings
+
+
+def max_model_len(stage: Stage) -> int | None:
+    """The stage's ``max-model-len`` engine argument in any spelling (``max_model_len``,
+    ``maxModelLen``; ``32k`` as vLLM reads it), or None where it is not set, is ``auto``, or
+    is not a value vLLM takes (the engineArgs check reports that)."""
+    argument = vllm_args.table().by_dest("max_model_len")
+    for key, value in stage.engine_args.items():
+        if flag_name(str(key)) != "max-model-len" or value is None or isinstance(value, bool) or argument is None:
+            continue
+        try:
+            # vLLM's own conversion of the flag's type (human-int-or-auto), from the contract.
+            length = vllm_args._convert(argument, str(value))  # noqa: SLF001 - see the report
+        except ValueError:
+            return None
+        return length if isinstance(length, int) and length > 0 else None
+    return None
+
+
+def _stream_cadence_problems(pipeline: Pipeline) -> list[Problem]:
+    """A streamed edge whose chunk an engine at either end cannot hold: a chunk of
+    ``firstChunkTokens`` or ``chunkTokens`` output tokens is at least the producer's
+    ``max-model-len`` (its requests end before they could fill one: the stream would never
+    send a chunk of that size) or, for a vLLM consumer (an ar stage), its own (the request a
+    chunk extends could never take it)."""
+    problems: list[Problem] = []
+    index = {s.name: i for i, s in enumerate(pipeline.stages)}
+    for i, consumer in enumerate(pipeline.stages):
+        for j, edge in enumerate(consumer.streams):
+            producer = pipeline.stage(edge.stage)
+            ends = [(producer, "producer")] + ([(consumer, "consumer")] if consumer.role == "ar" else [])
+            for key, tokens in (("firstChunkTokens", edge.stream.first_chunk_tokens),
+                                ("chunkTokens", edge.stream.chunk_tokens)):
+                for end, what in ends:
+                    limit = max_model_len(end)
+                    if limit is not None and tokens >= limit:
+                        problems.append(Problem(
+                            f"spec.stages[{i}].streams[{j}].{key}",
+                            f"is {tokens} tokens on the streamed edge {producer.name} -> {consumer.name}, but the "
+                            f"{what} {end.name} runs with max-model-len {limit} "
+                            f"(spec.stages[{index[end.name]}].engineArgs), which cannot hold a chunk of that size; "
+                            f"set {key} below {limit}, or raise {end.name}'s max-model-len"))
+                        break
+    return problems
 
 
 def stage_vllm_version(pipeline: Pipeline, stage: Stage) -> str:

@@ -75,6 +75,8 @@ def describe(error: jsonschema.ValidationError) -> str:
         text = f"{shown(value)} is greater than the maximum of {bound}"
     elif v == "minimum":
         text = f"{shown(value)} is less than the minimum of {bound}"
+    elif v == "exclusiveMinimum":
+        text = f"{shown(value)} must be greater than {bound}"
     elif v == "required":
         missing = next((name for name in bound if isinstance(value, dict) and name not in value), bound[0])
         text = f"'{missing}' is a required property"

@@ -45,6 +45,9 @@ def to_jsonschema(node: dict[str, Any], *, root: bool = False) -> dict[str, Any]
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("exclusiveMinimum") is True and "minimum" in node:
+        # OpenAPI v3.0's boolean form (the CRD's) is JSON Schema 2020-12's number form.
+        out["exclusiveMinimum"] = out.pop("minimum")
     if node.get("type") == "integer" and node.get("format") in INT_RANGES:
         low, high = INT_RANGES[node["format"]]
         out["minimum"] = max(out.get("minimum", low), low)

@@ -67,6 +67,14 @@ BOTH_REJECT = [
     ("bad-shm-size", mutate(_set("stages.0.shmSize", "big")), "spec.stages[0].shmSize", "positive quantity"),
     ("bad-otlp-endpoint", mutate(_set("observability", {"tracing": {"otlpEndpoint": "collector:4318"}})),
      "spec.observability.tracing.otlpEndpoint", "does not match"),
+    ("stream-not-an-input", mutate(_set("stages.1.streams", [{"stage": "code2wav"}])),
+     "spec.stages[1].streams", "not one of the stage's inputs"),
+    ("stream-from-a-stage-that-does-not-send", mutate(lambda s: (_set("stages.1.streams", [{"stage": "thinker"}])(s),
+                                                                 _set("stages.0.kvTransfer.send", False)(s),
+                                                                 _set("stages.1.kvTransfer.send", False)(s))),
+     "spec.stages", "thinker does not send KV"),
+    ("stream-deadline-zero", mutate(_set("stages.1.streams", [{"stage": "thinker", "gapSeconds": 0}])),
+     "spec.stages[1].streams[0].gapSeconds", "greater than 0"),
 ]
 
 # Rules the schema cannot state: only the operator catches these.
@@ -76,6 +84,9 @@ OPERATOR_REJECTS = [
      "spec.stages[2].kvTransfer.send", "no stage lists 'code2wav'"),
     ("reserved-engine-arg", mutate(_set("stages.0.engineArgs", {"port": 9000})), "spec.stages[0].engineArgs.port", "fixed at 8000"),
     ("io-cpus-descending", mutate(_set("stages.0.kvTransfer.ioCpus", "3-1")), "spec.stages[0].kvTransfer.ioCpus", "descending CPU range '3-1'"),
+    ("stream-chunk-over-max-model-len", mutate(lambda s: (_set("stages.1.streams", [{"stage": "thinker"}])(s),
+                                                          _set("stages.0.engineArgs", {"max-model-len": 16})(s))),
+     "spec.stages[1].streams[0].chunkTokens", "producer thinker runs with max-model-len 16"),
     ("io-cpus-above-the-bound", mutate(_set("stages.0.kvTransfer.ioCpus", "0,70000")), "spec.stages[0].kvTransfer.ioCpus",
      "CPU id above 65535: '70000'"),
 ]

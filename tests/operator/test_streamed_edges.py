@@ -1,0 +1,210 @@
+"""Streamed edges in the OmniPipeline (issue 49): the CRD's form (``inputs`` names the
+upstream stages, ``streams`` says which are streamed and how), the schema's and CEL's
+refusals, the operator's own check (a cadence an engine cannot hold), the typed view's
+contract edges, and ``omni-pipeline validate`` refusing the same offline."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni_contract import edges as contract
+from omni_operator import crd
+from omni_operator.admission import admit, problems_of
+from omni_operator.validation import validate
+from omnip_support import pipeline_body, validate_text
+
+
+def body_with(streams: list[dict] | None = None, stage: int = 1, **changes) -> dict:
+    """The thinker -> talker -> code2wav pipeline, stage ``stage`` with these ``streams``
+    and the stages' fields in ``changes`` ({index: {field: value}})."""
+    body = pipeline_body()
+    if streams is not None:
+        body["spec"]["stages"][stage]["streams"] = streams
+    for index, fields in changes.items():
+        body["spec"]["stages"][int(index.lstrip("s"))].update(fields)
+    return body
+
+
+def only_problem(body: dict):
+    problems = problems_of(copy.deepcopy(body))
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+# -- the form -------------------------------------------------------------------------------
+
+def test_todays_inputs_stay_valid_and_whole():
+    pipeline = admit(pipeline_body()).pipeline
+    talker = pipeline.stage("talker")
+    assert talker.inputs == ("thinker",) and talker.streams == ()
+    assert talker.edges == (contract.Edge("thinker"),)
+    assert not talker.edges[0].streamed
+
+
+def test_a_streamed_input_is_the_contracts_edge_with_defaults_and_settings():
+    body = body_with([{"stage": "thinker", "chunkTokens": 32, "gapSeconds": 2.5}])
+    body["spec"]["stages"][2]["streams"] = [{"stage": "talker"}]
+    pipeline = admit(body).pipeline
+    (edge,) = pipeline.stage("talker").edges
+    assert edge.streamed and edge.stage == "thinker"
+    assert edge.stream == contract.StreamSettings(chunk_tokens=32, gap_seconds=2.5)
+    assert pipeline.stage("code2wav").edge_from("talker").stream == contract.DEFAULT_STREAM
+    assert [(p, c) for p, c, _ in pipeline.streamed_edges()] == [("thinker", "talker"), ("talker", "code2wav")]
+
+
+def test_a_stream_change_is_a_new_revision_and_no_stream_keeps_the_old_one():
+    whole = admit(pipeline_body()).pipeline.revision
+    # Pinned before streamed edges existed (a5e9f43): an operator upgrade must not roll the
+    # pods of every pipeline that streams nothing. A deliberate change of what a revision
+    # covers (the KV wire version, a new stage field) changes it: update it then.
+    assert whole == "5655df9904"
+    streamed = admit(body_with([{"stage": "thinker"}])).pipeline.revision
+    faster = admit(body_with([{"stage": "thinker", "firstChunkTokens": 2}])).pipeline.revision
+    assert len({whole, streamed, faster}) == 3
+
+
+def test_the_schema_bounds_are_the_contracts():
+    """The CRD states each stream setting's bounds for kubectl apply; the contract
+    (omni_contract/edges.py) is their one statement: at each bound the contract agrees."""
+    item = crd.openapi_schema()["properties"]["spec"]["properties"]["stages"]["items"]["properties"]["streams"]["items"]
+    settings = item["properties"]
+    assert set(settings) - {"stage"} == set(contract.STREAM_KEYS)
+    for key in contract.STREAM_KEYS:
+        node = settings[key]
+        low, high = node["minimum"], node["maximum"]
+        assert "default" not in node, f"{key}: defaults live in the contract only"
+        contract.parse_stream({key: high} if key != "firstChunkSeconds" else {key: high, "streamSeconds": high}, "s")
+        with pytest.raises(contract.EdgeError, match=key):
+            contract.parse_stream({key: high + 1}, "s")
+        if node.get("exclusiveMinimum"):
+            assert node["type"] == "number" and low == 0
+            with pytest.raises(contract.EdgeError, match=key):
+                contract.parse_stream({key: low}, "s")
+            contract.parse_stream({key: 0.001, **({"firstChunkSeconds": 0.001} if key == "streamSeconds" else {})},
+                                  "s")
+        else:
+            assert node["type"] == "integer"
+            contract.parse_stream({key: low}, "s")
+            with pytest.raises(contract.EdgeError, match=key):
+                contract.parse_stream({key: low - 1}, "s")
+
+
+# -- refused, naming the edge and the fix ---------------------------------------------------
+
+@pytest.mark.parametrize("streams, changes, field, text", [
+    ([{"stage": "code2wav"}], {}, "spec.stages[1].streams",
+     "streams[0] is 'code2wav', not one of the stage's inputs (thinker)"),
+    ([{"stage": "thinker"}], {"s0": {"kvTransfer": {"send": False}}, "s1": {"kvTransfer": {"send": False}}},
+     "spec.stages", "spec.stages[1].streams[0] streams thinker -> talker, but thinker does not send KV"),
+    ([{"stage": "thinker"}, {"stage": "thinker"}], {}, "spec.stages[1].streams[1]", "the same stage 'thinker'"),
+    ([{"stage": "thinker", "gapSeconds": 0}], {}, "spec.stages[1].streams[0].gapSeconds", "must be greater than 0"),
+    ([{"stage": "thinker", "streamSeconds": -1}], {}, "spec.stages[1].streams[0].streamSeconds", "greater than 0"),
+    ([{"stage": "thinker", "firstChunkSeconds": 86401}], {}, "spec.stages[1].streams[0].firstChunkSeconds",
+     "maximum of 86400"),
+    ([{"stage": "thinker", "chunkTokens": 0}], {}, "spec.stages[1].streams[0].chunkTokens", "minimum of 1"),
+    ([{"stage": "thinker", "chunksInFlight": 1.5}], {}, "spec.stages[1].streams[0].chunksInFlight",
+     "must be an integer"),
+    ([{"stage": "thinker", "gapSeconds": "nan"}], {}, "spec.stages[1].streams[0].gapSeconds", "must be a number"),
+    ([{"stage": "thinker", "gap": 3}], {}, "spec.stages[1].streams[0]", "'gap' was unexpected"),
+    ([{"chunkTokens": 3}], {}, "spec.stages[1].streams[0]", "'stage' is a required property"),
+    # both given: CEL says it at kubectl apply ...
+    ([{"stage": "thinker", "firstChunkSeconds": 70, "streamSeconds": 60}], {},
+     "spec.stages[1].streams[0].firstChunkSeconds", "exceeds streamSeconds"),
+])
+def test_the_crd_refuses_at_kubectl_apply(streams, changes, field, text):
+    body = body_with(streams, **changes)
+    assert any(field in e and text in e for e in validate(crd.openapi_schema(), copy.deepcopy(body))), \
+        validate(crd.openapi_schema(), copy.deepcopy(body))
+    problem = only_problem(body)
+    assert problem.field == field and text in problem.message, problem
+
+
+def test_a_producer_that_is_not_an_ar_stage_is_named():
+    body = pipeline_body()
+    body["spec"]["stages"][1].update(role="generation", kvTransfer={})
+    body["spec"]["stages"][0]["kvTransfer"] = {"send": True}
+    body["spec"]["stages"][2] = {"name": "code2wav", "role": "generation", "gpus": 0, "inputs": ["talker"],
+                                 "streams": [{"stage": "talker"}]}
+    problem = only_problem(body)
+    assert problem.field == "spec.stages"
+    assert "spec.stages[2].streams[0] streams talker -> code2wav, but talker is not an ar stage" in problem.message
+    assert "set kvTransfer.send: true on the upstream" in problem.message
+
+
+def test_a_streamed_consumer_cannot_scale_to_zero():
+    body = body_with([{"stage": "talker"}], stage=2)
+    body["spec"]["stages"][2]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 4,
+                                                "metrics": [{"signal": "incomingTransfers", "target": 2}]}
+    problem = only_problem(body)
+    assert problem.field == "spec.stages[2].autoscaling.minReplicas"
+    assert "cannot scale to zero" in problem.message and "set minReplicas to 1" in problem.message
+    body["spec"]["stages"][2]["autoscaling"]["minReplicas"] = 1
+    assert problems_of(body) == []
+
+
+def test_the_operator_refuses_a_first_chunk_deadline_beyond_the_default_stream_deadline():
+    # Only one of the two given: the other's default is the contract's, which no schema holds.
+    body = body_with([{"stage": "thinker", "firstChunkSeconds": 700}])
+    assert validate(crd.openapi_schema(), copy.deepcopy(body)) == []
+    problem = only_problem(body)
+    assert problem.field == "spec.stages[1].streams[0].firstChunkSeconds"
+    assert "(700) exceeds spec.stages[1].streams[0].streamSeconds (600)" in problem.message
+    assert "raise streamSeconds" in problem.message
+
+
+@pytest.mark.parametrize("engine_args, stage, stream, key, end", [
+    ({"max-model-len": 16}, 0, {}, "chunkTokens", "producer thinker runs with max-model-len 16"),
+    ({"max_model_len": "2k"}, 0, {"chunkTokens": 4096}, "chunkTokens", "producer thinker runs with max-model-len 2000"),
+    ({"maxModelLen": 4}, 0, {"chunkTokens": 2}, "firstChunkTokens", "producer thinker runs with max-model-len 4"),
+    ({"max-model-len": 8}, 1, {}, "chunkTokens", "consumer talker runs with max-model-len 8"),
+])
+def test_a_cadence_the_max_model_len_cannot_hold_is_refused(engine_args, stage, stream, key, end):
+    body = body_with([{"stage": "thinker", **stream}])
+    body["spec"]["stages"][stage]["engineArgs"] = engine_args
+    assert validate(crd.openapi_schema(), copy.deepcopy(body)) == []
+    problem = only_problem(body)
+    assert problem.field == f"spec.stages[1].streams[0].{key}"
+    assert f"streamed edge thinker -> talker, but the {end}" in problem.message
+    assert f"set {key} below" in problem.message
+
+
+@pytest.mark.parametrize("engine_args", [{"max-model-len": 17}, {"max-model-len": "auto"}, {"max-model-len": -1}, {}])
+def test_a_cadence_that_fits_or_an_unknown_length_is_accepted(engine_args):
+    body = body_with([{"stage": "thinker"}])
+    body["spec"]["stages"][0]["engineArgs"] = engine_args
+    assert problems_of(body) == []
+
+
+def test_a_generation_consumers_stream_has_no_length_to_hold():
+    body = body_with([{"stage": "talker", "chunkTokens": 4096}], stage=2)
+    body["spec"]["stages"][2]["engineArgs"] = {"max-model-len": 16}  # not an engine: no vLLM reads it
+    assert [p for p in problems_of(body) if "streams" in p.field] == []
+
+
+# -- omni-pipeline validate, offline --------------------------------------------------------
+
+def test_validate_refuses_the_same_offline(tmp_path: Path):
+    body = body_with([{"stage": "thinker", "chunkTokens": 64}])
+    body["spec"]["stages"][0]["engineArgs"] = {"max-model-len": 64}
+    code, lines = validate_text(tmp_path, yaml.safe_dump(body))
+    assert code == 1
+    (line,) = lines
+    assert ": spec.stages[1].streams[0].chunkTokens: is 64 tokens on the streamed edge thinker -> talker" in line
+
+
+def test_validate_refuses_a_nan_deadline_naming_it(tmp_path: Path):
+    # JSON has no NaN: kubectl cannot send one, and the reader refuses it where it stands.
+    text = yaml.safe_dump(body_with([{"stage": "thinker"}])).replace("- stage: thinker", "- stage: thinker\n    gapSeconds: .nan")
+    assert "gapSeconds: .nan" in text
+    code, lines = validate_text(tmp_path, text)
+    assert code == 1
+    assert any("gapSeconds" in line and ".nan is not a JSON number" in line for line in lines), lines
+
+
+def test_validate_accepts_a_streamed_pipeline(tmp_path: Path):
+    code, lines = validate_text(tmp_path, yaml.safe_dump(body_with([{"stage": "thinker"}])))
+    assert code == 0 and lines[0].endswith("valid (3 stages)"), lines
+

@@ -72,9 +72,11 @@ def render_stage_config(
         "model": model,
         "engineArgs": dict(stage.engine_args),
         "kvTransfer": kv,
-        "inputs": list(stage.inputs),
+        # Each edge as the contract writes it (omni_contract.edges): a whole one as the
+        # upstream's name alone, so a pipeline without streams renders as it always did.
+        "inputs": [edge.to_config() for edge in stage.edges],
         "downstream": [
-            {"stage": name, "endpoint": endpoint_for(name)} for name in pipeline.downstream_of(stage.name)
+            _downstream(pipeline, stage.name, name, endpoint_for(name)) for name in pipeline.downstream_of(stage.name)
         ],
         "ports": {"http": naming.HTTP_PORT, "kv": naming.KV_PORT},
         "observability": {
@@ -83,6 +85,17 @@ def render_stage_config(
             "alerts": {"stuckTransferSeconds": pipeline.observability.stuck_transfer_seconds},
         },
     }
+
+
+def _downstream(pipeline: Pipeline, producer: str, consumer: str, endpoint: str) -> dict[str, Any]:
+    """The producer's end of the edge to ``consumer``: its stage and KV endpoint and, for a
+    streamed edge, the same ``mode`` and ``stream`` as the consumer's ``inputs`` entry (one
+    ``Edge.to_config()``, so the two ends cannot disagree)."""
+    entry: dict[str, Any] = {"stage": consumer, "endpoint": endpoint}
+    edge = pipeline.stage(consumer).edge_from(producer).to_config()
+    if isinstance(edge, dict):
+        entry.update({k: v for k, v in edge.items() if k != "stage"})
+    return entry
 
 
 def render_endpoint_config(pipeline: Pipeline, entry_url: str, advertise: str,
@@ -96,7 +109,7 @@ def render_endpoint_config(pipeline: Pipeline, entry_url: str, advertise: str,
     if shape is None:
         return None
     entry, last = shape
-    edges = [{"from": s.name, "to": d, "timeoutSeconds": s.kv.timeout_seconds}
+    edges = [_endpoint_edge(pipeline, s.name, d, s.kv.timeout_seconds)
              for s in pipeline.stages for d in pipeline.downstream_of(s.name)]
     return {
         "apiVersion": CONFIG_API_VERSION,
@@ -115,6 +128,16 @@ def render_endpoint_config(pipeline: Pipeline, entry_url: str, advertise: str,
             "edges": edges,
         },
     }
+
+
+def _endpoint_edge(pipeline: Pipeline, producer: str, consumer: str, timeout: int) -> dict[str, Any]:
+    """An edge as the endpoint's config lists it: a streamed one also says so, with its
+    settings (its deadlines), as both ends' stage configs do."""
+    out: dict[str, Any] = {"from": producer, "to": consumer, "timeoutSeconds": timeout}
+    edge = pipeline.stage(consumer).edge_from(producer).to_config()
+    if isinstance(edge, dict):
+        out.update({k: v for k, v in edge.items() if k != "stage"})
+    return out
 
 
 def dump_stage_config(config: dict[str, Any]) -> str:

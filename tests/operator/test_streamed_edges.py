@@ -208,3 +208,100 @@ def test_validate_accepts_a_streamed_pipeline(tmp_path: Path):
     code, lines = validate_text(tmp_path, yaml.safe_dump(body_with([{"stage": "thinker"}])))
     assert code == 0 and lines[0].endswith("valid (3 stages)"), lines
 
+
+# -- rendered into both ends' stage configs -------------------------------------------------
+
+def _configs(body: dict) -> dict[str, dict]:
+    """Each stage's stage.yaml (by stage name) and the endpoint's, as admit renders them."""
+    out = {}
+    for child in admit(body).children:
+        if child["kind"] == "ConfigMap":
+            stage = child["metadata"]["labels"]["omnipipeline.dev/stage"]
+            out[stage] = yaml.safe_load(child["data"]["stage.yaml"])
+            if "endpoint.yaml" in child["data"]:
+                out["endpoint"] = yaml.safe_load(child["data"]["endpoint.yaml"])
+    return out
+
+
+def test_a_pipeline_without_streams_renders_byte_identical():
+    """Config hashes pinned before streamed edges existed (a5e9f43): the stage configs of a
+    pipeline that streams nothing are byte for byte what they were, so an operator upgrade
+    rolls no pod. (A deliberate change of the stage config changes them: update them then.)"""
+    from omni_operator.stage_config import config_hash, dump_stage_config, render_stage_config
+
+    repo = Path(__file__).resolve().parents[2]
+    chain = yaml.safe_load((repo / "examples" / "tiny-chain.yaml").read_text())
+    for body, revision, hashes in [
+        (pipeline_body(), "5655df9904",
+         {"thinker": "d12e86d36095e9cd", "talker": "22aa3c2649372643", "code2wav": "c263adfb9de8a2c7"}),
+        (chain, "ec71669a3a",
+         {"thinker": "8cfb2b407fe2e75c", "talker": "5ecfb1db7f6dc559", "vocoder": "ab54257374e8b55e"}),
+    ]:
+        pipeline = admit(body).pipeline
+        assert pipeline.revision == revision
+        assert {s.name: config_hash(dump_stage_config(render_stage_config(pipeline, s.name)))
+                for s in pipeline.stages} == hashes
+    configs = _configs(pipeline_body())
+    assert configs["talker"]["inputs"] == ["thinker"]
+    assert all(set(d) == {"stage", "endpoint"} for c in configs.values() for d in c.get("downstream", ()))
+
+
+def test_both_ends_carry_the_streamed_edge_as_the_stage_reads_it():
+    """The consumer's inputs entry and the producer's downstream entry, read by omni-stage's
+    own parser (omni_runtime.stages.config, no engine started), give the same edge."""
+    from omni_runtime.stages.config import parse_stage_config
+
+    body = body_with([{"stage": "thinker", "firstChunkTokens": 2, "chunkTokens": 8, "gapSeconds": 1.5}])
+    configs = _configs(body)
+    talker, thinker, code2wav = (parse_stage_config(configs[s]) for s in ("talker", "thinker", "code2wav"))
+    settings = contract.StreamSettings(first_chunk_tokens=2, chunk_tokens=8, gap_seconds=1.5)
+    assert talker.input_edges == (contract.Edge("thinker", contract.STREAM, settings),)
+    (down,) = thinker.downstream
+    assert (down.stage, down.stream) == ("talker", settings)
+    assert down.endpoint.startswith("tiny-talker-")
+    # The talker -> code2wav edge stays whole at both ends.
+    assert code2wav.input_edges == (contract.Edge("talker"),)
+    assert [d.stream for d in talker.downstream] == [None]
+    # Every setting is spelled out at both ends: neither falls back on a default of its own.
+    raw = configs["thinker"]["downstream"][0]
+    assert raw["mode"] == "stream" and set(raw["stream"]) == set(contract.STREAM_KEYS)
+    assert configs["talker"]["inputs"] == [{"stage": "thinker", "mode": "stream", "stream": raw["stream"]}]
+
+
+def test_the_endpoint_config_names_the_streamed_edge_with_its_deadlines():
+    configs = _configs(body_with([{"stage": "thinker", "streamSeconds": 120}]))
+    edges = {(e["from"], e["to"]): e for e in configs["endpoint"]["endpoint"]["edges"]}
+    assert edges[("thinker", "talker")]["mode"] == "stream"
+    assert edges[("thinker", "talker")]["stream"]["streamSeconds"] == 120
+    assert set(edges[("talker", "code2wav")]) == {"from", "to", "timeoutSeconds"}
+
+
+def test_a_stream_change_rolls_both_ends_and_nothing_else_changes_in_their_pods():
+    from test_render import children
+
+    whole = children(pipeline_body())
+    streamed = children(body_with([{"stage": "thinker"}]))
+    for stage in ("thinker", "talker"):
+        a = yaml.safe_load(whole[("ConfigMap", f"tiny-{stage}")]["data"]["stage.yaml"])
+        b = yaml.safe_load(streamed[("ConfigMap", f"tiny-{stage}")]["data"]["stage.yaml"])
+        for config in (a, b):  # a new revision: its KV Services' names change with it
+            for entry in config["downstream"]:
+                entry.pop("endpoint")
+        changed = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        assert changed == {"revision", "downstream" if stage == "thinker" else "inputs"}, changed
+    # The KV Services, the NetworkPolicy and the rollout's graph treat a streamed edge as a whole one.
+    assert whole[("NetworkPolicy", "tiny")]["spec"] == streamed[("NetworkPolicy", "tiny")]["spec"]
+    assert set(whole) == set(streamed)
+    assert (whole[("Deployment", "tiny-talker")]["metadata"]["annotations"]
+            == streamed[("Deployment", "tiny-talker")]["metadata"]["annotations"])
+
+
+def test_the_local_runner_writes_the_same_edge_with_local_addresses():
+    from omni_operator.local import local_stage_configs
+
+    pipeline = admit(body_with([{"stage": "thinker"}])).pipeline
+    configs = local_stage_configs(pipeline, {s.name: {"http": 18000 + i, "kv": 19600 + i}
+                                             for i, s in enumerate(pipeline.stages)})
+    (down,) = configs["thinker"]["downstream"]
+    assert down["endpoint"] == "127.0.0.1:19601" and down["mode"] == "stream"
+    assert configs["talker"]["inputs"][0]["mode"] == "stream"

@@ -1,0 +1,219 @@
+"""A streamed input of a downstream vLLM stage: each stream one request in the engine, which
+its chunks extend as they come, on vLLM's own mechanism for it.
+
+vLLM 0.32 has streaming-input sessions: ``AsyncLLM.generate`` takes an async generator of
+``StreamingInput``; the first input starts a *resumable* request, each later one is appended
+to it (the request waits in ``WAITING_FOR_STREAMING_REQ`` between inputs, its KV kept), and
+the generator's end finishes it. Each input is a turn: the engine prefills the new tokens and
+generates up to the turn's ``max_tokens`` before it waits for the next (vLLM keeps the turn's
+computed output as part of the sequence). So a talker speaks after each chunk of its
+thinker's output instead of after the whole of it, and no request is ever taken out of
+vLLM's queues and put back (vllm-omni's ``process_pending_chunks``/``restore_queues``).
+
+Order and acks come from the stream ledger (:class:`~omni_runtime.transfers.streams.ConsumerStreams`):
+a chunk ahead of its turn waits for the missing one, a repeated one is acked again without
+being applied, and a chunk is acked once it is in the request (the engine's input task has
+added it: the generator was resumed past it). A chunk the engine refuses (over the model's
+length, a bad token) ends that request and its stream (``consumer_error``, with vLLM's
+reason), never the engine. The chunks' tokens are what the request is extended with: the
+stage's input hook has made them (stage_input.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omni_contract.edges import StreamSettings
+from omni_runtime.transfers.streams import ConsumerStreams, Stream, StreamOutcome
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkIn:
+    """A chunk as it arrived: its stream (the pipeline request, the producing stage), its
+    number, whether it is the last, the tokens it extends the request with, and when (unix)
+    the producer cut it."""
+
+    request_id: str
+    from_stage: str
+    seq: int
+    last: bool
+    token_ids: tuple[int, ...]
+    produced_at: float
+    settings: StreamSettings
+
+
+class _Session:
+    """One stream's request in the engine and the chunks on their way into it."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.inputs: asyncio.Queue[tuple[int, tuple[int, ...], bool]] = asyncio.Queue()
+        #: Chunks fed and not yet in the request, by seq: their answers.
+        self.answers: dict[int, asyncio.Future[str | None]] = {}
+        self.task: asyncio.Task | None = None
+
+
+class StreamInputs:
+    """The streamed inputs of one stage: ``take`` each arriving chunk; ``expire`` on a timer.
+
+    ``params`` makes the session's sampling parameters (each turn's, the stage's
+    ``input.samplingParams``) for a stream's first chunk; ``on_output(request_id, output)``
+    hears every output of a session (the pipeline's endpoint or the next hand-off), ``None``
+    as the output when the session ended without finishing."""
+
+    def __init__(self, engine: Any, ledger: ConsumerStreams, params: Callable[[ChunkIn], Any],
+                 on_output: Callable[[str, Any], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._engine = engine
+        self.ledger = ledger
+        self._params = params
+        self._on_output = on_output
+        self._clock = clock
+        self._sessions: dict[tuple[str, str], _Session] = {}
+        #: Chunks that arrived ahead of their turn, with their answers.
+        self._early: dict[tuple[str, str, int], tuple[ChunkIn, asyncio.Future]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def take(self, chunk: ChunkIn) -> str | None:
+        """The chunk's answer, once there is one: None when it is in its request (or was
+        already: a repeated chunk), else why it was refused."""
+        verdict, ready = self.ledger.arrive(chunk.request_id, chunk.from_stage, chunk.seq,
+                                            chunk.last, chunk.produced_at, chunk.settings,
+                                            self._clock())
+        if verdict == "duplicate":
+            return None
+        if verdict == "refused":
+            return (f"chunk {chunk.seq} of the stream of request {chunk.request_id} from "
+                    f"{chunk.from_stage} cannot be taken: its stream ended here or it is more "
+                    f"than {chunk.settings.chunks_in_flight} chunks ahead")
+        answer: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        if verdict == "early":
+            self._early[(chunk.request_id, chunk.from_stage, chunk.seq)] = (chunk, answer)
+            return await answer
+        key = (chunk.request_id, chunk.from_stage)
+        stream = self.ledger.get(*key)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._sessions[key] = _Session(stream)
+            session.task = asyncio.ensure_future(self._run(session, self._params(chunk)))
+        for taken in ready:
+            if taken.seq == chunk.seq:
+                item, fut = chunk, answer
+            else:
+                item, fut = self._early.pop((chunk.request_id, chunk.from_stage, taken.seq))
+            session.answers[item.seq] = fut
+            session.inputs.put_nowait((item.seq, item.token_ids, item.last))
+        return await answer
+
+    async def _inputs(self, session: _Session) -> AsyncIterator[Any]:
+        from vllm.engine.protocol import StreamingInput
+
+        while True:
+            seq, tokens, last = await session.inputs.get()
+            if tokens:
+                yield StreamingInput(prompt={"prompt_token_ids": list(tokens)})
+            # Resumed: the engine's input task added the chunk to the request (an empty last
+            # chunk adds nothing: the generator's end finishes the request).
+            self._applied(session, seq)
+            if last:
+                return
+
+    def _applied(self, session: _Session, seq: int) -> None:
+        self.ledger.applied(session.stream, seq, self._clock())
+        answer = session.answers.pop(seq, None)
+        if answer is not None and not answer.done():
+            answer.set_result(None)
+
+    async def _run(self, session: _Session, params: Any) -> None:
+        stream = session.stream
+        finished = False
+        try:
+            async for output in self._engine.generate(self._inputs(session), params,
+                                                      stream.request_id):
+                if self._on_output is not None:
+                    await self._on_output(stream.request_id, output)
+                finished = output.finished
+        except asyncio.CancelledError:
+            await self._engine.abort(stream.request_id)
+            self._end(session, StreamOutcome.ABORTED, "the stream was aborted")
+            raise
+        except Exception as exc:  # vLLM refused an input or failed the request
+            reason = f"{type(exc).__name__}: {exc}"
+            logger.warning("the stream of request %s from %s failed: %s", stream.request_id,
+                           stream.peer, reason)
+            self._end(session, StreamOutcome.CONSUMER_ERROR, reason)
+        else:
+            if not finished and self._on_output is not None:
+                await self._on_output(stream.request_id, None)
+            self._end(session, None, "the request ended before the stream did")
+        finally:
+            self._sessions.pop(stream.key, None)
+
+    def _end(self, session: _Session, outcome: StreamOutcome | None, reason: str) -> None:
+        """The session is over: its stream resolves (if it has not), and every chunk still
+        waiting for its answer, queued or early, is refused with the reason."""
+        stream = session.stream
+        if not stream.resolved:
+            seq = min(session.answers, default=stream.next_seq)
+            if outcome is StreamOutcome.CONSUMER_ERROR:
+                self.ledger.refused(stream, seq, reason, self._clock())
+            else:
+                self.ledger.resolve(stream.request_id, outcome or StreamOutcome.CONSUMER_ERROR,
+                                    reason, self._clock(), peer=stream.peer)
+        for fut in session.answers.values():
+            if not fut.done():
+                fut.set_result(stream.reason or reason)
+        session.answers.clear()
+        for key in [k for k in self._early if k[:2] == stream.key]:
+            _, fut = self._early.pop(key)
+            if not fut.done():
+                fut.set_result(stream.reason or reason)
+
+    async def ended(self, request_id: str, from_stage: str) -> None:
+        """Returns once the stream's request has left the engine (now, if it has)."""
+        session = self._sessions.get((request_id, from_stage))
+        if session is not None and session.task is not None:
+            await asyncio.gather(session.task, return_exceptions=True)
+
+    async def end(self, request_id: str, from_stage: str, outcome: StreamOutcome,
+                  reason: str) -> None:
+        """The other end ended the stream (the producer's error or abort) or this stage
+        aborts it: its request is aborted, its chunks answered."""
+        session = self._sessions.get((request_id, from_stage))
+        if session is None:
+            self.ledger.resolve(request_id, outcome, reason, self._clock(), peer=from_stage)
+            return
+        self.ledger.resolve(request_id, outcome, reason, self._clock(), peer=from_stage)
+        if session.task is not None and not session.task.done():
+            session.task.cancel()
+            await asyncio.gather(session.task, return_exceptions=True)
+
+    async def expire(self) -> Sequence[Stream]:
+        """Resolves the streams past a deadline (``expired``) and aborts their requests."""
+        expired = self.ledger.expire_due(self._clock())
+        for stream in expired:
+            session = self._sessions.get(stream.key)
+            if session is not None and session.task is not None and not session.task.done():
+                session.task.cancel()
+                await asyncio.gather(session.task, return_exceptions=True)
+            for key in [k for k in self._early if k[:2] == stream.key]:
+                _, fut = self._early.pop(key)
+                if not fut.done():
+                    fut.set_result(stream.reason)
+        return expired
+
+    async def close(self) -> None:
+        for session in list(self._sessions.values()):
+            if session.task is not None:
+                session.task.cancel()
+        await asyncio.gather(*(s.task for s in self._sessions.values() if s.task),
+                             return_exceptions=True)

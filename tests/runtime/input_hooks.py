@@ -17,6 +17,7 @@ def by_first_tokens(upstream: Upstream) -> StageRequest:
     made = pass_tokens(upstream)
     if begins == TALK_LONG:  # a talker busy long enough to be aborted mid-way
         return StageRequest(made.prompt, sampling_params={"max_tokens": 180})
-    if begins == TALK_LONGEST:  # busy for seconds, however fast the engine steps
-        return StageRequest(made.prompt, sampling_params={"max_tokens": 600})
+    if begins == TALK_LONGEST:  # busy for seconds, however fast the engine steps (at 600
+        # tokens it once finished within the busy test's 1 s deadline)
+        return StageRequest(made.prompt, sampling_params={"max_tokens": 1500})
     return made

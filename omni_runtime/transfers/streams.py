@@ -249,9 +249,19 @@ class _Streams:
 
     _waits_for = ""
 
+    #: The state this end counts besides ``open``, and the stream's field that puts it there.
+    _state = ("", "")
+
     def counts(self) -> dict[str, dict[str, int]]:
         """Per peer stage, the streams in each state now (the ``omni_kv_streams`` gauge)."""
-        raise NotImplementedError
+        state, since = self._state
+        counts: dict[str, dict[str, int]] = {}
+        for stream in self._streams.values():
+            by_state = counts.setdefault(stream.peer, {"open": 0, state: 0})
+            by_state["open"] += 1
+            if getattr(stream, since) is not None:
+                by_state[state] += 1
+        return counts
 
     def oldest_wait(self) -> dict[str, float]:
         """Per peer stage, the monotonic time at which the stream waiting longest began to
@@ -410,14 +420,8 @@ class ProducerStreams(_Streams):
         unblocked, self._unblocked = self._unblocked, []
         return [(s, self._send(s, now)) for s in unblocked if not s.resolved]
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for stream in self._streams.values():
-            by_state = counts.setdefault(stream.peer, {"open": 0, "held": 0})
-            by_state["open"] += 1
-            if stream.held_since is not None:
-                by_state["held"] += 1
-        return counts
+    #: Open streams out of credit (a slot or a chunk's) are ``held``.
+    _state = ("held", "held_since")
 
     def check_invariants(self) -> None:
         super().check_invariants()
@@ -526,14 +530,8 @@ class ConsumerStreams(_Streams):
         return self._resolve(stream, StreamOutcome.CONSUMER_ERROR,
                              f"{stream.describe(seq)}: {reason}", now)
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for stream in self._streams.values():
-            by_state = counts.setdefault(stream.peer, {"open": 0, "waiting": 0})
-            by_state["open"] += 1
-            if stream.waiting_since is not None:
-                by_state["waiting"] += 1
-        return counts
+    #: Open streams waiting for their next chunk are ``waiting``.
+    _state = ("waiting", "waiting_since")
 
     def check_invariants(self) -> None:
         for key, stream in self._streams.items():

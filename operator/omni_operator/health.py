@@ -41,6 +41,7 @@ from .transfers import (
     OLDEST,
     RECEIVED,
     RESOLVED,
+    STREAM_GAUGES,
     TRANSFERS,
     EdgeReading,
     PipelineReading,
@@ -49,9 +50,11 @@ from .transfers import (
     StageReading,
     TransfersVerdict,
     add_edge_value,
+    add_stream_value,
     edge_samples,
     parse_metrics,
     pod_reading,
+    stream_samples,
     transfers_verdict,
 )
 
@@ -183,7 +186,7 @@ class PodMetricsSource:
 class PrometheusSource:
     """Reads the same figures from Prometheus' query API (see the module docstring)."""
 
-    GAUGES = (TRANSFERS, HELD_BLOCKS, OLDEST, *EDGE_GAUGES) + REQUEST_FAMILIES
+    GAUGES = (TRANSFERS, HELD_BLOCKS, OLDEST, *EDGE_GAUGES, *STREAM_GAUGES) + REQUEST_FAMILIES
 
     def __init__(self, url: str, *, window_seconds: float, timeout: float = 5.0,
                  clock: Callable[[], float] = time.time):
@@ -242,7 +245,7 @@ class PrometheusSource:
                 return None
             return pods.setdefault((key, m.get("stage", ""), m.get("pod", "") or m.get("instance", "")), {
                 "states": {}, "held_blocks": 0.0, "oldest": {}, "increase": {}, "edges": {}, "received": {},
-                "sends": False, "receives": False, "up": None, "requests": None})
+                "sends": False, "receives": False, "up": None, "requests": None, "streams": {}})
 
         def value(series: Mapping[str, Any]) -> float:
             v = float(series["value"][1])
@@ -265,6 +268,8 @@ class PrometheusSource:
                 p["oldest"][m.get("state", "")] = min(p["oldest"].get(m.get("state", "")) or v, v)
             elif name in EDGE_GAUGES and m.get("to_stage"):
                 add_edge_value(p["edges"], name, m, v)
+            elif name in STREAM_GAUGES and m.get("from_stage") and m.get("to_stage"):
+                add_stream_value(p["streams"], name, m, v)
         for s in resolved:
             p = pod_of(s)
             if p is not None:
@@ -295,7 +300,7 @@ class PrometheusSource:
             readings.append(PodReading(
                 pod=pod, states=p["states"], held_blocks=p["held_blocks"], oldest=p["oldest"],
                 increase=p["increase"], received_increase=p["received"], sends=p["sends"], receives=p["receives"],
-                requests=p["requests"],
+                requests=p["requests"], streams=stream_samples(p["streams"]),
                 edges={n: EdgeReading(e.active, e.oldest_active, e.resolved, e.held, e.held_blocks,
                                       e.oldest_held) for n, e in edge_samples(p["edges"]).items()}))
         return {key: PipelineReading(

@@ -135,6 +135,9 @@ class Observability:
     metrics: bool = True
     otlp_endpoint: str | None = None
     stuck_transfer_seconds: int = 120
+    #: A stream waiting (for a chunk, an ack or a credit) longer than this is stalled: the
+    #: operator's TransfersHealthy says StreamStalled. The operator's alone (not the stages').
+    stalled_stream_seconds: int = 60
     #: The Prometheus that KEDA's triggers query (the autoscaling signals).
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
 
@@ -222,6 +225,7 @@ def pipeline_view(body: Mapping[str, Any]) -> Pipeline:
             metrics=observability["metrics"],
             otlp_endpoint=(observability.get("tracing") or {}).get("otlpEndpoint") or None,
             stuck_transfer_seconds=observability["alerts"]["stuckTransferSeconds"],
+            stalled_stream_seconds=observability["alerts"]["stalledStreamSeconds"],
             **({"prometheus_url": observability["prometheusUrl"]} if observability.get("prometheusUrl") else {}),
         ),
     )
@@ -245,6 +249,7 @@ def revision_of(pipeline: "Pipeline") -> str:
     for key in ("name", "namespace", "uid", "generation", "revision", "vllm_version"):
         view.pop(key)
     view["observability"].pop("prometheus_url")
+    view["observability"].pop("stalled_stream_seconds")  # the operator's threshold: no stage reads it
     for stage in view["stages"]:
         for key in _NOT_IN_REVISION:
             stage.pop(key)

@@ -39,7 +39,7 @@ from .metrics import OperatorMetrics
 from .model import Pipeline
 from .rollout import LEGACY, Plan, PodLoad, plan, pod_of, workload_of
 from .status import compute_status, invalid_status, status_patch
-from .transfers import TRANSFERS_HEALTHY
+from .transfers import STALLED, TRANSFERS_HEALTHY
 
 if TYPE_CHECKING:
     from .health import TransferHealth
@@ -425,22 +425,30 @@ class Reconciler:
         return writes
 
     def _transfer_events(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> int:
-        """One Warning event when TransfersHealthy turns False (or changes reason while False),
-        one Normal event when it turns True again; the number posted."""
+        """One Warning event when TransfersHealthy turns False (or changes reason while False:
+        a stream stall beginning is one, reason StreamStalled, naming the edge), one Normal
+        event StreamStallEnded when a stall ends (the condition's reason no longer
+        StreamStalled), one Normal event when it turns True again; the number posted. Only on
+        a change of the condition, so at most a few per transition, never one per resync."""
         def condition(st: Mapping[str, Any] | None) -> Mapping[str, Any]:
             return next((c for c in (st or {}).get("conditions") or [] if c.get("type") == TRANSFERS_HEALTHY), {})
 
         old, new = condition(body.get("status")), condition(status)
+        posted = 0
+        if old.get("reason") == STALLED and new.get("reason") != STALLED and new:
+            self._post_event(body, "Normal", "StreamStallEnded",
+                             f"no stream stalled any more (was: {old.get('message', '')})")
+            posted += 1
         if new.get("status") == "False" and (old.get("status") != "False" or old.get("reason") != new.get("reason")):
             log.warning("%s/%s: %s: %s", body["metadata"].get("namespace"), body["metadata"]["name"],
                         new.get("reason"), new.get("message"))
             self._post_event(body, "Warning", new["reason"], new.get("message", ""))
-            return 1
+            return posted + 1
         if new.get("status") == "True" and old.get("status") == "False":
             self._post_event(body, "Normal", "TransfersRecovered",
                              f"no transfer stuck or failing any more (was {old.get('reason')}: {old.get('message', '')})")
-            return 1
-        return 0
+            return posted + 1
+        return posted
 
     def _owned_children(self, pipeline: Pipeline, podmonitors: bool, keda: bool) -> dict[tuple[str, str], dict[str, Any]]:
         selector = child_selector(pipeline.name)

@@ -8,8 +8,13 @@ pipeline run locally) read each stage pod's ``omni_kv_*`` families, from the pod
   active and held transfer, failed and expired transfers over the last interval, and the same
   per edge (``edges[]``, by ``toStage``) when the stage exports the per-edge families (all but
   pending: a pending transfer is on no edge yet);
-- the ``TransfersHealthy`` condition (``TransferStuck``, ``TransfersFailing``,
-  ``MetricsUnavailable``) and the printer column's word (``ok``, ``stuck 2``, ...).
+- per streamed edge the stage is an end of (``streams[]``, by ``fromStage`` and ``toStage``,
+  from the stream families: ``omni_kv_streams`` and the oldest wait's start): streams open,
+  held (the producer out of credit), waiting (the consumer waiting for a chunk), and the age
+  of the oldest wait;
+- the ``TransfersHealthy`` condition (``TransferStuck``, ``StreamStalled``,
+  ``TransfersFailing``, ``MetricsUnavailable``) and the printer column's word (``ok``,
+  ``stuck 2``, ``stalled 1``, ...).
 
 Nothing here does I/O or reads a clock: the time is the reading's own (``read_at``). Ages are
 rounded down to steps (:func:`round_age`) so that a status written every resync does not
@@ -41,9 +46,14 @@ EDGE_HELD = metrics.EDGE_HELD.name
 EDGE_HELD_BLOCKS = metrics.EDGE_HELD_BLOCKS.name
 EDGE_OLDEST_HELD = metrics.EDGE_OLDEST_HELD.name
 EDGE_GAUGES = (EDGE_ACTIVE, EDGE_OLDEST, EDGE_HELD, EDGE_HELD_BLOCKS, EDGE_OLDEST_HELD)
-# ... and a receiving stage's (label from_stage).
+# ... a receiving stage's (label from_stage) ...
 RECEIVED = metrics.RECEIVED.name
-FAMILIES = (TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, *EDGE_GAUGES, EDGE_RESOLVED, RECEIVED)
+# ... and a streamed edge's, at either end (labels from_stage and to_stage).
+STREAMS = metrics.STREAMS.name
+STREAM_OLDEST_WAIT = metrics.STREAM_OLDEST_WAIT.name
+STREAM_GAUGES = (STREAMS, STREAM_OLDEST_WAIT)
+STREAM_STATES = ("open", "held", "waiting")
+FAMILIES = (TRANSFERS, HELD_BLOCKS, OLDEST, RESOLVED, *EDGE_GAUGES, EDGE_RESOLVED, RECEIVED, *STREAM_GAUGES)
 # vLLM's own request gauges: whether a draining AR pod still runs requests (rollout.py).
 REQUESTS_RUNNING = "vllm:num_requests_running"
 REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -51,6 +61,7 @@ REQUEST_FAMILIES = (REQUESTS_RUNNING, REQUESTS_WAITING)
 
 TRANSFERS_HEALTHY = "TransfersHealthy"
 STUCK, FAILING, UNAVAILABLE = "TransferStuck", "TransfersFailing", "MetricsUnavailable"
+STALLED = "StreamStalled"
 HEALTHY, NO_TRANSFERS = "TransfersFlowing", "NoSendingStage"
 #: Default share of the transfers resolved over an interval that may fail or expire.
 DEFAULT_FAILING_RATIO = 0.05
@@ -70,6 +81,19 @@ class EdgeSample:
 
 
 @dataclass(frozen=True)
+class StreamSample:
+    """One end's streams on one edge, on one pod (gauges only)."""
+    open: float = 0.0
+    held: float = 0.0
+    waiting: float = 0.0
+    oldest_wait: float = 0.0  # unix time; 0: none
+
+
+#: A streamed edge: (from_stage, to_stage).
+EdgeKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
 class Sample:
     """One read of one pod's omni_kv_* families: gauges as they are, counters as totals."""
     states: Mapping[str, float] = field(default_factory=dict)  # pending, active, held
@@ -81,6 +105,7 @@ class Sample:
     sends: bool = False  # the page has the ledger's families (a stage running the omni scheduler)
     receives: bool = False  # the page has the receiver's families
     requests: float | None = None  # vLLM's requests running and waiting (None: no vLLM on the page)
+    streams: Mapping[EdgeKey, StreamSample] = field(default_factory=dict)  # the streamed edges it is an end of
 
 
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -113,6 +138,7 @@ def parse_metrics(text: str) -> Sample:
     resolved: dict[str, float] = {}
     received: dict[str, float] = {}
     edges: dict[str, dict[str, Any]] = {}
+    streams: dict[EdgeKey, dict[str, float]] = {}
     held_blocks = 0.0
     sends = receives = False
     requests: float | None = None
@@ -149,11 +175,31 @@ def parse_metrics(text: str) -> Sample:
             received[outcome] = received.get(outcome, 0.0) + value
         elif (name in EDGE_GAUGES or name == EDGE_RESOLVED) and labels.get("to_stage"):
             add_edge_value(edges, name, labels, value)
+        elif name in STREAM_GAUGES and labels.get("from_stage") and labels.get("to_stage"):
+            add_stream_value(streams, name, labels, value)
     return Sample(
         states=states, held_blocks=held_blocks, oldest=oldest, resolved=resolved, received=received,
         edges=edge_samples(edges),
-        sends=sends, receives=receives, requests=requests,
+        sends=sends, receives=receives, requests=requests, streams=stream_samples(streams),
     )
+
+
+def add_stream_value(streams: dict[EdgeKey, dict[str, float]], name: str, labels: Mapping[str, str],
+                     value: float) -> None:
+    """One stream series' value into ``streams`` ({(from_stage, to_stage): figures}): the
+    states' counts summed, the oldest wait's start the minimum (0: none)."""
+    edge = streams.setdefault((labels["from_stage"], labels["to_stage"]),
+                              {"open": 0.0, "held": 0.0, "waiting": 0.0, "oldest_wait": 0.0})
+    if name == STREAMS:
+        state = labels.get("state", "")
+        if state in STREAM_STATES:
+            edge[state] += value
+    elif value > 0:
+        edge["oldest_wait"] = min(edge["oldest_wait"] or value, value)
+
+
+def stream_samples(streams: Mapping[EdgeKey, Mapping[str, float]]) -> dict[EdgeKey, StreamSample]:
+    return {k: StreamSample(v["open"], v["held"], v["waiting"], v["oldest_wait"]) for k, v in streams.items()}
 
 
 def add_edge_value(edges: dict[str, dict[str, Any]], name: str, labels: Mapping[str, str],
@@ -223,6 +269,7 @@ class PodReading:
     sends: bool = False
     receives: bool = False
     requests: float | None = None  # vLLM's requests running and waiting
+    streams: Mapping[EdgeKey, StreamSample] = field(default_factory=dict)
 
 
 def pod_reading(pod: str, previous: Sample | None, current: Sample) -> PodReading:
@@ -239,6 +286,7 @@ def pod_reading(pod: str, previous: Sample | None, current: Sample) -> PodReadin
         edges=edges,
         received_increase=_increases(previous.received if previous is not None else None, current.received),
         sends=current.sends, receives=current.receives, requests=current.requests,
+        streams=dict(current.streams),
     )
 
 
@@ -304,10 +352,31 @@ class StageHealth:
     rejected: int
     #: toStage, active, held, heldBlocks, oldest active and held ages, failed, expired, stuck
     edges: tuple[dict[str, Any], ...]
+    #: The streamed edges this stage's pods are an end of: fromStage, toStage, open, held,
+    #: waiting, the oldest wait's age, and how many pods have a wait over the stall threshold.
+    streams: tuple[dict[str, Any], ...] = ()
+
+
+def _stream_health(pods: Iterable[PodReading], read_at: float, stalled_seconds: float) -> tuple[dict[str, Any], ...]:
+    out = []
+    pods = list(pods)
+    for key in dict.fromkeys(k for p in pods for k in p.streams):
+        readings = [p.streams[key] for p in pods if key in p.streams]
+        ages = [_age(read_at, r.oldest_wait) for r in readings]
+        out.append({
+            "fromStage": key[0], "toStage": key[1],
+            "open": _count(sum(r.open for r in readings)),
+            "held": _count(sum(r.held for r in readings)),
+            "waiting": _count(sum(r.waiting for r in readings)),
+            "oldestWaitAge": max(ages, default=0.0),
+            "stalledPods": sum(1 for a in ages if a > stalled_seconds),
+            "pods": len(readings),
+        })
+    return tuple(out)
 
 
 def stage_health(name: str, reading: StageReading, read_at: float, stuck_seconds: float,
-                 downstream: Iterable[str] = ()) -> StageHealth:
+                 downstream: Iterable[str] = (), stalled_seconds: float = float("inf")) -> StageHealth:
     pods = reading.pods
     states = {s: _count(sum(p.states.get(s, 0.0) for p in pods)) for s in ("pending", "active", "held")}
     ages = [_age(read_at, p.oldest.get("active", 0.0)) for p in pods]
@@ -345,6 +414,7 @@ def stage_health(name: str, reading: StageReading, read_at: float, stuck_seconds
         resolved=_count(sum(increase.values())),
         rejected=_count(sum(p.received_increase.get("rejected", 0.0) for p in pods)),
         edges=tuple(edges),
+        streams=_stream_health(pods, read_at, stalled_seconds),
     )
 
 
@@ -374,6 +444,11 @@ def stage_transfers_status(health: StageHealth) -> dict[str, Any]:
             } for e in health.edges]
     if health.rejected:
         out["rejected"] = health.rejected
+    if health.streams:  # only where a stage streams: a pipeline without streams keeps its status
+        out["streams"] = [{
+            "fromStage": e["fromStage"], "toStage": e["toStage"], "open": e["open"], "held": e["held"],
+            "waiting": e["waiting"], "oldestWaitSeconds": round_age(e["oldestWaitAge"]),
+        } for e in health.streams]
     return out
 
 
@@ -383,7 +458,7 @@ class TransfersVerdict:
     status: str  # "True", "False", "Unknown"
     reason: str
     message: str
-    summary: str  # ok, stuck N, failing P%, unknown, none
+    summary: str  # ok, stuck N, stalled N, failing P%, unknown, none
     stages: Mapping[str, dict[str, Any]] = field(default_factory=dict)  # name -> transfers status
     #: False for a first reading (no interval yet: the reader just started): failures were
     #: not counted, so a previous TransfersFailing stands until the next reading says.
@@ -419,6 +494,9 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
 
     - ``False/TransferStuck``: a sending stage's pod has had a transfer active for longer than
       ``spec.observability.alerts.stuckTransferSeconds``;
+    - else ``False/StreamStalled``: a pod at either end of a streamed edge has had a stream
+      waiting (for a chunk, an ack or a credit) for longer than
+      ``spec.observability.alerts.stalledStreamSeconds``; the message names the edge;
     - else ``False/TransfersFailing``: over the interval, the share of a sending stage's
       resolved transfers that failed or expired is above ``failing_ratio``;
     - else ``Unknown/MetricsUnavailable``: a pod's metrics could not be read, or a sending
@@ -426,8 +504,9 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
     - else ``True`` (``NoSendingStage`` when no stage sends KV).
     """
     stuck_seconds = pipeline.observability.stuck_transfer_seconds
+    stalled_seconds = pipeline.observability.stalled_stream_seconds
     healths = {s.name: stage_health(s.name, reading.stages.get(s.name, StageReading()), reading.read_at,
-                                    stuck_seconds, pipeline.downstream_of(s.name))
+                                    stuck_seconds, pipeline.downstream_of(s.name), stalled_seconds)
                for s in pipeline.stages}
     stages = {name: stage_transfers_status(h) for name, h in healths.items()
               if h.pods or h.unreadable}
@@ -457,6 +536,7 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
             failing.append(f"stage {stage.name}: {bad} of {h.resolved} transfers resolved in the last "
                            f"{_fmt_age(_about(reading.interval))} failed or expired ({h.failed} failed, "
                            f"{h.expired} expired){where}")
+    stalled, stalled_pods = _stalls(pipeline, healths, stalled_seconds)
     for stage in pipeline.stages:
         h = healths[stage.name]
         for pod, why in h.unreadable:
@@ -473,12 +553,36 @@ def transfers_verdict(pipeline: Pipeline, reading: PipelineReading,
     judged = reading.interval > 0
     if stuck:
         return TransfersVerdict("False", STUCK, "; ".join(stuck), f"stuck {stuck_pods}", stages, judged)
+    if stalled:
+        return TransfersVerdict("False", STALLED, "; ".join(stalled)[:1000], f"stalled {stalled_pods}", stages,
+                                judged)
     if failing:
         return TransfersVerdict("False", FAILING, "; ".join(failing), f"failing {round(worst_share * 100)}%",
                                 stages, judged)
     if unknown:
         return TransfersVerdict("Unknown", UNAVAILABLE, "; ".join(unknown)[:1000], "unknown", stages, judged)
     return TransfersVerdict("True", HEALTHY, "no transfer stuck or failing", "ok", stages, judged)
+
+
+def _stalls(pipeline: Pipeline, healths: Mapping[str, StageHealth], threshold: float) -> tuple[list[str], int]:
+    """(a message per stalled streamed edge, the pods with a stalled stream): an edge is
+    stalled when a pod at either of its ends has had a stream waiting longer than the
+    threshold. The ages are rounded down to a step, as the status's are."""
+    messages, pods = [], 0
+    for producer, consumer, _ in pipeline.streamed_edges():
+        ends = []
+        oldest = 0.0
+        for stage in (producer, consumer):
+            for e in healths[stage].streams if stage in healths else ():
+                if (e["fromStage"], e["toStage"]) == (producer, consumer) and e["stalledPods"]:
+                    ends.append(f"{stage}: {e['stalledPods']} of {e['pods']} pods")
+                    pods += e["stalledPods"]
+                    oldest = max(oldest, e["oldestWaitAge"])
+        if ends:
+            messages.append(f"edge {producer} -> {consumer}: a stream has waited for over "
+                            f"{_fmt_age(round_age(oldest))} for a chunk, an ack or a credit (threshold "
+                            f"{threshold:g}s; at {', '.join(ends)})")
+    return messages, pods
 
 
 NOT_READ = TransfersVerdict("Unknown", UNAVAILABLE, "the stages' metrics have not been read yet", "unknown")
@@ -506,7 +610,16 @@ def render_table(pipeline: Pipeline, verdict: TransfersVerdict) -> str:
             rows.append((f"  -> {edge['toStage']}", "", "", str(edge["active"]), str(edge.get("held", 0)),
                          str(edge.get("heldBlocks", 0)), _fmt_age(edge["oldestActiveSeconds"]),
                          _fmt_age(edge.get("oldestHeldSeconds", 0)), str(edge["failed"]), str(edge["expired"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     head = f"pipeline {pipeline.name}: transfers {verdict.summary} ({verdict.reason}: {verdict.message})"
-    return "\n".join([head, *lines])
+    streams = [("STREAM", "AT", "OPEN", "HELD", "WAITING", "OLDEST WAIT")]
+    for stage in pipeline.stages:
+        for e in (verdict.stages.get(stage.name) or {}).get("streams", ()):
+            streams.append((f"{e['fromStage']} -> {e['toStage']}", stage.name, str(e["open"]), str(e["held"]),
+                            str(e["waiting"]), _fmt_age(e["oldestWaitSeconds"])))
+    tables = [_table(rows)] + ([_table(streams)] if len(streams) > 1 else [])
+    return "\n".join([head, *(line for table in tables for line in table)])
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]

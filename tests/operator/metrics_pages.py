@@ -26,9 +26,9 @@ def _labels(**labels: str) -> str:
 def ar_page(stage: str = "thinker", *, pending: int = 0, active: int = 0, held: int = 0, held_blocks: int = 0,
             oldest_active: float = 0.0, oldest_held: float = 0.0, resolved: Mapping[str, float] | None = None,
             edges: Mapping[str, Mapping[str, float]] | None = None, vllm_lines: int = 0,
-            model: str = "tiny") -> str:
+            model: str = "tiny", streams: Mapping[tuple[str, str], Mapping[str, float]] | None = None) -> str:
     """A sending stage's page. ``edges``: to_stage -> {"active", "oldest", "held",
-    "held_blocks", "oldest_held", outcome: total}."""
+    "held_blocks", "oldest_held", outcome: total}; ``streams``: see :func:`stream_lines`."""
     base = {"stage": stage, "model_name": model}
     lines = []
     for i in range(vllm_lines):  # vLLM's own families come first on a real page
@@ -59,7 +59,24 @@ def ar_page(stage: str = "thinker", *, pending: int = 0, active: int = 0, held: 
         for outcome in ("acked", "failed", "expired"):
             lines.append(f"omni_kv_edge_transfers_resolved_total{{{_labels(**base, to_stage=to_stage, outcome=outcome)}}}"
                          f" {float(edge.get(outcome, 0))}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + stream_lines(stage, streams or {}, model)
+
+
+def stream_lines(stage: str, streams: Mapping[tuple[str, str], Mapping[str, float]], model: str = "tiny") -> str:
+    """The stream families of a stage at one or more streamed edges: (from_stage, to_stage) ->
+    {"open", "held", "waiting", "oldest_wait"} (a unix time; 0: none), as the runtime exports
+    them (omni_contract.metrics.STREAM_FAMILIES, EDGE_LABELS: the reporting end in ``stage``)."""
+    lines = []
+    if streams:
+        lines.append("# TYPE omni_kv_streams gauge")
+    for (source, target), figures in streams.items():
+        base = {"stage": stage, "model_name": model, "from_stage": source, "to_stage": target}
+        for state in ("open", "held", "waiting"):
+            lines.append(f"omni_kv_streams{{{_labels(**base, state=state)}}} {float(figures.get(state, 0))}")
+        lines.append(f"omni_kv_stream_oldest_wait_start_timestamp_seconds{{{_labels(**base)}}} "
+                     f"{float(figures.get('oldest_wait', 0.0))!r}")
+        lines.append(f"omni_kv_streams_resolved_total{{{_labels(**base, outcome='finished')}}} 3.0")
+    return "".join(line + "\n" for line in lines)
 
 
 class PageServer:

@@ -78,7 +78,7 @@ def test_minimal_spec_is_valid_and_defaulted(schema):
     assert stage["kvTransfer"]["criteria"] == {"type": "prefill_finished"}
     assert stage["kvTransfer"]["timeoutSeconds"] == 30
     assert spec["imagePullPolicy"] == "IfNotPresent"
-    assert spec["observability"] == {"metrics": True, "alerts": {"stuckTransferSeconds": 120}}
+    assert spec["observability"] == {"metrics": True, "alerts": {"stuckTransferSeconds": 120, "stalledStreamSeconds": 60}}
 
 
 def test_operator_defaults_come_from_the_crd(schema):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from omni_contract.metrics import EDGE_ACTIVE, OLDEST_START, TRANSFERS
+from omni_contract.metrics import EDGE_ACTIVE, OLDEST_START, STREAMS, TRANSFERS
 
 from . import API_VERSION, KIND, naming
 from .kinds import CONFIGMAP, DEPLOYMENT, HPA, NETWORKPOLICY, PDB, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER
@@ -442,7 +442,8 @@ def _endpoint_container(pipeline: Pipeline, stage: Stage, stage_container: Mappi
 
 # ---------------------------------------------------------------------------- autoscaling
 #: Each signal: the PromQL KEDA's trigger runs (labels as the operator's PodMonitor sets them;
-#: ``{sel}`` the stage's series, ``{to}`` the series of the stages sending to it), the external
+#: ``{sel}`` the stage's series, ``{to}`` the series of the stages sending to it, ``{streams}``
+#: the series its stream producers report for their streams toward it), the external
 #: metric name an HPA asks the metrics adapter for (docs/operator.md gives the adapter's rules),
 #: and the target type: the total over the stage's pods divided by the target is the replicas
 #: (AverageValue), or, for an age, the value itself against the target (Value).
@@ -458,13 +459,19 @@ SIGNALS: dict[str, tuple[str, str, str]] = {
         "omni_stage_oldest_pending_transfer_seconds", "Value"),
     "incomingTransfers": ("sum(" + EDGE_ACTIVE.name + "{{{to}}})", "omni_stage_incoming_transfers",
                           "AverageValue"),
+    # The producers' own series (stage == from_stage): a stream counted once, at the end that
+    # sends it, whatever the consumer's end reports.
+    "openStreams": ("sum(" + STREAMS.name + '{{{streams},state="open"}})', "omni_stage_open_streams",
+                    "AverageValue"),
 }
 
 
 def signal_query(pipeline: Pipeline, stage: Stage, signal: str) -> str:
     """The PromQL of one autoscaling signal of one stage."""
     where = f'namespace="{pipeline.namespace}",pipeline="{pipeline.name}"'
-    return SIGNALS[signal][0].format(sel=f'{where},stage="{stage.name}"', to=f'{where},to_stage="{stage.name}"')
+    producers = "|".join(edge.stage for edge in stage.streams)  # stage names: nothing special in a regex
+    return SIGNALS[signal][0].format(sel=f'{where},stage="{stage.name}"', to=f'{where},to_stage="{stage.name}"',
+                                     streams=f'{where},to_stage="{stage.name}",stage=~"{producers}"')
 
 
 def _number(value: float) -> str:

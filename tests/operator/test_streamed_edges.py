@@ -305,3 +305,42 @@ def test_the_local_runner_writes_the_same_edge_with_local_addresses():
     (down,) = configs["thinker"]["downstream"]
     assert down["endpoint"] == "127.0.0.1:19601" and down["mode"] == "stream"
     assert configs["talker"]["inputs"][0]["mode"] == "stream"
+
+
+# -- autoscaling on open streams ------------------------------------------------------------
+
+def _autoscaled_on_streams(**autoscaling) -> dict:
+    body = body_with([{"stage": "thinker"}])
+    body["spec"]["stages"][1]["autoscaling"] = {"maxReplicas": 4, "metrics": [{"signal": "openStreams", "target": 16}],
+                                                **autoscaling}
+    return body
+
+
+def test_open_streams_scales_a_streamed_consumer_on_its_producers_open_streams():
+    from test_render import children
+
+    kids = children(_autoscaled_on_streams())
+    (trigger,) = kids[("ScaledObject", "tiny-talker")]["spec"]["triggers"]
+    assert trigger["name"] == "open-streams" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "16"
+    # The producer's own series (stage thinker) toward this stage: each stream counted once.
+    assert trigger["metadata"]["query"] == (
+        'sum(omni_kv_streams{namespace="team-a",pipeline="tiny",to_stage="talker",stage=~"thinker",state="open"})')
+    (metric,) = kids[("HorizontalPodAutoscaler", "tiny-talker")]["spec"]["metrics"]
+    assert metric["external"]["metric"]["name"] == "omni_stage_open_streams"
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "16"}
+
+
+def test_open_streams_on_a_stage_fed_whole_is_refused():
+    body = _autoscaled_on_streams()
+    del body["spec"]["stages"][1]["streams"]
+    problem = only_problem(body)
+    assert problem.field == "spec.stages[1].autoscaling.metrics"
+    assert "openStreams counts the streams" in problem.message and "use incomingTransfers" in problem.message
+
+
+def test_open_streams_and_every_other_signal_fit_in_one_stage():
+    body = _autoscaled_on_streams(metrics=[{"signal": s, "target": 4} for s in (
+        "queuedRequests", "kvCacheUsage", "pendingTransfers", "heldTransfers", "oldestPendingTransferSeconds",
+        "incomingTransfers", "openStreams")])
+    assert problems_of(body) == []

@@ -33,7 +33,9 @@ def every_signal() -> dict:
         {"signal": s, "target": t} for s, t in (("queuedRequests", 8), ("kvCacheUsage", "0.8"),
                                               ("pendingTransfers", 4), ("heldTransfers", 16),
                                               ("oldestPendingTransferSeconds", 5))]}
-    stages[1]["autoscaling"] = {"maxReplicas": 3, "metrics": [{"signal": "incomingTransfers", "target": 2}]}
+    stages[1]["streams"] = [{"stage": "thinker"}]  # a stage fed by a stream scales on its open streams
+    stages[1]["autoscaling"] = {"maxReplicas": 3, "metrics": [{"signal": "incomingTransfers", "target": 2},
+                                                               {"signal": "openStreams", "target": 16}]}
     stages[2]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 6, "metrics": [{"signal": "incomingTransfers", "target": "1.5"}]}
     return body
 
@@ -69,7 +71,7 @@ def test_every_signal_renders_a_scaledobject_keda_accepts(upstream, ours):
     assert len(scaled) == 3
     assert {t["name"] for so in scaled for t in so["spec"]["triggers"]} == {
         "queued-requests", "kv-cache-usage", "pending-transfers", "held-transfers",
-        "oldest-pending-transfer-seconds", "incoming-transfers"}
+        "oldest-pending-transfer-seconds", "incoming-transfers", "open-streams"}
     for so in scaled:
         assert upstream.check(so) == []
         assert so["spec"]["scaleTargetRef"]["kind"] == "OmniStageScaler"

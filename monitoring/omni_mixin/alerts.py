@@ -16,6 +16,10 @@ EDGE_BY = STAGE_BY + ", to_stage"
 # Alert labels name the stage; descriptions refer to these labels.
 WHERE = "{{ $labels.namespace }}/{{ $labels.pipeline }} stage {{ $labels.stage }}"
 EDGE = WHERE + " to stage {{ $labels.to_stage }}"
+# A streamed edge, named whole; `stage` is the end that reports it.
+STREAM_BY = STAGE_BY + ", from_stage, to_stage"
+STREAM = ("{{ $labels.namespace }}/{{ $labels.pipeline }} edge {{ $labels.from_stage }} -> "
+          "{{ $labels.to_stage }} (at stage {{ $labels.stage }})")
 
 
 def _alert(
@@ -136,6 +140,66 @@ time() - ({m.KV_EDGE_OLDEST_START} > 0)
     ]
 
 
+def _share(cfg: Config, counter: str, outcomes: str) -> str:
+    """The share of a streamed edge's resolutions (per reporting end) with these outcomes."""
+    return f"""(
+  sum by ({STREAM_BY}) (rate({counter}{{outcome=~"{outcomes}"}}[{cfg.failure_rate_window}]))
+/
+  sum by ({STREAM_BY}) (rate({counter}[{cfg.failure_rate_window}]))
+)"""
+
+
+def stream_rules(cfg: Config) -> list[dict[str, Any]]:
+    """A streamed edge's stall, deadlines and send failures; each alert names the edge
+    (`from_stage` -> `to_stage`) and the end that reports it (`stage`)."""
+    stalled_expr = f"""
+time() - ({m.KV_STREAM_OLDEST_WAIT} > 0)
+  > {cfg.stalled_stream_seconds}
+"""
+    deadline_expr = f"""
+{_share(cfg, m.KV_STREAMS_RESOLVED, "expired")} > {cfg.stream_deadline_ratio}
+or
+{_share(cfg, m.KV_STREAM_CHUNKS, "expired")} > {cfg.stream_deadline_ratio}
+"""
+    failure_expr = f"""
+{_share(cfg, m.KV_STREAMS_RESOLVED, "producer_error")} > {cfg.stream_failure_ratio}
+or
+{_share(cfg, m.KV_STREAM_CHUNKS, "failed")} > {cfg.stream_failure_ratio}
+"""
+    return [
+        _alert(
+            cfg,
+            "OmniStreamStalled",
+            stalled_expr,
+            cfg.stalled_stream_for,
+            "critical",
+            "A stream has waited far longer than its deadlines allow.",
+            f"The oldest stream on {STREAM} (pod {{{{ $labels.pod }}}}) has waited for a chunk, "
+            "an ack or a credit for {{ $value | humanizeDuration }}.",
+        ),
+        _alert(
+            cfg,
+            "OmniStreamDeadlineRate",
+            deadline_expr,
+            cfg.failure_rate_for,
+            "warning",
+            "Many streams or stream chunks expire at their deadlines.",
+            f"{{{{ $value | humanizePercentage }}}} of the streams or chunks resolved on {STREAM} "
+            f"in the last {cfg.failure_rate_window} expired.",
+        ),
+        _alert(
+            cfg,
+            "OmniStreamSendFailures",
+            failure_expr,
+            cfg.failure_rate_for,
+            "warning",
+            "A stream producer fails to send.",
+            f"{{{{ $value | humanizePercentage }}}} of the streams (ended by a producer error) or "
+            f"chunks (failed) resolved on {STREAM} in the last {cfg.failure_rate_window} failed.",
+        ),
+    ]
+
+
 def stage_rules(cfg: Config) -> list[dict[str, Any]]:
     # Stage targets are the ones the scrape labels with their pipeline.
     down_expr = 'up{pipeline!=""} == 0'
@@ -208,6 +272,7 @@ def rule_groups(cfg: Config = Config()) -> dict[str, Any]:
         "groups": [
             {"name": "omni-pipeline.kv-transfers", "rules": kv_transfer_rules(cfg)},
             {"name": "omni-pipeline.kv-edges", "rules": kv_edge_rules(cfg)},
+            {"name": "omni-pipeline.streams", "rules": stream_rules(cfg)},
             {"name": "omni-pipeline.stages", "rules": stage_rules(cfg)},
             {"name": "omni-pipeline.operator", "rules": operator_rules(cfg)},
         ]

@@ -36,6 +36,17 @@ class Config:
     # it (its series then disappears), so one still at 0 after this long died.
     transport_thread_down_for: str = "1m"
     metrics_absent_for: str = "10m"
+    # A stream waiting (for a chunk, an ack or a credit) longer than this: its deadlines
+    # (30 s to the first chunk, 10 s between chunks by default) should have ended it long
+    # before, so the stream ledger's sweep or the engine loop is not running. (The operator's
+    # StreamStalled condition uses each pipeline's own observability.alerts.stalledStreamSeconds.)
+    stalled_stream_seconds: int | str = 120
+    stalled_stream_for: str = "1m"
+    # Share of a streamed edge's streams (or chunks) resolved over the window that expired.
+    stream_deadline_ratio: float | str = 0.05
+    # Share of a streamed edge's streams that ended in producer_error, or of its chunks that
+    # failed, over the window.
+    stream_failure_ratio: float | str = 0.05
     reconcile_error_window: str = "10m"
     reconcile_error_for: str = "15m"
     runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL

@@ -233,12 +233,125 @@ def kv_transfers(cfg: Config = Config()) -> dict[str, Any]:
             ),
         ],
     ))
+    rows.append(_streams_row(cfg))
     return dashboard(
         "omni-kv-transfers",
         "Omni KV transfers",
         "KV-cache transfers between the stages of omni pipelines (omni_kv_* metrics).",
         _variables(m.KV_TRANSFERS),
         rows,
+    )
+
+
+STREAM_EDGE = "pipeline, from_stage, to_stage"
+
+
+def _stream_quantiles(histogram: str, quantiles: tuple[float, ...] = (0.5, 0.99)) -> list[tuple[str, str]]:
+    return [(
+        f"histogram_quantile({q}, sum by (le, {STREAM_EDGE}) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))",
+        f"p{int(q * 100)} {{{{pipeline}}}}/{{{{from_stage}}}} -> {{{{to_stage}}}}",
+    ) for q in quantiles]
+
+
+def _streams_row(cfg: Config) -> Row:
+    """A streamed edge's figures, one series per edge (from_stage -> to_stage). A gauge or a
+    counter is reported by each end (`stage`): the producer's open and held streams, the
+    consumer's open and waiting ones, each end's chunks and streams by outcome; the
+    hop and gap are the consumer's."""
+    by_end = "{{pipeline}}/{{from_stage}} -> {{to_stage}} at {{stage}}"
+    return Row(
+        "Streams (per streamed edge: from_stage -> to_stage)",
+        [
+            Panel(
+                "Streams open and held per edge",
+                "Streams now, as each end reports them: open (the producer sending, the consumer "
+                "taking) and held (the producer out of credit: the consumer has not acked enough "
+                "chunks).",
+                [(
+                    f'sum by (pipeline, stage, from_stage, to_stage, state) ({m.KV_STREAMS}{{{SEL}, state=~"open|held"}})',
+                    by_end + " {{state}}",
+                )],
+                width=8,
+            ),
+            Panel(
+                "Streams waiting per edge",
+                "Streams whose consumer waits for the next chunk.",
+                [(
+                    f'sum by (pipeline, stage, from_stage, to_stage) ({m.KV_STREAMS}{{{SEL}, state="waiting"}})',
+                    by_end,
+                )],
+                width=8,
+            ),
+            Panel(
+                "Age of the oldest stream wait per edge",
+                "Time since the stream waiting longest (for a chunk, an ack or a credit) began to "
+                "wait, at either end. The red line is OmniStreamStalled's threshold.",
+                [(
+                    f"max by (pipeline, stage, from_stage, to_stage) (time() - ({m.KV_STREAM_OLDEST_WAIT}{{{SEL}}} > 0))",
+                    by_end,
+                )],
+                unit="s",
+                width=8,
+                threshold=float(cfg.stalled_stream_seconds),
+            ),
+            Panel(
+                "Time to first chunk per edge",
+                "A stream's start on the producer to its first chunk consumable downstream: p50 "
+                "and p99 (what makes speech feel live).",
+                _stream_quantiles(m.KV_STREAM_FIRST_CHUNK),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Chunk hop per edge",
+                "A chunk produced to consumable downstream, measured by the consumer: p50 and p99.",
+                _stream_quantiles(m.KV_STREAM_CHUNK_HOP),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Gap between chunks per edge",
+                "Between two chunks of one stream at the consumer: p50 and p99 (its deadline is "
+                "the edge's gapSeconds).",
+                _stream_quantiles(m.KV_STREAM_CHUNK_GAP),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Chunks per edge by outcome",
+                "Chunks resolved per second at each end: acked, failed, expired. "
+                "OmniStreamSendFailures and OmniStreamDeadlineRate watch the last two.",
+                [(
+                    f"sum by (pipeline, stage, from_stage, to_stage, outcome) (rate({m.KV_STREAM_CHUNKS}{{{SEL}}}[{RATE}]))",
+                    by_end + " {{outcome}}",
+                )],
+                unit="ops",
+                width=8,
+                stack=True,
+            ),
+            Panel(
+                "Streams per edge by outcome",
+                "Streams resolved per second at each end: finished, producer_error, "
+                "consumer_error, expired, aborted.",
+                [(
+                    f"sum by (pipeline, stage, from_stage, to_stage, outcome) (rate({m.KV_STREAMS_RESOLVED}{{{SEL}}}[{RATE}]))",
+                    by_end + " {{outcome}}",
+                )],
+                unit="ops",
+                width=8,
+                stack=True,
+            ),
+            Panel(
+                "Time out of credit per edge",
+                "Share of the time the producer's streams spent out of credit (summed over its "
+                "streams: 2 means two streams held all the time).",
+                [(
+                    f"sum by (pipeline, stage, from_stage, to_stage) (rate({m.KV_STREAM_CREDIT_EXHAUSTED}{{{SEL}}}[{RATE}]))",
+                    by_end,
+                )],
+                width=8,
+            ),
+        ],
     )
 
 

@@ -32,6 +32,16 @@ KV_RECEIVED = contract.RECEIVED.name
 KV_RECEIVER_REJECTED = contract.RECEIVER_REJECTED.name
 # Either stage: 1 while the KV transport's thread runs, label thread = sender, receiver.
 KV_TRANSPORT_THREAD_UP = contract.TRANSPORT_THREAD_UP.name
+# A streamed edge, at either end (labels from_stage and to_stage; `stage` is the end that
+# reports: the producer's series have stage == from_stage, the consumer's stage == to_stage).
+KV_STREAMS = contract.STREAMS.name  # gauge, label state: open, held (producer), open, waiting (consumer)
+KV_STREAM_OLDEST_WAIT = contract.STREAM_OLDEST_WAIT.name  # gauge: unix time; 0 when none waits
+KV_STREAM_CHUNKS = contract.STREAM_CHUNKS.name  # counter, label outcome: acked, failed, expired
+KV_STREAMS_RESOLVED = contract.STREAMS_RESOLVED.name  # counter, label outcome
+KV_STREAM_FIRST_CHUNK = contract.STREAM_FIRST_CHUNK.name  # histogram
+KV_STREAM_CHUNK_HOP = contract.STREAM_CHUNK_HOP.name  # histogram (consumer)
+KV_STREAM_CHUNK_GAP = contract.STREAM_CHUNK_GAP.name  # histogram (consumer)
+KV_STREAM_CREDIT_EXHAUSTED = contract.STREAM_CREDIT_EXHAUSTED.name  # counter, seconds
 
 # Operator metrics.
 OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result

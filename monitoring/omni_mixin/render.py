@@ -18,6 +18,9 @@ CHART_PARAMS = {
     "stuck_transfer_seconds": "stuckTransferSeconds",
     "held_too_long_seconds": "heldTooLongSeconds",
     "failure_ratio": "failureRatio",
+    "stalled_stream_seconds": "stalledStreamSeconds",
+    "stream_deadline_ratio": "streamDeadlineRatio",
+    "stream_failure_ratio": "streamFailureRatio",
     "runbook_base_url": "runbookBaseUrl",
 }
 

@@ -10,6 +10,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from omni_mixin import metrics as m
 
 # Labels every scraped series can carry, added by the scrape (see docs/monitoring.md).
@@ -48,8 +50,12 @@ def runtime() -> dict[str, frozenset[str]]:
     from omni_runtime.observability.edge_metrics import build_registry as build_edge_registry
     from omni_runtime.observability.receiver_metrics import build_registry as build_receiver_registry
     from omni_runtime.observability.metrics import build_registry
+    from omni_runtime.observability.stream_metrics import StreamMetrics
 
     names = from_registry(build_registry(stage="s", model_name="m")[0])
+    streams = CollectorRegistry()
+    StreamMetrics("s", "m", streams, to_stages=["t"], from_stages=["u"])
+    names.update(from_registry(streams))
     names.update(from_registry(build_edge_registry(stage="s", model_name="m", to_stages=["t"])[0]))
     names.update(from_registry(build_receiver_registry(stage="s", model_name="m", from_stages=["u"])[0]))
     return names

@@ -25,6 +25,9 @@ EXPECTED = {
     "OmniKVMetricsAbsent",
     "OmniKVTransportThreadDown",
     "OmniOperatorReconcileErrors",
+    "OmniStreamStalled",
+    "OmniStreamDeadlineRate",
+    "OmniStreamSendFailures",
 }
 
 
@@ -101,10 +104,12 @@ def test_alerts_group_only_by_bounded_labels():
     allowed = set(m.STAGE_LABELS) | set(m.SCRAPE_LABELS) | {"le"}
     for rule in ALERTS:
         edge = rule["alert"].startswith("OmniKVEdge")
-        assert grouping_labels(rule["expr"]) <= allowed | ({"to_stage"} if edge else set()), rule["alert"]
-        if edge:  # the edge names itself: kept through every aggregation
-            assert "to_stage" in rule["annotations"]["description"]
-            assert "sum by" not in rule["expr"] or "to_stage" in grouping_labels(rule["expr"])
+        stream = rule["alert"].startswith("OmniStream")
+        names = {"to_stage"} if edge else {"from_stage", "to_stage"} if stream else set()
+        assert grouping_labels(rule["expr"]) <= allowed | names, rule["alert"]
+        for label in names:  # the edge names itself: kept through every aggregation
+            assert label in rule["annotations"]["description"]
+            assert "sum by" not in rule["expr"] or label in grouping_labels(rule["expr"])
 
 
 def test_alerts_query_only_the_contract_state_and_outcome_values():
@@ -113,6 +118,13 @@ def test_alerts_query_only_the_contract_state_and_outcome_values():
             assert name in {
                 "up", m.KV_TRANSFERS, m.KV_OLDEST_START, m.KV_RESOLVED, m.OPERATOR_RECONCILES,
                 m.KV_TRANSPORT_THREAD_UP, m.KV_EDGE_OLDEST_START, m.KV_EDGE_RESOLVED,
+                m.KV_STREAM_OLDEST_WAIT, m.KV_STREAMS_RESOLVED, m.KV_STREAM_CHUNKS,
             }, (rule["alert"], name)
+        # A stream family's outcomes are the contract's (ARCHITECTURE.md, "Streams").
+        for family, outcomes in ((m.KV_STREAMS_RESOLVED, {"finished", "producer_error", "consumer_error", "expired",
+                                                          "aborted"}),
+                                 (m.KV_STREAM_CHUNKS, {"acked", "failed", "expired"})):
+            for value in re.findall(re.escape(family) + r'\{outcome=~"([^"]*)"\}', rule["expr"]):
+                assert set(value.split("|")) <= outcomes, (rule["alert"], value)
     stuck = next(r for r in ALERTS if r["alert"] == "OmniKVTransferStuck")["expr"]
     assert 'state="active"' in stuck and "> 0" in stuck

@@ -116,7 +116,7 @@ def test_kv_transfers_dashboard_has_the_issue_panels():
 
 def test_kv_transfers_dashboard_has_a_per_edge_row():
     rows = [p["title"] for p in KV["panels"] if p["type"] == "row"]
-    assert rows[-1].startswith("Per edge")
+    assert any(r.startswith("Per edge") for r in rows)
     by_title = {p["title"]: p for p in panels(KV)}
     edge_panels = {
         "Transfers in flight per edge",
@@ -133,6 +133,26 @@ def test_kv_transfers_dashboard_has_a_per_edge_row():
     assert "from_stage" in grouping_labels(by_title["Received per upstream stage"]["targets"][0]["expr"])
     age = by_title["Age of the oldest unanswered transfer per edge"]["fieldConfig"]["defaults"]
     assert age["thresholds"]["steps"][-1]["value"] == 300
+
+
+def test_kv_transfers_dashboard_has_a_streams_row_per_edge():
+    rows = [p["title"] for p in KV["panels"] if p["type"] == "row"]
+    assert rows[-1].startswith("Streams")
+    by_title = {p["title"]: p for p in panels(KV)}
+    stream_panels = {
+        "Streams open and held per edge", "Streams waiting per edge", "Age of the oldest stream wait per edge",
+        "Time to first chunk per edge", "Chunk hop per edge", "Gap between chunks per edge",
+        "Chunks per edge by outcome", "Streams per edge by outcome", "Time out of credit per edge",
+    }
+    assert set(by_title) >= stream_panels
+    for title in stream_panels:  # every series names its edge, whole
+        for query in panel_queries({"panels": [by_title[title]]}):
+            assert {"from_stage", "to_stage"} <= grouping_labels(query), title
+    hop = [t["legendFormat"].split()[0] for t in by_title["Chunk hop per edge"]["targets"]]
+    assert hop == ["p50", "p99"]
+    age = by_title["Age of the oldest stream wait per edge"]
+    assert "> 0" in age["targets"][0]["expr"]  # 0 is "none waits", never "since 1970"
+    assert age["fieldConfig"]["defaults"]["thresholds"]["steps"][-1]["value"] == 120
 
 
 def test_pipelines_dashboard_has_the_issue_panels():

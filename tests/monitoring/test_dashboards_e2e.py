@@ -48,6 +48,10 @@ RESTRICTED = "restricted"  # a namespace where the operator may not create Deplo
 OPERATOR_POD = {"__meta_kubernetes_namespace": "omni-system", "__meta_kubernetes_pod_name": "omni-operator-7c9d-x2"}
 AGE_PANELS = {"Age of the oldest active transfer", "Age of the oldest held transfer",
               "Age of the oldest unanswered transfer per edge"}
+#: The streams row's panels: this pipeline's edge is fed whole, so no stage exports stream
+#: series here (their queries' syntax and names are checked in test_dashboards.py; their data
+#: needs a streamed edge end to end: issue 49's remaining e2e, with the runtime's streams).
+STREAM_ROW = "Streams (per streamed edge: from_stage -> to_stage)"
 
 
 def pipeline_body(namespace: str = NAMESPACE) -> dict:
@@ -229,7 +233,9 @@ def has_data(prometheus, expr: str) -> list[dict]:
 
 
 def test_every_panel_query_returns_data(stages, prometheus, traffic):
-    queries = panel_queries()
+    streamed = {p["title"] for p in _row_panels(STREAM_ROW)}
+    assert len(streamed) >= 9
+    queries = [(n, t, e) for n, t, e in panel_queries() if t not in streamed]
     assert {title for _, title, _ in queries} >= AGE_PANELS and len(queries) > 15
     empty = []
     for name, title, expr in queries:
@@ -254,6 +260,17 @@ def test_every_panel_query_returns_data(stages, prometheus, traffic):
                 assert all(0 <= float(s["value"][1]) < 120 for s in ages), ages
     finally:
         os.killpg(receiver.proc.pid, signal.SIGCONT)
+
+
+def _row_panels(row: str) -> list[dict]:
+    """The panels under one row of the transfers dashboard."""
+    out, inside = [], False
+    for panel in DASHBOARDS["omni-kv-transfers.json"]()["panels"]:
+        if panel["type"] == "row":
+            inside = panel["title"] == row
+        elif inside:
+            out.append(panel)
+    return out
 
 
 def test_the_check_has_teeth(prometheus, traffic):

@@ -66,7 +66,8 @@ def test_examples_are_valid(schema, path):
 
 def test_three_examples_cover_the_named_pipelines():
     names = {os.path.basename(p) for p in EXAMPLES}
-    assert {"tiny-pipeline.yaml", "bagel-ar-diffusion.yaml", "qwen-omni-thinker-talker.yaml"} <= names
+    assert {"tiny-pipeline.yaml", "bagel-ar-diffusion.yaml", "qwen-omni-thinker-talker.yaml",
+            "tiny-omni-streaming.yaml"} <= names
 
 
 def test_minimal_spec_is_valid_and_defaulted(schema):

@@ -344,3 +344,27 @@ def test_open_streams_and_every_other_signal_fit_in_one_stage():
         "queuedRequests", "kvCacheUsage", "pendingTransfers", "heldTransfers", "oldestPendingTransferSeconds",
         "incomingTransfers", "openStreams")])
     assert problems_of(body) == []
+
+
+# -- the examples run in the shape they show ------------------------------------------------
+
+@pytest.mark.parametrize("name, streamed", [
+    ("qwen-omni-thinker-talker.yaml", [("thinker", "talker"), ("talker", "code2wav")]),
+    ("tiny-omni-streaming.yaml", [("thinker", "talker"), ("talker", "vocoder")]),
+])
+def test_the_streaming_examples_stream_every_edge_and_render_both_ends(name, streamed):
+    from omni_runtime.stages.config import parse_stage_config
+
+    repo = Path(__file__).resolve().parents[2]
+    body = yaml.safe_load((repo / "examples" / name).read_text())
+    admitted = admit({**body, "metadata": {**body["metadata"], "namespace": "default"}})
+    assert [(p, c) for p, c, _ in admitted.pipeline.streamed_edges()] == streamed
+    configs = {}
+    for child in admitted.children:
+        if child["kind"] == "ConfigMap":
+            configs[child["metadata"]["labels"]["omnipipeline.dev/stage"]] = parse_stage_config(
+                yaml.safe_load(child["data"]["stage.yaml"]))
+    for producer, consumer in streamed:
+        edge = admitted.pipeline.stage(consumer).edge_from(producer)
+        assert configs[consumer].input_edges == (edge,)
+        assert [d.stream for d in configs[producer].downstream if d.stage == consumer] == [edge.stream]

@@ -650,13 +650,11 @@ def _old_workload_key(obj: Mapping[str, Any], pipeline: Pipeline) -> tuple[str, 
 
 def pod_loads(reading: Any) -> dict[str, PodLoad]:
     """What the last reading says of each pod, by name: transfers unresolved (pending or
-    active; held ones are among them) and requests running or queued."""
+    active; held ones are among them), requests running or queued, and the streams it still
+    sends (open or held at the producer's end)."""
     loads = {}
-    for stage in reading.stages.values():
-        for pod in stage.pods:
-            loads[pod.pod] = PodLoad(reading.read_at, pod.states.get("pending", 0.0) + pod.states.get("active", 0.0),
-                                     pod.requests)
-    for pod in getattr(reading, "draining", {}).values():
+    pods = [p for stage in reading.stages.values() for p in stage.pods]
+    for pod in pods + list(getattr(reading, "draining", {}).values()):
         loads[pod.pod] = PodLoad(reading.read_at, pod.states.get("pending", 0.0) + pod.states.get("active", 0.0),
-                                 pod.requests)
+                                 pod.requests, sum(s.sending for s in pod.streams.values()))
     return loads

@@ -17,6 +17,7 @@ Two lifetimes:
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -361,7 +362,7 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
         # injected for Services break vLLM's own environment parsing).
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": stage.kv.timeout_seconds + STOP_BEYOND_GRACE_SECONDS
+        "terminationGracePeriodSeconds": drain_seconds(pipeline, stage) + STOP_BEYOND_GRACE_SECONDS
         + KILL_MARGIN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
@@ -408,6 +409,15 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
             },
         },
     }
+
+
+def drain_seconds(pipeline: Pipeline, stage: Stage) -> int:
+    """How long a stopping pod of the stage may drain: its transfers' deadline, or, for a
+    stream producer, the longest whole-stream deadline of its streamed edges if longer (a
+    stream open when SIGTERM comes may run that long; a drain never cuts it short of it)."""
+    streams = [pipeline.stage(d).edge_from(stage.name).stream for d in pipeline.downstream_of(stage.name)]
+    longest = max((s.stream_seconds for s in streams if s is not None), default=0.0)
+    return max(stage.kv.timeout_seconds, math.ceil(longest))
 
 
 def _endpoint_container(pipeline: Pipeline, stage: Stage, stage_container: Mapping[str, Any]

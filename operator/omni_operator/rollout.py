@@ -26,13 +26,14 @@ The steps, as :func:`plan` takes them:
 2. **Within each stage's limits.** A stage's pods, all revisions together, never exceed its
    target plus ``maxSurge``; the new revision grows into that room. An old revision's pods
    go only while the stage keeps ``target - maxUnavailable`` ready pods (the new ones count).
-3. **Draining by transfers.** An old revision's stage that receives KV keeps its pods until
-   every stage of that revision sending to it has drained: no pods any more, or each pod
-   terminating (it stopped taking requests, the runtime's SIGTERM drain) and its last reading,
-   taken after it began terminating, shows no request running and no transfer pending,
-   active or held; or the pod's drain deadline (its deletionTimestamp: the grace period, the
-   transfer timeout plus the stop margins) has passed, in which case the transfers it still
-   reported are abandoned and a Warning event says how many.
+3. **Draining by transfers and streams.** An old revision's stage that receives KV keeps its
+   pods until every stage of that revision sending to it has drained: no pods any more, or
+   each pod terminating (it stopped taking requests, the runtime's SIGTERM drain) and its last
+   reading, taken after it began terminating, shows no request running, no transfer pending,
+   active or held, and no stream it produces open or held; or the pod's drain deadline (its
+   deletionTimestamp: the grace period, the transfer timeout, or a stream producer's longest
+   streamSeconds, plus the stop margins) has passed, in which case the transfers and streams
+   it still reported are abandoned and a Warning event says how many.
 4. **No order left.** Where a receiving stage has no surge (a GPU stage's default), its new
    pods need what its old pods hold, which stay while the old senders send, which keep their
    floor until new senders are ready, which wait for new receivers. When everything has
@@ -94,11 +95,13 @@ class StagePod:
 
 @dataclass(frozen=True)
 class PodLoad:
-    """What a pod's metrics said at ``read_at``: KV transfers pending, active or held, and the
-    requests it was running or had queued (None: the page has no vLLM figures)."""
+    """What a pod's metrics said at ``read_at``: KV transfers pending, active or held, the
+    requests it was running or had queued (None: the page has no vLLM figures), and the
+    streams it was still sending (open or held, as their producer)."""
     read_at: float
     transfers: float
     requests: float | None = None
+    streams: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -330,13 +333,13 @@ def plan(pipeline: Pipeline, targets: Mapping[str, int], workloads: Iterable[Wor
     for pod in pods:
         load = loads.get(pod.name)
         if (pod.revision != current and pod.deadline is not None and now >= pod.deadline
-                and load is not None and load.transfers > 0):
-            n = int(load.transfers)
+                and load is not None and (load.transfers > 0 or load.streams > 0)):
+            in_flight = _in_flight(load)
             result.events.append(DrainEvent(
                 key=f"{pod.revision}.{pod.name}", reason="DrainDeadlinePassed",
                 message=(f"revision {pod.revision}: pod {pod.name} (stage {pod.stage}) passed its drain deadline "
-                         f"with {n} KV transfer{'s' if n != 1 else ''} in flight: {n} abandoned; the receivers "
-                         f"of its revision no longer wait for it")))
+                         f"with {in_flight} in flight: {int(load.transfers) + int(load.streams)} abandoned; the "
+                         "receivers of its revision no longer wait for it")))
 
     # Status: every revision with workloads, the current one first.
     result.revisions.append(RevisionState(current, True, False, [
@@ -357,15 +360,29 @@ def _pod_drained(pod: StagePod, load: PodLoad | None, now: float, read_loads: bo
     if pod.deadline is not None and now >= pod.deadline:
         if load is None:
             return f"pod {pod.name}: not read before its deadline"
+        if load.streams > 0:
+            return f"pod {pod.name}: {_in_flight(load)} abandoned"
         in_flight = int(load.transfers)
         return f"pod {pod.name}: {in_flight} transfer{'s' if in_flight != 1 else ''} abandoned" if in_flight else ""
     if not pod.terminating or not read_loads or load is None or pod.drain_started is None:
         return None
     if load.read_at <= pod.drain_started:
         return None  # read before it stopped taking requests: it may have started more since
-    if load.transfers > 0 or (load.requests or 0) > 0:
+    if load.transfers > 0 or load.streams > 0 or (load.requests or 0) > 0:
         return None
     return ""
+
+
+def _in_flight(load: PodLoad) -> str:
+    """"3 KV transfers", "2 streams", "1 KV transfer and 2 streams": what a pod still had."""
+    parts = []
+    if load.transfers > 0:
+        n = int(load.transfers)
+        parts.append(f"{n} KV transfer{'s' if n != 1 else ''}")
+    if load.streams > 0:
+        n = int(load.streams)
+        parts.append(f"{n} stream{'s' if n != 1 else ''}")
+    return " and ".join(parts)
 
 
 def _pods_drained(pods: list[StagePod], loads: Mapping[str, PodLoad], now: float,

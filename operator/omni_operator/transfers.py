@@ -87,6 +87,14 @@ class StreamSample:
     held: float = 0.0
     waiting: float = 0.0
     oldest_wait: float = 0.0  # unix time; 0: none
+    #: Which end the pod is: "producer" (its series' stage is the edge's from_stage) or
+    #: "consumer".
+    end: str = "consumer"
+
+    @property
+    def sending(self) -> float:
+        """The streams this pod still sends (a producer's open and held ones; 0 at a consumer)."""
+        return self.open + self.held if self.end == "producer" else 0.0
 
 
 #: A streamed edge: (from_stage, to_stage).
@@ -189,7 +197,8 @@ def add_stream_value(streams: dict[EdgeKey, dict[str, float]], name: str, labels
     """One stream series' value into ``streams`` ({(from_stage, to_stage): figures}): the
     states' counts summed, the oldest wait's start the minimum (0: none)."""
     edge = streams.setdefault((labels["from_stage"], labels["to_stage"]),
-                              {"open": 0.0, "held": 0.0, "waiting": 0.0, "oldest_wait": 0.0})
+                              {"open": 0.0, "held": 0.0, "waiting": 0.0, "oldest_wait": 0.0,
+                               "end": "producer" if labels.get("stage") == labels["from_stage"] else "consumer"})
     if name == STREAMS:
         state = labels.get("state", "")
         if state in STREAM_STATES:
@@ -199,7 +208,8 @@ def add_stream_value(streams: dict[EdgeKey, dict[str, float]], name: str, labels
 
 
 def stream_samples(streams: Mapping[EdgeKey, Mapping[str, float]]) -> dict[EdgeKey, StreamSample]:
-    return {k: StreamSample(v["open"], v["held"], v["waiting"], v["oldest_wait"]) for k, v in streams.items()}
+    return {k: StreamSample(v["open"], v["held"], v["waiting"], v["oldest_wait"], v["end"])
+            for k, v in streams.items()}
 
 
 def add_edge_value(edges: dict[str, dict[str, Any]], name: str, labels: Mapping[str, str],

@@ -116,3 +116,34 @@ def test_a_settled_rollout_no_step_moves_drains_the_old_senders_and_says_so():
     # Not while anything still moves (a pod terminating).
     moving = plan(p, targets, ws, [draining("thinker", "t")], now=NOW)
     assert moving.replicas[(OLD, "thinker")] == 1
+
+
+def test_an_old_stream_producer_drains_its_open_streams_too_and_names_those_it_abandons():
+    """A draining sender with no transfer and no request left but streams still open (or
+    held, out of credit) keeps its revision's receivers; past its deadline the streams are
+    abandoned, and the event says how many of each."""
+    p = pipeline()
+    mine = [ready(p.revision, s, inputs=i) for s, i in (("thinker", ()), ("talker", ("thinker",)), ("code2wav", ("talker",)))]
+    ws = old_pipeline_workloads(thinker=ready(OLD, "thinker", n=0, sends=True)) + mine
+    pod = draining("thinker", "old-thinker-0")
+    streaming = {"old-thinker-0": PodLoad(read_at=pod.drain_started + 1, transfers=0, requests=0, streams=2)}
+    assert plan(p, TARGETS, ws, [pod], streaming, now=NOW).replicas[(OLD, "talker")] == 1
+    done = {"old-thinker-0": PodLoad(read_at=pod.drain_started + 1, transfers=0, requests=0, streams=0)}
+    assert plan(p, TARGETS, ws, [pod], done, now=NOW).replicas[(OLD, "talker")] == 0
+    late = plan(p, TARGETS, ws, [pod], {"old-thinker-0": PodLoad(NOW, transfers=1, streams=2)}, now=pod.deadline)
+    assert late.replicas[(OLD, "talker")] == 0
+    (event,) = late.events
+    assert "with 1 KV transfer and 2 streams in flight: 3 abandoned" in event.message
+
+
+def test_pod_loads_count_the_streams_a_pod_sends_not_those_it_takes():
+    """A talker that takes thinker's stream and streams on to code2wav: only the second is
+    its to drain (the first is the thinker's)."""
+    from metrics_pages import ar_page
+    from omni_operator.reconcile import pod_loads
+    from omni_operator.transfers import PipelineReading, StageReading, parse_metrics, pod_reading
+
+    page = ar_page("talker", streams={("thinker", "talker"): {"open": 5, "waiting": 1},
+                                      ("talker", "code2wav"): {"open": 2, "held": 1}})
+    reading = PipelineReading(NOW, stages={"talker": StageReading((pod_reading("talker-0", None, parse_metrics(page)),))})
+    assert pod_loads(reading)["talker-0"].streams == 3

@@ -368,3 +368,18 @@ def test_the_streaming_examples_stream_every_edge_and_render_both_ends(name, str
         edge = admitted.pipeline.stage(consumer).edge_from(producer)
         assert configs[consumer].input_edges == (edge,)
         assert [d.stream for d in configs[producer].downstream if d.stage == consumer] == [edge.stream]
+
+
+def test_a_stream_producers_pods_may_drain_for_its_longest_stream():
+    from test_render import children
+
+    body = body_with([{"stage": "thinker", "streamSeconds": 900}])
+    body["spec"]["stages"][2]["streams"] = [{"stage": "talker", "firstChunkSeconds": 10, "streamSeconds": 20}]
+    kids = children(body)
+    grace = {s: kids[("Deployment", f"tiny-{s}")]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+             for s in ("thinker", "talker", "code2wav")}
+    # The stream's 900 s over the thinker's 30 s transfer deadline; the talker's 20 s stream
+    # is shorter than its transfer deadline (30 s), which stays; a receiver's is its own.
+    assert grace == {"thinker": 900 + 45, "talker": 30 + 45, "code2wav": 30 + 45}
+    plain = children(pipeline_body())
+    assert plain[("Deployment", "tiny-thinker")]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75

@@ -4,7 +4,7 @@ Counts, at the (emulated) API server, the requests made by reconciling a 3-stage
 its creation, a reconcile with nothing to change (target: no write), and a change to one
 stage's engine arguments (a new revision: the first step of its rollout, which
 benchmarks/operator_rollout.py follows to the end); then times reconciling --pipelines
-pipelines from scratch. The server is the kmock-
+pipelines from scratch, every other one with a streamed thinker -> talker edge. The server is the kmock-
 based emulator of tests/operator (there is no Kubernetes API server here), in a process of
 its own as an API server is (its CPU does not take the operator's interpreter lock), so the
 wall time measures the operator's own work, the emulator's and local HTTP, not a real
@@ -12,7 +12,8 @@ cluster's latency.
 
 Then transfer health: --health-pipelines pipelines of 3 stages x 2 pods (600 pods by default),
 every pod's /metrics served by one fake endpoint (tests/operator/metrics_pages.py: a sending
-stage's omni_kv_* families after 400 lines of vLLM's own, as a real page has them), and the
+stage's omni_kv_* families after 400 lines of vLLM's own, as a real page has them, and the
+stream families of a streamed edge: every other pipeline streams thinker -> talker), and the
 operator (the resync timer: list pipelines, read every pod's metrics, reconcile every
 pipeline) in a process of its own, so that its RSS is its own. Two rounds settle it (the
 first creates the children and writes every status), then one resync is timed with nothing
@@ -28,6 +29,7 @@ do not.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import os
@@ -128,8 +130,11 @@ def health_benchmark(pipelines: int) -> dict:
     ]
     # A transfer in flight for 400 s (the 300-600 s age step: the age it reports stays put for
     # the whole run), under a threshold it does not reach: a steady, healthy pipeline.
+    # Every other pipeline streams thinker -> talker: its pods' pages carry the stream families
+    # too (a wait of 400 s under a threshold it does not reach, as for the transfers).
     page = ar_page(active=1, held=1, held_blocks=16, oldest_active=time.time() - 400, oldest_held=time.time() - 400,
-                   resolved={"acked": 12345, "failed": 3}, vllm_lines=400)
+                   resolved={"acked": 12345, "failed": 3}, vllm_lines=400,
+                   streams={("thinker", "talker"): {"open": 3, "held": 1, "waiting": 2, "oldest_wait": time.time() - 400}})
     server = PageServer(page)
     context = multiprocessing.get_context("spawn")
     try:
@@ -140,8 +145,10 @@ def health_benchmark(pipelines: int) -> dict:
             pods = 0
             for i in range(pipelines):
                 name = f"h{i:03d}"
-                create_pipeline(user, pipeline_body(name=name, stages=stages,
-                                                    observability={"alerts": {"stuckTransferSeconds": 3600}}))
+                body = pipeline_body(name=name, stages=copy.deepcopy(stages), observability={
+                    "alerts": {"stuckTransferSeconds": 3600, "stalledStreamSeconds": 3600}})
+                streamed(body, i)
+                create_pipeline(user, body)
                 for stage in stages:
                     for r in range(stage["replicas"]):
                         create_pod(user, name, stage["name"], f"{name}-{stage['name']}-{r}", server.port)
@@ -181,6 +188,13 @@ def health_benchmark(pipelines: int) -> dict:
     }
 
 
+def streamed(body: dict, i: int) -> dict:
+    """Every other pipeline of the mix streams its thinker -> talker edge."""
+    if i % 2:
+        body["spec"]["stages"][1]["streams"] = [{"stage": "thinker", "firstChunkTokens": 4, "chunkTokens": 16}]
+    return body
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=int, default=100)
@@ -212,8 +226,8 @@ def main() -> None:
         update_calls, update_writes = server_calls(emu, mark)
 
         names = [f"p{i:03d}" for i in range(args.pipelines)]
-        for name in names:
-            create_pipeline(user, pipeline_body(name=name))
+        for i, name in enumerate(names):
+            create_pipeline(user, streamed(pipeline_body(name=name), i))
         started, cpu, server_cpu = time.perf_counter(), time.process_time(), emu.cpu_s()
         for name in names:
             reconciler.reconcile(NAMESPACE, name)
@@ -238,6 +252,7 @@ def main() -> None:
         "update_calls": update_calls,
         "update_writes": update_writes,
         "pipelines": args.pipelines,
+        "streamed_pipelines": args.pipelines // 2,
         "pipelines_per_s": round(args.pipelines / elapsed, 1),
         "noop_pipelines_per_s": round(args.pipelines / noop_elapsed, 1),
         "noop_writes_100": noop_total_writes,

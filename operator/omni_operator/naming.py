@@ -73,6 +73,12 @@ def scaledobject_name(pipeline: str, stage: str) -> str:
     return _fitted(stage_name(pipeline, stage), MAX_SCALEDOBJECT_NAME)
 
 
+def pipeline_endpoint(pipeline: str, entry: str, namespace: str) -> str:
+    """The URL a client uses for the whole pipeline: the endpoint's port on the entry stage's
+    stable Service (its pods run the endpoint beside the stage)."""
+    return f"http://{stage_name(pipeline, entry)}.{namespace}.svc:{ENDPOINT_PORT}"
+
+
 def kv_endpoint(pipeline: str, stage: str, namespace: str, revision: str | None = None) -> str:
     """host:port of a stage's KV receiver: through its revision's KV Service (a sender only
     ever reaches receivers of its own revision), or the stage's stable Service."""

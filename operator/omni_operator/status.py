@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from typing import TYPE_CHECKING
 
+from . import naming
 from .model import Pipeline
 from .transfers import FAILING, NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
 
@@ -187,6 +188,9 @@ def compute_status(pipeline: Pipeline, deployments: Mapping[str, Mapping[str, An
     }
     if pipeline.revision:
         status["revision"] = pipeline.revision
+    shape = pipeline.endpoint_stages
+    if shape is not None:  # the one address a client uses for the whole pipeline (the ENDPOINT column)
+        status["endpoint"] = naming.pipeline_endpoint(pipeline.name, shape[0].name, pipeline.namespace)
     if rollout is not None:
         status["revisions"] = [{"revision": r.revision, "current": r.current, "draining": r.draining,
                                 "stages": r.stages} for r in rollout.revisions]

@@ -35,7 +35,8 @@ def test_crd_names_and_printer_columns():
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {"Ready": ".status.stagesReady", "Phase": ".status.phase", "Revision": ".status.revision",
-                       "Transfers": ".status.transfersHealth", "Age": ".metadata.creationTimestamp"}
+                       "Endpoint": ".status.endpoint", "Transfers": ".status.transfersHealth",
+                       "Age": ".metadata.creationTimestamp"}
 
 
 def _walk(node, path="schema"):

@@ -412,10 +412,12 @@ def render_deployment(pipeline: Pipeline, stage: Stage, stage_config_hash: str) 
 
 
 def drain_seconds(pipeline: Pipeline, stage: Stage) -> int:
-    """How long a stopping pod of the stage may drain: its transfers' deadline, or, for a
-    stream producer, the longest whole-stream deadline of its streamed edges if longer (a
-    stream open when SIGTERM comes may run that long; a drain never cuts it short of it)."""
+    """How long a stopping pod of the stage may drain: its transfers' deadline, or, at either
+    end of a streamed edge, the longest whole-stream deadline of its streamed edges if longer
+    (a stream open when SIGTERM comes, or when a scale-in picks the pod, may run that long; the
+    kubelet never cuts the drain short of it)."""
     streams = [pipeline.stage(d).edge_from(stage.name).stream for d in pipeline.downstream_of(stage.name)]
+    streams += [edge.stream for edge in stage.streams]
     longest = max((s.stream_seconds for s in streams if s is not None), default=0.0)
     return max(stage.kv.timeout_seconds, math.ceil(longest))
 

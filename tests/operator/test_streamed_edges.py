@@ -378,8 +378,9 @@ def test_a_stream_producers_pods_may_drain_for_its_longest_stream():
     kids = children(body)
     grace = {s: kids[("Deployment", f"tiny-{s}")]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
              for s in ("thinker", "talker", "code2wav")}
-    # The stream's 900 s over the thinker's 30 s transfer deadline; the talker's 20 s stream
-    # is shorter than its transfer deadline (30 s), which stays; a receiver's is its own.
-    assert grace == {"thinker": 900 + 45, "talker": 30 + 45, "code2wav": 30 + 45}
+    # The 900 s stream over the 30 s transfer deadline at both its ends (a consumer scaled in
+    # finishes the streams it takes); the 20 s stream is shorter than the transfer deadline
+    # (30 s), which stays.
+    assert grace == {"thinker": 900 + 45, "talker": 900 + 45, "code2wav": 30 + 45}
     plain = children(pipeline_body())
     assert plain[("Deployment", "tiny-thinker")]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75

@@ -386,8 +386,9 @@ def max_model_len(stage: Stage) -> int | None:
         if flag_name(str(key)) != "max-model-len" or value is None or isinstance(value, bool) or argument is None:
             continue
         try:
-            # vLLM's own conversion of the flag's type (human-int-or-auto), from the contract.
-            length = vllm_args._convert(argument, str(value))  # noqa: SLF001 - see the report
+            # vLLM's own conversion of the flag's type (human-int-or-auto), from the contract's
+            # table; the contract has no public reader of one flag's value (yet).
+            length = vllm_args._convert(argument, str(value))  # noqa: SLF001
         except ValueError:
             return None
         return length if isinstance(length, int) and length > 0 else None

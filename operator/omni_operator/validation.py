@@ -204,13 +204,20 @@ def _rule_on_json(rule: str, message_expression: str | None, value_json: str) ->
     return holds, why, message
 
 
-def _rule_result(rule: dict[str, Any], value: Any) -> tuple[bool, str | None, str | None]:
-    """(holds, why it could not be evaluated, the messageExpression's message). Memoised on
-    the value's JSON: a rule is a pure function of `self`, and the same stage or map is
-    checked again in every pipeline that holds it."""
+def _value_json(value: Any) -> str | None:
+    """The value's JSON, the key of the rules' memo (None: not JSON, evaluated afresh)."""
     try:
-        value_json = json.dumps(value, sort_keys=True, allow_nan=False)
+        return json.dumps(value, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):
+        return None
+
+
+def _rule_result(rule: dict[str, Any], value: Any, value_json: str | None) -> tuple[bool, str | None, str | None]:
+    """(holds, why it could not be evaluated, the messageExpression's message). Memoised on
+    the value's JSON (``value_json``, made once for all the rules of a node): a rule is a pure
+    function of `self`, and the same stage or map is checked again in every pipeline that
+    holds it."""
+    if value_json is None:
         result, why = _evaluate(rule["rule"], value)
         return why is None and bool(result), why, None
     return _rule_on_json(rule["rule"], rule.get("messageExpression"), value_json)
@@ -226,8 +233,10 @@ def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[tuple[str, 
     errors: list[tuple[str, str]] = []
     if value is None:
         return errors
-    for rule in node.get("x-kubernetes-validations", []):
-        holds, why, evaluated = _rule_result(rule, value)
+    rules = node.get("x-kubernetes-validations", [])
+    value_json = _value_json(value) if rules else None
+    for rule in rules:
+        holds, why, evaluated = _rule_result(rule, value, value_json)
         if not holds:
             where = _with_field_path(path, rule.get("fieldPath")) or "<root>"
             message = evaluated or rule.get("message") or f"failed rule: {rule['rule']}"

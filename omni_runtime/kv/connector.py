@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
-    from omni_runtime.sched.handoff import Answer, HandOff
+    from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 
 
 def find_omni_connector(connector: Any) -> OmniKVConnector | None:
@@ -121,6 +121,12 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
                  seconds: float = 0.0) -> None:
         self.scheduler_half.withdraw(request_id, attempt, outcome, seconds)
 
+    def send_chunks(self, chunks: list[ChunkOut]) -> None:
+        self.scheduler_half.send_chunks(chunks)
+
+    def take_chunk_answers(self, output: Any) -> list[ChunkAnswer]:
+        return self.scheduler_half.take_chunk_answers(output)
+
     def stop_stats(self) -> None:
         if self.scheduler_half is not None:
             self.scheduler_half.stop_stats()
@@ -180,7 +186,7 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         if self.worker_half is not None and isinstance(
                 connector_metadata, OmniKVConnectorMetadata) and (
                 connector_metadata.hand_offs or connector_metadata.withdrawn
-                or connector_metadata.held):
+                or connector_metadata.held or connector_metadata.chunks):
             self.worker_half.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -207,7 +213,11 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         if self.worker_half is None:
             return None
         answers = self.worker_half.poll()
-        return OmniKVWorkerMetadata(answers, self.worker_half.shard) if answers else None
+        chunk_answers = self.worker_half.poll_chunks()
+        if not (answers or chunk_answers):
+            return None
+        return OmniKVWorkerMetadata(answers, self.worker_half.shard,
+                                    chunk_answers=chunk_answers)
 
     def shutdown(self) -> None:
         if self.worker_half is not None:

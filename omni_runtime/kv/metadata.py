@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from omni_runtime.kv.load import Load
-from omni_runtime.sched.handoff import Answer, HandOff
+from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 
 
 @dataclass
@@ -39,6 +39,9 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):
     #: KV prefixes to load into this step's newly allocated blocks before its forward (a
     #: downstream stage: kv/load.py).
     loads: list[Load] = field(default_factory=list)
+    #: Streamed edges' chunks (and early ends) cut in this step: rank 0 sends them (they
+    #: carry tokens only, the same for every rank).
+    chunks: list[ChunkOut] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +53,8 @@ class OmniKVWorkerMetadata(KVConnectorWorkerMetadata):
     #: The other ranks' answers, folded in by :meth:`aggregate` (vLLM's KVOutputAggregator
     #: merges the workers' metadata of one step this way before the scheduler sees it).
     other_ranks: dict[int, dict[str, Answer]] = field(default_factory=dict)
+    #: Rank 0's answers about chunks (only rank 0 sends them).
+    chunk_answers: list[ChunkAnswer] = field(default_factory=list)
 
     def by_rank(self) -> dict[int, dict[str, Answer]]:
         return {**self.other_ranks, self.rank: self.answers}
@@ -59,7 +64,10 @@ class OmniKVWorkerMetadata(KVConnectorWorkerMetadata):
         if isinstance(other, OmniKVWorkerMetadata):
             for rank, answers in other.by_rank().items():
                 merged.setdefault(rank, {}).update(answers)
-        return OmniKVWorkerMetadata(dict(self.answers), self.rank, merged)
+        chunk_answers = list(self.chunk_answers)
+        if isinstance(other, OmniKVWorkerMetadata):
+            chunk_answers += other.chunk_answers
+        return OmniKVWorkerMetadata(dict(self.answers), self.rank, merged, chunk_answers)
 
 
 class ShardAnswers:

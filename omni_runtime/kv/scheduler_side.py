@@ -19,7 +19,7 @@ from typing import Any
 
 from omni_runtime.kv.metadata import OmniKVConnectorMetadata, OmniKVWorkerMetadata, ShardAnswers
 from omni_runtime.kv.stats import OTHER_STAGE, KVStatsRecorder
-from omni_runtime.sched.handoff import Answer, HandOff
+from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 
 #: An answer's outcome in the stats: acked without a reason, else failed.
 _OUTCOME_OF_REASON = {None: "acked"}
@@ -36,6 +36,7 @@ class OmniKVConnectorScheduler:
     def __init__(self, world_size: int, stats: KVStatsRecorder | None = None,
                  to_stages: tuple[str, ...] = (), fans_out: bool = False) -> None:
         self._hand_offs: list[HandOff] = []
+        self._chunks: list[ChunkOut] = []
         self._withdrawn: dict[str, int] = {}
         self._hold: set[str] = set()
         self.shard_answers = ShardAnswers(world_size)
@@ -79,6 +80,14 @@ class OmniKVConnectorScheduler:
         if self._stats is not None:
             self._stats.record(outcome, 0, seconds, self._to_stage)
 
+    def send_chunks(self, chunks: list[ChunkOut]) -> None:
+        """Streamed edges' chunks (and early ends) for the step being scheduled."""
+        self._chunks.extend(chunks)
+
+    def take_chunk_answers(self, output: Any) -> list[ChunkAnswer]:
+        meta = _worker_meta(output)
+        return meta.chunk_answers if meta is not None else []
+
     def hold_on_finish(self, request_id: str) -> None:
         """The next request_finished() of this request keeps its blocks (held)."""
         self._hold.add(request_id)
@@ -96,12 +105,8 @@ class OmniKVConnectorScheduler:
         scheduler resolves them (its ledger ignores an answer about another attempt, or
         about a transfer not handed off or already resolved) and then records those that
         resolved (:meth:`record_answers`)."""
-        meta = getattr(output, "kv_connector_worker_meta", None) if output else None
-        if meta is not None and not isinstance(meta, OmniKVWorkerMetadata):
-            # A MultiConnector's: ours is the one of our type.
-            meta = next((m for m in getattr(meta, "metadata", ())
-                         if isinstance(m, OmniKVWorkerMetadata)), None)
-        if meta is None:
+        meta = _worker_meta(output)
+        if meta is None or not (meta.answers or meta.other_ranks):
             return {}
         if self._ranks is None:
             # One rank: its answers are the transfers' (read only); a rank that answered is
@@ -137,10 +142,11 @@ class OmniKVConnectorScheduler:
         held = self._held
         if held:
             self._held = {}
+        chunks, self._chunks = self._chunks, []
         return OmniKVConnectorMetadata(
             hand_offs=hand_offs, withdrawn=withdrawn,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
-            held=held or {},
+            held=held or {}, chunks=chunks,
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
@@ -149,3 +155,13 @@ class OmniKVConnectorScheduler:
             self._hold.discard(rid)
             return True, None
         return False, None
+
+
+def _worker_meta(output: Any) -> OmniKVWorkerMetadata | None:
+    """Our workers' metadata of a step's output (under vLLM's MultiConnector, the one of our
+    type), or None."""
+    meta = getattr(output, "kv_connector_worker_meta", None) if output else None
+    if meta is not None and not isinstance(meta, OmniKVWorkerMetadata):
+        meta = next((m for m in getattr(meta, "metadata", ())
+                     if isinstance(m, OmniKVWorkerMetadata)), None)
+    return meta

@@ -38,7 +38,7 @@ from omni_runtime.kv.layout import UnsupportedKVCache, probe_block_format
 from omni_runtime.kv.metadata import OmniKVConnectorMetadata
 from omni_runtime.kv.transport.payload import vllm_external_request_id
 from omni_runtime.kv.transport.protocol import Compat, Hello, Region, block_runs
-from omni_runtime.sched.handoff import Answer, HandOff
+from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
 logger = logging.getLogger(__name__)
@@ -191,6 +191,8 @@ class OmniKVConnectorWorker:
                     self._edges.dropped((rid, offered[0]))
         for hand_off in meta.hand_offs:
             self._offer(hand_off)
+        if meta.chunks and self.shard == 0:  # tokens only: one rank sends them
+            self._send_chunks(meta.chunks)
         if self._edges is not None:
             for rid, (attempt, blocks, at) in meta.held.items():
                 self._edges.held((rid, attempt), blocks, at=at)
@@ -226,6 +228,26 @@ class OmniKVConnectorWorker:
             # Give up just before the scheduler would expire it, so the failure (with its
             # reason) reaches the scheduler first.
             timeout_s=max(0.05, 0.95 * h.deadline_in_s))
+
+    def _send_chunks(self, chunks: list[ChunkOut]) -> None:
+        from omni_runtime.kv.transport.sender import ChunkOffer
+
+        for c in chunks:
+            self._sender.submit_chunk(
+                ChunkOffer(request_id=c.request_id, seq=c.seq, last=c.last,
+                           token_ids=c.token_ids, prompt_len=c.prompt_len,
+                           produced_at=c.produced_at,
+                           external_request_id=vllm_external_request_id(
+                               c.request_id, randomized=self._randomized_ids),
+                           trace_context=dict(c.trace_headers) if c.trace_headers else None,
+                           origin=dict(c.origin) if c.origin else None,
+                           end=c.end, reason=c.reason),
+                c.to_stage, timeout_s=c.deadline_in_s)
+
+    def poll_chunks(self) -> list[ChunkAnswer]:
+        if self._sender is None or self.shard != 0:
+            return []
+        return [ChunkAnswer(*answer) for answer in self._sender.poll_chunks()]
 
     def _answer(self, h: HandOff, reason: str) -> None:
         with self._lock:

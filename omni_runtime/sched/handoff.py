@@ -85,6 +85,38 @@ class HandOff(NamedTuple):
         ))
 
 
+class ChunkOut(NamedTuple):
+    """One chunk of a streamed edge's stream handed to the connector in a step (the stream
+    ledger cut it: omni_runtime/transfers/streams.py), or, with ``end`` set, the stream's
+    early end (``producer_error``, ``aborted``, ``expired``) for the consumer."""
+
+    request_id: str
+    to_stage: str
+    seq: int
+    last: bool
+    #: The chunk's output tokens; chunk 0 carries the request's prompt before them.
+    token_ids: tuple[int, ...]
+    #: How many of ``token_ids`` are the prompt (chunk 0 only).
+    prompt_len: int
+    #: Unix time the chunk was cut (the consumer's hop time starts there).
+    produced_at: float
+    #: Time the sender has for it: it gives up before the stream's own deadline would.
+    deadline_in_s: float
+    origin: Mapping[str, str] | None = None
+    trace_headers: Mapping[str, str] | None = None
+    end: str | None = None
+    reason: str = ""
+
+
+class ChunkAnswer(NamedTuple):
+    """A worker's answer about one chunk: acked (``reason`` None) or why not."""
+
+    request_id: str
+    to_stage: str
+    seq: int
+    reason: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """A worker's answer about one attempt of a transfer: delivered (``reason`` None) or

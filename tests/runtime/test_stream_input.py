@@ -41,7 +41,14 @@ def engine(loop):
         model=str(ensure_tiny_model()), max_model_len=MAX_MODEL_LEN, enforce_eager=True,
         kv_cache_memory_bytes=64 << 20, max_num_seqs=8))
     yield llm
-    llm.shutdown()
+
+    async def stop():
+        # On the loop: vLLM closes its sockets there (from another thread it would only
+        # schedule that on the loop, and a ZeroMQ context left with open sockets hangs
+        # whoever garbage-collects it later, in another test).
+        llm.shutdown()
+
+    loop.run_until_complete(stop())
 
 
 def params(_chunk):

@@ -15,6 +15,9 @@ AR -> receiver
   ``verdict`` the fence: after the receiver said ``read_done``, whether the blocks were held
               for the whole read (``commit``) or not (``abort``). Only a committed read is
               stored.
+  ``chunk``   a chunk of a streamed edge's stream: its tokens, numbered in the stream; no
+              KV. Answered ``ok`` once the consumer's request holds it, or ``rejected``.
+  ``stream_end`` a stream the producer ended before its last chunk (answered ``ok``).
 receiver -> AR
   ``hello_ok`` the hello was accepted (reads may follow on this connection);
   ``read_done`` the blocks of a ``read`` were read (all of them); the AR answers a verdict;
@@ -227,6 +230,54 @@ class ReadRequest:
 
 
 @dataclass(frozen=True)
+class StreamChunk:
+    """One chunk of a streamed edge's stream (omni_runtime/transfers/streams.py): the
+    producer's output tokens ``token_ids`` (on chunk 0 after the request's prompt, the first
+    ``prompt_len`` of them), numbered ``seq`` from 0 in its stream, ``last`` when nothing
+    follows. Answered ``ok`` once the consumer's request holds it, or ``rejected``. No KV
+    travels with it. ``transfer_id`` is the sender's, unique per message."""
+
+    transfer_id: int
+    agent: str
+    compat_hash: str
+    request_id: str
+    external_request_id: str
+    pipeline: str
+    from_stage: str
+    to_stage: str
+    seq: int
+    last: bool
+    token_ids: tuple[int, ...]
+    prompt_len: int
+    deadline_in_s: float
+    produced_at: float
+    sent_at: float
+    trace_context: dict[str, str] | None = None
+    origin: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The producer ended a stream before its last chunk (its request failed or was
+    aborted): the consumer ends its request with ``reason``."""
+
+    transfer_id: int
+    agent: str
+    request_id: str
+    pipeline: str
+    from_stage: str
+    to_stage: str
+    outcome: str
+    reason: str
+
+
+#: How a producer's stream may end early (the stream ledger's outcomes a StreamEnd carries).
+STREAM_END_OUTCOMES = ("producer_error", "aborted", "expired")
+#: Chunks of a stream a message may number (far above any request's output).
+MAX_CHUNK_SEQ = 1 << 24
+
+
+@dataclass(frozen=True)
 class Verdict:
     agent: str
     transfer_id: int
@@ -288,6 +339,30 @@ def encode_read(r: ReadRequest) -> list[bytes]:
     if r.origin:
         body["origin"] = dict(r.origin)
     return [_dumps(body)]
+
+
+def encode_chunk(c: StreamChunk) -> list[bytes]:
+    body = {
+        "v": WIRE_VERSION, "type": "chunk", "transfer_id": c.transfer_id, "agent": c.agent,
+        "compat_hash": c.compat_hash, "request_id": c.request_id, "pipeline": c.pipeline,
+        "from_stage": c.from_stage, "to_stage": c.to_stage, "seq": c.seq, "last": c.last,
+        "token_ids": list(c.token_ids), "prompt_len": c.prompt_len,
+        "deadline_in_s": c.deadline_in_s, "produced_at": c.produced_at, "sent_at": c.sent_at,
+    }
+    if c.external_request_id and c.external_request_id != c.request_id:
+        body["external_request_id"] = c.external_request_id
+    if c.trace_context:
+        body["trace_context"] = dict(c.trace_context)
+    if c.origin:
+        body["origin"] = dict(c.origin)
+    return [_dumps(body)]
+
+
+def encode_stream_end(e: StreamEnd) -> list[bytes]:
+    return [_dumps({"v": WIRE_VERSION, "type": "stream_end", "transfer_id": e.transfer_id,
+                    "agent": e.agent, "request_id": e.request_id, "pipeline": e.pipeline,
+                    "from_stage": e.from_stage, "to_stage": e.to_stage,
+                    "outcome": e.outcome, "reason": e.reason})]
 
 
 def encode_verdict(v: Verdict) -> list[bytes]:
@@ -540,22 +615,7 @@ def parse_read(body: dict[str, Any], rest: list) -> ReadRequest:
                     or not 0 <= run[0] < MAX_BLOCK_ID or not 1 <= run[1] <= MAX_TOKENS):
                 raise Rejected("malformed", f"runs[{i}] must be [first block id, count >= 1]")
             runs.append((run[0], run[1]))
-        trace = f.obj("trace_context", optional=True)
-        if trace is not None and not all(isinstance(k, str) and isinstance(v, str)
-                                         and len(v) <= 1024 for k, v in trace.items()):
-            raise Rejected("malformed", "trace_context must map strings to strings")
-        token_ids = f.list("token_ids", MAX_TOKENS) if "token_ids" in body else []
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
-                   for t in token_ids):
-            raise Rejected("malformed", f"token_ids must be token ids in [0, {MAX_TOKEN_ID})")
-        prompt_len = f.int("prompt_len", 0, len(token_ids), default=0)
-        origin = f.obj("origin", optional=True)
-        if origin is not None and not (
-                set(origin) <= ORIGIN_KEYS and all(
-                    isinstance(v, str) and 0 < len(v) <= MAX_ORIGIN_CHARS
-                    for v in origin.values())):
-            raise Rejected("malformed", f"origin must map some of {sorted(ORIGIN_KEYS)} to "
-                                        f"strings of 1 to {MAX_ORIGIN_CHARS} characters")
+        trace, token_ids, prompt_len, origin = _carried(f, body)
         request = ReadRequest(
             transfer_id=tid, agent=f.str("agent", empty=False),
             compat_hash=f.str("compat_hash", empty=False),
@@ -574,6 +634,72 @@ def parse_read(body: dict[str, Any], rest: list) -> ReadRequest:
         r.request_id = _opt_str(body.get("request_id"))
         raise
     return request
+
+
+def _carried(f: _Fields, body: dict[str, Any]
+             ) -> tuple[dict[str, str] | None, list[int], int, dict[str, str] | None]:
+    """What a read or a chunk carries besides its ids: its trace context, its tokens (how
+    many of them the prompt) and its pipeline context."""
+    trace = f.obj("trace_context", optional=True)
+    if trace is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                     and len(v) <= 1024 for k, v in trace.items()):
+        raise Rejected("malformed", "trace_context must map strings to strings")
+    token_ids = f.list("token_ids", MAX_TOKENS) if "token_ids" in body else []
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
+               for t in token_ids):
+        raise Rejected("malformed", f"token_ids must be token ids in [0, {MAX_TOKEN_ID})")
+    prompt_len = f.int("prompt_len", 0, len(token_ids), default=0)
+    origin = f.obj("origin", optional=True)
+    if origin is not None and not (
+            set(origin) <= ORIGIN_KEYS and all(
+                isinstance(v, str) and 0 < len(v) <= MAX_ORIGIN_CHARS
+                for v in origin.values())):
+        raise Rejected("malformed", f"origin must map some of {sorted(ORIGIN_KEYS)} to "
+                                    f"strings of 1 to {MAX_ORIGIN_CHARS} characters")
+    return trace or None, token_ids, prompt_len, origin or None
+
+
+def parse_chunk(body: dict[str, Any], rest: list) -> StreamChunk:
+    if rest:
+        raise Rejected("bad_frames", f"a chunk has 1 frame, got {len(rest) + 1}",
+                       transfer_id=_opt_int(body.get("transfer_id")))
+    f = _Fields(body)
+    tid = f.int("transfer_id", 0, 1 << 62)
+    try:
+        trace, token_ids, prompt_len, origin = _carried(f, body)
+        seq = f.int("seq", 0, MAX_CHUNK_SEQ)
+        if prompt_len and seq != 0:
+            raise Rejected("malformed", "prompt_len: only chunk 0 carries the prompt")
+        return StreamChunk(
+            transfer_id=tid, agent=f.str("agent", empty=False),
+            compat_hash=f.str("compat_hash", empty=False),
+            request_id=f.str("request_id", empty=False, max_chars=1024),
+            external_request_id=f.str("external_request_id", default="", max_chars=1024),
+            pipeline=f.str("pipeline"), from_stage=f.str("from_stage", empty=False),
+            to_stage=f.str("to_stage"), seq=seq, last=f.bool("last"),
+            token_ids=tuple(token_ids), prompt_len=prompt_len,
+            deadline_in_s=f.number("deadline_in_s", 0.0, 86400.0),
+            produced_at=f.number("produced_at", 0.0, 1e11),
+            sent_at=f.number("sent_at", 0.0, 1e11), trace_context=trace, origin=origin)
+    except Rejected as r:
+        r.transfer_id = tid
+        r.request_id = _opt_str(body.get("request_id"))
+        raise
+
+
+def parse_stream_end(body: dict[str, Any], rest: list) -> StreamEnd:
+    if rest:
+        raise Rejected("bad_frames", f"a stream_end has 1 frame, got {len(rest) + 1}")
+    f = _Fields(body)
+    outcome = f.str("outcome")
+    if outcome not in STREAM_END_OUTCOMES:
+        raise Rejected("malformed", f"outcome must be one of {', '.join(STREAM_END_OUTCOMES)}")
+    return StreamEnd(transfer_id=f.int("transfer_id", 0, 1 << 62),
+                     agent=f.str("agent", empty=False),
+                     request_id=f.str("request_id", empty=False, max_chars=1024),
+                     pipeline=f.str("pipeline"), from_stage=f.str("from_stage", empty=False),
+                     to_stage=f.str("to_stage"), outcome=outcome,
+                     reason=f.str("reason", default="", max_chars=4096))
 
 
 def parse_verdict(body: dict[str, Any], rest: list) -> Verdict:

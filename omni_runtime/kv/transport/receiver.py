@@ -63,9 +63,13 @@ from omni_runtime.kv.transport.protocol import (
     blocks_needed,
     encode_reply,
     incompatibility,
+    StreamChunk,
+    StreamEnd,
+    parse_chunk,
     parse_hello,
     parse_message,
     parse_read,
+    parse_stream_end,
     parse_verdict,
 )
 from omni_runtime.kv.transport.staging import (DEFAULT_SLOTS, Slot, StagingPool,
@@ -129,10 +133,10 @@ class Ticket:
 
 @dataclass(eq=False)
 class _Awaiting:
-    """A transfer stored and handed to the consumer, not yet answered."""
+    """A transfer stored (or a stream's chunk) handed to the consumer, not yet answered."""
 
     identity: bytes
-    request: ReadRequest
+    request: ReadRequest | StreamChunk
     span: Any
     nbytes: int
 
@@ -192,6 +196,7 @@ class KVReceiver:
         staging_device: str = "cpu",
         agent_idle_ttl_s: float = DEFAULT_AGENT_IDLE_TTL_S,
         consumer: Callable[[KVPayload, Ticket], None] | None = None,
+        streams: Callable[[StreamChunk | StreamEnd, Ticket | None], None] | None = None,
     ) -> None:
         self.bind = bind
         #: The stage that takes each stored payload (a downstream vLLM stage's input,
@@ -201,6 +206,11 @@ class KVReceiver:
         #: transfer is acked only then ("the stage holds it"), or refused with its reason.
         #: None: acked when stored.
         self._consumer = consumer
+        #: The stage that takes streamed edges' chunks (stages/stream_input.py): told on this
+        #: thread of each chunk with its ticket, answered with settle() as a payload is (the
+        #: chunk is acked once its request holds it); and of each stream_end (no ticket).
+        #: None: chunks are refused, this stage takes no stream.
+        self._streams = streams
         self._awaiting: dict[tuple[str, int], _Awaiting] = {}
         self._awaiting_deadlines: dict[tuple[str, int], float] = {}  # monotonic
         self._settled: deque[tuple[Ticket, tuple[str, str] | None]] = deque()
@@ -411,6 +421,12 @@ class KVReceiver:
                             "after its transfer's time ran out", self.stage, ticket.request_id)
                 continue
             req = waiting.request
+            if isinstance(req, StreamChunk):  # counted by the stream's own figures
+                self._reply(router, waiting.identity, Reply(
+                    "ok", req.transfer_id, req.request_id) if refusal is None else Reply(
+                    "rejected", req.transfer_id, req.request_id, code=refusal[0],
+                    reason=refusal[1][:MAX_REASON_CHARS]))
+                continue
             if refusal is not None:
                 self.inbox.discard(req.request_id)
                 self._reject(router, waiting.identity, refusal[0], refusal[1],
@@ -465,6 +481,10 @@ class KVReceiver:
                 self._on_read(router, identity, parse_read(body, rest), received)
             elif kind == "verdict":
                 self._on_verdict(router, identity, parse_verdict(body, rest))
+            elif kind == "chunk":
+                self._on_chunk(router, identity, parse_chunk(body, rest))
+            elif kind == "stream_end":
+                self._on_stream_end(router, identity, parse_stream_end(body, rest))
             else:
                 raise Rejected("malformed", f"unknown message type {kind!r}")
         except Rejected as r:
@@ -548,6 +568,42 @@ class KVReceiver:
         if self.pipeline and pipeline and pipeline != self.pipeline:
             raise Rejected("wrong_destination", f"sent for pipeline {pipeline!r}, this is "
                                                 f"{self.pipeline!r}")
+
+    def _stream_peer(self, agent: str, pipeline: str, to_stage: str) -> None:
+        """A stream message's sender checked as a read's is: a stage that takes streams, the
+        right destination, an agent whose hello was accepted here."""
+        if self._streams is None:
+            raise Rejected("input_refused", f"stage {self.stage or '?'} takes no streamed "
+                                            "input (its inputs are fed whole)")
+        self._check_destination(pipeline, to_stage)
+        peer = self._peers.get(agent)
+        if peer is None:
+            raise Rejected("unknown_agent", f"agent {agent} has not said hello")
+        self._seen(peer)
+
+    def _on_chunk(self, router: zmq.Socket, identity: bytes, chunk: StreamChunk) -> None:
+        self._stream_peer(chunk.agent, chunk.pipeline, chunk.to_stage)
+        if chunk.compat_hash != self._peers[chunk.agent].hello.compat_hash:
+            raise Rejected("incompatible", "the chunk's compat_hash is not its agent's")
+        key = (chunk.agent, chunk.transfer_id)
+        awaiting = self._awaiting.get(key)
+        if awaiting is not None:  # re-sent on a new connection: answered there, once
+            awaiting.identity = identity
+            return
+        deadline = time.monotonic() + chunk.deadline_in_s
+        ticket = Ticket(chunk.agent, chunk.transfer_id, chunk.request_id, deadline)
+        self._awaiting[key] = _Awaiting(identity, chunk, None, 0)
+        self._awaiting_deadlines[key] = deadline + VERDICT_GRACE_S
+        try:
+            self._streams(chunk, ticket)
+        except Exception as e:  # a bug in the consumer: this chunk alone fails
+            logger.exception("KV receiver of stage %r: the stream consumer failed", self.stage)
+            self._settled.append((ticket, ("internal_error", f"{type(e).__name__}: {e}")))
+
+    def _on_stream_end(self, router: zmq.Socket, identity: bytes, end: StreamEnd) -> None:
+        self._stream_peer(end.agent, end.pipeline, end.to_stage)
+        self._streams(end, None)
+        self._reply(router, identity, Reply("ok", end.transfer_id, end.request_id))
 
     def _make_room_for_a_peer(self) -> None:
         if len(self._peers) < MAX_AGENTS:
@@ -875,7 +931,8 @@ class KVReceiver:
                 waiting = self._awaiting.pop(key)
                 del self._awaiting_deadlines[key]
                 req = waiting.request
-                self.inbox.discard(req.request_id)
+                if not isinstance(req, StreamChunk):
+                    self.inbox.discard(req.request_id)
                 self._reject(router, waiting.identity, "deadline", "the stage did not take "
                              "the input within the transfer's time", req.transfer_id,
                              req.request_id, waiting.span, req.from_stage)

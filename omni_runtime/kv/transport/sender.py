@@ -50,10 +50,14 @@ from zmq.utils.monitor import recv_monitor_message
 from omni_runtime.kv.transport.protocol import (
     Hello,
     ReadRequest,
+    StreamChunk,
+    StreamEnd,
     Verdict,
     decode_reply,
+    encode_chunk,
     encode_hello,
     encode_read,
+    encode_stream_end,
     encode_verdict,
 )
 
@@ -95,16 +99,39 @@ class Offer:
     origin: dict[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class ChunkOffer:
+    """One chunk of a stream to one stage (protocol.StreamChunk's fields of the names), or,
+    with ``end`` set to an outcome, the stream's early end (protocol.StreamEnd)."""
+
+    request_id: str
+    seq: int
+    last: bool = False
+    token_ids: tuple[int, ...] = ()
+    prompt_len: int = 0
+    produced_at: float = 0.0
+    external_request_id: str = ""
+    trace_context: dict[str, str] | None = None
+    origin: dict[str, str] | None = None
+    end: str | None = None
+    reason: str = ""
+
+
 @dataclass(eq=False)
 class _Transfer:
     tid: int
-    offer: Offer
+    offer: Offer | ChunkOffer
     deadline: float  # monotonic
     timeout: float
     waiting: set[str]  # stages that have not said ok yet
     sent_at: float = 0.0  # unix, when first offered
     sent_to: set[str] = field(default_factory=set)
     done: bool = False  # reported, superseded or cancelled: no further report, no commit
+
+    @property
+    def chunk(self) -> bool:
+        """A stream's message to its one stage (answered in poll_chunks()), not a transfer."""
+        return isinstance(self.offer, ChunkOffer)
 
 
 @dataclass(eq=False)
@@ -167,6 +194,9 @@ class KVSender:
         self._submitted: deque[_Transfer] = deque()
         self._latest: dict[str, _Transfer] = {}  # unresolved request id -> its newest transfer
         self._answers: dict[str, tuple[int, str | None]] = {}
+        #: Streams' chunks sent and unanswered (by transfer id), and their answers not polled.
+        self._chunks: dict[int, _Transfer] = {}
+        self._chunk_answers: list[tuple[str, str, int, str | None]] = []
         self._closing_deadline: float | None = None
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         self._ctx = zmq.Context(io_threads=1)
@@ -189,13 +219,17 @@ class KVSender:
         self._thread.start()
 
     # ------------------------------------------------------------------ caller API
-    def submit(self, offer: Offer, timeout_s: float | None = None) -> None:
-        """Offer a transfer to every endpoint; returns at once, never raises for network
-        trouble (poll() reports it). ``timeout_s`` overrides ``send_timeout_s``."""
+    def submit(self, offer: Offer, timeout_s: float | None = None,
+               to_stages: Collection[str] | None = None) -> None:
+        """Offer a transfer to every endpoint (or those of ``to_stages``: a stage fed by a
+        stream takes no whole transfer); returns at once, never raises for network trouble
+        (poll() reports it). ``timeout_s`` overrides ``send_timeout_s``."""
         with self._lock:
             tid = next(self._tids)
             timeout = self.send_timeout_s if timeout_s is None else max(0.0, timeout_s)
-            t = _Transfer(tid, offer, time.monotonic() + timeout, timeout, set(self.endpoints))
+            stages = set(self.endpoints) if to_stages is None else set(to_stages) & set(
+                self.endpoints)
+            t = _Transfer(tid, offer, time.monotonic() + timeout, timeout, stages)
             old = self._latest.get(offer.request_id)
             if old is not None:
                 old.done = True  # superseded: never reported, never committed
@@ -211,6 +245,32 @@ class KVSender:
             return
         for stage in sorted(t.waiting):  # refused at once: every edge failed
             self._edge(t, stage, "failed")
+
+    def submit_chunk(self, chunk: ChunkOffer, to_stage: str, timeout_s: float) -> None:
+        """Send a stream's chunk (or its early end) to ``to_stage``; its answer comes from
+        poll_chunks(): acked once the stage's request holds it, else why not (a refusal,
+        no ack within ``timeout_s``, the sender closing)."""
+        with self._lock:
+            t = _Transfer(next(self._tids), chunk, time.monotonic() + max(0.0, timeout_s),
+                          max(0.0, timeout_s), {to_stage} & set(self.endpoints))
+            if not t.waiting:
+                self._report_locked(t, f"no endpoint for stage {to_stage}")
+                return
+            self._chunks[t.tid] = t
+            if not (self._dead or self._closing_deadline is not None):
+                self._submitted.append(t)
+                t = None
+            else:
+                self._report_locked(t, self._dead or "sender closed")
+        if t is None:
+            self._kick()
+
+    def poll_chunks(self) -> list[tuple[str, str, int, str | None]]:
+        """Chunk answers since the last call: (request id, stage, seq, None when acked else
+        the reason); an early end's answer is not reported."""
+        with self._lock:
+            answers, self._chunk_answers = self._chunk_answers, []
+            return answers
 
     def cancel(self, request_id: str, attempt: int) -> bool:
         """Withdraw the transfer of ``request_id`` (attempt ``attempt`` or earlier): the
@@ -234,12 +294,14 @@ class KVSender:
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until an answer is ready for poll(); whether one is."""
         with self._cond:
-            return self._cond.wait_for(lambda: bool(self._answers), timeout_s)
+            return self._cond.wait_for(lambda: bool(self._answers or self._chunk_answers),
+                                       timeout_s)
 
     def pending(self) -> int:
-        """Transfers submitted and not yet resolved (reported answers not counted)."""
+        """Transfers and chunks submitted and not yet resolved (reported answers not
+        counted)."""
         with self._lock:
-            return len(self._latest)
+            return len(self._latest) + len(self._chunks)
 
     @property
     def alive(self) -> bool:
@@ -291,6 +353,13 @@ class KVSender:
             return False
         t.done = True
         rid = t.offer.request_id
+        if t.chunk:
+            self._chunks.pop(t.tid, None)
+            if t.offer.end is None:
+                stage = next(iter(t.waiting), "") if t.waiting else next(iter(t.sent_to), "")
+                self._chunk_answers.append((rid, stage, t.offer.seq, failure))
+                self._cond.notify_all()
+            return True
         if self._latest.get(rid) is t:
             del self._latest[rid]
         self._answers[rid] = (t.offer.attempt, failure)
@@ -302,7 +371,7 @@ class KVSender:
         ``edges`` (another edge's failure, the deadline, the sender closing)."""
         with self._lock:
             reported = self._report_locked(t, failure)
-        if not reported:
+        if not reported or t.chunk:
             return
         if failure is not None:
             for stage in sorted(t.waiting):
@@ -317,7 +386,7 @@ class KVSender:
 
     def _edge(self, t: _Transfer, stage: str, outcome: str) -> None:
         """One edge of ``t`` resolved (once per edge: callers drop it from ``t.waiting``)."""
-        if self._on_edge is None:
+        if self._on_edge is None or t.chunk:  # a stream's figures are its ledger's
             return
         try:
             self._on_edge(t.offer.request_id, t.offer.attempt, stage, outcome,
@@ -362,7 +431,8 @@ class KVSender:
             # closed, so close() and the caller's poll() still work.
             with self._lock:
                 self._dead = reason
-                leftovers = list(self._submitted) + list(self._latest.values())
+                leftovers = list(self._submitted) + list(self._latest.values()) + list(
+                    self._chunks.values())
                 self._submitted.clear()
             for t in leftovers:
                 try:
@@ -422,6 +492,8 @@ class KVSender:
                 for t in new:
                     heapq.heappush(self._deadlines, (t.deadline, t.tid, t))
                     for ep in eps:
+                        if ep.stage not in t.waiting:
+                            continue
                         if ep.refused is not None:
                             self._report(t, f"stage {ep.stage} refused this sender: "
                                             f"{ep.refused}")
@@ -469,7 +541,10 @@ class KVSender:
                 continue
             if not t.sent_at:
                 t.sent_at = time.time()
-            read = ReadRequest(
+            if t.chunk:
+                frames = self._chunk_frames(t, ep)
+            else:
+                frames = encode_read(ReadRequest(
                 transfer_id=t.tid, agent=self.hello.agent, compat_hash=self.hello.compat_hash,
                 request_id=t.offer.request_id, external_request_id=t.offer.external_request_id,
                 attempt=t.offer.attempt, seq_len=t.offer.seq_len, runs=t.offer.runs,
@@ -478,14 +553,27 @@ class KVSender:
                 from_stage=self.hello.from_stage, to_stage=ep.stage, shard=self.hello.shard,
                 num_shards=self.hello.num_shards, sent_at=t.sent_at,
                 token_ids=t.offer.token_ids, prompt_len=t.offer.prompt_len,
-                origin=t.offer.origin)
+                origin=t.offer.origin))
             try:
-                ep.socket.send_multipart(encode_read(read), zmq.NOBLOCK)
+                ep.socket.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 return  # not connected (ZMQ_IMMEDIATE) or full: POLLOUT tells when to retry
             ep.queue.popleft()
             ep.in_flight[t.tid] = t
             t.sent_to.add(ep.stage)
+
+    def _chunk_frames(self, t: _Transfer, ep: _Endpoint) -> list[bytes]:
+        c, h = t.offer, self.hello
+        if c.end is not None:
+            return encode_stream_end(StreamEnd(t.tid, h.agent, c.request_id, h.pipeline,
+                                               h.from_stage, ep.stage, c.end, c.reason))
+        return encode_chunk(StreamChunk(
+            transfer_id=t.tid, agent=h.agent, compat_hash=h.compat_hash,
+            request_id=c.request_id, external_request_id=c.external_request_id,
+            pipeline=h.pipeline, from_stage=h.from_stage, to_stage=ep.stage, seq=c.seq,
+            last=c.last, token_ids=c.token_ids, prompt_len=c.prompt_len,
+            deadline_in_s=max(0.0, t.deadline - time.monotonic()), produced_at=c.produced_at,
+            sent_at=t.sent_at, trace_context=c.trace_context, origin=c.origin))
 
     def _send(self, ep: _Endpoint, frames: list[bytes]) -> None:
         try:

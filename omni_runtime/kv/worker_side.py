@@ -63,6 +63,8 @@ class OmniKVConnectorWorker:
         self.host_huge_pages = None  # what register_kv_caches did: a HugePageOutcome
         self.shard, self.num_shards = tensor_parallel_shard(vllm_config)
         self._kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
+        #: The stages fed whole: a streamed edge's stage takes chunks, not whole transfers.
+        self._whole = [s for s in self._endpoints if s not in self._kv_cfg.streams]
         self._randomized_ids = not _ids_not_randomized()
         self._sender = None
         self._agent = None
@@ -227,7 +229,7 @@ class OmniKVConnectorWorker:
                   origin=dict(h.carried.origin) if h.carried.origin else None),
             # Give up just before the scheduler would expire it, so the failure (with its
             # reason) reaches the scheduler first.
-            timeout_s=max(0.05, 0.95 * h.deadline_in_s))
+            timeout_s=max(0.05, 0.95 * h.deadline_in_s), to_stages=self._whole)
 
     def _send_chunks(self, chunks: list[ChunkOut]) -> None:
         from omni_runtime.kv.transport.sender import ChunkOffer

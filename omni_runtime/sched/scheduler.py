@@ -61,10 +61,11 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config, raw_omni_kv_config
-from omni_runtime.observability.observers import build_observers
+from omni_runtime.observability.observers import build_observers, downstream_stages
 from omni_runtime.pipeline.protocol import KV_PARAMS_KEY
 from omni_runtime.sched.handoff import Answer, Carried, HandOff
 from omni_runtime.sched.outputs import OmniNewRequestData
+from omni_runtime.sched.streaming import StreamProducer
 from omni_runtime.transfers.ledger import VALUES, Outcome, Transfer, TransferLedger, Trigger
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,13 @@ class OmniKVTransferMixin:
             # _resolve_from_runner), as vLLM's own stats are not made then.
             self._omni.stop_stats()
         self.omni_kv_config = cfg
-        self._send = cfg.need_send_cache
-        self._criteria = cfg.criteria if cfg.need_send_cache else None
+        # Streamed edges take their requests' output chunk by chunk (sched/streaming.py);
+        # whole transfers go to the other edges, if any.
+        to_stages = downstream_stages(vllm_config)
+        whole_edges = [stage for stage in to_stages if stage not in cfg.streams]
+        self._streams = self._stream_producer(cfg, model_config) if cfg.streams else None
+        self._send = cfg.need_send_cache and (bool(whole_edges) or not cfg.streams)
+        self._criteria = cfg.criteria if self._send else None
         self._sentinel = cfg.token_id
         groups = self.kv_cache_config.kv_cache_groups
         if cfg.need_send_cache and len(groups) != 1:
@@ -161,7 +167,7 @@ class OmniKVTransferMixin:
         # finalizing mamba tails, the block ids clipped to the computed tokens) changes
         # nothing then, and our connector reads none of it. See _connector_finished.
         self._bare_finish = (
-            cfg.need_send_cache and self._omni is self.connector
+            self._send and self._omni is self.connector
             and not self._omni.loads_kv  # its request_finished ends a request's load
             and _reads_no_finish_blocks(self.connector)
             and _frees_nothing_early(self.kv_cache_manager)
@@ -207,6 +213,21 @@ class OmniKVTransferMixin:
         # (one extra reference each) until it resolves: request id -> the pinned blocks.
         self._pinned: dict[str, list[Any]] = {}
 
+    def _stream_producer(self, cfg: Any, model_config: Any) -> StreamProducer:
+        if self._omni is None or not self._omni.sends_kv:
+            raise OmniKVConfigError(
+                "OmniARScheduler: omni_kv_config.streams needs the omni KV connector with "
+                "the streamed stages among its endpoints")
+        from omni_runtime.observability.stream_metrics import StreamMetrics
+
+        metrics = StreamMetrics(cfg.stage_name,
+                                model_config.served_model_name or model_config.model,
+                                _default_registry(), to_stages=list(cfg.streams),
+                                deadline_seconds=max(s.gap_seconds for s in cfg.streams.values()))
+        return StreamProducer(cfg.streams, self._omni.send_chunks, observers=[metrics],
+                              refresh=metrics.refresh,
+                              refresh_interval=cfg.telemetry_interval_seconds)
+
     # ------------------------------------------------------------------ requests
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kw: Any) -> None:
         if self._send:
@@ -220,6 +241,9 @@ class OmniKVTransferMixin:
         super()._preempt_request(request, timestamp, *args, **kw)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        if self._streams is not None:
+            self._streams.finished(request, request.status in _COMPLETED,
+                                   f"the request ended {request.status.name.lower()}")
         if not self._send:
             return super()._free_request(request, delay_free_blocks)
         request_id = request.request_id
@@ -291,6 +315,8 @@ class OmniKVTransferMixin:
     # ------------------------------------------------------------------ the step
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         ledger = self.transfer_ledger
+        if self._streams is not None:
+            self._streams.expire()
         # One observer batch per half step: the metrics write once per step, not per transfer.
         ledger.begin_batch()
         try:
@@ -344,6 +370,21 @@ class OmniKVTransferMixin:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        streams = self._streams
+        if streams is None:
+            return self._update_transfers(scheduler_output, model_runner_output)
+        connector_output = model_runner_output.kv_connector_output
+        if connector_output is not None:
+            answers = self._omni.take_chunk_answers(connector_output)
+            if answers:
+                streams.answered(answers)
+        outputs = self._update_transfers(scheduler_output, model_runner_output)
+        streams.stepped(scheduler_output.num_scheduled_tokens)
+        return outputs
+
+    def _update_transfers(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
         if not self._send:
             return super().update_from_output(scheduler_output, model_runner_output)
         ledger = self.transfer_ledger
@@ -371,13 +412,16 @@ class OmniKVTransferMixin:
 
     def has_unfinished_requests(self) -> bool:
         # vLLM's has_requests() asks this too: the engine loop steps while a transfer is open.
-        return super().has_unfinished_requests() or self.transfer_ledger.has_unresolved()
+        return (super().has_unfinished_requests() or self.transfer_ledger.has_unresolved()
+                or (self._streams is not None and len(self._streams) > 0))
 
     def shutdown(self) -> None:
         # Resolve what is left, so that spans end, and give held blocks and their finished
         # requests back; then wait (bounded) until the observers have written out what they
         # were told: their reports are written off the step, by threads (writer_thread.py).
         self._fail_unresolved("scheduler shut down", lambda t: True)
+        if self._streams is not None:
+            self._streams.close("scheduler shut down")
         if not self.transfer_ledger.flush(timeout=_SHUTDOWN_FLUSH_SECONDS):
             logger.warning("KV transfer observers not done within %.0f s at shutdown",
                            _SHUTDOWN_FLUSH_SECONDS)
@@ -593,6 +637,8 @@ class OmniKVTransferMixin:
         a turn or a resumption re-arms nothing). Those that carry vllm-omni's
         additional_information (none on plain vLLM) pass it on to the workers."""
         ids = list(map(_REQ_ID, new_requests))
+        if self._streams is not None:
+            self._streams.started(map(self.requests.__getitem__, ids))
         if self._criteria is not None:
             self._awaiting_trigger |= self.transfer_ledger.not_triggered(ids)
         # Each request's payload or None, read in C: no Python loop per arrival on a stage
@@ -716,3 +762,9 @@ class OmniARScheduler(OmniKVTransferMixin, Scheduler):
 
 class OmniARAsyncScheduler(OmniARScheduler, AsyncScheduler):
     """The omni AR scheduler over vLLM's AsyncScheduler."""
+
+
+def _default_registry() -> Any:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY

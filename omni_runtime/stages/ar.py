@@ -51,6 +51,7 @@ from omni_contract.metrics import TRANSFERS, TRANSPORT_THREAD_UP
 from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_transfer_config
 from omni_runtime.stages.config import StageConfig, StageConfigError
 # Imports no vLLM at module level (its server process is where it runs).
+from omni_contract.edges import stream_config
 from omni_runtime.stages.stage_input import SETTINGS_KEY as INPUT_SETTINGS_KEY
 from omni_runtime.stages.stage_input import StageInputMiddleware
 
@@ -187,6 +188,9 @@ def _input_settings(config: StageConfig, host: str) -> dict[str, Any]:
         settings["hook"] = config.input_hook
     if config.input_max_inputs is not None:
         settings["max_inputs"] = config.input_max_inputs
+    streams = {e.stage: stream_config(e.stream) for e in config.input_edges if e.streamed}
+    if streams:
+        settings["streams"] = streams
     return settings
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from omni_contract.edges import Edge, EdgeError, StreamSettings, parse_input, parse_inputs
+from omni_contract.edges import (Edge, EdgeError, StreamSettings, parse_input, parse_inputs,
+                                 stream_config)
 from omni_contract.engine_args import engine_args_problems
 from omni_contract.ports import HTTP_PORT as DEFAULT_HTTP_PORT
 from omni_contract.ports import KV_PORT as DEFAULT_KV_PORT
@@ -109,6 +110,10 @@ class StageConfig:
             cfg["kv_transfer_criteria"] = criteria
         if self.kv_timeout_seconds is not None:
             cfg["timeout_seconds"] = self.kv_timeout_seconds
+        streams = {d.stage: stream_config(d.stream) for d in self.downstream
+                   if d.stream is not None}
+        if streams:
+            cfg["streams"] = streams
         return cfg
 
 
@@ -266,6 +271,7 @@ def _as_stage_keys(message: str) -> str:
         ("omni_kv_config.kv_transfer_criteria", "kvTransfer.criteria"),
         ("omni_kv_config.timeout_seconds", "kvTransfer.timeoutSeconds"),
         ("omni_kv_config.need_send_cache", "kvTransfer.send"),
+        ("omni_kv_config.streams.", "the stream to "),
     ):
         message = message.replace(ours, theirs)
     return message

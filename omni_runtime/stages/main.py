@@ -49,16 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     except StageConfigError as exc:
         print(f"omni-stage: {exc}", file=sys.stderr)
         return 2
-    streamed = [f"{edge.stage} -> {config.stage}" for edge in config.input_edges if edge.streamed]
-    streamed += [f"{config.stage} -> {d.stage}" for d in config.downstream if d.stream is not None]
-    if streamed:
-        # Both ends of an edge read the same config, so both fall back alike (an edge whose
-        # ends disagree on the mode is what hangs a vllm-omni pipeline).
-        logging.getLogger("omni-stage").warning(
-            "streamed edge(s) %s run as whole hand-offs: this omni-stage does not stream yet "
-            "(the stream ledger and the consumer's streaming-input session are in; the "
-            "producer's chunks on the KV transport are not: docs/stages.md, Streamed edges)",
-            ", ".join(streamed))
     grace = args.grace_seconds
     if grace is None:
         grace = config.kv_timeout_seconds or DEFAULT_GRACE_SECONDS

@@ -78,6 +78,9 @@ class InputSettings:
     max_inputs: int = DEFAULT_MAX_INPUTS
     payload_dir: str = DEFAULT_PAYLOAD_DIR
     load_kv: bool = True
+    #: The inputs fed as streams (upstream stage -> its settings): each stream is one
+    #: request, a vLLM streaming-input session its chunks extend (stream_input.py).
+    streams: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, raw: Any) -> InputSettings:
@@ -107,7 +110,7 @@ class InputSettings:
             raise InputSettingsError(f"{where}max_inputs must be at least 1, got {max_inputs}")
         unknown = set(raw) - {"listen", "pipeline", "stage", "revision", "inputs",
                               "downstream", "hook", "sampling_params", "max_inputs",
-                              "payload_dir", "load_kv"}
+                              "payload_dir", "load_kv", "streams"}
         if unknown:
             raise InputSettingsError(f"{where}{sorted(unknown)[0]} is not a setting")
         return cls(listen=get("listen", str), pipeline=get("pipeline", str, ""),
@@ -117,7 +120,18 @@ class InputSettings:
                    sampling_params=dict(get("sampling_params", dict, {})),
                    max_inputs=max_inputs, payload_dir=get("payload_dir", str,
                                                           DEFAULT_PAYLOAD_DIR),
-                   load_kv=get("load_kv", bool, True))
+                   load_kv=get("load_kv", bool, True),
+                   streams=_streams(get("streams", dict, {}), where))
+
+
+def _streams(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    from omni_contract.edges import EdgeError, parse_stream
+
+    try:
+        return {str(stage): parse_stream(settings, f"{where}streams.{stage}")
+                for stage, settings in raw.items()}
+    except EdgeError as exc:
+        raise InputSettingsError(str(exc)) from None
 
 
 class Refused(Exception):
@@ -154,6 +168,11 @@ class StageInput:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session = None
         self.receiver = None
+        #: The streamed inputs (stream_input.py), when the stage has any.
+        self.streams = None
+        #: (producer's request id, upstream stage) -> the pipeline request's id and link.
+        self._stream_requests: dict[tuple[str, str], str] = {}
+        self._stream_links: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -174,7 +193,15 @@ class StageInput:
                                     from_stages=settings.inputs),
             # Any model's hand-off is an input (its tokens); only its KV needs this model.
             expect={"revision": settings.revision},
-            consumer=self._arrived).start()
+            consumer=self._arrived,
+            streams=self._chunk_arrived if settings.streams else None).start()
+        if settings.streams:
+            from omni_runtime.stages.stream_input import StreamInputs
+            from omni_runtime.transfers.streams import ConsumerStreams
+
+            self.streams = StreamInputs(self._engine, ConsumerStreams(), self._stream_params,
+                                        self._stream_output)
+            self._track(self._loop.create_task(self._expire_streams()))
         logger.info("stage %s: taking hand-offs from %s on %s as requests (input hook %s)",
                     settings.stage, ", ".join(settings.inputs) or "any stage",
                     self.receiver.endpoint, settings.hook or "the default: every token")
@@ -183,6 +210,8 @@ class StageInput:
         self._stopping = True
         if self.receiver is not None:
             self.receiver.close()
+        if self.streams is not None:
+            await self.streams.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -275,6 +304,116 @@ class StageInput:
             if link is not None:
                 await link.close()
 
+    # ------------------------------------------------------------------ a streamed input
+    def _track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _chunk_arrived(self, message: Any, ticket: Any) -> None:
+        """On the receiver's thread: a stream's chunk (with its ticket) or its early end."""
+        self._loop.call_soon_threadsafe(self._spawn_chunk, message, ticket)
+
+    def _spawn_chunk(self, message: Any, ticket: Any) -> None:
+        if self._stopping:
+            if ticket is not None:
+                self.receiver.settle(ticket, ("input_refused",
+                                              f"stage {self.settings.stage} is stopping"))
+            return
+        self._track(self._loop.create_task(
+            self._take_chunk(message, ticket) if ticket is not None
+            else self._end_stream(message)))
+
+    async def _take_chunk(self, chunk: Any, ticket: Any) -> None:
+        from omni_runtime.stages.stream_input import ChunkIn
+
+        settings = self.settings.streams.get(chunk.from_stage)
+        key = (chunk.request_id, chunk.from_stage)
+        try:
+            if settings is None:
+                raise Refused(f"stage {self.settings.stage} takes {chunk.from_stage}'s output "
+                              "whole, not streamed: both ends must read the same edge")
+            tokens = chunk.token_ids
+            if chunk.seq == 0 and key not in self._stream_requests:
+                pipeline_id, endpoint = self._origin(chunk)
+                made = self._request(_ChunkUpstream(chunk), pipeline_id)
+                tokens = tuple(made.prompt.get("prompt_token_ids") or ())
+                self._stream_requests[key] = pipeline_id
+                if endpoint is not None:
+                    link = await self._link(endpoint, pipeline_id)
+                    self._stream_links[pipeline_id] = [link, 0, made.sampling_params]
+                    await link.send("taken", offered_at=chunk.sent_at, taken_at=time.time())
+                else:
+                    self._stream_links[pipeline_id] = [None, 0, made.sampling_params]
+            pipeline_id = self._stream_requests.get(key)
+            if pipeline_id is None:  # a chunk of a stream whose first chunk never came here
+                pipeline_id = chunk.request_id
+        except Refused as refused:
+            self.receiver.settle(ticket, (refused.code, refused.reason[:512]))
+            return
+        why = await self.streams.take(ChunkIn(pipeline_id, chunk.from_stage, chunk.seq,
+                                              chunk.last, tuple(tokens), chunk.produced_at,
+                                              settings))
+        self.receiver.settle(ticket, None if why is None else ("input_refused", why[:512]))
+
+    async def _end_stream(self, end: Any) -> None:
+        from omni_runtime.transfers.streams import StreamOutcome
+
+        pipeline_id = self._stream_requests.get((end.request_id, end.from_stage),
+                                                end.request_id)
+        outcome = StreamOutcome.PRODUCER_ERROR if end.outcome == "producer_error" else (
+            StreamOutcome(end.outcome))
+        await self.streams.end(pipeline_id, end.from_stage, outcome,
+                               f"stage {end.from_stage} ended the stream: {end.reason}")
+
+    def _stream_params(self, chunk: Any) -> Any:
+        entry = self._stream_links.get(chunk.request_id)
+        return self._sampling_params(entry[2] if entry is not None else {})
+
+    async def _stream_output(self, pipeline_id: str, output: Any) -> None:
+        """A streamed input's request said something: its output to the endpoint (the last
+        stage), its end, or (``output`` None, or a failure) an error."""
+        entry = self._stream_links.get(pipeline_id)
+        link = entry[0] if entry is not None else None
+        if output is None:
+            self._forget_stream(pipeline_id)
+            if link is not None:
+                await link.send("error", message="its streamed input ended before its request "
+                                "finished")
+                await link.close()
+            return
+        completion = output.outputs[0]
+        entry[1] += len(completion.token_ids)
+        sink = not self.settings.downstream
+        if link is not None and sink and (completion.token_ids or completion.text):
+            await link.send("output", token_ids=list(completion.token_ids),
+                            text=completion.text)
+        if output.finished:
+            self._forget_stream(pipeline_id)
+            try:
+                await self._finished(output, link, sink, entry[1])
+            finally:
+                if link is not None:
+                    await link.close()
+
+    def _forget_stream(self, pipeline_id: str) -> None:
+        self._stream_links.pop(pipeline_id, None)
+        for key in [k for k, v in self._stream_requests.items() if v == pipeline_id]:
+            del self._stream_requests[key]
+
+    async def _expire_streams(self) -> None:
+        """The consumer's stream deadlines (a chunk that never comes), checked on a timer a
+        quarter of the shortest gap deadline."""
+        every = min(s.gap_seconds for s in self.settings.streams.values()) / 4
+        while True:
+            await asyncio.sleep(every)
+            for stream in await self.streams.expire():
+                pipeline_id = stream.request_id
+                entry = self._stream_links.get(pipeline_id)
+                self._forget_stream(pipeline_id)
+                if entry is not None and entry[0] is not None:
+                    await entry[0].send("error", message=stream.reason or "stream expired")
+                    await entry[0].close()
+
     def _origin(self, payload: Any) -> tuple[str, str | None]:
         """The pipeline request's id and its endpoint (None: it came from none)."""
         try:
@@ -287,7 +426,8 @@ class StageInput:
 
     def _request(self, payload: Any, pipeline_id: str):
         upstream = Upstream(pipeline_id, payload.from_stage, tuple(payload.token_ids),
-                            payload.prompt_len, payload.seq_len, payload)
+                            payload.prompt_len, payload.seq_len,
+                            None if isinstance(payload, _ChunkUpstream) else payload)
         if not upstream.token_ids and self.settings.hook is None:
             raise Refused(f"the hand-off from stage {payload.from_stage} carries no tokens "
                           "(an upstream of an older version?) and no input hook makes an "
@@ -432,6 +572,20 @@ class StageInput:
             await link.send("handed_off", to=list(self.settings.downstream))
         else:
             await link.send("done", finish_reason=completion.finish_reason)
+
+
+class _ChunkUpstream:
+    """A stream's first chunk as the input hook's Upstream needs it (its tokens, how many
+    the prompt; no KV payload)."""
+
+    def __init__(self, chunk: Any) -> None:
+        self.from_stage = chunk.from_stage
+        self.token_ids = chunk.token_ids
+        self.prompt_len = chunk.prompt_len
+        self.seq_len = 0
+        self.external_request_id = chunk.external_request_id
+        self.request_id = chunk.request_id
+        self.origin = chunk.origin
 
 
 async def _opened(linking: asyncio.Task) -> Any:

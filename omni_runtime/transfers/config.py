@@ -16,9 +16,10 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from omni_contract.edges import EdgeError, StreamSettings, parse_stream
 from omni_runtime.transfers.ledger import DEFAULT_TIMEOUT_SECONDS, Trigger
 
 #: How often, at most, the transfer metrics and spans are written while transfers are in
@@ -36,7 +37,7 @@ STAGE_ENV = "OMNI_STAGE_NAME"
 DEFAULT_STAGE = "ar"
 
 _KNOWN_KEYS = frozenset({"need_send_cache", "kv_transfer_criteria", "timeout_seconds",
-                         "stage_name", "telemetry_interval_seconds"})
+                         "stage_name", "telemetry_interval_seconds", "streams"})
 #: Keys vllm-omni's stage configs carry that concern other parts of its runtime.
 _FOREIGN_KEYS = frozenset({"need_recv_cache", "omni_from_stage", "omni_to_stage"})
 _CRITERIA_TYPES = (Trigger.PREFILL_FINISHED.value, Trigger.SPECIAL_TOKEN.value)
@@ -56,6 +57,9 @@ class OmniKVConfig:
     stage_name: str = DEFAULT_STAGE
     #: See DEFAULT_TELEMETRY_INTERVAL_SECONDS; 0: at every scheduler step.
     telemetry_interval_seconds: float = DEFAULT_TELEMETRY_INTERVAL_SECONDS
+    #: The streamed edges this stage produces (consumer stage -> its stream settings,
+    #: omni_contract/edges.py): their requests' output goes there chunk by chunk, not whole.
+    streams: Mapping[str, StreamSettings] = field(default_factory=dict)
 
 
 def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVConfig:
@@ -117,7 +121,21 @@ def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVCo
             "will be made",
             CONFIG_KEY,
         )
-    return OmniKVConfig(need_send, criteria, token_id, float(timeout), stage, float(interval))
+    return OmniKVConfig(need_send, criteria, token_id, float(timeout), stage, float(interval),
+                        _parse_streams(raw.get("streams")))
+
+
+def _parse_streams(raw: Any) -> dict[str, StreamSettings]:
+    key = f"{CONFIG_KEY}.streams"
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) and k for k in raw):
+        raise OmniKVConfigError(f"{key} must map stage names to stream settings")
+    try:
+        return {stage: parse_stream(settings, f"{key}.{stage}")
+                for stage, settings in raw.items()}
+    except EdgeError as exc:
+        raise OmniKVConfigError(str(exc)) from None
 
 
 def _parse_criteria(raw: Any, vocab_size: int | None) -> tuple[Trigger | None, int | None]:

@@ -22,7 +22,8 @@ def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
                   timeout_seconds: float = 10, otlp_endpoint: str | None = None
                   ) -> dict[str, dict[str, Any]]:
     """The stage configs of a chain, each stage fed by the one before, and the endpoint's
-    (``"endpoint"``). ``stages``: ``{"name", "role", "input"?, "engineArgs"?}`` in order;
+    (``"endpoint"``). ``stages``: ``{"name", "role", "input"?, "engineArgs"?, "stream"?}`` in
+    order (``stream``: the edge into the stage is streamed, with these settings);
     ``otlp_endpoint``: where the vLLM stages export their traces (the others follow the
     standard OTEL_* variables)."""
     model = {"name": MODEL, "path": str(ensure_tiny_model())}
@@ -34,7 +35,7 @@ def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
         config: dict[str, Any] = {"pipeline": pipeline, "stage": name, "role": stage["role"],
                                   "model": model, "ports": ports[name]}
         if i:
-            config["inputs"] = [names[i - 1]]
+            config["inputs"] = [edge(names[i - 1], stage)]
         if stage["role"] == "ar":
             config["engineArgs"] = {**ENGINE_ARGS, **stage.get("engineArgs", {})}
             if otlp_endpoint:
@@ -43,8 +44,10 @@ def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
                 config["input"] = stage["input"]
             if i + 1 < len(stages):
                 config["kvTransfer"] = {"send": True, "timeoutSeconds": timeout_seconds}
-                config["downstream"] = [{"stage": names[i + 1],
-                                         "endpoint": f"127.0.0.1:{ports[names[i + 1]]['kv']}"}]
+                into = edge(names[i + 1], stages[i + 1])
+                config["downstream"] = [
+                    {**(into if isinstance(into, dict) else {"stage": into}),
+                     "endpoint": f"127.0.0.1:{ports[names[i + 1]]['kv']}"}]
         configs[name] = config
     configs["endpoint"] = {
         "pipeline": pipeline, "stage": "endpoint", "role": "endpoint", "model": model,
@@ -55,6 +58,16 @@ def chain_configs(stages: list[dict[str, Any]], *, pipeline: str = "chain",
             "edges": [{"from": a, "to": b, "timeoutSeconds": timeout_seconds}
                       for a, b in zip(names, names[1:])]}}
     return configs
+
+
+def edge(stage: str, into: dict[str, Any]) -> str | dict[str, Any]:
+    """The edge from ``stage`` into the stage ``into`` as a config writes it (the contract's
+    form: omni_contract/edges.py)."""
+    from omni_contract.edges import STREAM, Edge, parse_stream
+
+    if "stream" not in into:
+        return stage
+    return Edge(stage, STREAM, parse_stream(into["stream"], "stream")).to_config()
 
 
 #: vLLM's engine core runs the model itself (its one-process executor: a one-GPU stage's

@@ -193,22 +193,6 @@ def test_omni_stage_refuses_a_bad_config_with_the_key(tmp_path):
     assert "model.name or model.path is required" in proc.stderr
 
 
-def test_omni_stage_says_a_streamed_edge_runs_whole_until_it_streams(tmp_path):
-    import yaml
-
-    from omni_contract.edges import Edge
-
-    config = {**BASE, "downstream": [{**Edge("talker", "stream").to_config(),
-                                      "endpoint": "p-talker.ns.svc:9600"}]}
-    path = tmp_path / "stage.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config",
-                           str(path), "--print-command"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "streamed edge(s) thinker -> talker run as whole hand-offs" in proc.stderr
-
-
 @pytest.mark.parametrize(
     "kv, key",
     [

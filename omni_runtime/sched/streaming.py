@@ -1,0 +1,213 @@
+"""The producer's end of streamed edges, in the omni scheduler.
+
+A request on a stage with streamed edges (``omni_kv_config.streams``) gets one stream per
+streamed edge when vLLM first schedules it. After each step's outputs, the stream ledger
+(omni_runtime/transfers/streams.py) cuts the request's committed output into chunks by the
+edge's cadence; the chunks go to the connector with the step's metadata (rank 0's worker
+sends them over the KV transport) and their answers come back with a later step's output.
+
+What is committed: ``request.output_token_ids``, the tokens vLLM has appended from the
+model's outputs. Async scheduling's in-flight tokens are placeholders counted apart
+(``num_output_placeholders``), never in that list, so a chunk never carries one; and a
+preemption recomputes KV without taking a token back, so no chunk is cut (or sent) twice.
+A request that finishes cuts its last chunk (an empty one if all its output went already);
+one that is aborted or fails ends its streams with word to the consumer. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from omni_contract.edges import StreamSettings
+from omni_runtime.sched.handoff import ChunkAnswer, ChunkOut
+from omni_runtime.transfers.streams import (Chunk, ProducerStreams, Stream, StreamObserver,
+                                            StreamOutcome)
+
+logger = logging.getLogger(__name__)
+
+#: The sender gives a chunk up this long before the stream's gap deadline, so its failure,
+#: with the reason, reaches the ledger before the deadline does.
+SEND_MARGIN = 0.95
+
+
+class StreamProducer:
+    """``edges``: the streamed edges (consumer stage -> settings); ``send``: takes each
+    step's chunks (the connector's ``send_chunks``)."""
+
+    def __init__(self, edges: Mapping[str, StreamSettings],
+                 send: Callable[[list[ChunkOut]], None],
+                 observers: Iterable[StreamObserver] = (),
+                 clock: Callable[[], float] = time.monotonic,
+                 refresh: Callable[[ProducerStreams], None] | None = None,
+                 refresh_interval: float = 0.1) -> None:
+        self.edges = dict(edges)
+        self.ledger = ProducerStreams()
+        for observer in observers:
+            self.ledger.add_observer(observer)
+        #: Sets the gauges from the ledger's counts, at most every ``refresh_interval``.
+        self._refresh = refresh
+        self._refresh_interval = refresh_interval
+        self._refreshed = float("-inf")
+        self._send = send
+        self._clock = clock
+        #: request id -> (the request, its streams), for requests whose streams are open.
+        self._open: dict[str, tuple[Any, list[Stream]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.ledger)
+
+    def started(self, requests: Iterable[Any]) -> None:
+        """Requests vLLM scheduled in this step for the first time (or resumed): each opens
+        its streams once."""
+        now = self._clock()
+        for request in requests:
+            rid = request.request_id
+            if rid in self._open or self.ledger.of_request(rid):
+                continue
+            streams = [self.ledger.open(rid, stage, settings, now)
+                       for stage, settings in self.edges.items()]
+            self._open[rid] = (request, streams)
+
+    def stepped(self, request_ids: Iterable[str]) -> None:
+        """After a step's outputs: the chunks the requests' committed output completes."""
+        now = self._clock()
+        if self._refresh is not None and now - self._refreshed >= self._refresh_interval:
+            self._refreshed = now
+            self._refresh(self.ledger)
+        open_ = self._open
+        if not open_:
+            return
+        wall = time.time()
+        chunks: list[ChunkOut] = []
+        for rid in request_ids:
+            entry = open_.get(rid)
+            if entry is None:
+                continue
+            request, streams = entry
+            committed = len(request.output_token_ids)
+            for stream in streams:
+                sent = self.ledger.cut(stream, committed, False, now, wall)
+                chunks += self._out(request, stream, sent)
+        self._flush(chunks)
+
+    def finished(self, request: Any, completed: bool, reason: str = "") -> None:
+        """The request finished: completed, its last chunks; else its streams end (the
+        consumer told, with ``reason``)."""
+        entry = self._open.get(request.request_id)
+        if entry is None:
+            return
+        now, wall = self._clock(), time.time()
+        chunks: list[ChunkOut] = []
+        for stream in entry[1]:
+            if stream.resolved:
+                continue
+            if completed:
+                sent = self.ledger.cut(stream, len(request.output_token_ids), True, now, wall)
+                chunks += self._out(request, stream, sent)
+            else:
+                chunks.append(self._end(stream, StreamOutcome.ABORTED,
+                                        reason or "the request was aborted", now))
+        self._forget_resolved(request.request_id)
+        self._flush(chunks)
+
+    def answered(self, answers: list[ChunkAnswer]) -> None:
+        """The workers' answers about chunks: acks let queued chunks go; a failure ends the
+        stream (the consumer could not take it)."""
+        now = self._clock()
+        chunks: list[ChunkOut] = []
+        for rid, stage, seq, reason in answers:
+            stream = self.ledger.get(rid, stage)
+            if stream is None:
+                continue
+            request = self._request_of(rid)
+            if reason is None:
+                chunks += self._out(request, stream, self.ledger.ack(stream, seq, now))
+            else:
+                self.ledger.fail(stream, seq, reason, now)
+                logger.warning("the stream of request %s to %s failed: %s", rid, stage,
+                               stream.reason)
+        for stream, sent in self.ledger.take_unblocked(now):
+            chunks += self._out(self._request_of(stream.request_id), stream, sent)
+        for rid, _, _, _ in answers:
+            self._forget_resolved(rid)
+        self._flush(chunks)
+
+    def expire(self) -> None:
+        """Streams past a deadline end (``expired``), the consumer told."""
+        now = self._clock()
+        expired = self.ledger.expire_due(now)
+        if not expired:
+            return
+        chunks = []
+        for stream in expired:
+            logger.warning("stream expired: %s", stream.reason)
+            chunks.append(self._out_end(stream, StreamOutcome.EXPIRED, stream.reason or ""))
+        for stream, sent in self.ledger.take_unblocked(now):
+            chunks += self._out(self._request_of(stream.request_id), stream, sent)
+        for stream in expired:
+            self._forget_resolved(stream.request_id)
+        self._flush(chunks)
+
+    def close(self, reason: str) -> None:
+        """Shutdown: every stream ends (``aborted``)."""
+        now = self._clock()
+        for stream in list(self.ledger):
+            self.ledger.resolve(stream.request_id, StreamOutcome.ABORTED, reason, now)
+        self._open.clear()
+        self._flush([])
+
+    # ------------------------------------------------------------------ helpers
+    def _forget_resolved(self, request_id: str) -> None:
+        """Drop a request once none of its streams is open: until then its tokens are
+        what its queued chunks are cut from, even after vLLM freed it."""
+        entry = self._open.get(request_id)
+        if entry is not None and all(s.resolved for s in entry[1]):
+            del self._open[request_id]
+
+    def _request_of(self, request_id: str) -> Any:
+        entry = self._open.get(request_id)
+        return entry[0] if entry is not None else None
+
+    def _out(self, request: Any, stream: Stream, chunks: list[Chunk]) -> list[ChunkOut]:
+        if not chunks:
+            return []
+        settings = stream.settings
+        outs = []
+        for chunk in chunks:
+            output = request.output_token_ids
+            tokens = tuple(output[chunk.start:chunk.end])
+            prompt_len = 0
+            if chunk.seq == 0:
+                prompt = tuple(request.prompt_token_ids or ())
+                tokens, prompt_len = prompt + tokens, len(prompt)
+            params = request.kv_transfer_params or {}
+            origin = params.get("omni")
+            outs.append(ChunkOut(
+                request.request_id, stream.peer, chunk.seq, chunk.last, tokens, prompt_len,
+                chunk.produced_at, SEND_MARGIN * settings.gap_seconds,
+                origin if isinstance(origin, dict) else None,
+                getattr(request, "trace_headers", None)))
+        return outs
+
+    def _end(self, stream: Stream, outcome: StreamOutcome, reason: str,
+             now: float) -> ChunkOut:
+        self.ledger.resolve(stream.request_id, outcome, reason, now, peer=stream.peer)
+        return self._out_end(stream, outcome, reason)
+
+    @staticmethod
+    def _out_end(stream: Stream, outcome: StreamOutcome, reason: str) -> ChunkOut:
+        return ChunkOut(stream.request_id, stream.peer, stream.next_seq, False, (), 0,
+                        time.time(), SEND_MARGIN * stream.settings.gap_seconds, end=outcome.value,
+                        reason=reason[:1024])
+
+    def _flush(self, chunks: list[ChunkOut]) -> None:
+        if chunks:
+            self._send(chunks)
+        if not self.ledger and self._refresh is not None:
+            # The last stream resolved: the engine may not step again until new work comes,
+            # so the gauges say "none" now, not at the next step.
+            self._refreshed = self._clock()
+            self._refresh(self.ledger)

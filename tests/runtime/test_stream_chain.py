@@ -1,0 +1,73 @@
+"""A streamed edge end to end: thinker -> talker, both real vLLM stages (omni-stage
+processes, the tiny model), the talker fed chunk by chunk while the thinker decodes, behind
+the pipeline's one endpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import openai
+import pytest
+from chain import MODEL, chain_configs, running
+from procs import metric_value, wait_until
+
+pytestmark = pytest.mark.engine
+
+HERE = Path(__file__).resolve().parent
+ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
+                                     if p)}
+#: Each chunk is a turn of the talker's streaming-input session: it says this much per chunk.
+PER_CHUNK = 2
+STREAM = {"firstChunkTokens": 4, "chunkTokens": 8, "gapSeconds": 10, "firstChunkSeconds": 20,
+          "streamSeconds": 60}
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar", "engineArgs": {"max-model-len": 1024}},
+        {"name": "talker", "role": "ar", "stream": STREAM, "engineArgs": {"max-model-len": 1024},
+         "input": {"samplingParams": {"max_tokens": PER_CHUNK, "temperature": 0,
+                                      "ignore_eos": True}}},
+    ], pipeline="streamed", timeout_seconds=10)
+    with running(configs, tmp_path_factory.mktemp("streamed"), env=ENV) as stages:
+        yield stages
+
+
+def client(stage) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stage.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def chunk_count(n_output: int) -> int:
+    """Chunks of a stream of ``n_output`` tokens: 4, then 8 each, the last the rest."""
+    if n_output <= 4:
+        return 1
+    return 1 + -(-(n_output - 4) // 8)
+
+
+def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(streamed):
+    prompt = [11, 12, 13, 14, 15]
+    thinker_tokens = 20
+    answer = client(streamed["endpoint"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=thinker_tokens, temperature=0,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "streamed-1"})
+    chunks = chunk_count(thinker_tokens)
+    # Its input is the thinker's whole sequence (the prompt, then every token it said, in
+    # chunks), and it answered every chunk.
+    assert answer.usage.prompt_tokens == len(prompt) + thinker_tokens
+    assert answer.usage.completion_tokens == PER_CHUNK * chunks
+    stages = answer.model_extra["omni"]["stages"]
+    # Streamed: the talker took its input before the thinker had finished.
+    assert stages["talker"]["taken_at"] < stages["thinker"]["finished_at"]
+    thinker = streamed["thinker"].metrics()
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    assert metric_value(thinker, "omni_kv_streams_resolved_total", outcome="finished",
+                        **edge) >= 1
+    assert metric_value(thinker, "omni_kv_stream_chunks_total", outcome="acked",
+                        **edge) >= chunks
+    # No whole transfer on a streamed edge.
+    assert metric_value(thinker, "omni_kv_transfers_started_total") == 0
+    wait_until(lambda: metric_value(streamed["thinker"].metrics(), "omni_kv_streams",
+                                    state="open", **edge) == 0, 10, "the thinker's streams")

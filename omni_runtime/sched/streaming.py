@@ -10,6 +10,9 @@ What is committed: ``request.output_token_ids``, the tokens vLLM has appended fr
 model's outputs. Async scheduling's in-flight tokens are placeholders counted apart
 (``num_output_placeholders``), never in that list, so a chunk never carries one; and a
 preemption recomputes KV without taking a token back, so no chunk is cut (or sent) twice.
+A streaming-input session (a stage that is itself fed by a stream) starts each turn with an
+empty output list (vLLM folds the turn's output into the prompt), so the tokens are kept
+here as they appear, turn after turn, and chunks are cut from that record.
 A request that finishes cuts its last chunk (an empty one if all its output went already);
 one that is aborted or fails ends its streams with word to the consumer. Imports no vLLM.
 """
@@ -33,6 +36,29 @@ logger = logging.getLogger(__name__)
 SEND_MARGIN = 0.95
 
 
+class _Producing:
+    """A request whose streams are open: its prompt when they opened, every output token it
+    has had (across a session's turns), and how much of its current output list was seen."""
+
+    __slots__ = ("request", "streams", "prompt", "output", "seen")
+
+    def __init__(self, request: Any, streams: list[Stream]) -> None:
+        self.request = request
+        self.streams = streams
+        self.prompt = tuple(request.prompt_token_ids or ())
+        self.output: list[int] = []
+        self.seen = 0
+
+    def committed(self) -> int:
+        current = self.request.output_token_ids
+        if len(current) < self.seen:  # a session's new turn: its output list starts over
+            self.seen = 0
+        if len(current) > self.seen:
+            self.output.extend(current[self.seen:])
+            self.seen = len(current)
+        return len(self.output)
+
+
 class StreamProducer:
     """``edges``: the streamed edges (consumer stage -> settings); ``send``: takes each
     step's chunks (the connector's ``send_chunks``)."""
@@ -53,8 +79,8 @@ class StreamProducer:
         self._refreshed = float("-inf")
         self._send = send
         self._clock = clock
-        #: request id -> (the request, its streams), for requests whose streams are open.
-        self._open: dict[str, tuple[Any, list[Stream]]] = {}
+        #: The requests whose streams are open, by id.
+        self._open: dict[str, _Producing] = {}
 
     def __len__(self) -> int:
         return len(self.ledger)
@@ -69,7 +95,7 @@ class StreamProducer:
                 continue
             streams = [self.ledger.open(rid, stage, settings, now)
                        for stage, settings in self.edges.items()]
-            self._open[rid] = (request, streams)
+            self._open[rid] = _Producing(request, streams)
 
     def stepped(self, request_ids: Iterable[str]) -> None:
         """After a step's outputs: the chunks the requests' committed output completes."""
@@ -86,11 +112,10 @@ class StreamProducer:
             entry = open_.get(rid)
             if entry is None:
                 continue
-            request, streams = entry
-            committed = len(request.output_token_ids)
-            for stream in streams:
+            committed = entry.committed()
+            for stream in entry.streams:
                 sent = self.ledger.cut(stream, committed, False, now, wall)
-                chunks += self._out(request, stream, sent)
+                chunks += self._out(entry, stream, sent)
         self._flush(chunks)
 
     def finished(self, request: Any, completed: bool, reason: str = "") -> None:
@@ -101,12 +126,13 @@ class StreamProducer:
             return
         now, wall = self._clock(), time.time()
         chunks: list[ChunkOut] = []
-        for stream in entry[1]:
+        committed = entry.committed()
+        for stream in entry.streams:
             if stream.resolved:
                 continue
             if completed:
-                sent = self.ledger.cut(stream, len(request.output_token_ids), True, now, wall)
-                chunks += self._out(request, stream, sent)
+                sent = self.ledger.cut(stream, committed, True, now, wall)
+                chunks += self._out(entry, stream, sent)
             else:
                 chunks.append(self._end(stream, StreamOutcome.ABORTED,
                                         reason or "the request was aborted", now))
@@ -122,9 +148,9 @@ class StreamProducer:
             stream = self.ledger.get(rid, stage)
             if stream is None:
                 continue
-            request = self._request_of(rid)
             if reason is None:
-                chunks += self._out(request, stream, self.ledger.ack(stream, seq, now))
+                chunks += self._out(self._request_of(rid), stream,
+                                    self.ledger.ack(stream, seq, now))
             else:
                 self.ledger.fail(stream, seq, reason, now)
                 logger.warning("the stream of request %s to %s failed: %s", rid, stage,
@@ -164,25 +190,24 @@ class StreamProducer:
         """Drop a request once none of its streams is open: until then its tokens are
         what its queued chunks are cut from, even after vLLM freed it."""
         entry = self._open.get(request_id)
-        if entry is not None and all(s.resolved for s in entry[1]):
+        if entry is not None and all(s.resolved for s in entry.streams):
             del self._open[request_id]
 
-    def _request_of(self, request_id: str) -> Any:
-        entry = self._open.get(request_id)
-        return entry[0] if entry is not None else None
+    def _request_of(self, request_id: str) -> _Producing | None:
+        return self._open.get(request_id)
 
-    def _out(self, request: Any, stream: Stream, chunks: list[Chunk]) -> list[ChunkOut]:
-        if not chunks:
+    def _out(self, entry: _Producing | None, stream: Stream,
+             chunks: list[Chunk]) -> list[ChunkOut]:
+        if not chunks or entry is None:
             return []
+        request = entry.request
         settings = stream.settings
         outs = []
         for chunk in chunks:
-            output = request.output_token_ids
-            tokens = tuple(output[chunk.start:chunk.end])
+            tokens = tuple(entry.output[chunk.start:chunk.end])
             prompt_len = 0
             if chunk.seq == 0:
-                prompt = tuple(request.prompt_token_ids or ())
-                tokens, prompt_len = prompt + tokens, len(prompt)
+                tokens, prompt_len = entry.prompt + tokens, len(entry.prompt)
             params = request.kv_transfer_params or {}
             origin = params.get("omni")
             outs.append(ChunkOut(

@@ -191,6 +191,9 @@ def _input_settings(config: StageConfig, host: str) -> dict[str, Any]:
     streams = {e.stage: stream_config(e.stream) for e in config.input_edges if e.streamed}
     if streams:
         settings["streams"] = streams
+    streams_out = [d.stage for d in config.downstream if d.stream is not None]
+    if streams_out and config.kv_send:
+        settings["streams_out"] = streams_out
     return settings
 
 

@@ -6,6 +6,9 @@ HTTP (the stage's ``http`` port):
     ``omni_kv_transport_thread_up{thread="receiver"}`` is 0);
   * ``GET /metrics``: Prometheus text (the receiver families, ``omni_kv_receiver_*``);
   * ``GET /v1/kv``: JSON list of the payloads that arrived and are still in the inbox;
+  * ``GET /v1/streams``: JSON list of the streamed inputs open or ended (a stage with a
+    streamed input: stream_inbox.py); ``GET /v1/streams/<request id>?wait=SECONDS``: one
+    stream once ended (its tokens in order, its outcome), waiting up to ``wait`` seconds;
   * ``GET /v1/kv/<request id>?wait=SECONDS``: the payload (found by vLLM's internal request
     id or by the client-facing one the sender named, e.g. ``cmpl-<X-Request-Id>-0``; header
     ``X-Omni-Request-Id`` gives the internal one) with its K and V as a NumPy ``.npy``
@@ -64,7 +67,18 @@ class ReceiverStage:
             consumer=self._stored,
             # Its receive spans exported as the standard OTEL_* variables say (None: no-op).
             tracer=resolve_tracer(),
+            streams=self._stream_message if any(e.streamed for e in config.input_edges)
+            else None,
         )
+        #: The streamed inputs, gathered per stream (stream_inbox.py); None without any.
+        self.streams = None
+        if any(e.streamed for e in config.input_edges):
+            from omni_runtime.stages.stream_inbox import StreamInbox
+
+            self.streams = StreamInbox(
+                {e.stage: e.stream for e in config.input_edges if e.streamed},
+                settle=self.receiver.settle, on_start=self._stream_started,
+                on_end=self._stream_ended)
         # The pipeline's last stage: what it stored is the answer of the request's endpoint.
         self._links = LinkReporter(config.stage)
         self._stopping = threading.Event()
@@ -77,6 +91,9 @@ class ReceiverStage:
         # Sets up NIXL (its agent, the registered staging memory) before serving: a stage
         # whose memory cannot be registered refuses to start, naming the cause.
         self.receiver.start()
+        if self.streams is not None:
+            threading.Thread(target=self._expire_streams, name="omni-stream-deadlines",
+                             daemon=True).start()
         freeze_startup_heap()  # heap.py: no full collection of it on the receiver's thread
         logger.info(
             "stage %s/%s: receiving KV on %s, HTTP on %s:%d",
@@ -106,6 +123,48 @@ class ReceiverStage:
             self._links.report(endpoint, request_id, [
                 ("taken", {"offered_at": payload.sent_at, "taken_at": payload.received_at}),
                 ("payload", {"payload": payload.summary()})])
+
+    # ------------------------------------------------------------------ streamed inputs
+    def _stream_message(self, message, ticket) -> None:
+        """On the receiver's thread: a stream's chunk (with its ticket) or its early end."""
+        if ticket is None:
+            self.streams.end(message)
+        else:
+            self.streams.arrive(message, ticket)
+
+    def _stream_started(self, record, chunk) -> None:
+        record.offered_at = chunk.sent_at
+
+    def _stream_ended(self, record) -> None:
+        """A stream ended: reported to its pipeline request's endpoint, once (a report's link
+        closes after it: the endpoint reads a link that closes before the answer as lost)."""
+        found = self._origin_of(record)
+        if found is None:
+            return
+        if record.outcome == "finished":
+            self._links.report(found[1], found[0], [
+                ("taken", {"offered_at": record.offered_at or record.started_at,
+                           "taken_at": record.started_at}),
+                ("payload", {"payload": record.summary()})])
+        else:
+            self._links.report(found[1], found[0], [
+                ("error", {"message": f"its stream from {record.from_stage} ended "
+                                      f"{record.outcome}: {record.reason}"})])
+
+    def _origin_of(self, record):
+        try:
+            return parse_origin(record.origin)
+        except ProtocolError as exc:
+            logger.warning("stream of request %s: its pipeline context is malformed: %s",
+                           record.request_id, exc)
+            return None
+
+    def _expire_streams(self) -> None:
+        """The streams' deadlines (a chunk that never comes), on a timer a quarter of the
+        shortest gap deadline."""
+        every = min(s.gap_seconds for s in self.streams.settings.values()) / 4
+        while not self._stopping.wait(every):
+            self.streams.expire()
 
     def health_problem(self) -> str | None:
         """Why the stage is not healthy, or None."""
@@ -146,9 +205,27 @@ class ReceiverStage:
                 if url.path == "/v1/kv":
                     body = json.dumps({"stage": stage.config.stage, "payloads": stage.inbox.list()})
                     return self._send(HTTPStatus.OK, body.encode(), "application/json")
+                if url.path == "/v1/streams":
+                    streams = stage.streams.list() if stage.streams is not None else []
+                    body = json.dumps({"stage": stage.config.stage, "streams": streams})
+                    return self._send(HTTPStatus.OK, body.encode(), "application/json")
+                if url.path.startswith("/v1/streams/") and stage.streams is not None:
+                    return self._stream(unquote(url.path[len("/v1/streams/"):]),
+                                        parse_qs(url.query))
                 if url.path.startswith("/v1/kv/"):
                     return self._payload(unquote(url.path[len("/v1/kv/"):]), parse_qs(url.query))
                 return self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+
+            def _stream(self, request_id, query):
+                try:
+                    wait = min(float(query.get("wait", ["0"])[0]), MAX_WAIT_S)
+                except ValueError:
+                    return self._send(HTTPStatus.BAD_REQUEST, b"wait must be a number of seconds", "text/plain")
+                record = stage.streams.get(request_id, wait)
+                if record is None:
+                    return self._send(HTTPStatus.NOT_FOUND, b"no such stream (or not ended)", "text/plain")
+                return self._send(HTTPStatus.OK, json.dumps(record.summary()).encode(),
+                                  "application/json")
 
             def _payload(self, request_id, query):
                 import numpy as np

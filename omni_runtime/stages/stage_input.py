@@ -81,6 +81,8 @@ class InputSettings:
     #: The inputs fed as streams (upstream stage -> its settings): each stream is one
     #: request, a vLLM streaming-input session its chunks extend (stream_input.py).
     streams: Mapping[str, Any] = field(default_factory=dict)
+    #: The downstream stages this stage streams to (its requests' output goes in chunks).
+    streams_out: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, raw: Any) -> InputSettings:
@@ -100,7 +102,7 @@ class InputSettings:
             return value
 
         names = {}
-        for key in ("inputs", "downstream"):
+        for key in ("inputs", "downstream", "streams_out"):
             value = get(key, list, [])
             if not all(isinstance(v, str) and v for v in value):
                 raise InputSettingsError(f"{where}{key} must be a list of stage names")
@@ -110,7 +112,7 @@ class InputSettings:
             raise InputSettingsError(f"{where}max_inputs must be at least 1, got {max_inputs}")
         unknown = set(raw) - {"listen", "pipeline", "stage", "revision", "inputs",
                               "downstream", "hook", "sampling_params", "max_inputs",
-                              "payload_dir", "load_kv", "streams"}
+                              "payload_dir", "load_kv", "streams", "streams_out"}
         if unknown:
             raise InputSettingsError(f"{where}{sorted(unknown)[0]} is not a setting")
         return cls(listen=get("listen", str), pipeline=get("pipeline", str, ""),
@@ -121,7 +123,8 @@ class InputSettings:
                    max_inputs=max_inputs, payload_dir=get("payload_dir", str,
                                                           DEFAULT_PAYLOAD_DIR),
                    load_kv=get("load_kv", bool, True),
-                   streams=_streams(get("streams", dict, {}), where))
+                   streams=_streams(get("streams", dict, {}), where),
+                   streams_out=names["streams_out"])
 
 
 def _streams(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -338,12 +341,13 @@ class StageInput:
                 made = self._request(_ChunkUpstream(chunk), pipeline_id)
                 tokens = tuple(made.prompt.get("prompt_token_ids") or ())
                 self._stream_requests[key] = pipeline_id
+                # [its link to the endpoint, tokens said, the hook's sampling parameters,
+                # the pipeline context its own hand-offs carry on]
+                entry = [None, 0, made.sampling_params, chunk.origin]
+                self._stream_links[pipeline_id] = entry
                 if endpoint is not None:
-                    link = await self._link(endpoint, pipeline_id)
-                    self._stream_links[pipeline_id] = [link, 0, made.sampling_params]
+                    entry[0] = link = await self._link(endpoint, pipeline_id)
                     await link.send("taken", offered_at=chunk.sent_at, taken_at=time.time())
-                else:
-                    self._stream_links[pipeline_id] = [None, 0, made.sampling_params]
             pipeline_id = self._stream_requests.get(key)
             if pipeline_id is None:  # a chunk of a stream whose first chunk never came here
                 pipeline_id = chunk.request_id
@@ -367,7 +371,12 @@ class StageInput:
 
     def _stream_params(self, chunk: Any) -> Any:
         entry = self._stream_links.get(chunk.request_id)
-        return self._sampling_params(entry[2] if entry is not None else {})
+        params = self._sampling_params(entry[2] if entry is not None else {})
+        if entry is not None and entry[3]:
+            # The request's own output goes on with the pipeline request's context.
+            params.extra_args = {**(params.extra_args or {}),
+                                 "kv_transfer_params": {KV_PARAMS_KEY: dict(entry[3])}}
+        return params
 
     async def _stream_output(self, pipeline_id: str, output: Any) -> None:
         """A streamed input's request said something: its output to the endpoint (the last
@@ -568,7 +577,9 @@ class StageInput:
                 "prompt_tokens": prompt_tokens, "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated,
                 "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}})
-        elif (output.kv_transfer_params or {}).get("kv_metadata") is not None:
+        elif (output.kv_transfer_params or {}).get("kv_metadata") is not None or (
+                self.settings.streams_out):
+            # Whole: its transfer was made; streamed: its chunks went while it decoded.
             await link.send("handed_off", to=list(self.settings.downstream))
         else:
             await link.send("done", finish_reason=completion.finish_reason)

@@ -429,9 +429,13 @@ def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -
         with urllib.request.urlopen(req, timeout=120) as resp:
             choice = json.loads(resp.read())["choices"][0]
         payload = choice.get("omni_payload")
-        answer = repr(choice["text"]) if payload is None else (
-            f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} in, the rest generated) and their KV "
-            f"{payload['dtype']}{payload['shape']} at stage {payload['stage']}, from {payload['from_stage']}")
+        if payload is None:
+            answer = repr(choice["text"])
+        else:
+            what = (f"in {payload['chunks']} streamed chunks" if payload.get("streamed")
+                    else f"and their KV {payload['dtype']}{payload['shape']}")
+            answer = (f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} in, the rest "
+                      f"generated) {what} at stage {payload['stage']}, from {payload['from_stage']}")
         print(f"request {i}: {prompts[i % len(prompts)]!r} -> {answer}", file=out)
 
 

@@ -148,3 +148,64 @@ def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
             except ProcessLookupError:
                 pass
         reader.join(timeout=10)
+
+
+def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes(tmp_path):
+    """examples/tiny-omni-streaming.yaml (thinker -> talker -> vocoder, both edges streamed):
+    the talker's stream begins with the prompt and the thinker's first chunk, the talker
+    takes it before the thinker has finished and the vocoder before the talker has, and the
+    vocoder's stream is every token the talker said, in the chunks the edge's cadence cuts."""
+    import openai
+
+    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
+    model_path = tmp_path / body["spec"]["model"]["path"]
+    model_path.parent.mkdir(parents=True)
+    shutil.copytree(ensure_tiny_model(), model_path)
+    marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_operator.cli", "up",
+         str(ROOT / "examples" / "tiny-omni-streaming.yaml"), "--demo", "1",
+         "--workdir", str(tmp_path / "run")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+        env={**os.environ, **CHAIN_ENV, "PYTHONUNBUFFERED": "1",
+             marker.split("=")[0]: marker.split("=")[1]},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        text = lambda: "".join(lines)  # noqa: E731
+        wait_until(lambda: re.search(r"^request 0: .* in \d+ streamed chunks at stage vocoder, "
+                                     r"from talker$", text(), re.M),
+                   300, f"the demo request's answer; output so far:\n{text()}")
+        endpoint = re.search(r"the pipeline's endpoint \(OpenAI API\): (\S+) \(ready\)",
+                             text()).group(1)
+        thinker = re.search(r"^thinker\s+ar\s+.*(http://\S+)/metrics", text(), re.M).group(1)
+        prompt, said = [31, 32, 33, 34], 40
+        answer = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0).completions.create(
+            model="tiny-qwen2", prompt=prompt, max_tokens=said, temperature=0,
+            extra_body={"ignore_eos": True})
+        payload = answer.choices[0].model_extra["omni_payload"]
+        alone = openai.OpenAI(base_url=thinker + "/v1", api_key="unused").completions.create(
+            model="tiny-qwen2", prompt=prompt, max_tokens=said, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+        thinker_tokens = list(alone.choices[0].model_extra["token_ids"])
+        assert payload["streamed"] and payload["outcome"] == "finished"
+        # The talker's stream begins with its own first input: the prompt and the thinker's
+        # first chunk (4 tokens), as the default input hook passes them on.
+        assert payload["token_ids"][:payload["prompt_len"]] == prompt + thinker_tokens[:4]
+        # 16 per thinker chunk (4, then 8 each: 6 chunks), less the one a turn ends on where
+        # vLLM's session drops a token still in flight.
+        talker_said = len(payload["token_ids"]) - payload["prompt_len"]
+        assert 16 * 6 - 6 <= talker_said <= 16 * 6
+        assert payload["chunks"] == 1 + -(-(talker_said - 4) // 4)
+        stages = answer.model_extra["omni"]["stages"]
+        assert stages["talker"]["taken_at"] < stages["thinker"]["finished_at"]
+        assert stages["vocoder"]["taken_at"] < stages["talker"]["finished_at"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        wait_until(lambda: not processes_with_env(marker), 30, "every process to be gone")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

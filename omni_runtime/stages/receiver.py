@@ -75,10 +75,17 @@ class ReceiverStage:
         if any(e.streamed for e in config.input_edges):
             from omni_runtime.stages.stream_inbox import StreamInbox
 
-            self.streams = StreamInbox(
-                {e.stage: e.stream for e in config.input_edges if e.streamed},
-                settle=self.receiver.settle, on_start=self._stream_started,
-                on_end=self._stream_ended)
+            from prometheus_client import REGISTRY
+
+            from omni_runtime.observability.stream_metrics import StreamMetrics
+
+            streamed = {e.stage: e.stream for e in config.input_edges if e.streamed}
+            self.streams = StreamInbox(streamed, settle=self.receiver.settle,
+                                       on_start=self._stream_started, on_end=self._stream_ended)
+            self._stream_metrics = StreamMetrics(
+                config.stage, config.model_name, REGISTRY, from_stages=list(streamed),
+                deadline_seconds=max(s.gap_seconds for s in streamed.values()))
+            self.streams.ledger.add_observer(self._stream_metrics)
         # The pipeline's last stage: what it stored is the answer of the request's endpoint.
         self._links = LinkReporter(config.stage)
         self._stopping = threading.Event()
@@ -162,9 +169,10 @@ class ReceiverStage:
     def _expire_streams(self) -> None:
         """The streams' deadlines (a chunk that never comes), on a timer a quarter of the
         shortest gap deadline."""
-        every = min(s.gap_seconds for s in self.streams.settings.values()) / 4
+        every = min(0.5, min(s.gap_seconds for s in self.streams.settings.values()) / 4)
         while not self._stopping.wait(every):
             self.streams.expire()
+            self._stream_metrics.refresh(self.streams.ledger)
 
     def health_problem(self) -> str | None:
         """Why the stage is not healthy, or None."""

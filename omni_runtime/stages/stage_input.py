@@ -202,7 +202,16 @@ class StageInput:
             from omni_runtime.stages.stream_input import StreamInputs
             from omni_runtime.transfers.streams import ConsumerStreams
 
-            self.streams = StreamInputs(self._engine, ConsumerStreams(), self._stream_params,
+            from prometheus_client import REGISTRY
+
+            from omni_runtime.observability.stream_metrics import StreamMetrics
+
+            ledger = ConsumerStreams()
+            self._stream_metrics = StreamMetrics(
+                settings.stage, self._model_name, REGISTRY, from_stages=list(settings.streams),
+                deadline_seconds=max(s.gap_seconds for s in settings.streams.values()))
+            ledger.add_observer(self._stream_metrics)
+            self.streams = StreamInputs(self._engine, ledger, self._stream_params,
                                         self._stream_output)
             self._track(self._loop.create_task(self._expire_streams()))
         logger.info("stage %s: taking hand-offs from %s on %s as requests (input hook %s)",
@@ -348,6 +357,8 @@ class StageInput:
                 if endpoint is not None:
                     entry[0] = link = await self._link(endpoint, pipeline_id)
                     await link.send("taken", offered_at=chunk.sent_at, taken_at=time.time())
+                    self._track(self._loop.create_task(
+                        self._abort_on(link, pipeline_id, chunk.from_stage)))
             pipeline_id = self._stream_requests.get(key)
             if pipeline_id is None:  # a chunk of a stream whose first chunk never came here
                 pipeline_id = chunk.request_id
@@ -381,13 +392,14 @@ class StageInput:
     async def _stream_output(self, pipeline_id: str, output: Any) -> None:
         """A streamed input's request said something: its output to the endpoint (the last
         stage), its end, or (``output`` None, or a failure) an error."""
+        from omni_runtime.stages.stream_input import StreamFailed
+
         entry = self._stream_links.get(pipeline_id)
         link = entry[0] if entry is not None else None
-        if output is None:
+        if isinstance(output, StreamFailed):
             self._forget_stream(pipeline_id)
             if link is not None:
-                await link.send("error", message="its streamed input ended before its request "
-                                "finished")
+                await link.send("error", message=f"its streamed input failed: {output}")
                 await link.close()
             return
         completion = output.outputs[0]
@@ -404,6 +416,16 @@ class StageInput:
                 if link is not None:
                     await link.close()
 
+    async def _abort_on(self, link: Any, pipeline_id: str, from_stage: str) -> None:
+        """An abort from the endpoint (or its link dropping) ends the stream's request."""
+        from omni_runtime.transfers.streams import StreamOutcome
+
+        await link.aborted.wait()
+        if pipeline_id in self._stream_links:
+            logger.info("request %s aborted: %s", pipeline_id, link.abort_reason)
+            await self.streams.end(pipeline_id, from_stage, StreamOutcome.ABORTED,
+                                   f"aborted at the endpoint: {link.abort_reason}")
+
     def _forget_stream(self, pipeline_id: str) -> None:
         self._stream_links.pop(pipeline_id, None)
         for key in [k for k, v in self._stream_requests.items() if v == pipeline_id]:
@@ -411,10 +433,11 @@ class StageInput:
 
     async def _expire_streams(self) -> None:
         """The consumer's stream deadlines (a chunk that never comes), checked on a timer a
-        quarter of the shortest gap deadline."""
-        every = min(s.gap_seconds for s in self.settings.streams.values()) / 4
+        quarter of the shortest gap deadline (at most half a second: the gauges are set there too)."""
+        every = min(0.5, min(s.gap_seconds for s in self.settings.streams.values()) / 4)
         while True:
             await asyncio.sleep(every)
+            self._stream_metrics.refresh(self.streams.ledger)
             for stream in await self.streams.expire():
                 pipeline_id = stream.request_id
                 entry = self._stream_links.get(pipeline_id)

@@ -34,6 +34,11 @@ from omni_runtime.transfers.streams import ConsumerStreams, Stream, StreamOutcom
 logger = logging.getLogger(__name__)
 
 
+class StreamFailed(Exception):
+    """What ``on_output`` hears when a stream's request ends without finishing: the reason
+    (vLLM refused a chunk, the producer ended the stream, a deadline passed, an abort)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkIn:
     """A chunk as it arrived: its stream (the pipeline request, the producing stage), its
@@ -58,6 +63,9 @@ class _Session:
         #: Chunks fed and not yet in the request, by seq: their answers.
         self.answers: dict[int, asyncio.Future[str | None]] = {}
         self.task: asyncio.Task | None = None
+        #: Tokens in its request: every chunk fed, every token it said (an upper bound: vLLM
+        #: drops a token still in flight when a turn ends).
+        self.length = 0
 
 
 class StreamInputs:
@@ -65,8 +73,8 @@ class StreamInputs:
 
     ``params`` makes the session's sampling parameters (each turn's, the stage's
     ``input.samplingParams``) for a stream's first chunk; ``on_output(request_id, output)``
-    hears every output of a session (the pipeline's endpoint or the next hand-off), ``None``
-    as the output when the session ended without finishing."""
+    hears every output of a session (the pipeline's endpoint or the next hand-off), and a
+    :class:`StreamFailed` as the output when the session ended without finishing."""
 
     def __init__(self, engine: Any, ledger: ConsumerStreams, params: Callable[[ChunkIn], Any],
                  on_output: Callable[[str, Any], Awaitable[None]] | None = None,
@@ -77,6 +85,10 @@ class StreamInputs:
         self._on_output = on_output
         self._clock = clock
         self._sessions: dict[tuple[str, str], _Session] = {}
+        #: The engine's max-model-len: a chunk that would take a request past it is refused
+        #: here, before vLLM sees it (vLLM 0.32's engine core fails on a streaming-input
+        #: session extended past its max-model-len, every request with it).
+        self._max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
         #: Chunks that arrived ahead of their turn, with their answers.
         self._early: dict[tuple[str, str, int], tuple[ChunkIn, asyncio.Future]] = {}
 
@@ -111,8 +123,25 @@ class StreamInputs:
             else:
                 item, fut = self._early.pop((chunk.request_id, chunk.from_stage, taken.seq))
             session.answers[item.seq] = fut
+            if self._max_len is not None and (
+                    session.length + len(item.token_ids) >= self._max_len):
+                await self._over_length(session, item)
+                break
+            session.length += len(item.token_ids)
             session.inputs.put_nowait((item.seq, item.token_ids, item.last))
         return await answer
+
+    async def _over_length(self, session: _Session, chunk: ChunkIn) -> None:
+        """Chunk ``chunk`` would take its request to the engine's max-model-len: the stream
+        ends for that request alone (``consumer_error``), its request aborted."""
+        reason = (f"over this stage's max-model-len {self._max_len}: the streamed request "
+                  f"holds up to {session.length} tokens and chunk {chunk.seq} adds "
+                  f"{len(chunk.token_ids)}")
+        self.ledger.refused(session.stream, chunk.seq, reason, self._clock())
+        if session.task is not None and not session.task.done():
+            session.task.cancel()
+            await asyncio.gather(session.task, return_exceptions=True)
+        self._end(session, StreamOutcome.CONSUMER_ERROR, reason)
 
     async def _inputs(self, session: _Session) -> AsyncIterator[Any]:
         from vllm.engine.protocol import StreamingInput
@@ -139,24 +168,36 @@ class StreamInputs:
         try:
             async for output in self._engine.generate(self._inputs(session), params,
                                                       stream.request_id):
+                session.length += len(output.outputs[0].token_ids)
                 if self._on_output is not None:
                     await self._on_output(stream.request_id, output)
                 finished = output.finished
         except asyncio.CancelledError:
             await self._engine.abort(stream.request_id)
             self._end(session, StreamOutcome.ABORTED, "the stream was aborted")
+            await self._failed(stream, "the stream was aborted")
             raise
         except Exception as exc:  # vLLM refused an input or failed the request
             reason = f"{type(exc).__name__}: {exc}"
             logger.warning("the stream of request %s from %s failed: %s", stream.request_id,
                            stream.peer, reason)
             self._end(session, StreamOutcome.CONSUMER_ERROR, reason)
+            await self._failed(stream, reason)
         else:
-            if not finished and self._on_output is not None:
-                await self._on_output(stream.request_id, None)
             self._end(session, None, "the request ended before the stream did")
+            if not finished:
+                await self._failed(stream, stream.reason or "the request ended before the "
+                                   "stream did")
         finally:
             self._sessions.pop(stream.key, None)
+
+    async def _failed(self, stream: Stream, reason: str) -> None:
+        if self._on_output is not None:
+            try:
+                await self._on_output(stream.request_id, StreamFailed(stream.reason or reason))
+            except Exception:  # telling must not break the session's end
+                logger.exception("reporting the end of the stream of request %s failed",
+                                 stream.request_id)
 
     def _end(self, session: _Session, outcome: StreamOutcome | None, reason: str) -> None:
         """The session is over: its stream resolves (if it has not), and every chunk still

@@ -19,6 +19,8 @@ ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTH
                                      if p)}
 #: Each chunk is a turn of the talker's streaming-input session: it says this much per chunk.
 PER_CHUNK = 2
+#: The talker's own limit: a long enough thinker answer overflows its streamed request.
+TALKER_MAX_MODEL_LEN = 128
 STREAM = {"firstChunkTokens": 4, "chunkTokens": 8, "gapSeconds": 10, "firstChunkSeconds": 20,
           "streamSeconds": 60}
 
@@ -27,7 +29,8 @@ STREAM = {"firstChunkTokens": 4, "chunkTokens": 8, "gapSeconds": 10, "firstChunk
 def streamed(tmp_path_factory):
     configs = chain_configs([
         {"name": "thinker", "role": "ar", "engineArgs": {"max-model-len": 1024}},
-        {"name": "talker", "role": "ar", "stream": STREAM, "engineArgs": {"max-model-len": 1024},
+        {"name": "talker", "role": "ar", "stream": STREAM,
+         "engineArgs": {"max-model-len": TALKER_MAX_MODEL_LEN},
          "input": {"samplingParams": {"max_tokens": PER_CHUNK, "temperature": 0,
                                       "ignore_eos": True}}},
     ], pipeline="streamed", timeout_seconds=10)
@@ -71,3 +74,44 @@ def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(s
     assert metric_value(thinker, "omni_kv_transfers_started_total") == 0
     wait_until(lambda: metric_value(streamed["thinker"].metrics(), "omni_kv_streams",
                                     state="open", **edge) == 0, 10, "the thinker's streams")
+
+
+def test_a_chunk_over_the_talkers_limit_fails_that_request_naming_the_talker(streamed):
+    with pytest.raises(openai.APIStatusError) as err:
+        client(streamed["endpoint"]).completions.create(
+            model=MODEL, prompt=[21, 22, 23], max_tokens=300, temperature=0,
+            extra_body={"ignore_eos": True})
+    assert err.value.body["stage"] == "talker", err.value.body
+    assert "its streamed input failed" in err.value.body["message"]
+    assert str(TALKER_MAX_MODEL_LEN) in err.value.body["message"]
+    # The engine lives: the next request is answered.
+    answer = client(streamed["endpoint"]).completions.create(
+        model=MODEL, prompt=[24, 25], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert answer.usage.prompt_tokens == 2 + 6
+    # Counted where it was refused (the thinker's end resolves it as the refusal or the
+    # endpoint's abort reaches it first).
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    assert metric_value(streamed["talker"].metrics(), "omni_kv_streams_resolved_total",
+                        outcome="consumer_error", **edge) >= 1
+
+
+def test_a_client_that_goes_away_ends_the_stream_at_both_ends(streamed):
+    thinker, talker = streamed["thinker"], streamed["talker"]
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    before = metric_value(talker.metrics(), "omni_kv_streams_resolved_total",
+                          outcome="aborted", **edge)
+    stream = client(streamed["endpoint"]).completions.create(
+        model=MODEL, prompt=[41, 42, 43], max_tokens=90, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    wait_until(lambda: metric_value(talker.metrics(), "omni_kv_streams", state="open",
+                                    **edge) == 1, 60, "the talker to take the stream",
+               interval=0.02)
+    stream.close()  # the client goes away mid-stream
+    wait_until(lambda: metric_value(talker.metrics(), "omni_kv_streams_resolved_total",
+                                    outcome="aborted", **edge) > before, 30,
+               "the talker's stream to end aborted")
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 0
+               and metric_value(thinker.metrics(), "vllm:num_requests_running") == 0, 30,
+               "both stages' requests to end")
+    wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams", state="open",
+                                    **edge) == 0, 30, "the thinker's stream to end")

@@ -1,0 +1,285 @@
+"""Streamed against whole hand-offs: thinker -> talker through the pipeline's endpoint, both
+ways side by side in one run.
+
+Starts two pipelines of the tiny CPU model at once (``omni-stage`` processes and their
+endpoints on 127.0.0.1, the stage configs the operator renders, as ``omni-pipeline up``
+runs them): ``whole`` (the thinker hands its whole sequence to the talker when it finishes)
+and ``streamed`` (the thinker streams it, a first chunk of ``--first-chunk`` (4) tokens, then
+``--chunk`` (16) each; the talker's request grows chunk by chunk). The thinker says
+``--thinker-tokens`` (64) to each prompt of ``--prompt-tokens`` (64); the whole talker says
+``--talker-tokens`` (16), the streamed one ``--talker-tokens-per-chunk`` (4) after each chunk.
+``--requests`` (50) prompts, one at a time, alternating between the two pipelines (so the
+machine's state is the same for both), each asked with ``"stream": true`` so that the
+talker's first output is seen when it comes. At the end the streamed thinker is stopped
+(SIGSTOP) in the middle of a stream; the edge's gap deadline is ``--stall-gap`` (3) s for
+every request (on this 2-core machine four engines share the cores, and a chunk has come
+more than a second late).
+
+Figures (the last line, one JSON object):
+
+* ``first_output_ratio``: p50 time to the talker's first output, streamed / whole; target
+  <= 0.25; beside it ``first_output_bound_s``, the streamed thinker's time to its first chunk
+  (its TTFT + 4 TPOT, from the whole pipeline's own thinker timings) + the chunk's hop + one
+  talker step, what streaming can at best give;
+* ``e2e_ratio``: p50 end to end, streamed / whole; target <= 1.05;
+* ``chunk_hop_p50_ms`` / ``chunk_hop_p99_ms``: a chunk cut to consumable at the talker, from
+  the talker's ``omni_kv_stream_chunk_hop_seconds`` histogram (interpolated in its buckets);
+  targets <= 5 and <= 25;
+* ``stall_error_over_deadline_s``: the stopped thinker's stream reaching the client as an
+  error, less the edge's gap deadline; target <= 1.0.
+
+Not measured here: ``producer_step_ratio_256`` (the AR step at 256 running requests with 16-
+token chunks on and off) needs a GPU-sized batch: not on this 2-core machine.
+
+    python benchmarks/streaming.py [--requests 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from omni_operator.local import ENDPOINT, free_port, local_stage_configs  # noqa: E402
+from omni_operator.model import parse_pipeline  # noqa: E402
+from pipeline_chain import get, start, stop  # noqa: E402
+
+from omni_runtime.devtools.tiny_model import ensure_tiny_model  # noqa: E402
+
+TARGETS = {"first_output_ratio": "<= 0.25", "e2e_ratio": "<= 1.05", "chunk_hop_p50_ms": "<= 5",
+           "chunk_hop_p99_ms": "<= 25", "stall_error_over_deadline_s": "<= 1.0"}
+
+
+def pipeline_body(name: str, model: str, args: argparse.Namespace, streamed: bool) -> dict:
+    engine = {"dtype": "float32", "max-model-len": 1024, "max-num-seqs": 4,
+              "enforce-eager": True, "kv-cache-memory-bytes": 32 << 20}
+    talker = {"name": "talker", "role": "ar", "gpus": 0, "inputs": ["thinker"],
+              "engineArgs": engine,
+              "input": {"samplingParams": {
+                  "max_tokens": args.talker_tokens_per_chunk if streamed else args.talker_tokens,
+                  "temperature": 0, "ignore_eos": True}}}
+    if streamed:
+        talker["streams"] = [{"stage": "thinker", "firstChunkTokens": args.first_chunk,
+                              "chunkTokens": args.chunk, "gapSeconds": args.stall_gap,
+                              "firstChunkSeconds": 30, "streamSeconds": 120}]
+    return {
+        "apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"image": "omni-stage:bench", "model": {"name": "tiny-qwen2", "path": model},
+                 "stages": [
+                     {"name": "thinker", "role": "ar", "gpus": 0, "engineArgs": engine,
+                      "kvTransfer": {"send": True, "criteria": {"type": "request_finished"},
+                                     "timeoutSeconds": 30}},
+                     talker]},
+    }
+
+
+def ask(url: str, prompt: list[int], tokens: int) -> tuple[float | None, float, dict]:
+    """(seconds to the first event with tokens, seconds to the end, the last event) of one
+    streamed completion at a pipeline's endpoint."""
+    body = {"model": "tiny-qwen2", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    began = time.perf_counter()
+    first, last = None, {}
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if first is None and any(c.get("token_ids") for c in event.get("choices", ())):
+                first = time.perf_counter() - began
+            last = event
+    return first, time.perf_counter() - began, last
+
+
+def histogram(page: str, name: str, labels: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of a histogram's buckets on a metrics page."""
+    buckets = []
+    for line in page.splitlines():
+        if line.startswith(name + "_bucket{") and labels in line:
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le),
+                            float(line.rpartition(" ")[2])))
+    return sorted(buckets)
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile: linear within the bucket the rank falls in."""
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (vLLM runs in a process group of its own, under
+    the stage's supervisor: a signal to the supervisor's group would not reach it)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--thinker-tokens", type=int, default=64)
+    parser.add_argument("--talker-tokens", type=int, default=16)
+    parser.add_argument("--talker-tokens-per-chunk", type=int, default=4)
+    parser.add_argument("--first-chunk", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--stall-gap", type=float, default=3.0)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    began = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="omni-bench-stream-"))
+    model = str(ensure_tiny_model())
+    configs = {}
+    for mode in ("whole", "streamed"):
+        pipeline = parse_pipeline(pipeline_body(mode, model, args, mode == "streamed"))
+        ports = {s.name: {"http": free_port("127.0.0.1"), "kv": free_port("127.0.0.1")}
+                 for s in pipeline.stages}
+        ports[ENDPOINT] = {"http": free_port("127.0.0.1")}
+        for name, config in local_stage_configs(pipeline, ports).items():
+            configs[f"{mode}-{name}"] = config
+    procs = start(configs, workdir)
+    started = time.monotonic() - began
+    urls = {name: url for name, (_, url) in procs.items()}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 500) for _ in range(args.prompt_tokens)]
+               for _ in range(args.warmup + args.requests)]
+    first = {"whole": [], "streamed": []}
+    end = {"whole": [], "streamed": []}
+    said = {"whole": [], "streamed": []}
+    thinker_ttft, thinker_tpot = [], []
+    try:
+        hop_before: list[tuple[float, float]] = []
+        for i, prompt in enumerate(prompts):
+            mode = ("whole", "streamed")[i % 2]
+            if i == args.warmup * 2:  # the warm-up's chunks are not the figures'
+                hop_before = histogram(get(urls["streamed-talker"] + "/metrics") or "",
+                                       "omni_kv_stream_chunk_hop_seconds", 'from_stage="thinker"')
+            seconds_first, seconds, last = ask(urls[f"{mode}-{ENDPOINT}"], prompt,
+                                               args.thinker_tokens)
+            if i < args.warmup * 2:
+                continue
+            first[mode].append(seconds_first)
+            end[mode].append(seconds)
+            said[mode].append((last.get("usage") or {}).get("completion_tokens"))
+            if mode == "whole":
+                thinker = last["omni"]["stages"].get("thinker", {})
+                if "finished_at" in thinker and "sent_at" in thinker:
+                    # The whole thinker's own time per token, over its tokens.
+                    thinker_tpot.append((thinker["finished_at"] - thinker["sent_at"])
+                                        / args.thinker_tokens)
+        page = get(urls["streamed-talker"] + "/metrics") or ""
+        hop = histogram(page, "omni_kv_stream_chunk_hop_seconds", 'from_stage="thinker"')
+        before = dict(hop_before)
+        hop = [(le, count - before.get(le, 0.0)) for le, count in hop]
+        # A stall: the streamed thinker stopped while its stream is open.
+        stall_prompt = prompts[0]
+        stalled = None
+        thinker_proc = procs["streamed-thinker"][0]
+        import threading
+
+        def stop_thinker() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                text = get(urls["streamed-talker"] + "/metrics") or ""
+                if any(line.startswith("omni_kv_streams{") and 'state="open"' in line
+                       and 'stage="talker"' in line and not line.endswith(" 0.0")
+                       for line in text.splitlines()):
+                    stop_thinker.pids = descendants(thinker_proc.pid)
+                    signal_all(stop_thinker.pids, signal.SIGSTOP)
+                    stop_thinker.at = time.perf_counter()
+                    return
+                time.sleep(0.005)
+
+        stop_thinker.at, stop_thinker.pids = None, []
+        watcher = threading.Thread(target=stop_thinker, daemon=True)
+        watcher.start()
+        try:
+            ask(urls[f"streamed-{ENDPOINT}"], stall_prompt, 400)
+        except (RuntimeError, urllib.error.HTTPError):
+            if stop_thinker.at is not None:
+                stalled = time.perf_counter() - stop_thinker.at
+        finally:
+            watcher.join(5)
+            signal_all(stop_thinker.pids, signal.SIGCONT)
+    finally:
+        stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    p50 = statistics.median
+    ttft_whole = p50(first["whole"])
+    hop_p50 = quantile(hop, 0.5)
+    tpot = p50(thinker_tpot)
+    bound = tpot * args.first_chunk + hop_p50 + tpot  # the thinker's 4 tokens, the hop, a step
+    result = {
+        "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+        "thinker_tokens": args.thinker_tokens,
+        "talker_said_p50": {m: p50([s for s in said[m] if s is not None] or [0]) for m in said},
+        "first_output_whole_p50_s": round(ttft_whole, 4),
+        "first_output_streamed_p50_s": round(p50(first["streamed"]), 4),
+        "first_output_ratio": round(p50(first["streamed"]) / ttft_whole, 4),
+        "first_output_bound_s": round(bound, 4),
+        "e2e_whole_p50_s": round(p50(end["whole"]), 4),
+        "e2e_streamed_p50_s": round(p50(end["streamed"]), 4),
+        "e2e_ratio": round(p50(end["streamed"]) / p50(end["whole"]), 4),
+        "chunk_hop_p50_ms": round(hop_p50 * 1e3, 3),
+        "chunk_hop_p99_ms": round(quantile(hop, 0.99) * 1e3, 3),
+        "stall_error_over_deadline_s": (round(stalled - args.stall_gap, 3)
+                                        if stalled is not None else None),
+        "producer_step_ratio_256": None,
+        "seconds": round(time.monotonic() - began, 1), "start_up_seconds": round(started, 1),
+        "targets": TARGETS,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

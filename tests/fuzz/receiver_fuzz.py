@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing (atheris) of the KV receiver's control-message handler, with the
-receiver alive: each input becomes one control message (hello, read, verdict or raw frames),
-sent from a DEALER over TCP on 127.0.0.1 to a real KVReceiver that serves a synthetic AR
+receiver alive: each input becomes one control message (hello, read, verdict, a stream's
+chunk or raw frames), sent from a DEALER over TCP on 127.0.0.1 to a real KVReceiver (a stage
+that takes streams) that serves a synthetic AR
 rank's registered KV cache (real NIXL). Reads it takes on are really read, get their verdict
 and their final answer. Every hello and read must be answered, never ``internal_error``; the
 receiver thread must stay alive, its inbox within its bound, no read left behind, and the
@@ -13,7 +14,7 @@ process's memory must not keep growing.
 Input format (so mutations reach every field): byte 0 picks the mode.
 * raw (bit 7 clear): ``n = byte0 % 5`` frames (0 means one empty frame), each but the last
   prefixed by a 2-byte big-endian length; the last frame takes the rest.
-* field (bit 7 set): a valid message of kind ``byte0 & 3`` (hello, read, verdict, read) with
+* field (bit 7 set): a valid message of kind ``byte0 & 3`` (hello, read, verdict, chunk) with
   field number ``byte1`` (of its body, its ``compat`` or ``block_format``) replaced by a JSON
   value built from the remaining bytes (an int, a float, a string, a list, an object of such,
   null or a boolean). Bit 6: a hello's metadata frame replaced by garbage, a read's second
@@ -42,7 +43,8 @@ with atheris.instrument_imports(include=["omni_runtime.kv.transport"]):
     import zmq
 
     from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVReceiver
-    from omni_runtime.kv.transport.protocol import WIRE_VERSION, encode_hello, encode_verdict, Verdict
+    from omni_runtime.kv.transport.protocol import (WIRE_VERSION, StreamChunk, Verdict,
+                                                    encode_chunk, encode_hello, encode_verdict)
 
 from transport_fixtures import MODEL, SyntheticAR, read_body  # noqa: E402
 
@@ -52,7 +54,7 @@ MAX_PAYLOAD = 64 << 10
 REPLY_WAIT_S = 10.0
 #: RSS the process may grow by after warm-up (libFuzzer's -rss_limit_mb bounds it too).
 RSS_GROWTH_LIMIT_MB = 256
-KINDS = ("hello", "read", "verdict", "read")
+KINDS = ("hello", "read", "verdict", "chunk")
 
 
 def json_value(data: bytes, depth: int = 0):
@@ -84,7 +86,7 @@ class Harness:
         self.receiver = KVReceiver(
             "tcp://127.0.0.1:0", KVInbox(max_bytes=INBOX_BYTES, ttl_s=30), stage=STAGE,
             pipeline="p", max_payload_bytes=MAX_PAYLOAD, slot_bytes=8192, slots=2,
-            expect={"model": MODEL})
+            expect={"model": MODEL}, streams=self._stream)
         self.receiver.start()
         self.ctx = zmq.Context()
         self.dealer = self.ctx.socket(zmq.DEALER)
@@ -96,6 +98,12 @@ class Harness:
         self.rss_base_kb: int | None = None
         self.send(encode_hello(self.hello))
         assert self.reply()["type"] == "hello_ok"
+
+    def _stream(self, message, ticket) -> None:
+        """The stage's stream consumer: every chunk taken at once (its answer, ``ok``, then
+        travels as a consumer's does, after the receiver's loop sees it settled)."""
+        if ticket is not None:
+            self.receiver.settle(ticket)
 
     # ------------------------------------------------------------------ the peer
     def send(self, frames: list[bytes]) -> None:
@@ -141,6 +149,11 @@ class Harness:
         elif kind == "read":
             frames = [json.dumps(read_body(self.ar, self.tid, f"f{self.tid}", [3, 9, 4],
                                            10)).encode()]
+        elif kind == "chunk":
+            frames = encode_chunk(StreamChunk(
+                self.tid, self.ar.name, self.hello.compat_hash, f"s{self.tid}", "", "p",
+                self.hello.from_stage, STAGE, 0, True, (1, 2, 3), 1, 5.0, time.time(),
+                time.time(), origin={"request_id": "pipe", "endpoint": "http://e"}))
         else:
             frames = encode_verdict(Verdict(self.ar.name, self.tid, True))
         body = json.loads(frames[0])
@@ -167,15 +180,15 @@ class Harness:
             if reply["type"] == "rejected" and marker in reply["reason"]:
                 break
             replies.append(reply)
-        if kind in ("hello", "read"):
+        if kind in ("hello", "read", "chunk"):
             try:
                 body = json.loads(frames[0])
             except ValueError:
                 body = {}
             tid = body.get("transfer_id") if isinstance(body, dict) else None
-            if kind == "read" and not replies and isinstance(tid, int) \
+            if kind in ("read", "chunk") and not replies and isinstance(tid, int) \
                     and not isinstance(tid, bool):
-                replies.append(self.reply())  # taken on: answered once read
+                replies.append(self.reply())  # taken on: answered once read, or settled
             assert replies, f"a {kind} went unanswered: {frames!r}"
             if replies[-1]["type"] == "read_done":
                 self.send(encode_verdict(Verdict(body["agent"], tid, commit)))
@@ -203,7 +216,7 @@ class Harness:
 
 def write_seeds(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    for i, kind in enumerate(("hello", "read", "verdict")):
+    for i, kind in enumerate(KINDS):
         (directory / f"valid-{kind}").write_bytes(bytes([0x90 | i, 0]))
         for field_no in range(40):
             (directory / f"{kind}-field-{field_no}").write_bytes(

@@ -102,6 +102,25 @@ class EngineArgsError(ValueError):
         super().__init__(str(problem))
 
 
+def engine_arg_value(engine_args: Mapping[str, Any], dest: str) -> Any | None:
+    """The value vLLM would hold for the argument ``dest`` (``max_model_len``) from
+    ``engineArgs`` in any spelling of its flag (``max-model-len``, ``maxModelLen``; ``32k``
+    converted as vLLM's argument type converts it), or None where it is not set, is ``null``
+    or ``true``/``false``, or is not a value vLLM takes (engine_args_problems reports that)."""
+    argument = vllm_args.table().by_dest(dest)
+    if argument is None:
+        return None
+    names = {flag.lstrip("-") for flag in argument.flags}
+    for key, value in engine_args.items():
+        if flag_name(str(key)) not in names or value is None or isinstance(value, bool):
+            continue
+        try:
+            return vllm_args.convert(argument, str(value))
+        except ValueError:
+            return None
+    return None
+
+
 def engine_args_problems(engine_args: Any, *, sends_kv: bool,
                          vllm_version: str | None = None) -> list[EngineArgProblem]:
     """Every way these engineArgs break the stage contract (empty: none). ``sends_kv``: the

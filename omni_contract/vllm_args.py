@@ -307,7 +307,7 @@ def _value(t: Table, argument: Argument, negated: bool, option: str, value: Any)
     if argument.none_ok and token in ("", "None"):
         return None, None
     try:
-        converted = _convert(argument, token)
+        converted = convert(argument, token)
     except ValueError as exc:
         detail = f" ({exc})" if str(exc) else ""
         listed = (" (the stage passes a list as one JSON argument, which --" + option + " reads as one value)"
@@ -321,7 +321,7 @@ def _value(t: Table, argument: Argument, negated: bool, option: str, value: Any)
     return None, converted
 
 
-def _convert(argument: Argument, token: str) -> Any:
+def convert(argument: Argument, token: str) -> Any:
     """The value as vLLM's argument type converts it; ValueError when it refuses it."""
     kind = argument.type
     if kind in (None, "str"):

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 from omni_contract import vllm_args
 from omni_contract.edges import STREAM, Edge, EdgeError, parse_stream
-from omni_contract.engine_args import engine_args_problems, engine_args_warnings, flag_name
+from omni_contract.engine_args import (engine_arg_value, engine_args_problems,
+                                       engine_args_warnings, flag_name)
 from omni_contract.cpu_list import parse_cpu_list
 from omni_contract.kv_wire import KV_WIRE_VERSION
 
@@ -381,18 +382,9 @@ def max_model_len(stage: Stage) -> int | None:
     """The stage's ``max-model-len`` engine argument in any spelling (``max_model_len``,
     ``maxModelLen``; ``32k`` as vLLM reads it), or None where it is not set, is ``auto``, or
     is not a value vLLM takes (the engineArgs check reports that)."""
-    argument = vllm_args.table().by_dest("max_model_len")
-    for key, value in stage.engine_args.items():
-        if flag_name(str(key)) != "max-model-len" or value is None or isinstance(value, bool) or argument is None:
-            continue
-        try:
-            # vLLM's own conversion of the flag's type (human-int-or-auto), from the contract's
-            # table; the contract has no public reader of one flag's value (yet).
-            length = vllm_args._convert(argument, str(value))  # noqa: SLF001
-        except ValueError:
-            return None
-        return length if isinstance(length, int) and length > 0 else None
-    return None
+    length = engine_arg_value(stage.engine_args, "max_model_len")
+    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 \
+        else None
 
 
 def _stream_cadence_problems(pipeline: Pipeline) -> list[Problem]:

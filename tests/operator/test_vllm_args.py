@@ -389,3 +389,15 @@ def test_the_operator_posts_the_warnings_once_per_generation():
         assert len(warnings()) == 2
         reconciler.kube.close()
         kube.close()
+
+
+def test_one_flags_value_is_read_in_any_spelling_as_vllm_converts_it():
+    from omni_contract.engine_args import engine_arg_value
+
+    assert engine_arg_value({"maxModelLen": "32k"}, "max_model_len") == 32000
+    assert engine_arg_value({"max_model_len": 256}, "max_model_len") == 256
+    assert engine_arg_value({"max-model-len": "auto"}, "max_model_len") == -1
+    assert engine_arg_value({"max-model-len": "lots"}, "max_model_len") is None  # refused
+    assert engine_arg_value({"max-model-len": True}, "max_model_len") is None
+    assert engine_arg_value({"dtype": "float32"}, "max_model_len") is None
+    assert engine_arg_value({"dtype": "float32"}, "no_such_argument") is None

@@ -224,7 +224,17 @@ class OmniKVTransferMixin:
                                 model_config.served_model_name or model_config.model,
                                 _default_registry(), to_stages=list(cfg.streams),
                                 deadline_seconds=max(s.gap_seconds for s in cfg.streams.values()))
-        return StreamProducer(cfg.streams, self._omni.send_chunks, observers=[metrics],
+        observers: list[Any] = [metrics]
+        from omni_runtime.observability.tracing import resolve_tracer
+
+        tracer = resolve_tracer(self.vllm_config)
+        if tracer is not None:
+            from omni_runtime.observability.stream_tracing import StreamTracing
+
+            observers.append(StreamTracing(tracer, stage=cfg.stage_name,
+                                           model_name=model_config.served_model_name
+                                           or model_config.model))
+        return StreamProducer(cfg.streams, self._omni.send_chunks, observers=observers,
                               refresh=metrics.refresh,
                               refresh_interval=cfg.telemetry_interval_seconds)
 

@@ -93,7 +93,8 @@ class StreamProducer:
             rid = request.request_id
             if rid in self._open or self.ledger.of_request(rid):
                 continue
-            streams = [self.ledger.open(rid, stage, settings, now)
+            headers = getattr(request, "trace_headers", None)
+            streams = [self.ledger.open(rid, stage, settings, now, headers)
                        for stage, settings in self.edges.items()]
             self._open[rid] = _Producing(request, streams)
 

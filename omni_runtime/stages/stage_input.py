@@ -367,7 +367,7 @@ class StageInput:
             return
         why = await self.streams.take(ChunkIn(pipeline_id, chunk.from_stage, chunk.seq,
                                               chunk.last, tuple(tokens), chunk.produced_at,
-                                              settings))
+                                              settings, chunk.trace_context))
         self.receiver.settle(ticket, None if why is None else ("input_refused", why[:512]))
 
     async def _end_stream(self, end: Any) -> None:

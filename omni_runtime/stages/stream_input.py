@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,8 @@ class ChunkIn:
     token_ids: tuple[int, ...]
     produced_at: float
     settings: StreamSettings
+    #: The producing request's W3C trace headers: the stream's request joins its trace.
+    trace_headers: Mapping[str, str] | None = None
 
 
 class _Session:
@@ -116,7 +118,8 @@ class StreamInputs:
         session = self._sessions.get(key)
         if session is None:
             session = self._sessions[key] = _Session(stream)
-            session.task = asyncio.ensure_future(self._run(session, self._params(chunk)))
+            session.task = asyncio.ensure_future(self._run(session, self._params(chunk),
+                                                           chunk.trace_headers))
         for taken in ready:
             if taken.seq == chunk.seq:
                 item, fut = chunk, answer
@@ -162,12 +165,14 @@ class StreamInputs:
         if answer is not None and not answer.done():
             answer.set_result(None)
 
-    async def _run(self, session: _Session, params: Any) -> None:
+    async def _run(self, session: _Session, params: Any,
+                   trace_headers: Mapping[str, str] | None = None) -> None:
         stream = session.stream
         finished = False
         try:
-            async for output in self._engine.generate(self._inputs(session), params,
-                                                      stream.request_id):
+            async for output in self._engine.generate(
+                    self._inputs(session), params, stream.request_id,
+                    trace_headers=dict(trace_headers) if trace_headers else None):
                 session.length += len(output.outputs[0].token_ids)
                 if self._on_output is not None:
                     await self._on_output(stream.request_id, output)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from omni_contract.edges import StreamSettings
@@ -112,6 +112,8 @@ class Stream:
     first_chunk_at: float | None = None
     outcome: StreamOutcome | None = None
     reason: str | None = None
+    #: The producing request's W3C trace headers (its span joins the request's trace).
+    trace_headers: Mapping[str, str] | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -298,11 +300,11 @@ class ProducerStreams(_Streams):
         self._unblocked: list[Stream] = []
 
     def open(self, request_id: str, to_stage: str, settings: StreamSettings,
-             now: float) -> Stream:
+             now: float, trace_headers: Mapping[str, str] | None = None) -> Stream:
         """A stream for the request toward ``to_stage``; held (its chunks queued) while the
         edge has ``max_open_streams`` open."""
         assert (request_id, to_stage) not in self._streams, "one stream per (request, edge)"
-        stream = Stream(request_id, to_stage, settings, now)
+        stream = Stream(request_id, to_stage, settings, now, trace_headers=trace_headers)
         self._track(stream)
         opened = self._open.setdefault(to_stage, set())
         if len(opened) < settings.max_open_streams:

@@ -8,9 +8,10 @@ and ``streamed`` (the thinker streams it, a first chunk of ``--first-chunk`` (4)
 ``--chunk`` (16) each; the talker's request grows chunk by chunk). The thinker says
 ``--thinker-tokens`` (64) to each prompt of ``--prompt-tokens`` (64); the whole talker says
 ``--talker-tokens`` (16), the streamed one ``--talker-tokens-per-chunk`` (4) after each chunk.
-``--requests`` (50) prompts, one at a time, alternating between the two pipelines (so the
-machine's state is the same for both), each asked with ``"stream": true`` so that the
-talker's first output is seen when it comes. At the end the streamed thinker is stopped
+``--requests`` (50) requests, one at a time, half of them each way on the same prompts, one
+way after the other (vLLM's engine busy-waits a second after each step: the idle pipeline's
+engines would spin through the other's requests on two cores), each asked with
+``"stream": true`` so that the talker's first output is seen when it comes. At the end the streamed thinker is stopped
 (SIGSTOP) in the middle of a stream; the edge's gap deadline is ``--stall-gap`` (3) s for
 every request (on this 2-core machine four engines share the cores, and a chunk has come
 more than a second late).
@@ -199,14 +200,23 @@ def main() -> None:
     thinker_ttft, thinker_tpot = [], []
     try:
         hop_before: list[tuple[float, float]] = []
-        for i, prompt in enumerate(prompts):
-            mode = ("whole", "streamed")[i % 2]
-            if i == args.warmup * 2:  # the warm-up's chunks are not the figures'
+        half = len(prompts) // 2
+        # One way after the other, not interleaved: vLLM's engine busy-waits for a second
+        # after each step, so the idle pipeline's two engines would spin through the other's
+        # requests on this machine's two cores. The same prompts both ways.
+        plan = [("whole", p) for p in prompts[:half + args.warmup]] + \
+            [("streamed", p) for p in prompts[:half + args.warmup]]
+        for i, (mode, prompt) in enumerate(plan):
+            warm = i % (half + args.warmup) < args.warmup
+            if mode == "streamed" and i == half + args.warmup + args.warmup:
+                # the warm-up's chunks are not the figures'
                 hop_before = histogram(get(urls["streamed-talker"] + "/metrics") or "",
                                        "omni_kv_stream_chunk_hop_seconds", 'from_stage="thinker"')
+            if i == half + args.warmup:
+                time.sleep(1.5)  # the whole pipeline's engines stop spinning
             seconds_first, seconds, last = ask(urls[f"{mode}-{ENDPOINT}"], prompt,
                                                args.thinker_tokens)
-            if i < args.warmup * 2:
+            if warm:
                 continue
             first[mode].append(seconds_first)
             end[mode].append(seconds)

@@ -67,7 +67,7 @@ TARGETS = {"first_output_ratio": "<= 0.25", "e2e_ratio": "<= 1.05", "chunk_hop_p
 
 
 def pipeline_body(name: str, model: str, args: argparse.Namespace, streamed: bool) -> dict:
-    engine = {"dtype": "float32", "max-model-len": 1024, "max-num-seqs": 4,
+    engine = {"dtype": "float32", "max-model-len": 2048, "max-num-seqs": 4,
               "enforce-eager": True, "kv-cache-memory-bytes": 32 << 20}
     talker = {"name": "talker", "role": "ar", "gpus": 0, "inputs": ["thinker"],
               "engineArgs": engine,
@@ -197,7 +197,8 @@ def main() -> None:
     first = {"whole": [], "streamed": []}
     end = {"whole": [], "streamed": []}
     said = {"whole": [], "streamed": []}
-    thinker_ttft, thinker_tpot = [], []
+    thinker_tpot = []
+    split: dict[str, list[tuple[float, float]]] = {"whole": [], "streamed": []}
     try:
         hop_before: list[tuple[float, float]] = []
         half = len(prompts) // 2
@@ -220,6 +221,14 @@ def main() -> None:
                 continue
             first[mode].append(seconds_first)
             end[mode].append(seconds)
+            stages = last.get("omni", {}).get("stages", {})
+            thinker_t, talker_t = stages.get("thinker", {}), stages.get("talker", {})
+            if {"sent_at"} <= set(thinker_t) and {"offered_at", "taken_at"} <= set(talker_t):
+                # Where the talker's first output's time goes: the thinker to its hand-off
+                # (whole: its finish; streamed: its first chunk sent), the hop to the talker's
+                # taking it, the rest to the talker's first output.
+                split[mode].append((talker_t["offered_at"] - thinker_t["sent_at"],
+                                    talker_t["taken_at"] - talker_t["offered_at"]))
             said[mode].append((last.get("usage") or {}).get("completion_tokens"))
             if mode == "whole":
                 thinker = last["omni"]["stages"].get("thinker", {})
@@ -254,7 +263,7 @@ def main() -> None:
         watcher = threading.Thread(target=stop_thinker, daemon=True)
         watcher.start()
         try:
-            ask(urls[f"streamed-{ENDPOINT}"], stall_prompt, 400)
+            ask(urls[f"streamed-{ENDPOINT}"], stall_prompt, 900)
         except (RuntimeError, urllib.error.HTTPError):
             if stop_thinker.at is not None:
                 stalled = time.perf_counter() - stop_thinker.at
@@ -277,6 +286,9 @@ def main() -> None:
         "first_output_streamed_p50_s": round(p50(first["streamed"]), 4),
         "first_output_ratio": round(p50(first["streamed"]) / ttft_whole, 4),
         "first_output_bound_s": round(bound, 4),
+        "to_hand_off_p50_s": {m: round(p50([a for a, _ in v]), 4) for m, v in split.items() if v},
+        "hand_off_to_taken_p50_s": {m: round(p50([b for _, b in v]), 4)
+                                    for m, v in split.items() if v},
         "e2e_whole_p50_s": round(p50(end["whole"]), 4),
         "e2e_streamed_p50_s": round(p50(end["streamed"]), 4),
         "e2e_ratio": round(p50(end["streamed"]) / p50(end["whole"]), 4),

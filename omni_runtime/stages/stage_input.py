@@ -350,15 +350,14 @@ class StageInput:
                 made = self._request(_ChunkUpstream(chunk), pipeline_id)
                 tokens = tuple(made.prompt.get("prompt_token_ids") or ())
                 self._stream_requests[key] = pipeline_id
-                # [its link to the endpoint, tokens said, the hook's sampling parameters,
-                # the pipeline context its own hand-offs carry on]
+                # [the task opening its link to the endpoint, tokens said, the hook's
+                # sampling parameters, the pipeline context its own hand-offs carry on]
                 entry = [None, 0, made.sampling_params, chunk.origin]
                 self._stream_links[pipeline_id] = entry
                 if endpoint is not None:
-                    entry[0] = link = await self._link(endpoint, pipeline_id)
-                    await link.send("taken", offered_at=chunk.sent_at, taken_at=time.time())
-                    self._track(self._loop.create_task(
-                        self._abort_on(link, pipeline_id, chunk.from_stage)))
+                    # Opened beside the request, not before it: the engine starts at once.
+                    entry[0] = self._loop.create_task(self._open_stream_link(
+                        endpoint, pipeline_id, chunk.from_stage, chunk.sent_at))
             pipeline_id = self._stream_requests.get(key)
             if pipeline_id is None:  # a chunk of a stream whose first chunk never came here
                 pipeline_id = chunk.request_id
@@ -369,6 +368,23 @@ class StageInput:
                                               chunk.last, tuple(tokens), chunk.produced_at,
                                               settings, chunk.trace_context))
         self.receiver.settle(ticket, None if why is None else ("input_refused", why[:512]))
+
+    async def _open_stream_link(self, endpoint: str, pipeline_id: str, from_stage: str,
+                                offered_at: float) -> Any:
+        """The streamed request's link to the endpoint, its input taken said; None when the
+        pipeline request is gone (its stream then ends here)."""
+        from omni_runtime.transfers.streams import StreamOutcome
+
+        taken_at = time.time()
+        try:
+            link = await self._link(endpoint, pipeline_id)
+        except Refused as refused:
+            await self.streams.end(pipeline_id, from_stage, StreamOutcome.ABORTED,
+                                   refused.reason)
+            return None
+        await link.send("taken", offered_at=offered_at, taken_at=taken_at)
+        self._track(self._loop.create_task(self._abort_on(link, pipeline_id, from_stage)))
+        return link
 
     async def _end_stream(self, end: Any) -> None:
         from omni_runtime.transfers.streams import StreamOutcome
@@ -395,7 +411,7 @@ class StageInput:
         from omni_runtime.stages.stream_input import StreamFailed
 
         entry = self._stream_links.get(pipeline_id)
-        link = entry[0] if entry is not None else None
+        link = await _opened(entry[0]) if entry is not None and entry[0] is not None else None
         if isinstance(output, StreamFailed):
             self._forget_stream(pipeline_id)
             if link is not None:
@@ -442,9 +458,10 @@ class StageInput:
                 pipeline_id = stream.request_id
                 entry = self._stream_links.get(pipeline_id)
                 self._forget_stream(pipeline_id)
-                if entry is not None and entry[0] is not None:
-                    await entry[0].send("error", message=stream.reason or "stream expired")
-                    await entry[0].close()
+                link = await _opened(entry[0]) if entry is not None and entry[0] else None
+                if link is not None:
+                    await link.send("error", message=stream.reason or "stream expired")
+                    await link.close()
 
     def _origin(self, payload: Any) -> tuple[str, str | None]:
         """The pipeline request's id and its endpoint (None: it came from none)."""

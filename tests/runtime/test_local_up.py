@@ -4,6 +4,7 @@ Ctrl-C stops every stage."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -95,6 +96,36 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
         reader.join(timeout=10)
 
 
+@contextlib.contextmanager
+def demo_up(example: str, tmp_path: Path):
+    """``omni-pipeline up examples/<example> --demo 1`` with the tiny model where the example
+    names it, on vLLM's one-process executor in each engine core (tests/runtime/chain.py,
+    CHAIN_ENV; the tiny pipeline's test above runs `up` on vLLM's default): yields (the
+    process, its output so far as a callable, the marker its processes carry). Ctrl-C must
+    stop every process (asserted by the caller); whatever is left is killed."""
+    body = yaml.safe_load((ROOT / "examples" / example).read_text())
+    model_path = tmp_path / body["spec"]["model"]["path"]
+    model_path.parent.mkdir(parents=True)
+    shutil.copytree(ensure_tiny_model(), model_path)
+    marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / example),
+         "--demo", "1", "--workdir", str(tmp_path / "run")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+        env={**os.environ, **CHAIN_ENV, "PYTHONUNBUFFERED": "1",
+             marker.split("=")[0]: marker.split("=")[1]},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        yield proc, lambda: "".join(lines), marker
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
     """examples/tiny-chain.yaml (thinker -> talker -> vocoder) with the operator's own stage
     configs: `up` prints the pipeline's endpoint; an OpenAI client's prompt there comes back
@@ -102,25 +133,7 @@ def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
     token for token; Ctrl-C stops every process."""
     import openai
 
-    body = yaml.safe_load((ROOT / "examples" / "tiny-chain.yaml").read_text())
-    model_path = tmp_path / body["spec"]["model"]["path"]
-    model_path.parent.mkdir(parents=True)
-    shutil.copytree(ensure_tiny_model(), model_path)
-    marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / "tiny-chain.yaml"),
-         "--demo", "1", "--workdir", str(tmp_path / "run")],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-        # vLLM's one-process executor in each engine core (tests/runtime/chain.py, CHAIN_ENV);
-        # the tiny pipeline's test above runs `up` on vLLM's default.
-        env={**os.environ, **CHAIN_ENV, "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]},
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        text = lambda: "".join(lines)  # noqa: E731
+    with demo_up("tiny-chain.yaml", tmp_path) as (proc, text, marker):
         wait_until(lambda: re.search(r"^request 0: .* at stage vocoder, from talker$", text(), re.M),
                    300, f"the demo request's answer; output so far:\n{text()}")
         endpoint = re.search(r"the pipeline's endpoint \(OpenAI API\): (\S+) \(ready\)", text()).group(1)
@@ -138,16 +151,6 @@ def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         wait_until(lambda: not processes_with_env(marker), 30, "every process to be gone")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in processes_with_env(marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        reader.join(timeout=10)
 
 
 def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes(tmp_path):
@@ -157,25 +160,7 @@ def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes
     vocoder's stream is every token the talker said, in the chunks the edge's cadence cuts."""
     import openai
 
-    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
-    model_path = tmp_path / body["spec"]["model"]["path"]
-    model_path.parent.mkdir(parents=True)
-    shutil.copytree(ensure_tiny_model(), model_path)
-    marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_operator.cli", "up",
-         str(ROOT / "examples" / "tiny-omni-streaming.yaml"), "--demo", "1",
-         "--workdir", str(tmp_path / "run")],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-        env={**os.environ, **CHAIN_ENV, "PYTHONUNBUFFERED": "1",
-             marker.split("=")[0]: marker.split("=")[1]},
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        text = lambda: "".join(lines)  # noqa: E731
+    with demo_up("tiny-omni-streaming.yaml", tmp_path) as (proc, text, marker):
         wait_until(lambda: re.search(r"^request 0: .* in \d+ streamed chunks at stage vocoder, "
                                      r"from talker$", text(), re.M),
                    300, f"the demo request's answer; output so far:\n{text()}")
@@ -206,6 +191,3 @@ def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         wait_until(lambda: not processes_with_env(marker), 30, "every process to be gone")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)

@@ -235,16 +235,21 @@ class KVSender:
                 old.done = True  # superseded: never reported, never committed
             self._answers.pop(offer.request_id, None)  # an unpolled answer of an older attempt
             self._latest[offer.request_id] = t
-            if not (self._dead or self._closing_deadline is not None):
-                self._submitted.append(t)
-                t = None
-            else:
-                self._report_locked(t, self._dead or "sender closed")
-        if t is None:
+            queued = self._queue_locked(t)
+        if queued:
             self._kick()
             return
         for stage in sorted(t.waiting):  # refused at once: every edge failed
             self._edge(t, stage, "failed")
+
+    def _queue_locked(self, t: _Transfer) -> bool:
+        """Hand ``t`` to the I/O thread (the caller kicks it), or answer it at once when the
+        sender is closing or its thread is gone; whether it was queued."""
+        if self._dead or self._closing_deadline is not None:
+            self._report_locked(t, self._dead or "sender closed")
+            return False
+        self._submitted.append(t)
+        return True
 
     def submit_chunk(self, chunk: ChunkOffer, to_stage: str, timeout_s: float) -> None:
         """Send a stream's chunk (or its early end) to ``to_stage``; its answer comes from
@@ -257,12 +262,8 @@ class KVSender:
                 self._report_locked(t, f"no endpoint for stage {to_stage}")
                 return
             self._chunks[t.tid] = t
-            if not (self._dead or self._closing_deadline is not None):
-                self._submitted.append(t)
-                t = None
-            else:
-                self._report_locked(t, self._dead or "sender closed")
-        if t is None:
+            queued = self._queue_locked(t)
+        if queued:
             self._kick()
 
     def poll_chunks(self) -> list[tuple[str, str, int, str | None]]:

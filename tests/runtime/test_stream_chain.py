@@ -113,3 +113,45 @@ def test_a_client_that_goes_away_ends_the_stream_at_both_ends(streamed):
                "both stages' requests to end")
     wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams", state="open",
                                     **edge) == 0, 30, "the thinker's stream to end")
+
+
+def test_the_talker_killed_mid_stream_frees_the_thinker_within_the_gap_deadline(streamed):
+    """The consumer dies with a stream open (last in this module: its talker stays dead): the
+    client gets an error, and the thinker's stream resolves (the chunk it sent there fails,
+    or the gap deadline passes) with nothing left open and its engine idle."""
+    import threading
+    import time
+
+    thinker, talker = streamed["thinker"], streamed["talker"]
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    resolved = lambda: sum(  # noqa: E731
+        metric_value(thinker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
+        for o in ("consumer_error", "expired", "aborted"))
+    before = resolved()
+    outcome = {}
+
+    def ask() -> None:
+        stream = client(streamed["endpoint"]).completions.create(
+            model=MODEL, prompt=[51, 52, 53], max_tokens=90, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        try:
+            for _ in stream:
+                outcome.setdefault("first", time.monotonic())
+        except openai.APIError as exc:
+            outcome["error"] = exc
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_until(lambda: "first" in outcome, 60, "the talker's first output", interval=0.01)
+    talker.kill()
+    killed = time.monotonic()
+    asker.join(60)
+    assert not asker.is_alive() and "error" in outcome, "the client was told"
+    assert "talker" in str(outcome["error"]), outcome["error"]
+    gap = STREAM["gapSeconds"]
+    wait_until(lambda: resolved() > before, gap + 5, "the thinker's stream to resolve")
+    assert time.monotonic() - killed <= gap + 5
+    wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams", state="open",
+                                    **edge) == 0, 10, "nothing open at the thinker")
+    wait_until(lambda: metric_value(thinker.metrics(), "vllm:num_requests_running") == 0, 30,
+               "the thinker's request to end")

@@ -14,6 +14,7 @@ The oldest wait is a unix timestamp, 0 when none waits: stalled is
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
@@ -64,6 +65,45 @@ class _Edge:
             child.set(0)
 
 
+class _Families:
+    """The registered (unbound) stream families of one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None, deadline: float | None) -> None:
+        self.registry, self.deadline = registry, deadline
+        self.streams = register(STREAMS, registry)
+        self.oldest = register(STREAM_OLDEST_WAIT, registry)
+        self.chunks = register(STREAM_CHUNKS, registry)
+        self.resolved = register(STREAMS_RESOLVED, registry)
+        self.first = register(STREAM_FIRST_CHUNK, registry, duration_buckets(deadline))
+        buckets = tuple(sorted(set(HOP_BUCKETS) | ({float(deadline)} if deadline else set())))
+        self.hop = register(STREAM_CHUNK_HOP, registry, buckets)
+        self.gap = register(STREAM_CHUNK_GAP, registry, buckets)
+        self.credit = register(STREAM_CREDIT_EXHAUSTED, registry)
+
+    def unregister(self) -> None:
+        if self.registry is not None:
+            for collector in (self.streams, self.oldest, self.chunks, self.resolved,
+                              self.first, self.hop, self.gap, self.credit):
+                self.registry.unregister(collector)
+
+
+# Process-wide per registry, as the transfer families (metrics.py): a second stream ledger in
+# one process (vLLM re-creating an in-process engine, a test's schedulers) reuses them.
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+
+
+def _families_for(registry: CollectorRegistry | None, deadline: float | None) -> _Families:
+    if registry is None:
+        return _Families(None, deadline)
+    families = _families.get(registry)
+    if families is not None and families.deadline != deadline:
+        families.unregister()  # another deadline: other histogram buckets
+        families = None
+    if families is None:
+        families = _families[registry] = _Families(registry, deadline)
+    return families
+
+
 class StreamMetrics(StreamObserver):
     """The stream families of one stage in ``registry``, for the ``ends`` it has (a
     :class:`ProducerStreams` toward ``to_stages``, a :class:`ConsumerStreams` from
@@ -72,16 +112,10 @@ class StreamMetrics(StreamObserver):
     def __init__(self, stage: str, model_name: str, registry: CollectorRegistry | None, *,
                  to_stages: Iterable[str] = (), from_stages: Iterable[str] = (),
                  deadline_seconds: float | None = None) -> None:
-        self.streams = register(STREAMS, registry)
-        self.oldest = register(STREAM_OLDEST_WAIT, registry)
-        self.chunks = register(STREAM_CHUNKS, registry)
-        self.resolved = register(STREAMS_RESOLVED, registry)
-        self.first = register(STREAM_FIRST_CHUNK, registry, duration_buckets(deadline_seconds))
-        buckets = tuple(sorted(set(HOP_BUCKETS) | ({float(deadline_seconds)}
-                                                   if deadline_seconds else set())))
-        self.hop = register(STREAM_CHUNK_HOP, registry, buckets)
-        self.gap = register(STREAM_CHUNK_GAP, registry, buckets)
-        self.credit = register(STREAM_CREDIT_EXHAUSTED, registry)
+        f = _families_for(registry, deadline_seconds)
+        self.streams, self.oldest, self.chunks, self.resolved = (
+            f.streams, f.oldest, f.chunks, f.resolved)
+        self.first, self.hop, self.gap, self.credit = f.first, f.hop, f.gap, f.credit
         self._edges: dict[tuple[str, str], _Edge] = {}
         for to_stage in to_stages:
             self._edges[("producer", to_stage)] = _Edge(

@@ -1,0 +1,120 @@
+"""The producer's end of a streamed edge on vLLM's real schedulers (sched/streaming.py, no
+model: the harness's runner outputs): the chunks are the request's output token for token,
+in order, each sent once, under preemption and async scheduling, and nothing is left."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from omni_contract.edges import StreamSettings, stream_config
+from omni_runtime.devtools.sched_harness import (free_blocks, make_request, make_scheduler,
+                                                 make_vllm_config, runner_output)
+from omni_runtime.kv.metadata import OmniKVWorkerMetadata
+from omni_runtime.sched import OmniARScheduler
+from omni_runtime.sched.handoff import ChunkAnswer
+
+SETTINGS = StreamSettings(first_chunk_tokens=2, chunk_tokens=3, chunks_in_flight=2)
+
+
+def streaming_scheduler(async_scheduling: bool = False, **kw):
+    config = make_vllm_config({"need_send_cache": True, "stage_name": "thinker",
+                               "streams": {"talker": stream_config(SETTINGS)}},
+                              endpoints={"talker": "tcp://127.0.0.1:9"}, **kw)
+    config.scheduler_config.async_scheduling = async_scheduling
+    return make_scheduler(OmniARScheduler, config)
+
+
+def chunks_of(so: SchedulerOutput):
+    meta = so.kv_connector_metadata
+    return list(getattr(meta, "chunks", ()) or ())
+
+
+def run(s, requests, token_of, answer=lambda chunk: None):
+    """Steps the scheduler until nothing is left; every chunk is answered in the step after
+    it was sent (``answer(chunk)``: None acks, else the refusal). Returns the chunks sent."""
+    sent, to_answer = [], []
+    for _ in range(2000):
+        if not (s.has_requests() or to_answer):
+            break
+        so = s.schedule()
+        sent += chunks_of(so)
+        out = runner_output(so, {r: [token_of(r, len(s.requests[r].output_token_ids))]
+                                 for r in so.num_scheduled_tokens
+                                 if s.requests[r].num_computed_tokens
+                                 + so.num_scheduled_tokens[r] >= s.requests[r].num_prompt_tokens},
+                            scheduler=s)
+        answers = [ChunkAnswer(c.request_id, c.to_stage, c.seq, answer(c))
+                   for c in to_answer if c.end is None]
+        to_answer = chunks_of(so)
+        if answers:
+            out.kv_connector_output = KVConnectorOutput(
+                kv_connector_worker_meta=OmniKVWorkerMetadata(chunk_answers=answers))
+        s.update_from_output(so, out)
+    else:
+        raise AssertionError("still busy")
+    return sent
+
+
+def by_request(sent):
+    found = {}
+    for chunk in sent:
+        found.setdefault(chunk.request_id, []).append(chunk)
+    return found
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunks_are_the_output_in_order_once_even_under_preemption(async_scheduling):
+    s = streaming_scheduler(async_scheduling, num_blocks=9, max_num_seqs=4)
+    start = free_blocks(s)
+    a = make_request(64, max_tokens=9, request_id="a")
+    b = make_request(60, max_tokens=8, request_id="b")
+    s.add_request(a)
+    s.add_request(b)
+    preempted = []
+    original = s._preempt_request
+
+    def preempt(request, *args, **kw):
+        preempted.append(request.request_id)
+        return original(request, *args, **kw)
+
+    s._preempt_request = preempt
+    token_of = lambda rid, i: 100 + 10 * ord(rid[0]) % 7 + i  # noqa: E731
+    sent = run(s, [a, b], token_of)
+    assert preempted, "the small KV cache preempts one of them"
+    for rid, req in (("a", a), ("b", b)):
+        chunks = by_request(sent)[rid]
+        assert [c.seq for c in chunks] == list(range(len(chunks))), "in order, each once"
+        assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        prompt = tuple(req.prompt_token_ids)
+        assert chunks[0].token_ids[:chunks[0].prompt_len] == prompt
+        said = chunks[0].token_ids[chunks[0].prompt_len:] + sum(
+            (c.token_ids for c in chunks[1:]), ())
+        assert list(said) == list(req.output_token_ids), "the output, token for token"
+        assert [len(c.token_ids) for c in chunks[1:-1]] == [3] * (len(chunks) - 2)
+    streams = s._streams
+    assert len(streams) == 0 and not streams._open
+    assert free_blocks(s) == start and not s.has_unfinished_requests()
+
+
+def test_an_abort_ends_the_stream_with_word_to_the_consumer_and_a_refusal_ends_it_too():
+    s = streaming_scheduler()
+    a = make_request(8, max_tokens=20, request_id="a")
+    b = make_request(8, max_tokens=20, request_id="b")
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(4):
+        so = s.schedule()
+        s.update_from_output(so, runner_output(so, scheduler=s))
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sent = run(s, [b], lambda rid, i: 9, answer=lambda c: "over max-model-len"
+               if c.request_id == "b" and c.seq == 1 else None)
+    ends = [c for c in sent if c.end is not None]
+    assert [(c.request_id, c.end) for c in ends] == [("a", "aborted")]
+    resolved = s._streams.ledger
+    assert len(resolved) == 0
+    # b's stream ended at the refusal: nothing was sent for it after chunk 1's answer.
+    b_chunks = [c.seq for c in sent if c.request_id == "b" and c.end is None]
+    assert max(b_chunks) <= 1 + SETTINGS.chunks_in_flight

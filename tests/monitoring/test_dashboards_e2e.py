@@ -200,8 +200,10 @@ def traffic(stages, operator, prometheus):
     create_pipeline(user, pipeline_body())
     create_pipeline(user, pipeline_body(RESTRICTED))
     op = operator["op"]
-    wait_for(lambda: op.metrics.reconciles.labels("applied")._value.get() >= 1, 30, "a reconcile applied")
-    wait_for(lambda: op.metrics.reconciles.labels("rejected")._value.get() >= 1, 30, "a reconcile refused")
+    # Bounds, not sleeps: the operator's first reconciles took over 30 s once, with two
+    # engines' tests beside this one on two cores.
+    wait_for(lambda: op.metrics.reconciles.labels("applied")._value.get() >= 1, 90, "a reconcile applied")
+    wait_for(lambda: op.metrics.reconciles.labels("rejected")._value.get() >= 1, 90, "a reconcile refused")
 
     def delivered():
         text = ar.metrics()

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry
 
+from omni_contract.edges import StreamSettings
 from omni_contract.metrics import (
     STREAM_CHUNK_GAP,
     STREAM_CHUNK_HOP,
@@ -105,14 +107,16 @@ def _families_for(registry: CollectorRegistry | None, deadline: float | None) ->
 
 
 class StreamMetrics(StreamObserver):
-    """The stream families of one stage in ``registry``, for the ``ends`` it has (a
+    """The stream families of one stage in ``registry``, for the ends it has (a
     :class:`ProducerStreams` toward ``to_stages``, a :class:`ConsumerStreams` from
-    ``from_stages``)."""
+    ``from_stages``, each edge by its settings). The time histograms reach the longest gap
+    deadline of the edges: a wait that long is one the deadline cut."""
 
     def __init__(self, stage: str, model_name: str, registry: CollectorRegistry | None, *,
-                 to_stages: Iterable[str] = (), from_stages: Iterable[str] = (),
-                 deadline_seconds: float | None = None) -> None:
-        f = _families_for(registry, deadline_seconds)
+                 to_stages: Mapping[str, StreamSettings] = MappingProxyType({}),
+                 from_stages: Mapping[str, StreamSettings] = MappingProxyType({})) -> None:
+        gaps = [s.gap_seconds for s in (*to_stages.values(), *from_stages.values())]
+        f = _families_for(registry, max(gaps, default=None))
         self.streams, self.oldest, self.chunks, self.resolved = (
             f.streams, f.oldest, f.chunks, f.resolved)
         self.first, self.hop, self.gap, self.credit = f.first, f.hop, f.gap, f.credit

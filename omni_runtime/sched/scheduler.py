@@ -222,8 +222,7 @@ class OmniKVTransferMixin:
 
         metrics = StreamMetrics(cfg.stage_name,
                                 model_config.served_model_name or model_config.model,
-                                _default_registry(), to_stages=list(cfg.streams),
-                                deadline_seconds=max(s.gap_seconds for s in cfg.streams.values()))
+                                _default_registry(), to_stages=cfg.streams)
         observers: list[Any] = [metrics]
         from omni_runtime.observability.tracing import resolve_tracer
 

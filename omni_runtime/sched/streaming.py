@@ -40,12 +40,15 @@ class _Producing:
     """A request whose streams are open: its prompt when they opened, every output token it
     has had (across a session's turns), and how much of its current output list was seen."""
 
-    __slots__ = ("request", "streams", "prompt", "output", "seen")
+    __slots__ = ("request", "streams", "prompt", "origin", "output", "seen")
 
     def __init__(self, request: Any, streams: list[Stream]) -> None:
         self.request = request
         self.streams = streams
         self.prompt = tuple(request.prompt_token_ids or ())
+        origin = (request.kv_transfer_params or {}).get("omni")
+        #: Where the request came from (the pipeline's endpoint), for the consumer's answer.
+        self.origin = origin if isinstance(origin, dict) else None
         self.output: list[int] = []
         self.seen = 0
 
@@ -91,15 +94,18 @@ class StreamProducer:
         now = self._clock()
         for request in requests:
             rid = request.request_id
-            if rid in self._open or self.ledger.of_request(rid):
+            # A request stays in ``_open`` until every stream of it resolved: a session's
+            # next turn, or a resumed request, opens nothing again.
+            if rid in self._open:
                 continue
             headers = getattr(request, "trace_headers", None)
             streams = [self.ledger.open(rid, stage, settings, now, headers)
                        for stage, settings in self.edges.items()]
             self._open[rid] = _Producing(request, streams)
 
-    def stepped(self, request_ids: Iterable[str]) -> None:
-        """After a step's outputs: the chunks the requests' committed output completes."""
+    def stepped(self, scheduled: Mapping[str, int]) -> None:
+        """After a step's outputs (``scheduled``: the step's requests, vLLM's
+        ``num_scheduled_tokens``): the chunks the requests' committed output completes."""
         now = self._clock()
         if self._refresh is not None and now - self._refreshed >= self._refresh_interval:
             self._refreshed = now
@@ -109,10 +115,10 @@ class StreamProducer:
             return
         wall = time.time()
         chunks: list[ChunkOut] = []
-        for rid in request_ids:
-            entry = open_.get(rid)
-            if entry is None:
-                continue
+        # The batch's requests with open streams, intersected in C (a batch of hundreds, few
+        # of them streaming, costs no Python loop over the batch).
+        for rid in scheduled.keys() & open_.keys():
+            entry = open_[rid]
             committed = entry.committed()
             for stream in entry.streams:
                 sent = self.ledger.cut(stream, committed, False, now, wall)
@@ -182,7 +188,9 @@ class StreamProducer:
         """Shutdown: every stream ends (``aborted``)."""
         now = self._clock()
         for stream in list(self.ledger):
-            self.ledger.resolve(stream.request_id, StreamOutcome.ABORTED, reason, now)
+            if not stream.resolved:
+                self.ledger.resolve(stream.request_id, StreamOutcome.ABORTED, reason, now,
+                                    peer=stream.peer)
         self._open.clear()
         self._flush([])
 
@@ -202,20 +210,17 @@ class StreamProducer:
         if not chunks or entry is None:
             return []
         request = entry.request
-        settings = stream.settings
+        give_up = SEND_MARGIN * stream.settings.gap_seconds
+        trace_headers = getattr(request, "trace_headers", None)
         outs = []
         for chunk in chunks:
             tokens = tuple(entry.output[chunk.start:chunk.end])
             prompt_len = 0
             if chunk.seq == 0:
                 tokens, prompt_len = entry.prompt + tokens, len(entry.prompt)
-            params = request.kv_transfer_params or {}
-            origin = params.get("omni")
             outs.append(ChunkOut(
                 request.request_id, stream.peer, chunk.seq, chunk.last, tokens, prompt_len,
-                chunk.produced_at, SEND_MARGIN * settings.gap_seconds,
-                origin if isinstance(origin, dict) else None,
-                getattr(request, "trace_headers", None)))
+                chunk.produced_at, give_up, entry.origin, trace_headers))
         return outs
 
     def _end(self, stream: Stream, outcome: StreamOutcome, reason: str,

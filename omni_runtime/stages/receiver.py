@@ -39,6 +39,7 @@ from omni_runtime.pipeline.link import LinkReporter
 from omni_runtime.pipeline.protocol import ProtocolError, parse_origin
 from omni_runtime.stages.config import StageConfig
 from omni_runtime.stages.heap import freeze_startup_heap
+from omni_runtime.transfers.streams import check_interval
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,7 @@ class ReceiverStage:
             self.streams = StreamInbox(streamed, settle=self.receiver.settle,
                                        on_start=self._stream_started, on_end=self._stream_ended)
             self._stream_metrics = StreamMetrics(
-                config.stage, config.model_name, REGISTRY, from_stages=list(streamed),
-                deadline_seconds=max(s.gap_seconds for s in streamed.values()))
+                config.stage, config.model_name, REGISTRY, from_stages=streamed)
             self.streams.ledger.add_observer(self._stream_metrics)
         # The pipeline's last stage: what it stored is the answer of the request's endpoint.
         self._links = LinkReporter(config.stage)
@@ -167,9 +167,8 @@ class ReceiverStage:
             return None
 
     def _expire_streams(self) -> None:
-        """The streams' deadlines (a chunk that never comes), on a timer a quarter of the
-        shortest gap deadline."""
-        every = min(0.5, min(s.gap_seconds for s in self.streams.settings.values()) / 4)
+        """The streams' deadlines (a chunk that never comes), on a timer."""
+        every = check_interval(self.streams.settings.values())
         while not self._stopping.wait(every):
             self.streams.expire()
             self._stream_metrics.refresh(self.streams.ledger)

@@ -41,6 +41,7 @@ from typing import Any
 from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, payload_into_file
 from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, parse_origin
 from omni_runtime.stages.inputs import InputHookError, Upstream, load_hook, request_of
+from omni_runtime.transfers.streams import check_interval
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,7 @@ class StageInput:
 
             ledger = ConsumerStreams()
             self._stream_metrics = StreamMetrics(
-                settings.stage, self._model_name, REGISTRY, from_stages=list(settings.streams),
-                deadline_seconds=max(s.gap_seconds for s in settings.streams.values()))
+                settings.stage, self._model_name, REGISTRY, from_stages=settings.streams)
             ledger.add_observer(self._stream_metrics)
             self.streams = StreamInputs(self._engine, ledger, self._stream_params,
                                         self._stream_output)
@@ -448,9 +448,9 @@ class StageInput:
             del self._stream_requests[key]
 
     async def _expire_streams(self) -> None:
-        """The consumer's stream deadlines (a chunk that never comes), checked on a timer a
-        quarter of the shortest gap deadline (at most half a second: the gauges are set there too)."""
-        every = min(0.5, min(s.gap_seconds for s in self.settings.streams.values()) / 4)
+        """The consumer's stream deadlines (a chunk that never comes), on a timer; the gauges
+        are set there too."""
+        every = check_interval(self.settings.streams.values())
         while True:
             await asyncio.sleep(every)
             self._stream_metrics.refresh(self.streams.ledger)

@@ -48,10 +48,17 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from omni_contract.edges import StreamSettings
+
+
+def check_interval(settings: Iterable[StreamSettings]) -> float:
+    """How often an end without steps of its own (a consumer's server) looks at its streams'
+    deadlines and sets its gauges: a quarter of the shortest gap deadline, so a stream
+    expires within a quarter gap of its deadline; at most half a second, the gauges' age."""
+    return min(0.5, min(s.gap_seconds for s in settings) / 4)
 
 
 class StreamOutcome(str, enum.Enum):
@@ -152,9 +159,14 @@ class _Streams:
 
     def __init__(self) -> None:
         self._streams: dict[tuple[str, str], Stream] = {}
+        #: Per request id, its unresolved streams by peer (a request's streams without a scan).
+        self._by_request: dict[str, dict[str, Stream]] = {}
         self._observers: list[StreamObserver] = []
-        #: (deadline, tie, key) of every unresolved stream's whole-stream deadline; entries
-        #: of resolved streams are dropped when they surface.
+        #: (deadline, tie, key): for every unresolved stream, an entry no later than each of
+        #: its deadlines (the whole stream's, the first chunk's, the gap's), so that a step
+        #: looks only at the streams whose time may have come. An entry that surfaces early
+        #: (its stream resolved, or no longer waiting since then) is dropped or pushed again
+        #: at the stream's next deadline.
         self._deadlines: list[tuple[float, int, tuple[str, str]]] = []
         self._tie = 0
 
@@ -165,7 +177,7 @@ class _Streams:
         return self._streams.get((request_id, peer))
 
     def of_request(self, request_id: str) -> list[Stream]:
-        return [s for key, s in self._streams.items() if key[0] == request_id]
+        return list(self._by_request.get(request_id, {}).values())
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -175,11 +187,20 @@ class _Streams:
 
     def _track(self, stream: Stream) -> None:
         self._streams[stream.key] = stream
-        self._tie += 1
-        heapq.heappush(self._deadlines,
-                       (stream.opened_at + stream.settings.stream_seconds, self._tie, stream.key))
+        self._by_request.setdefault(stream.request_id, {})[stream.peer] = stream
+        self._due(stream, stream.opened_at + stream.settings.stream_seconds)
         for observer in self._observers:
             observer.on_opened(self, stream)
+
+    def _due(self, stream: Stream, deadline: float) -> None:
+        self._tie += 1
+        heapq.heappush(self._deadlines, (deadline, self._tie, stream.key))
+
+    def _wait(self, stream: Stream, since: float | None) -> None:
+        """The stream waits from ``since`` (None: it does not wait); its gap deadline is due."""
+        stream.waiting_since = since
+        if since is not None:
+            self._due(stream, since + stream.settings.gap_seconds)
 
     def _chunk_resolved(self, stream: Stream, chunk: Chunk, outcome: ChunkOutcome,
                         now: float) -> None:
@@ -202,6 +223,10 @@ class _Streams:
         self._end_hold(stream, now)
         stream.waiting_since = None
         del self._streams[stream.key]
+        peers = self._by_request[stream.request_id]
+        del peers[stream.peer]
+        if not peers:
+            del self._by_request[stream.request_id]
         self._released(stream, now)
         for observer in self._observers:
             observer.on_resolved(self, stream, now)
@@ -227,26 +252,37 @@ class _Streams:
         return [self._resolve(s, outcome, reason, now) for s in streams]
 
     def expire_due(self, now: float) -> list[Stream]:
-        """Resolves (``expired``) every stream past a deadline; returns them."""
+        """Resolves (``expired``) every stream past a deadline; returns them. Costs the
+        entries due by ``now``, not the open streams."""
         expired: list[Stream] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             _, _, key = heapq.heappop(heap)
             stream = self._streams.get(key)
-            if stream is not None and stream.opened_at + stream.settings.stream_seconds <= now:
-                expired.append(self._resolve(stream, StreamOutcome.EXPIRED,
-                                             f"{stream.describe()} outlived its "
-                                             f"{stream.settings.stream_seconds:g} s deadline", now))
-        for stream in list(self._streams.values()):
+            if stream is None:
+                continue
             why = self._overdue(stream, now)
             if why is not None:
                 expired.append(self._resolve(stream, StreamOutcome.EXPIRED, why, now))
+                continue
+            # Early: it stopped waiting, or waits since later. Its next deadline is due
+            # again (later than ``now``: ``_overdue`` and ``_next_deadline`` agree).
+            self._due(stream, self._next_deadline(stream))
         return expired
 
+    def _next_deadline(self, stream: Stream) -> float:
+        deadline = stream.opened_at + stream.settings.stream_seconds
+        if stream.waiting_since is not None:
+            deadline = min(deadline, stream.waiting_since + stream.settings.gap_seconds)
+        return deadline
+
     def _overdue(self, stream: Stream, now: float) -> str | None:
-        gap = stream.settings.gap_seconds
-        if stream.waiting_since is not None and now - stream.waiting_since >= gap:
-            return f"{stream.describe()} waited over its {gap:g} s gap deadline ({self._waits_for})"
+        s = stream.settings
+        if now >= stream.opened_at + s.stream_seconds:
+            return f"{stream.describe()} outlived its {s.stream_seconds:g} s deadline"
+        if stream.waiting_since is not None and now >= stream.waiting_since + s.gap_seconds:
+            return (f"{stream.describe()} waited over its {s.gap_seconds:g} s gap deadline "
+                    f"({self._waits_for})")
         return None
 
     _waits_for = ""
@@ -276,6 +312,22 @@ class _Streams:
         return oldest
 
     def check_invariants(self) -> None:
+        due: dict[tuple[str, str], float] = {}
+        for deadline, _, key in self._deadlines:
+            due[key] = min(deadline, due.get(key, deadline))
+        for key, stream in self._streams.items():
+            assert self._by_request[stream.request_id][stream.peer] is stream
+            assert due.get(key, float("inf")) <= self._next_deadline(stream), \
+                f"no deadline entry due by the stream's next deadline: {key}"
+        assert sum(map(len, self._by_request.values())) == len(self._streams)
+        self._check_streams()
+
+    def check_expired(self, now: float) -> None:
+        """After ``expire_due(now)``: no stream left is past a deadline."""
+        for stream in self._streams.values():
+            assert self._overdue(stream, now) is None, stream.key
+
+    def _check_streams(self) -> None:
         for key, stream in self._streams.items():
             assert stream.key == key and stream.outcome is None
             seqs = sorted([*(c.seq for c in stream.queued), *stream.in_flight])
@@ -306,6 +358,7 @@ class ProducerStreams(_Streams):
         assert (request_id, to_stage) not in self._streams, "one stream per (request, edge)"
         stream = Stream(request_id, to_stage, settings, now, trace_headers=trace_headers)
         self._track(stream)
+        self._due(stream, now + settings.first_chunk_seconds)
         opened = self._open.setdefault(to_stage, set())
         if len(opened) < settings.max_open_streams:
             opened.add(stream.key)
@@ -318,7 +371,7 @@ class ProducerStreams(_Streams):
         if stream.held_since is None:
             stream.held_since = now
         if stream.waiting_since is None:
-            stream.waiting_since = now
+            self._wait(stream, now)
 
     def is_open(self, stream: Stream) -> bool:
         return stream.key in self._open.get(stream.peer, ())
@@ -360,8 +413,8 @@ class ProducerStreams(_Streams):
             self._hold(stream, now)
         else:
             self._end_hold(stream, now)
-            stream.waiting_since = min((c.sent_at for c in stream.in_flight.values()),
-                                       default=None)
+            self._wait(stream, min((c.sent_at for c in stream.in_flight.values()),
+                                   default=None))
         return sent
 
     def ack(self, stream: Stream, seq: int, now: float) -> list[Chunk]:
@@ -370,7 +423,8 @@ class ProducerStreams(_Streams):
         chunk = stream.in_flight.pop(seq, None)
         if chunk is None or stream.resolved:
             return []
-        if stream.first_chunk_at is None:
+        first = stream.first_chunk_at is None
+        if first:
             stream.first_chunk_at = now
         stream.last_chunk_at = now
         self._chunk_resolved(stream, chunk, ChunkOutcome.ACKED, now)
@@ -381,7 +435,11 @@ class ProducerStreams(_Streams):
             stream.in_flight.clear()
             self._resolve(stream, StreamOutcome.FINISHED, None, now)
             return []
-        return self._send(stream, now)
+        sent = self._send(stream, now)
+        if first and stream.waiting_since is not None:
+            # From now on the gap bounds it, and it may have waited since before the ack.
+            self._due(stream, self._next_deadline(stream))
+        return sent
 
     def fail(self, stream: Stream, seq: int, reason: str, now: float) -> Stream | None:
         """Chunk ``seq`` failed on its way or was refused by the consumer: the stream ends
@@ -396,11 +454,19 @@ class ProducerStreams(_Streams):
         if stream.first_chunk_at is None:
             # Until its first chunk is taken (a slot, a credit, the ack) the first-chunk
             # deadline is the stream's bound, not the gap.
-            if now - stream.opened_at >= s.first_chunk_seconds:
+            if now >= stream.opened_at + s.stream_seconds:
+                return f"{stream.describe()} outlived its {s.stream_seconds:g} s deadline"
+            if now >= stream.opened_at + s.first_chunk_seconds:
                 return (f"{stream.describe(0)} was not taken within its "
                         f"{s.first_chunk_seconds:g} s first-chunk deadline")
             return None
         return super()._overdue(stream, now)
+
+    def _next_deadline(self, stream: Stream) -> float:
+        if stream.first_chunk_at is None:
+            s = stream.settings
+            return stream.opened_at + min(s.first_chunk_seconds, s.stream_seconds)
+        return super()._next_deadline(stream)
 
     def _released(self, stream: Stream, now: float) -> None:
         opened = self._open.get(stream.peer)
@@ -425,8 +491,8 @@ class ProducerStreams(_Streams):
     #: Open streams out of credit (a slot or a chunk's) are ``held``.
     _state = ("held", "held_since")
 
-    def check_invariants(self) -> None:
-        super().check_invariants()
+    def _check_streams(self) -> None:
+        super()._check_streams()
         for peer, opened in self._open.items():
             held = set(self._held_open.get(peer, ()))
             assert not opened & held
@@ -487,7 +553,7 @@ class ConsumerStreams(_Streams):
                 return "refused", []
             stream = Stream(request_id, from_stage, settings, now)
             self._track(stream)
-            stream.waiting_since = now
+            self._wait(stream, now)
         chunk = Chunk(seq, 0, 0, last, produced_at, now)
         if seq < stream.next_seq:
             return "duplicate", []
@@ -522,7 +588,7 @@ class ConsumerStreams(_Streams):
         if chunk.last:
             self._resolve(stream, StreamOutcome.FINISHED, None, now)
         elif not stream.in_flight:
-            stream.waiting_since = now
+            self._wait(stream, now)
 
     def refused(self, stream: Stream, seq: int, reason: str, now: float) -> Stream | None:
         """The request could not take chunk ``seq`` (over its budget, its model's limit): the
@@ -535,7 +601,7 @@ class ConsumerStreams(_Streams):
     #: Open streams waiting for their next chunk are ``waiting``.
     _state = ("waiting", "waiting_since")
 
-    def check_invariants(self) -> None:
+    def _check_streams(self) -> None:
         for key, stream in self._streams.items():
             assert stream.key == key and stream.outcome is None
             assert all(seq > stream.next_seq for seq in stream.early)

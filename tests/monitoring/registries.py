@@ -50,11 +50,13 @@ def runtime() -> dict[str, frozenset[str]]:
     from omni_runtime.observability.edge_metrics import build_registry as build_edge_registry
     from omni_runtime.observability.receiver_metrics import build_registry as build_receiver_registry
     from omni_runtime.observability.metrics import build_registry
+    from omni_contract.edges import StreamSettings
     from omni_runtime.observability.stream_metrics import StreamMetrics
 
     names = from_registry(build_registry(stage="s", model_name="m")[0])
     streams = CollectorRegistry()
-    StreamMetrics("s", "m", streams, to_stages=["t"], from_stages=["u"])
+    StreamMetrics("s", "m", streams, to_stages={"t": StreamSettings()},
+                  from_stages={"u": StreamSettings()})
     names.update(from_registry(streams))
     names.update(from_registry(build_edge_registry(stage="s", model_name="m", to_stages=["t"])[0]))
     names.update(from_registry(build_receiver_registry(stage="s", model_name="m", from_stages=["u"])[0]))

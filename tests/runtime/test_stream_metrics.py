@@ -30,8 +30,9 @@ def value(samples, name, **labels):
 
 def test_a_stage_between_two_streamed_edges_exports_both_ends_of_every_family():
     registry = CollectorRegistry()
-    metrics = StreamMetrics("talker", "m", registry, to_stages=["code2wav"],
-                            from_stages=["thinker"], deadline_seconds=5)
+    metrics = StreamMetrics("talker", "m", registry,
+                            to_stages={"code2wav": StreamSettings(gap_seconds=5)},
+                            from_stages={"thinker": StreamSettings(gap_seconds=3)})
     samples = scrape(registry)
     names = {name for name, _ in samples}
     for family in STREAM_FAMILIES:

@@ -138,6 +138,22 @@ def test_each_deadline_expires_a_stream_once_and_frees_what_it_held():
     assert [x.outcome for x in long.expire_due(12.0)] == [StreamOutcome.EXPIRED]
 
 
+def test_a_wait_begun_before_the_first_ack_is_bound_by_the_gap_once_the_ack_comes():
+    # One chunk of credit: chunk 0 waits for its ack past the gap (the first-chunk deadline
+    # bounds it until then); once acked, chunk 1 goes and chunk 2 is held, and the stream has
+    # waited since chunk 0 was sent: over the gap, so the next look expires it.
+    settings = StreamSettings(first_chunk_tokens=1, chunk_tokens=1, first_chunk_seconds=5.0,
+                              gap_seconds=1.0, stream_seconds=50.0, chunks_in_flight=1)
+    p = ProducerStreams()
+    s = p.open("r", "talker", settings, 0.0)
+    p.cut(s, 3, False, 0.0, 0.0)
+    assert p.expire_due(1.5) == []                      # the first-chunk deadline bounds it
+    p.ack(s, 0, 2.0)
+    assert [c.seq for c in s.in_flight.values()] == [1] and s.waiting_since == 0.0
+    p.check_invariants()
+    assert [x.request_id for x in p.expire_due(2.0)] == ["r"]
+
+
 def test_a_failed_chunk_ends_the_stream_as_the_consumers_error_naming_the_chunk():
     p = ProducerStreams()
     s = p.open("r", "talker", S, 0.0)
@@ -235,6 +251,8 @@ def test_ten_thousand_random_streams_all_resolve_once_and_leave_nothing():
                 p.fail(s, seq, "refused", now)
         p.expire_due(now)
         c.expire_due(now)
+        p.check_expired(now)
+        c.check_expired(now)
         p.check_invariants()
         c.check_invariants()
         assert now < 10_000, "streams outlived every deadline"
@@ -301,6 +319,7 @@ class StreamMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.now += dt
         self.p.expire_due(self.now)
+        self.p.check_expired(self.now)  # the deadline entries miss no stream
         self.p.take_unblocked(self.now)
 
     @invariant()

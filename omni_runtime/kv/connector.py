@@ -43,7 +43,7 @@ from omni_runtime.kv.metadata import (  # noqa: F401  (public names)
     ShardAnswers,
 )
 from omni_runtime.kv.scheduler_side import OmniKVConnectorScheduler
-from omni_runtime.kv.stats import OmniKVStatsMixin, known_to_stages
+from omni_runtime.kv.stats import OmniKVStatsMixin, StreamStats, known_to_stages
 from omni_runtime.kv.worker_side import (
     OmniKVConnectorWorker,
     extra_config,
@@ -126,6 +126,11 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
 
     def take_chunk_answers(self, output: Any) -> list[ChunkAnswer]:
         return self.scheduler_half.take_chunk_answers(output)
+
+    def stream_stats(self) -> StreamStats:
+        """An observer of the scheduler's stream ledger: each chunk and stream it resolves
+        goes into this connector's stats (vLLM's connector-stats path)."""
+        return StreamStats(lambda: self.omni_kv_stats)
 
     def stop_stats(self) -> None:
         if self.scheduler_half is not None:

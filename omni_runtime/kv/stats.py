@@ -9,8 +9,10 @@ rebuilds it for the periodic log line (``reduce()``) and ``build_prom_metrics`` 
 ``/metrics``. This module is that path for our connector:
 
 * :class:`OmniKVConnectorStats`: one record per transfer resolution (outcome, payload bytes,
-  hand-off-to-answer seconds, destination stage), a plain dict of lists like vLLM's NIXL
-  stats, so both serializations carry it unchanged;
+  hand-off-to-answer seconds, destination stage), and one per stream chunk or stream a
+  producer resolved (a streamed edge: :class:`StreamStats` hears them from the scheduler's
+  stream ledger), a plain dict of lists like vLLM's NIXL stats, so both serializations carry
+  it unchanged;
 * :class:`KVStatsRecorder`: the thread-safe recorder the connector's halves call
   (:meth:`KVStatsRecorder.record`) and drain once per step (:meth:`KVStatsRecorder.take`);
 * :class:`OmniKVPromMetrics`: the Prometheus families, created through vLLM's metric types
@@ -24,8 +26,10 @@ rebuilds it for the periodic log line (``reduce()``) and ``build_prom_metrics`` 
 
 Which families, in which mode (docs/metrics.md, "vLLM's connector-stats path"): the contract
 names ``omni_kv_transfers_resolved_total`` and ``omni_kv_transfer_bytes`` are registered here
-only where the observability layer's copies (omni_runtime/observability/metrics.py, written in
-the engine-core and worker processes) cannot reach this server's ``/metrics``: not in
+(and, on a stage with streamed edges, ``omni_kv_stream_chunks_total`` and
+``omni_kv_streams_resolved_total``) only where the observability layer's copies
+(omni_runtime/observability/metrics.py and stream_metrics.py, written in the engine-core and
+worker processes) cannot reach this server's ``/metrics``: not in
 prometheus_client multiprocess mode (``omni-stage`` sets ``PROMETHEUS_MULTIPROC_DIR``, and the
 files of both would merge into one family with two label sets), and not when this process's
 registry already holds the name (an in-process engine core's scheduler registered it first).
@@ -57,10 +61,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from omni_contract.metrics import RESOLVED, TRANSFER_BYTES
+from omni_contract.metrics import RESOLVED, STREAM_CHUNKS, STREAMS_RESOLVED, TRANSFER_BYTES
 from omni_runtime.observability.metrics import BYTES_BUCKETS, OUTCOMES, duration_buckets
 from omni_runtime.observability.multiproc import MULTIPROC_ENV
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
+from omni_runtime.transfers.streams import (Chunk, ChunkOutcome, Stream, StreamObserver,
+                                            StreamOutcome)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +76,13 @@ logger = logging.getLogger(__name__)
 #: The fields of one record, each a list in ``OmniKVConnectorStats.data`` (parallel lists: a
 #: dict of lists of str/int/float is what pickle and vLLM's msgpack both carry as is).
 FIELDS: tuple[str, ...] = ("outcome", "bytes", "duration_s", "to_stage")
+#: The fields of one stream record (a producer's chunk or stream resolved), each a list beside
+#: those of :data:`FIELDS`: ``stream_record`` is ``chunk`` or ``stream``; ``stream_seconds`` a
+#: chunk's sent-to-answer time, a stream's open-to-end time.
+STREAM_FIELDS: tuple[str, ...] = ("stream_record", "stream_outcome", "stream_seconds",
+                                  "stream_to_stage")
+_STREAM_OUTCOMES = {"chunk": frozenset(o.value for o in ChunkOutcome),
+                    "stream": frozenset(o.value for o in StreamOutcome)}
 
 #: Families of the metric contract (ARCHITECTURE.md) this path exports where nothing else does.
 RESOLVED_FAMILY = RESOLVED.name
@@ -94,15 +107,15 @@ class OmniKVConnectorStats(KVConnectorStats):
         if not self.data:
             self.reset()
         else:
-            missing = [f for f in FIELDS if f not in self.data]
+            missing = [f for f in (*FIELDS, *STREAM_FIELDS) if f not in self.data]
             if missing:
                 raise ValueError(f"OmniKVConnectorStats data lacks {missing}")
-            lengths = {len(self.data[f]) for f in FIELDS}
-            if len(lengths) != 1:
-                raise ValueError("OmniKVConnectorStats data lists differ in length")
+            for fields in (FIELDS, STREAM_FIELDS):
+                if len({len(self.data[f]) for f in fields}) != 1:
+                    raise ValueError("OmniKVConnectorStats data lists differ in length")
 
     def reset(self) -> None:
-        self.data: dict[str, list[Any]] = {f: [] for f in FIELDS}
+        self.data: dict[str, list[Any]] = {f: [] for f in (*FIELDS, *STREAM_FIELDS)}
 
     def record(self, outcome: str, nbytes: int, duration_s: float, to_stage: str) -> None:
         """One resolved transfer: its outcome (one of the contract's outcomes), payload
@@ -141,8 +154,26 @@ class OmniKVConnectorStats(KVConnectorStats):
         data["duration_s"].extend(durations)
         data["to_stage"].extend(repeat(stage, len(sizes)))
 
+    def record_stream(self, record: str, outcome: str, seconds: float, to_stage: str) -> None:
+        """One chunk (``record`` ``chunk``: acked, failed or expired, ``seconds`` from sent to
+        its answer) or stream (``stream``: its outcome, ``seconds`` from open to end) that a
+        producer resolved toward ``to_stage``."""
+        allowed = _STREAM_OUTCOMES.get(record)
+        if allowed is None:
+            raise ValueError(f"stream record must be chunk or stream, not {record!r}")
+        if outcome not in allowed:
+            raise ValueError(f"a {record}'s outcome must be one of {sorted(allowed)}, "
+                             f"not {outcome!r}")
+        seconds = float(seconds)
+        data = self.data
+        data["stream_record"].append(record)
+        data["stream_outcome"].append(str(outcome))
+        data["stream_seconds"].append(seconds if seconds > 0.0 else 0.0)
+        data["stream_to_stage"].append(str(to_stage))
+
     def __len__(self) -> int:
-        return len(self.data["outcome"])
+        """Transfer and stream records together."""
+        return len(self.data["outcome"]) + len(self.data["stream_record"])
 
     # Without this, __len__ would make an empty object falsy, and vLLM tests stats with
     # `if stats` / `stats or None` meaning "is there an object" (utils.KVOutputAggregator).
@@ -161,7 +192,7 @@ class OmniKVConnectorStats(KVConnectorStats):
         if not isinstance(other, OmniKVConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into OmniKVConnectorStats")
         if not other.is_empty():
-            for f in FIELDS:
+            for f in (*FIELDS, *STREAM_FIELDS):
                 self.data[f].extend(other.data[f])
         return self
 
@@ -178,6 +209,7 @@ class OmniKVConnectorStats(KVConnectorStats):
             "Failed": counts["failed"],
             "Expired": counts["expired"],
             "Cancelled": counts["cancelled"],
+            **self._reduce_streams(),
         }
         acked = np.fromiter((o == "acked" for o in outcomes), dtype=bool, count=len(outcomes))
         if not acked.any():
@@ -195,6 +227,33 @@ class OmniKVConnectorStats(KVConnectorStats):
             # (transfers overlap).
             "Throughput (MB/s)": round(float(mb.sum()) / total_s, 3) if total_s > 0 else 0,
             "MB acked": round(float(mb.sum()), 3),
+        }
+
+
+    def _reduce_streams(self) -> dict[str, int | float]:
+        """The streams' part of the log line, only where there were stream records (a stage
+        without streamed edges says nothing of them): chunks by outcome, the acked chunks'
+        answer time, streams by outcome."""
+        data = self.data
+        if not data["stream_record"]:
+            return {}
+        chunks = {o.value: 0 for o in ChunkOutcome}
+        streams = {o.value: 0 for o in StreamOutcome}
+        acked_s = []
+        for record, outcome, seconds in zip(data["stream_record"], data["stream_outcome"],
+                                            data["stream_seconds"]):
+            if record == "chunk":
+                chunks[outcome] = chunks.get(outcome, 0) + 1
+                if outcome == "acked":
+                    acked_s.append(seconds)
+            else:
+                streams[outcome] = streams.get(outcome, 0) + 1
+        return {
+            "Chunks acked": chunks["acked"], "Chunks failed": chunks["failed"],
+            "Chunks expired": chunks["expired"],
+            "Avg chunk ack time (ms)": round(float(np.mean(acked_s)) * 1e3, 3) if acked_s else 0,
+            "Streams finished": streams["finished"],
+            "Streams not finished": sum(n for o, n in streams.items() if o != "finished"),
         }
 
 
@@ -216,6 +275,10 @@ class KVStatsRecorder:
         with self._lock:
             self._stats.record_columns(outcomes, sizes, durations, to_stage)
 
+    def record_stream(self, record: str, outcome: str, seconds: float, to_stage: str) -> None:
+        with self._lock:
+            self._stats.record_stream(record, outcome, seconds, to_stage)
+
     def take(self) -> OmniKVConnectorStats | None:
         """The resolutions recorded since the last call, or None when there were none (a
         non-None stats object makes vLLM ship a connector output on every step)."""
@@ -226,6 +289,29 @@ class KVStatsRecorder:
             # gives, without its copy.copy (the object is ours alone until handed over).
             taken, self._stats = self._stats, OmniKVConnectorStats()
             return taken
+
+
+class StreamStats(StreamObserver):
+    """A producer's stream ledger observer recording each chunk and stream it resolves into the
+    connector's stats (``recorder()``: the connector's recorder now, None once the engine
+    collects no stats)."""
+
+    def __init__(self, recorder: Any) -> None:
+        self._recorder = recorder
+
+    def on_chunk(self, end: Any, stream: Stream, chunk: Chunk, outcome: ChunkOutcome,
+                 now: float) -> None:
+        recorder = self._recorder()
+        if recorder is not None and end.side == "producer":
+            sent = chunk.sent_at
+            recorder.record_stream("chunk", outcome.value, now - sent if sent is not None
+                                   else 0.0, stream.peer)
+
+    def on_resolved(self, end: Any, stream: Stream, now: float) -> None:
+        recorder = self._recorder()
+        if recorder is not None and end.side == "producer" and stream.outcome is not None:
+            recorder.record_stream("stream", stream.outcome.value, now - stream.opened_at,
+                                   stream.peer)
 
 
 # ====================================================================== the three methods
@@ -240,7 +326,8 @@ def build_kv_connector_stats(data: Mapping[str, Any] | None = None) -> OmniKVCon
     into the first object in place, and the payload dict is also handed to Prometheus)."""
     if not data:
         return OmniKVConnectorStats()
-    return OmniKVConnectorStats(data={f: list(data[f]) for f in FIELDS if f in data})
+    return OmniKVConnectorStats(data={f: list(data[f]) for f in (*FIELDS, *STREAM_FIELDS)
+                                      if f in data})
 
 
 def build_prom_metrics(
@@ -363,6 +450,21 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
                 labelnames=base,
             )
             created += [resolved, transfer_bytes]
+        #: The streamed edges' consumers (the bounded ``to_stage`` values of the stream
+        #: families); the families only where the transfer ones are registered here too.
+        self.streamed = tuple(cfg.streams)
+        chunks = streams = None
+        if self.contract_families and self.streamed:
+            edge = base[:-1] + ["from_stage", "to_stage", "outcome"]
+            chunks = self._counter_cls(
+                name=STREAM_CHUNKS.name.removesuffix("_total"),
+                documentation=STREAM_CHUNKS.help + " (omni KV connector's stats, producer)",
+                labelnames=edge)
+            streams = self._counter_cls(
+                name=STREAMS_RESOLVED.name.removesuffix("_total"),
+                documentation=STREAMS_RESOLVED.help + " (omni KV connector's stats, producer)",
+                labelnames=edge)
+            created += [chunks, streams]
         if tracked:
             with _ours_lock:
                 _ours.extend(created)
@@ -370,6 +472,9 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
         self._handoff = handoff
         self._resolved = resolved
         self._bytes = transfer_bytes
+        self._chunks, self._streams = chunks, streams
+        #: {engine: {(record, to_stage, outcome): child}} of the two stream counters.
+        self._stream_children: dict[int, dict[tuple[str, str, str], Any]] = {}
         # Bound children, per engine: {engine: {(to_stage, outcome): child}}; bound up front
         # so every series exists at 0 and the hot path does no labels() lookup.
         self._handoff_children: dict[int, dict[tuple[str, str], Any]] = {}
@@ -381,6 +486,9 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
             self._bytes_children[engine] = {}
             for to_stage in self.to_stages:
                 self._bind(engine, to_stage)
+            self._stream_children[engine] = {}
+            for to_stage in self.streamed:
+                self._bind_streams(engine, to_stage)
 
     def _bind(self, engine: int, to_stage: str) -> None:
         values = [*self.per_engine_labelvalues[engine], self.stage, to_stage]
@@ -392,6 +500,15 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
                     self._resolved.labels(*values, outcome)
         if self._bytes is not None:
             self._bytes_children[engine][to_stage] = self._bytes.labels(*values)
+
+    def _bind_streams(self, engine: int, to_stage: str) -> None:
+        if self._chunks is None:
+            return
+        values = [*self.per_engine_labelvalues[engine], self.stage, self.stage, to_stage]
+        children = self._stream_children[engine]
+        for record, family in (("chunk", self._chunks), ("stream", self._streams)):
+            for outcome in sorted(_STREAM_OUTCOMES[record]):
+                children[(record, to_stage, outcome)] = family.labels(*values, outcome)
 
     def _label(self, to_stage: str) -> str:
         return to_stage if to_stage in self.to_stages else OTHER_STAGE
@@ -413,6 +530,19 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
                 resolved[(to_stage, outcome)].inc()
                 if outcome == "acked":  # the contract's: payload size of delivered transfers
                     sizes[to_stage].observe(nbytes)
+        if self._chunks is None or not data.get("stream_record"):
+            return
+        children = self._stream_children[engine_idx]
+        for record, outcome, to_stage in zip(data["stream_record"], data["stream_outcome"],
+                                             data["stream_to_stage"]):
+            if to_stage not in self.streamed:
+                to_stage = OTHER_STAGE
+            key = (record, to_stage, outcome)
+            if key not in children:
+                if outcome not in _STREAM_OUTCOMES.get(record, ()):
+                    continue  # never recorded (record_stream() checks); bounded anyway
+                self._bind_streams(engine_idx, to_stage)
+            children[key].inc()
 
 
 # ====================================================================== the connector class

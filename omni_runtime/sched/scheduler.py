@@ -223,7 +223,8 @@ class OmniKVTransferMixin:
         metrics = StreamMetrics(cfg.stage_name,
                                 model_config.served_model_name or model_config.model,
                                 _default_registry(), to_stages=cfg.streams)
-        observers: list[Any] = [metrics]
+        # The figures on vLLM's connector-stats path too (a plain `vllm serve` shows them).
+        observers: list[Any] = [metrics, self._omni.stream_stats()]
         from omni_runtime.observability.tracing import resolve_tracer
 
         tracer = resolve_tracer(self.vllm_config)

@@ -40,6 +40,10 @@ LABELNAMES = ["model_name", "engine"]
 ENGINES = {0: ["m", "0"]}
 
 
+#: The stream records' lists of a stats object that has none.
+NO_STREAMS = {f: [] for f in kv_stats.STREAM_FIELDS}
+
+
 def _stats(*records) -> OmniKVConnectorStats:
     s = OmniKVConnectorStats()
     for r in records:
@@ -92,7 +96,7 @@ def test_records_are_plain_builtins_clamped_at_zero_and_a_bad_column_records_not
     stats.record("cancelled", 2, -0.0, "u")
     assert stats.data == {"outcome": ["acked", "failed", "expired", "cancelled"],
                           "bytes": [7, 0, 0, 2], "duration_s": [0.5, 0.0, 0.0, 0.0],
-                          "to_stage": ["t", "t", "t", "u"]}
+                          "to_stage": ["t", "t", "t", "u"], **NO_STREAMS}
     assert [type(v) for v in stats.data["bytes"] + stats.data["duration_s"]] == [int] * 4 + [float] * 4
     assert str(stats.data["duration_s"][3]) == "0.0", "-0.0 is clamped as max(0.0, -0.0) was"
     before = {f: list(v) for f, v in stats.data.items()}
@@ -119,10 +123,52 @@ def test_the_recorder_hands_out_each_record_once_and_none_when_nothing_happened(
     rec.record_columns(["acked", "expired"], [7, 0], [0.5, 3.0], "u")
     many = kv_stats.get_kv_connector_stats(rec)
     assert many.data == {"outcome": ["acked", "expired"], "bytes": [7, 0],
-                         "duration_s": [0.5, 3.0], "to_stage": ["u", "u"]}
+                         "duration_s": [0.5, 3.0], "to_stage": ["u", "u"], **NO_STREAMS}
     with pytest.raises(ValueError, match="outcome"):
         rec.record_columns(["lost"], [0], [0.0], "t")
     assert kv_stats.get_kv_connector_stats(rec) is None
+
+
+def test_a_producers_chunks_and_streams_are_recorded_beside_the_transfers():
+    """A streamed edge's producer (the scheduler's stream ledger, observed by StreamStats)
+    records each chunk and stream it resolves: they survive aggregation, and the log line
+    counts them only where there are any."""
+    from omni_contract.edges import StreamSettings
+    from omni_runtime.transfers.streams import ConsumerStreams, ProducerStreams, StreamOutcome
+
+    rec = KVStatsRecorder()
+    p = ProducerStreams()
+    p.add_observer(kv_stats.StreamStats(lambda: rec))
+    settings = StreamSettings(first_chunk_tokens=2, chunk_tokens=2, chunks_in_flight=4)
+    s = p.open("r", "talker", settings, 10.0)
+    p.cut(s, 4, False, 10.0, 0.0)
+    p.ack(s, 0, 10.25)
+    p.fail(s, 1, "refused", 10.5)
+    gone = p.open("r2", "talker", settings, 11.0)
+    p.resolve(gone.request_id, StreamOutcome.ABORTED, "abort", 12.0)
+    c = ConsumerStreams()  # a consumer's records are not the producer's figures
+    c.add_observer(kv_stats.StreamStats(lambda: rec))
+    c.arrive("x", "thinker", 0, True, 0.0, settings, 0.0)
+    stats = rec.take()
+    assert stats.data["stream_record"] == ["chunk", "chunk", "stream", "stream"]
+    assert stats.data["stream_outcome"] == ["acked", "failed", "consumer_error", "aborted"]
+    assert stats.data["stream_seconds"] == [0.25, 0.5, 0.5, 1.0]
+    assert stats.data["stream_to_stage"] == ["talker"] * 4
+    assert stats.data["outcome"] == [] and len(stats) == 4 and not stats.is_empty()
+    r = stats.aggregate(_stats(("acked", 1, 0.1, "talker"))).reduce()
+    assert (r["Chunks acked"], r["Chunks failed"], r["Chunks expired"]) == (1, 1, 0)
+    assert r["Avg chunk ack time (ms)"] == 250.0
+    assert (r["Streams finished"], r["Streams not finished"], r["Acked"]) == (0, 2, 1)
+    assert "Chunks acked" not in _stats(("acked", 1, 0.1, "t")).reduce()
+    with pytest.raises(ValueError, match="a chunk's outcome must be one of"):
+        OmniKVConnectorStats().record_stream("chunk", "finished", 0.1, "t")
+    with pytest.raises(ValueError, match="stream record must be chunk or stream"):
+        OmniKVConnectorStats().record_stream("turn", "acked", 0.1, "t")
+    # Once the engine collects no stats (the connector's stop_stats), nothing is recorded.
+    off = ProducerStreams()
+    off.add_observer(kv_stats.StreamStats(lambda: None))
+    off.resolve(off.open("r", "talker", settings, 0.0).request_id, StreamOutcome.ABORTED, "",
+                1.0)
 
 
 def test_the_worker_to_engine_core_pickle_and_the_api_server_msgpack_round_trips():
@@ -134,6 +180,8 @@ def test_the_worker_to_engine_core_pickle_and_the_api_server_msgpack_round_trips
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     s = _stats(("acked", 4096, 0.25, "talker"), ("failed", 0, 0.5, "talker"))
+    s.record_stream("chunk", "acked", 0.002, "talker")
+    s.record_stream("stream", "finished", 0.5, "talker")
     from_worker = pickle.loads(pickle.dumps(s))
     assert isinstance(from_worker, OmniKVConnectorStats) and from_worker.data == s.data
 
@@ -238,6 +286,43 @@ def test_observe_counts_outcomes_and_bytes_of_delivered_transfers_only(clean_reg
     # A destination the configuration does not name is counted as "other", never as itself.
     assert _value(RESOLVED_FAMILY, to_stage="other", outcome="acked") == 1
     assert _value(RESOLVED_FAMILY, to_stage="a-request-id-42", outcome="acked") is None
+
+
+def test_a_stage_with_streamed_edges_shows_its_producers_stream_counters(clean_registry):
+    """The contract's stream counters, labelled as the contract's edge families (stage,
+    from_stage, to_stage) beside vLLM's labels: every series of a streamed edge from
+    start-up; a destination the configuration does not stream to counted as ``other``."""
+    from omni_contract.edges import StreamSettings, stream_config
+    from omni_contract.metrics import STREAM_CHUNKS, STREAMS_RESOLVED
+
+    config = _config()
+    config.additional_config["omni_kv_config"]["streams"] = {
+        "talker": stream_config(StreamSettings())}
+    prom = build_prom_metrics(config, METRIC_TYPES, LABELNAMES, ENGINES)
+    assert prom.streamed == ("talker",)
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    for outcome in ("acked", "failed", "expired"):
+        assert _value(STREAM_CHUNKS.name, outcome=outcome, **edge) == 0
+    for outcome in ("finished", "producer_error", "consumer_error", "expired", "aborted"):
+        assert _value(STREAMS_RESOLVED.name, outcome=outcome, **edge) == 0
+    assert _value(STREAM_CHUNKS.name, outcome="acked", from_stage="thinker",
+                  to_stage="code2wav") is None, "a whole edge has no stream series"
+    s = OmniKVConnectorStats()
+    for record, outcome, to_stage in [("chunk", "acked", "talker"), ("chunk", "acked", "talker"),
+                                      ("chunk", "expired", "talker"),
+                                      ("stream", "finished", "talker"),
+                                      ("stream", "expired", "elsewhere")]:
+        s.record_stream(record, outcome, 0.1, to_stage)
+    prom.observe(build_kv_connector_stats(s.to_dict()).to_dict(), engine_idx=0)
+    assert _value(STREAM_CHUNKS.name, outcome="acked", **edge) == 2
+    assert _value(STREAM_CHUNKS.name, outcome="expired", **edge) == 1
+    assert _value(STREAMS_RESOLVED.name, outcome="finished", **edge) == 1
+    assert _value(STREAMS_RESOLVED.name, outcome="expired", from_stage="thinker",
+                  to_stage="other") == 1
+    # Without streamed edges, none of it.
+    clean = build_prom_metrics(_config(), METRIC_TYPES, LABELNAMES, ENGINES)
+    assert clean.streamed == ()
+    assert _value(STREAM_CHUNKS.name, outcome="acked", **edge) is None
 
 
 def test_with_a_multiprocess_directory_the_contract_names_are_left_to_the_observability_layer(

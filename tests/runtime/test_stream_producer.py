@@ -19,12 +19,12 @@ from omni_runtime.sched.handoff import ChunkAnswer
 SETTINGS = StreamSettings(first_chunk_tokens=2, chunk_tokens=3, chunks_in_flight=2)
 
 
-def streaming_scheduler(async_scheduling: bool = False, **kw):
+def streaming_scheduler(async_scheduling: bool = False, log_stats: bool = False, **kw):
     config = make_vllm_config({"need_send_cache": True, "stage_name": "thinker",
                                "streams": {"talker": stream_config(SETTINGS)}},
                               endpoints={"talker": "tcp://127.0.0.1:9"}, **kw)
     config.scheduler_config.async_scheduling = async_scheduling
-    return make_scheduler(OmniARScheduler, config)
+    return make_scheduler(OmniARScheduler, config, log_stats=log_stats)
 
 
 def chunks_of(so: SchedulerOutput):
@@ -32,9 +32,10 @@ def chunks_of(so: SchedulerOutput):
     return list(getattr(meta, "chunks", ()) or ())
 
 
-def run(s, requests, token_of, answer=lambda chunk: None):
+def run(s, requests, token_of, answer=lambda chunk: None, stats=None):
     """Steps the scheduler until nothing is left; every chunk is answered in the step after
-    it was sent (``answer(chunk)``: None acks, else the refusal). Returns the chunks sent."""
+    it was sent (``answer(chunk)``: None acks, else the refusal). Returns the chunks sent;
+    ``stats`` (a list) gets each step's connector stats as the engine core sends them."""
     sent, to_answer = [], []
     for _ in range(2000):
         if not (s.has_requests() or to_answer):
@@ -52,7 +53,10 @@ def run(s, requests, token_of, answer=lambda chunk: None):
         if answers:
             out.kv_connector_output = KVConnectorOutput(
                 kv_connector_worker_meta=OmniKVWorkerMetadata(chunk_answers=answers))
-        s.update_from_output(so, out)
+        for outputs in s.update_from_output(so, out).values():
+            got = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
+            if stats is not None and got:
+                stats.append(got)
     else:
         raise AssertionError("still busy")
     return sent
@@ -118,3 +122,24 @@ def test_an_abort_ends_the_stream_with_word_to_the_consumer_and_a_refusal_ends_i
     # b's stream ended at the refusal: nothing was sent for it after chunk 1's answer.
     b_chunks = [c.seq for c in sent if c.request_id == "b" and c.end is None]
     assert max(b_chunks) <= 1 + SETTINGS.chunks_in_flight
+
+
+def test_a_served_engines_connector_stats_carry_each_chunk_and_stream_once():
+    """With vLLM's stats on (a served engine), the step's connector stats that the engine
+    core sends carry the producer's chunks and streams, each once, in the step they
+    resolve: what a plain `vllm serve` logs and shows (docs/metrics.md)."""
+    from omni_runtime.kv.stats import build_kv_connector_stats
+
+    s = streaming_scheduler(log_stats=True)
+    for rid in ("a", "b"):
+        s.add_request(make_request(8, max_tokens=7, request_id=rid))
+    payloads = []
+    sent = run(s, [], lambda rid, i: 5, stats=payloads)
+    total = build_kv_connector_stats(payloads[0])
+    for payload in payloads[1:]:
+        total.aggregate(build_kv_connector_stats(payload))
+    records = list(zip(total.data["stream_record"], total.data["stream_outcome"]))
+    assert records.count(("chunk", "acked")) == len(sent) > 2
+    assert records.count(("stream", "finished")) == 2 and len(records) == len(sent) + 2
+    assert set(total.data["stream_to_stage"]) == {"talker"}
+    assert total.reduce()["Streams finished"] == 2

@@ -125,16 +125,50 @@ def prefill_after(url: str, before: tuple[float, float]) -> tuple[float, tuple[f
     raise SystemExit(f"{url}: no request's prefill time recorded in 30 s")
 
 
-def start(configs: dict, workdir: Path) -> dict[str, tuple[subprocess.Popen, str]]:
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (vLLM runs in a process group of its own, under
+    the stage's supervisor: a signal to the supervisor's group would not reach it)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def pin(pid: int, core: int) -> None:
+    """Every thread of ``pid``'s process tree onto ``core`` (an affinity is per thread)."""
+    for process in descendants(pid):
+        for task in Path(f"/proc/{process}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), {core})
+            except OSError:  # gone since
+                pass
+
+
+def start(configs: dict, workdir: Path,
+          pin_stages: bool = False) -> dict[str, tuple[subprocess.Popen, str]]:
     """Every stage started at once (the engines load side by side), each engine's OpenMP
     threads on a core of its own where there are two (the thinker's busy cores would
-    otherwise slow the talker's steps, and the reverse)."""
+    otherwise slow the talker's steps, and the reverse). With ``pin_stages``, once all are
+    up, every process of each engine's stage (its server, engine core and worker) on that
+    core too: each stage computes on a core of its own, as each has its own accelerator
+    in a deployment, and no stage borrows another's while that one idles."""
     procs = {}
+    bound: dict[str, int] = {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")])}
     cores = sorted(os.sched_getaffinity(0))
     for index, (name, config) in enumerate(configs.items()):
         if config.get("role") == "ar" and len(cores) >= 2:
-            env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
+            bound[name] = cores[index % len(cores)]
+            env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(bound[name])}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         log = open(workdir / f"{name}.log", "wb")
@@ -150,6 +184,9 @@ def start(configs: dict, workdir: Path) -> dict[str, tuple[subprocess.Popen, str
                 tail = (workdir / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise SystemExit(f"stage {name} did not start:\n{tail}")
             time.sleep(0.2)
+    if pin_stages:
+        for name, core in bound.items():
+            pin(procs[name][0].pid, core)
     return procs
 
 

@@ -11,7 +11,12 @@ and ``streamed`` (the thinker streams it, a first chunk of ``--first-chunk`` (4)
 ``--requests`` (50) requests, one at a time, half of them each way on the same prompts, one
 way after the other (vLLM's engine busy-waits a second after each step: the idle pipeline's
 engines would spin through the other's requests on two cores), each asked with
-``"stream": true`` so that the talker's first output is seen when it comes. At the end the streamed thinker is stopped
+``"stream": true`` so that the talker's first output is seen when it comes. Each engine's
+stage (its server, engine core and worker) computes on a core of its own once all are up,
+as each stage has its own accelerator in a deployment: unpinned, the whole pipeline's
+thinker borrows the idle talker's core, which no deployment lends it, and the streamed
+pipeline's stages, busy at once, take each other's (a first output then waits, now and
+then, for the other stage's whole run). At the end the streamed thinker is stopped
 (SIGSTOP) in the middle of a stream; the edge's gap deadline is ``--stall-gap`` (3) s for
 every request (on this 2-core machine four engines share the cores, and a chunk has come
 more than a second late).
@@ -58,7 +63,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from omni_operator.local import ENDPOINT, free_port, local_stage_configs  # noqa: E402
 from omni_operator.model import parse_pipeline  # noqa: E402
-from pipeline_chain import get, start, stop  # noqa: E402
+from pipeline_chain import descendants, get, start, stop  # noqa: E402
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -139,24 +144,6 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return lower
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (vLLM runs in a process group of its own, under
-    the stage's supervisor: a signal to the supervisor's group would not reach it)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo += children.get(current, [])
-    return found
-
-
 def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -188,7 +175,7 @@ def main() -> None:
         ports[ENDPOINT] = {"http": free_port("127.0.0.1")}
         for name, config in local_stage_configs(pipeline, ports).items():
             configs[f"{mode}-{name}"] = config
-    procs = start(configs, workdir)
+    procs = start(configs, workdir, pin_stages=True)
     started = time.monotonic() - began
     urls = {name: url for name, (_, url) in procs.items()}
     rng = random.Random(0)
@@ -198,7 +185,7 @@ def main() -> None:
     end = {"whole": [], "streamed": []}
     said = {"whole": [], "streamed": []}
     thinker_tpot = []
-    split: dict[str, list[tuple[float, float]]] = {"whole": [], "streamed": []}
+    split: dict[str, list[tuple[float, float, float]]] = {"whole": [], "streamed": []}
     try:
         hop_before: list[tuple[float, float]] = []
         half = len(prompts) // 2
@@ -223,12 +210,14 @@ def main() -> None:
             end[mode].append(seconds)
             stages = last.get("omni", {}).get("stages", {})
             thinker_t, talker_t = stages.get("thinker", {}), stages.get("talker", {})
-            if {"sent_at"} <= set(thinker_t) and {"offered_at", "taken_at"} <= set(talker_t):
+            if {"sent_at"} <= set(thinker_t) and \
+                    {"offered_at", "taken_at", "first_output_at"} <= set(talker_t):
                 # Where the talker's first output's time goes: the thinker to its hand-off
                 # (whole: its finish; streamed: its first chunk sent), the hop to the talker's
-                # taking it, the rest to the talker's first output.
+                # taking it, the talker's taking it to its first output at the endpoint.
                 split[mode].append((talker_t["offered_at"] - thinker_t["sent_at"],
-                                    talker_t["taken_at"] - talker_t["offered_at"]))
+                                    talker_t["taken_at"] - talker_t["offered_at"],
+                                    talker_t["first_output_at"] - talker_t["taken_at"]))
             said[mode].append((last.get("usage") or {}).get("completion_tokens"))
             if mode == "whole":
                 thinker = last["omni"]["stages"].get("thinker", {})
@@ -246,13 +235,21 @@ def main() -> None:
         thinker_proc = procs["streamed-thinker"][0]
         import threading
 
+        def first_chunks() -> float:
+            """Streams whose first chunk the talker took (its histogram's count): one more
+            than before is this request's (the open-streams gauge, refreshed on a timer,
+            can still show the previous request's)."""
+            page = get(urls["streamed-talker"] + "/metrics") or ""
+            return sum(float(line.rpartition(" ")[2]) for line in page.splitlines()
+                       if line.startswith("omni_kv_stream_first_chunk_seconds_count{")
+                       and 'from_stage="thinker"' in line)
+
+        taken_before = first_chunks()
+
         def stop_thinker() -> None:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                text = get(urls["streamed-talker"] + "/metrics") or ""
-                if any(line.startswith("omni_kv_streams{") and 'state="open"' in line
-                       and 'stage="talker"' in line and not line.endswith(" 0.0")
-                       for line in text.splitlines()):
+                if first_chunks() > taken_before:
                     stop_thinker.pids = descendants(thinker_proc.pid)
                     signal_all(stop_thinker.pids, signal.SIGSTOP)
                     stop_thinker.at = time.perf_counter()
@@ -286,9 +283,12 @@ def main() -> None:
         "first_output_streamed_p50_s": round(p50(first["streamed"]), 4),
         "first_output_ratio": round(p50(first["streamed"]) / ttft_whole, 4),
         "first_output_bound_s": round(bound, 4),
-        "to_hand_off_p50_s": {m: round(p50([a for a, _ in v]), 4) for m, v in split.items() if v},
-        "hand_off_to_taken_p50_s": {m: round(p50([b for _, b in v]), 4)
+        "to_hand_off_p50_s": {m: round(p50([a for a, _, _ in v]), 4)
+                              for m, v in split.items() if v},
+        "hand_off_to_taken_p50_s": {m: round(p50([b for _, b, _ in v]), 4)
                                     for m, v in split.items() if v},
+        "taken_to_first_output_p50_s": {m: round(p50([c for _, _, c in v]), 4)
+                                        for m, v in split.items() if v},
         "e2e_whole_p50_s": round(p50(end["whole"]), 4),
         "e2e_streamed_p50_s": round(p50(end["streamed"]), 4),
         "e2e_ratio": round(p50(end["streamed"]) / p50(end["whole"]), 4),

@@ -167,8 +167,9 @@ class _Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     links: dict[str, web.WebSocketResponse] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
-    #: stage -> when (unix) its hand-off was offered and taken, and it finished: the answer's
-    #: ``omni.stages`` (where a request's time went).
+    #: stage -> when (unix) its hand-off was offered and taken, its first output reached the
+    #: endpoint (the last stage's), and it finished: the answer's ``omni.stages`` (where a
+    #: request's time went).
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     #: stage -> (monotonic deadline by which it must take the request, the edge)
     expected: dict[str, tuple[float, Edge]] = field(default_factory=dict)
@@ -404,6 +405,7 @@ class PipelineEndpoint:
             elif kind == "handed_off":
                 self._expect_downstream(pending, stage)
             elif stage == config.sink and kind == "output":
+                pending.timings.setdefault(stage, {}).setdefault("first_output_at", time.time())
                 await writer.output(event.get("text") or "", list(event.get("token_ids") or ()))
             elif stage == config.sink and kind == "payload":
                 await writer.payload(stage, event.get("payload") or {}, pending.timings)

@@ -37,10 +37,13 @@ SEND_MARGIN = 0.95
 
 
 class _Producing:
-    """A request whose streams are open: its prompt when they opened, every output token it
-    has had (across a session's turns), and how much of its current output list was seen."""
+    """A request whose streams are open: its prompt when they opened, its output. A request
+    that is a streaming-input session (``resumable``) has its output list start over at
+    each turn, so every token it has had is kept here as it appears (``output``, and how
+    much of the current list was seen); any other request's output list only grows, and
+    is read where it is (it stays with the request after vLLM frees it)."""
 
-    __slots__ = ("request", "streams", "prompt", "origin", "output", "seen")
+    __slots__ = ("request", "streams", "prompt", "origin", "session", "output", "seen", "due")
 
     def __init__(self, request: Any, streams: list[Stream]) -> None:
         self.request = request
@@ -49,17 +52,27 @@ class _Producing:
         origin = (request.kv_transfer_params or {}).get("omni")
         #: Where the request came from (the pipeline's endpoint), for the consumer's answer.
         self.origin = origin if isinstance(origin, dict) else None
+        self.session = bool(getattr(request, "resumable", False))
         self.output: list[int] = []
         self.seen = 0
+        #: The committed output at which one of its streams has a chunk to cut.
+        self.due: float = 0
 
     def committed(self) -> int:
         current = self.request.output_token_ids
+        if not self.session:
+            return len(current)
         if len(current) < self.seen:  # a session's new turn: its output list starts over
             self.seen = 0
         if len(current) > self.seen:
             self.output.extend(current[self.seen:])
             self.seen = len(current)
         return len(self.output)
+
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Output tokens ``[start, end)``."""
+        return tuple((self.output if self.session else self.request.output_token_ids)
+                     [start:end])
 
 
 class StreamProducer:
@@ -120,9 +133,13 @@ class StreamProducer:
         for rid in scheduled.keys() & open_.keys():
             entry = open_[rid]
             committed = entry.committed()
+            if committed < entry.due:
+                continue  # most steps: no chunk is complete yet
+            next_cut = self.ledger.next_cut
             for stream in entry.streams:
                 sent = self.ledger.cut(stream, committed, False, now, wall)
                 chunks += self._out(entry, stream, sent)
+            entry.due = min(map(next_cut, entry.streams))
         self._flush(chunks)
 
     def finished(self, request: Any, completed: bool, reason: str = "") -> None:
@@ -214,7 +231,7 @@ class StreamProducer:
         trace_headers = getattr(request, "trace_headers", None)
         outs = []
         for chunk in chunks:
-            tokens = tuple(entry.output[chunk.start:chunk.end])
+            tokens = entry.tokens(chunk.start, chunk.end)
             prompt_len = 0
             if chunk.seq == 0:
                 tokens, prompt_len = entry.prompt + tokens, len(entry.prompt)

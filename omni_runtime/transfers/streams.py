@@ -197,9 +197,13 @@ class _Streams:
         heapq.heappush(self._deadlines, (deadline, self._tie, stream.key))
 
     def _wait(self, stream: Stream, since: float | None) -> None:
-        """The stream waits from ``since`` (None: it does not wait); its gap deadline is due."""
+        """The stream waits from ``since`` (None: it does not wait); its gap deadline is due.
+        An entry is pushed only where the stream's next deadline may come earlier than
+        before (it did not wait, or waits since earlier): a later one is found by the entry
+        already there, which surfaces early and is pushed again."""
+        before = stream.waiting_since
         stream.waiting_since = since
-        if since is not None:
+        if since is not None and (before is None or since < before):
             self._due(stream, since + stream.settings.gap_seconds)
 
     def _chunk_resolved(self, stream: Stream, chunk: Chunk, outcome: ChunkOutcome,
@@ -383,6 +387,7 @@ class ProducerStreams(_Streams):
         if stream.resolved or stream.ended:
             return []
         s = stream.settings
+        cut_before = stream.next_seq
         while True:
             size = s.first_chunk_tokens if stream.next_seq == 0 else s.chunk_tokens
             if committed - stream.cut >= size and not (finished and committed - stream.cut == size):
@@ -398,7 +403,20 @@ class ProducerStreams(_Streams):
             if last:
                 stream.ended = True
                 break
+        if stream.next_seq == cut_before:
+            # Nothing new: what is queued waits for an ack or a slot, which send it.
+            return []
         return self._send(stream, now)
+
+    @staticmethod
+    def next_cut(stream: Stream) -> float:
+        """The committed output at which the stream's next chunk is complete (infinite once
+        its last chunk is cut or it resolved): below it, :meth:`cut` has nothing to cut but
+        a request's end."""
+        if stream.resolved or stream.ended:
+            return float("inf")
+        s = stream.settings
+        return stream.cut + (s.first_chunk_tokens if stream.next_seq == 0 else s.chunk_tokens)
 
     def _send(self, stream: Stream, now: float) -> list[Chunk]:
         sent: list[Chunk] = []

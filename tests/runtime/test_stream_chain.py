@@ -52,7 +52,10 @@ def chunk_count(n_output: int) -> int:
 
 def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(streamed):
     prompt = [11, 12, 13, 14, 15]
-    thinker_tokens = 20
+    # As long as the talker's limit allows (5 + 80 + 2 per chunk of 11 < 128): the thinker
+    # is still decoding well after its first chunk, even with the machine loaded (with 20
+    # tokens it once finished first under make test's load).
+    thinker_tokens = 80
     answer = client(streamed["endpoint"]).completions.create(
         model=MODEL, prompt=prompt, max_tokens=thinker_tokens, temperature=0,
         extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "streamed-1"})

@@ -121,6 +121,56 @@ def test_a_client_that_goes_away_ends_the_stream_at_both_ends(streamed):
                                     **edge) == 0, 30, "the thinker's stream to end")
 
 
+def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
+    """The producer dies with a stream open (its pod crashes: no goodbye, no stream_end):
+    the client is told, naming the thinker; the talker's stream resolves within the edge's
+    gap deadline (the endpoint's abort usually ends it at once; the talker's own deadline
+    bounds it in any case), nothing stays open there and its engine is idle. Then the
+    thinker comes back and the pipeline answers again (the talker takes the new thinker's
+    stream)."""
+    import threading
+    import time
+
+    thinker, talker = streamed["thinker"], streamed["talker"]
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    resolved = lambda: sum(  # noqa: E731
+        metric_value(talker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
+        for o in ("producer_error", "expired", "aborted"))
+    before = resolved()
+    outcome = {}
+
+    def ask() -> None:
+        stream = client(streamed["endpoint"]).completions.create(
+            model=MODEL, prompt=[61, 62, 63], max_tokens=90, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        try:
+            for _ in stream:
+                outcome.setdefault("first", time.monotonic())
+        except openai.APIError as exc:
+            outcome["error"] = exc
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_until(lambda: "first" in outcome, 60, "the talker's first output", interval=0.01)
+    thinker.kill()
+    killed = time.monotonic()
+    asker.join(60)
+    assert not asker.is_alive() and "error" in outcome, "the client was told"
+    assert "thinker" in str(outcome["error"]), outcome["error"]
+    bound = STREAM["gapSeconds"] + 10  # the deadline, and room for a loaded machine
+    wait_until(lambda: resolved() > before, bound, "the talker's stream to resolve")
+    assert time.monotonic() - killed < bound
+    wait_until(lambda: metric_value(talker.metrics(), "omni_kv_streams", state="open",
+                                    **edge) == 0, 10, "nothing open at the talker")
+    wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 0, 30,
+               "the talker's request to end")
+    thinker.launch().wait_healthy(timeout=240)
+    answer = client(streamed["endpoint"]).completions.create(
+        model=MODEL, prompt=[64, 65], max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert answer.usage.prompt_tokens == 2 + 12
+
+
 def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
     """The consumer dies with a stream open (last in this module: its talker stays dead): the
     client gets an error, and the thinker's stream resolves (its request aborted by the

@@ -34,8 +34,11 @@ Figures (the last line, one JSON object):
 * ``stall_error_over_deadline_s``: the stopped thinker's stream reaching the client as an
   error, less the edge's gap deadline; target <= 1.0.
 
-Not measured here: ``producer_step_ratio_256`` (the AR step at 256 running requests with 16-
-token chunks on and off) needs a GPU-sized batch: not on this 2-core machine.
+``producer_step_ratio_256`` (the AR step at 256 running requests, 16-token chunks on and
+off) is ``benchmarks/stream_producer_step.py``'s: the scheduler's share of it, a bound.
+
+Runs about 90 s here, over the benchmarks' 60 s rule: the four engines (three processes each
+importing vLLM) take 50-65 s to start on two cores, before the first request.
 
     python benchmarks/streaming.py [--requests 50]
 """
@@ -296,7 +299,7 @@ def main() -> None:
         "chunk_hop_p99_ms": round(quantile(hop, 0.99) * 1e3, 3),
         "stall_error_over_deadline_s": (round(stalled - args.stall_gap, 3)
                                         if stalled is not None else None),
-        "producer_step_ratio_256": None,
+        "producer_step_ratio_256": "benchmarks/stream_producer_step.py",
         "seconds": round(time.monotonic() - began, 1), "start_up_seconds": round(started, 1),
         "targets": TARGETS,
     }

@@ -43,6 +43,30 @@ def client(stage) -> openai.OpenAI:
                          timeout=120)
 
 
+def ask_in_background(endpoint, prompt):
+    """A streamed request of 90 tokens asked on a thread, returned once its first output came:
+    (the thread, what it saw: ``first``, and ``error`` if the stream failed)."""
+    import threading
+    import time
+
+    outcome = {}
+
+    def ask() -> None:
+        stream = client(endpoint).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=90, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        try:
+            for _ in stream:
+                outcome.setdefault("first", time.monotonic())
+        except openai.APIError as exc:
+            outcome["error"] = exc
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_until(lambda: "first" in outcome, 60, "the talker's first output", interval=0.01)
+    return asker, outcome
+
+
 def chunk_count(n_output: int) -> int:
     """Chunks of a stream of ``n_output`` tokens: 4, then 8 each, the last the rest."""
     if n_output <= 4:
@@ -128,7 +152,6 @@ def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
     bounds it in any case), nothing stays open there and its engine is idle. Then the
     thinker comes back and the pipeline answers again (the talker takes the new thinker's
     stream)."""
-    import threading
     import time
 
     thinker, talker = streamed["thinker"], streamed["talker"]
@@ -137,21 +160,7 @@ def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
         metric_value(talker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
         for o in ("producer_error", "expired", "aborted"))
     before = resolved()
-    outcome = {}
-
-    def ask() -> None:
-        stream = client(streamed["endpoint"]).completions.create(
-            model=MODEL, prompt=[61, 62, 63], max_tokens=90, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})
-        try:
-            for _ in stream:
-                outcome.setdefault("first", time.monotonic())
-        except openai.APIError as exc:
-            outcome["error"] = exc
-
-    asker = threading.Thread(target=ask)
-    asker.start()
-    wait_until(lambda: "first" in outcome, 60, "the talker's first output", interval=0.01)
+    asker, outcome = ask_in_background(streamed["endpoint"], [61, 62, 63])
     thinker.kill()
     killed = time.monotonic()
     asker.join(60)
@@ -177,30 +186,13 @@ def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
     endpoint, the chunk it sent there failing, or the gap deadline) with nothing left open and
     its engine idle. (How soon after a deadline a stalled stream's error reaches the client is
     benchmarks/streaming.py's stall figure.)"""
-    import threading
-    import time
-
     thinker, talker = streamed["thinker"], streamed["talker"]
     edge = {"from_stage": "thinker", "to_stage": "talker"}
     resolved = lambda: sum(  # noqa: E731
         metric_value(thinker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
         for o in ("consumer_error", "expired", "aborted"))
     before = resolved()
-    outcome = {}
-
-    def ask() -> None:
-        stream = client(streamed["endpoint"]).completions.create(
-            model=MODEL, prompt=[51, 52, 53], max_tokens=90, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})
-        try:
-            for _ in stream:
-                outcome.setdefault("first", time.monotonic())
-        except openai.APIError as exc:
-            outcome["error"] = exc
-
-    asker = threading.Thread(target=ask)
-    asker.start()
-    wait_until(lambda: "first" in outcome, 60, "the talker's first output", interval=0.01)
+    asker, outcome = ask_in_background(streamed["endpoint"], [51, 52, 53])
     talker.kill()
     asker.join(60)
     assert not asker.is_alive() and "error" in outcome, "the client was told"

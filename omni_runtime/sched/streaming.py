@@ -179,8 +179,6 @@ class StreamProducer:
                 self.ledger.fail(stream, seq, reason, now)
                 logger.warning("the stream of request %s to %s failed: %s", rid, stage,
                                stream.reason)
-        for stream, sent in self.ledger.take_unblocked(now):
-            chunks += self._out(self._request_of(stream.request_id), stream, sent)
         for rid, _, _, _ in answers:
             self._forget_resolved(rid)
         self._flush(chunks)
@@ -195,8 +193,6 @@ class StreamProducer:
         for stream in expired:
             logger.warning("stream expired: %s", stream.reason)
             chunks.append(self._out_end(stream, StreamOutcome.EXPIRED, stream.reason or ""))
-        for stream, sent in self.ledger.take_unblocked(now):
-            chunks += self._out(self._request_of(stream.request_id), stream, sent)
         for stream in expired:
             self._forget_resolved(stream.request_id)
         self._flush(chunks)
@@ -252,6 +248,12 @@ class StreamProducer:
                         reason=reason[:1024])
 
     def _flush(self, chunks: list[ChunkOut]) -> None:
+        """Sends the chunks, with those of every held stream that a resolution in this call
+        gave an open slot (whichever way it resolved: an ack, a failure, an end, an expiry;
+        the producing request may be done and never stepped again)."""
+        unblocked = self.ledger.take_unblocked(self._clock())
+        for stream, sent in unblocked:
+            chunks += self._out(self._request_of(stream.request_id), stream, sent)
         if chunks:
             self._send(chunks)
         if not self.ledger and self._refresh is not None:

@@ -143,3 +143,36 @@ def test_a_served_engines_connector_stats_carry_each_chunk_and_stream_once():
     assert records.count(("stream", "finished")) == 2 and len(records) == len(sent) + 2
     assert set(total.data["stream_to_stage"]) == {"talker"}
     assert total.reduce()["Streams finished"] == 2
+
+
+def test_a_held_stream_goes_out_when_a_slot_frees_whatever_freed_it():
+    """One open stream per edge: the second request's stream is held, its chunks queued. The
+    first request is aborted (its stream ends without an answer to wait for) after the
+    second had finished: the held stream's chunks go out in that very call, though its
+    request is done and never steps again. (The producer's own bookkeeping, on plain request
+    objects: sched/streaming.py imports no vLLM.)"""
+    from types import SimpleNamespace
+
+    from omni_runtime.sched.streaming import StreamProducer
+
+    sent = []
+    producer = StreamProducer({"talker": StreamSettings(first_chunk_tokens=2, chunk_tokens=2,
+                                                        max_open_streams=1)}, sent.extend)
+
+    def request(rid):
+        return SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2], output_token_ids=[],
+                               kv_transfer_params=None, resumable=False)
+
+    a, b = request("a"), request("b")
+    producer.started([a, b])
+    a.output_token_ids += [5, 6, 7]
+    b.output_token_ids += [8, 9, 10]
+    producer.stepped({"a": 1, "b": 1})
+    assert [(c.request_id, c.seq) for c in sent] == [("a", 0)], "b's stream is held"
+    producer.finished(b, completed=True)
+    assert [(c.request_id, c.seq) for c in sent] == [("a", 0)]
+    producer.finished(a, completed=False, reason="aborted by the client")
+    assert [(c.request_id, c.seq, c.end) for c in sent[1:]] == [
+        ("a", 1, "aborted"), ("b", 0, None), ("b", 1, None)]
+    assert list(sent[-2].token_ids) == [1, 2, 8, 9] and list(sent[-1].token_ids) == [10]
+    assert sent[-1].last

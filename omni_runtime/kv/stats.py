@@ -377,11 +377,15 @@ def _unregister_ours() -> None:
         _ours.clear()
 
 
-def _name_taken(name: str) -> bool:
-    """Whether prometheus_client's global registry already holds ``name`` (not ours: those
-    were unregistered first)."""
-    names = getattr(prometheus_client.REGISTRY, "_names_to_collectors", {})
-    return name in names
+def _registered_names() -> set[str]:
+    """The family and sample names prometheus_client's global registry holds (not ours:
+    those were unregistered first), read through its public ``collect()``: once, at the
+    build of vLLM's loggers."""
+    names: set[str] = set()
+    for family in prometheus_client.REGISTRY.collect():
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+    return names
 
 
 def contract_families_here(metric_types: Mapping[type, type]) -> tuple[bool, str]:
@@ -390,8 +394,10 @@ def contract_families_here(metric_types: Mapping[type, type]) -> tuple[bool, str
         return False, (f"{MULTIPROC_ENV} is set: the observability layer's copies reach "
                        "/metrics through the multiprocess directory")
     if _is_prometheus_client(metric_types[Counter]):
+        taken = _registered_names()
         for name in (RESOLVED_FAMILY, BYTES_FAMILY):
-            if _name_taken(name):
+            # A counter's family is named without its _total, its samples with it.
+            if name in taken or name.removesuffix("_total") in taken:
                 return False, (f"{name} is already registered in this process (an in-process "
                                "engine core's omni scheduler)")
     return True, "nothing else exports them to this server's /metrics"

@@ -1,7 +1,8 @@
 """A stopping stage never cuts a stream it can let finish: a receiving stage (an ``omni-stage``
 process) that gets SIGTERM with a stream open refuses new streams and new hand-offs, lets the
 open stream run to its last chunk, then exits; one whose producer goes silent is cut at the
-grace period, naming the stream. The grace period by default covers the stage's streamed
+grace period, naming the stream; a vLLM consumer (a talker) stopped mid-stream takes the
+stream to its last chunk in its engine's drain. The grace period by default covers the stage's streamed
 edges' longest ``streamSeconds``, the rule by which the operator sizes the pod's grace
 period (omni_contract.edges.drain_seconds). The producer here is a real KV sender (NIXL
 agent, ZeroMQ) of a synthetic AR rank."""
@@ -130,3 +131,53 @@ def test_the_default_grace_period_is_the_drain_the_operator_gives_the_pod():
             seen.add(grace)
     # Both rules are exercised: a stream's deadline above the transfers', and not.
     assert len(seen) > 1, seen
+
+
+@pytest.mark.engine
+def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
+    """The same for an ``ar`` consumer (a talker: vLLM fed by a stream through its
+    streaming-input session): SIGTERM with a stream open; the thinker's stream finishes
+    (not cut), and the talker exits cleanly."""
+    from chain import CHAIN_ENV, chain_configs
+    from procs import metric_value, stop_groups
+
+    import requests
+
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar", "engineArgs": {"max-model-len": 1024}},
+        {"name": "talker", "role": "ar", "engineArgs": {"max-model-len": 1024},
+         "stream": {**STREAM, "firstChunkTokens": 4, "chunkTokens": 8, "streamSeconds": 120},
+         "input": {"samplingParams": {"max_tokens": 2, "temperature": 0, "ignore_eos": True}}},
+    ], pipeline=PIPELINE, timeout_seconds=10)
+    thinker = StageProcess(configs["thinker"], tmp_path, env=CHAIN_ENV)
+    talker = StageProcess(configs["talker"], tmp_path, env=CHAIN_ENV, grace_seconds=120)
+    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    try:
+        talker.launch()
+        thinker.launch()
+        talker.wait_healthy(240)
+        thinker.wait_healthy(240)
+        with requests.post(f"{thinker.url}/v1/completions", stream=True, timeout=300, json={
+                "model": "tiny-qwen2", "prompt": [11, 12, 13], "max_tokens": 600,
+                "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+            lines = response.iter_lines()
+            wait_until(lambda: metric_value(talker.metrics(), "omni_kv_streams", state="open",
+                                            **edge) == 1, 60, "the talker to hold the stream",
+                       interval=0.05)
+            talker.proc.send_signal(signal.SIGTERM)
+            acked_at_stop = metric_value(thinker.metrics(), "omni_kv_stream_chunks_total",
+                                         outcome="acked", **edge)
+            for _ in lines:  # the thinker's answer runs to its end
+                pass
+        # The talker took the stream's chunks after its SIGTERM, to the last (4, then 8s).
+        assert acked_at_stop < 1 + (600 - 4) // 8
+        assert metric_value(thinker.metrics(), "omni_kv_stream_chunks_total", outcome="acked",
+                            **edge) == 1 + -(-(600 - 4) // 8)
+        outcomes = {o: metric_value(thinker.metrics(), "omni_kv_streams_resolved_total",
+                                    outcome=o, **edge)
+                    for o in ("finished", "consumer_error", "producer_error", "expired", "aborted")}
+        assert outcomes["finished"] == 1 and sum(outcomes.values()) == 1, outcomes
+        assert talker.proc.wait(timeout=180) == 0
+        assert "start mode=drain timeout=120s" in talker.log_tail(400_000)
+    finally:
+        stop_groups([p.proc for p in (thinker, talker) if p.proc is not None], 60)

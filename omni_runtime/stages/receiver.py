@@ -91,10 +91,10 @@ class ReceiverStage:
             self.streams.ledger.add_observer(self._stream_metrics)
         # The pipeline's last stage: what it stored is the answer of the request's endpoint.
         self._links = LinkReporter(config.stage)
-        #: SIGTERM came: /health answers 503, no new work is taken.
         self._stopping = threading.Event()
-        #: The drain is over and the receiver closed: the deadline timer ends.
-        self._closed = threading.Event()
+        #: SIGTERM came: /health answers 503, no new work is taken; the streams open here
+        #: drain (the deadline timer runs on until ``_stopping``).
+        self._draining = threading.Event()
         self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())
         self._http.daemon_threads = True
 
@@ -125,7 +125,7 @@ class ReceiverStage:
         """On the receiver's thread: a payload stored is held here (acked at once), and
         reported to its pipeline request's endpoint when it came from one; refused while
         the stage stops (its sender fails it at once rather than at its deadline)."""
-        if self._stopping.is_set():
+        if self._draining.is_set():
             self.inbox.discard(payload.request_id)
             self.receiver.settle(ticket, ("input_refused", f"stage {self.config.stage} is "
                                                            "stopping"))
@@ -182,14 +182,13 @@ class ReceiverStage:
         """The streams' deadlines (a chunk that never comes), on a timer a quarter of the
         shortest gap deadline."""
         every = min(0.5, min(s.gap_seconds for s in self.streams.settings.values()) / 4)
-        # On through a stop's drain: the open streams' deadlines bound it.
-        while not self._closed.wait(every):
+        while not self._stopping.wait(every):
             self.streams.expire()
             self._stream_metrics.refresh(self.streams.ledger)
 
     def health_problem(self) -> str | None:
         """Why the stage is not healthy, or None."""
-        if self._stopping.is_set():
+        if self._draining.is_set():
             return "stopping"
         if not self.receiver.running:
             died = self.receiver.died
@@ -199,11 +198,11 @@ class ReceiverStage:
     def _begin_stop(self) -> None:
         # Health turns 503 first, so a load balancer stops routing; the rest off the signal
         # handler (the drain waits, and shutdown() blocks until serve_forever returns).
-        if self._stopping.is_set():
+        if self._draining.is_set():
             return
         if self.streams is not None:  # before health says so: no new stream after a 503
             self.streams.stop_taking(f"stage {self.config.stage} is stopping")
-        self._stopping.set()
+        self._draining.set()
         threading.Thread(target=self._drain_and_close, name="omni-stage-stop",
                          daemon=True).start()
 
@@ -229,7 +228,7 @@ class ReceiverStage:
             elif open_now:
                 logger.info("stopping: every open stream ended")
         self.receiver.close()
-        self._closed.set()
+        self._stopping.set()  # the deadline timer ends
         self._http.shutdown()
 
     def _handler_class(self):

@@ -43,6 +43,9 @@ from omni_runtime.stages.heap import freeze_startup_heap
 logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+#: After a stop's drain, how long the streams' senders get to read the last acks before the
+#: KV receiver closes its connections.
+LAST_ANSWERS_S = 1.0
 
 
 class ReceiverStage:
@@ -227,6 +230,11 @@ class ReceiverStage:
                     ", ".join(f"request {r.request_id} from {r.from_stage}" for r in left))
             elif open_now:
                 logger.info("stopping: every open stream ended")
+            if open_now:
+                # The last chunks' acks are sent at once, but a sender that has not read one
+                # when the connection goes loses it (ZeroMQ drops what its peer did not read),
+                # and would fail a chunk this stage took: their readers get a moment.
+                self._stopping.wait(LAST_ANSWERS_S)
         self.receiver.close()
         self._stopping.set()  # the deadline timer ends
         self._http.shutdown()

@@ -2,7 +2,7 @@
 process) that gets SIGTERM with a stream open refuses new streams and new hand-offs, lets the
 open stream run to its last chunk, then exits; one whose producer goes silent is cut at the
 grace period, naming the stream; a vLLM consumer (a talker) stopped mid-stream takes the
-stream to its last chunk in its engine's drain. The grace period by default covers the stage's streamed
+stream to its last chunk before its engine's own drain. The grace period by default covers the stage's streamed
 edges' longest ``streamSeconds``, the rule by which the operator sizes the pod's grace
 period (omni_contract.edges.drain_seconds). The producer here is a real KV sender (NIXL
 agent, ZeroMQ) of a synthetic AR rank."""
@@ -23,6 +23,7 @@ from transport_fixtures import WAIT, make_ar, make_sender  # noqa: F401  (fixtur
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE, MODEL, PRODUCER, CONSUMER = "drain", "tiny", "thinker", "vocoder"
+OUTCOMES = ("finished", "consumer_error", "producer_error", "expired", "aborted")
 STREAM = {"firstChunkTokens": 2, "chunkTokens": 2, "firstChunkSeconds": 30, "gapSeconds": 30,
           "streamSeconds": 60, "chunksInFlight": 4, "maxOpenStreams": 8}
 
@@ -136,8 +137,10 @@ def test_the_default_grace_period_is_the_drain_the_operator_gives_the_pod():
 @pytest.mark.engine
 def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
     """The same for an ``ar`` consumer (a talker: vLLM fed by a stream through its
-    streaming-input session): SIGTERM with a stream open; the thinker's stream finishes
-    (not cut), and the talker exits cleanly."""
+    streaming-input session): SIGTERM with a stream open; its supervisor drains the streamed
+    inputs before vLLM's own drain (which would end the session while it waits for its next
+    chunk, as if finished: it did so under load, 10 of 75 chunks taken); the thinker's stream
+    finishes, every chunk taken, and the talker exits cleanly."""
     from chain import CHAIN_ENV, chain_configs
     from procs import metric_value, stop_groups
 
@@ -169,15 +172,48 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
                                          outcome="acked", **edge)
             for _ in lines:  # the thinker's answer runs to its end
                 pass
+        # The stream runs on after the thinker's answer (the talker takes a chunk a turn).
+        ended = lambda: sum(metric_value(  # noqa: E731
+            thinker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
+            for o in OUTCOMES)
+        wait_until(ended, 120, "the thinker's stream to end")
+        page = thinker.metrics()
+        outcomes = {o: metric_value(page, "omni_kv_streams_resolved_total", outcome=o, **edge)
+                    for o in OUTCOMES}
+        acked = metric_value(page, "omni_kv_stream_chunks_total", outcome="acked", **edge)
+        assert outcomes["finished"] == 1 and sum(outcomes.values()) == 1, (outcomes, acked)
         # The talker took the stream's chunks after its SIGTERM, to the last (4, then 8s).
-        assert acked_at_stop < 1 + (600 - 4) // 8
-        assert metric_value(thinker.metrics(), "omni_kv_stream_chunks_total", outcome="acked",
-                            **edge) == 1 + -(-(600 - 4) // 8)
-        outcomes = {o: metric_value(thinker.metrics(), "omni_kv_streams_resolved_total",
-                                    outcome=o, **edge)
-                    for o in ("finished", "consumer_error", "producer_error", "expired", "aborted")}
-        assert outcomes["finished"] == 1 and sum(outcomes.values()) == 1, outcomes
+        assert acked_at_stop < acked == 1 + -(-(600 - 4) // 8)
         assert talker.proc.wait(timeout=180) == 0
-        assert "start mode=drain timeout=120s" in talker.log_tail(400_000)
+        log = talker.log_tail(400_000)
+        assert "stopping: the streamed inputs drain first, for up to 120s" in log
+        assert "stopping: every streamed input ended" in log
+        assert "start mode=drain" in log  # then vLLM's own drain
     finally:
         stop_groups([p.proc for p in (thinker, talker) if p.proc is not None], 60)
+
+
+@pytest.mark.parametrize("client, method, query, status", [
+    ("10.0.0.5", "POST", b"wait=1", 403),      # another pod: the port is open to all
+    ("127.0.0.1", "GET", b"wait=1", 405),
+    ("127.0.0.1", "POST", b"wait=soon", 400),
+    ("127.0.0.1", "POST", b"wait=1", 200),
+    ("10.0.0.9", "POST", b"", 200),            # the pod's own address
+])
+def test_only_the_stage_itself_may_drain_it(client, method, query, status):
+    import asyncio
+    import json
+
+    from omni_runtime.stages.stage_input import DRAIN_PATH, StageInputMiddleware
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": DRAIN_PATH, "method": method, "query_string": query,
+             "client": (client, 40000), "server": ("10.0.0.9", 8000)}
+    asyncio.run(StageInputMiddleware(app=None)(scope, None, send))
+    assert sent[0]["status"] == status
+    if status == 200:  # no stage input (not started): nothing open
+        assert json.loads(sent[1]["body"]) == {"open": 0}

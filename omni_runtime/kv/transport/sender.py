@@ -635,6 +635,10 @@ class KVSender:
                     logger.info("KV sender: reconnected to stage %s at %s", ep.stage, ep.address)
                 self._say_hello(ep)
             elif kind == zmq.EVENT_DISCONNECTED:
+                # Answers that came before the connection went are answers: read them before
+                # what is still in flight goes back to the queue (a stopping receiver's last
+                # acks and the disconnect can be seen in one wake-up).
+                self._read_replies(ep)
                 ep.ready = False
                 if ep.in_flight:
                     self._requeue(ep)

@@ -9,6 +9,7 @@ agent, ZeroMQ) of a synthetic AR rank."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -137,12 +138,14 @@ def test_the_default_grace_period_is_the_drain_the_operator_gives_the_pod():
 @pytest.mark.engine
 def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
     """The same for an ``ar`` consumer (a talker: vLLM fed by a stream through its
-    streaming-input session): SIGTERM with a stream open; its supervisor drains the streamed
-    inputs before vLLM's own drain (which would end the session while it waits for its next
-    chunk, as if finished: it did so under load, 10 of 75 chunks taken); the thinker's stream
-    finishes, every chunk taken, and the talker exits cleanly."""
+    streaming-input session): SIGTERM with a stream open (its producer held still meanwhile,
+    SIGSTOP, so that the stream is mid-way whatever the machine's speed); its supervisor
+    drains the streamed inputs before vLLM's own drain (which would end the session while it
+    waits for its next chunk, as if finished: it did so under load, 15 of 76 chunks taken);
+    the producer continued, the stream finishes, every chunk taken, and the talker exits
+    cleanly."""
     from chain import CHAIN_ENV, chain_configs
-    from procs import metric_value, stop_groups
+    from procs import descendants, metric_value, stop_groups
 
     import requests
 
@@ -155,6 +158,14 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
     thinker = StageProcess(configs["thinker"], tmp_path, env=CHAIN_ENV)
     talker = StageProcess(configs["talker"], tmp_path, env=CHAIN_ENV, grace_seconds=120)
     edge = {"from_stage": "thinker", "to_stage": "talker"}
+
+    def signal_thinker(sig: int) -> None:
+        for pid in [thinker.proc.pid, *descendants(thinker.proc.pid)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     try:
         talker.launch()
         thinker.launch()
@@ -164,12 +175,18 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
                 "model": "tiny-qwen2", "prompt": [11, 12, 13], "max_tokens": 600,
                 "temperature": 0, "ignore_eos": True, "stream": True}) as response:
             lines = response.iter_lines()
-            wait_until(lambda: metric_value(talker.metrics(), "omni_kv_streams", state="open",
-                                            **edge) == 1, 60, "the talker to hold the stream",
-                       interval=0.05)
-            talker.proc.send_signal(signal.SIGTERM)
-            acked_at_stop = metric_value(thinker.metrics(), "omni_kv_stream_chunks_total",
-                                         outcome="acked", **edge)
+            open_at_talker = lambda: metric_value(  # noqa: E731
+                talker.metrics(), "omni_kv_streams", state="open", **edge) == 1
+            wait_until(open_at_talker, 60, "the talker to hold the stream", interval=0.05)
+            signal_thinker(signal.SIGSTOP)
+            try:
+                # Still open (the gauge is set on a timer: a stream that had ended would show 0).
+                wait_until(open_at_talker, 10, "the talker's stream, mid-way")
+                talker.proc.send_signal(signal.SIGTERM)
+                wait_until(lambda: stopping(talker), 30, "the talker's input to drain")
+                assert talker.proc.poll() is None, "the talker stopped with its stream open"
+            finally:
+                signal_thinker(signal.SIGCONT)
             for _ in lines:  # the thinker's answer runs to its end
                 pass
         # The stream runs on after the thinker's answer (the talker takes a chunk a turn).
@@ -182,14 +199,15 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
                     for o in OUTCOMES}
         acked = metric_value(page, "omni_kv_stream_chunks_total", outcome="acked", **edge)
         assert outcomes["finished"] == 1 and sum(outcomes.values()) == 1, (outcomes, acked)
-        # The talker took the stream's chunks after its SIGTERM, to the last (4, then 8s).
-        assert acked_at_stop < acked == 1 + -(-(600 - 4) // 8)
+        assert acked == 1 + -(-(600 - 4) // 8)  # every chunk (4, then 8s) taken
         assert talker.proc.wait(timeout=180) == 0
         log = talker.log_tail(400_000)
         assert "stopping: the streamed inputs drain first, for up to 120s" in log
         assert "stopping: every streamed input ended" in log
         assert "start mode=drain" in log  # then vLLM's own drain
     finally:
+        if thinker.proc is not None and thinker.proc.poll() is None:
+            signal_thinker(signal.SIGCONT)
         stop_groups([p.proc for p in (thinker, talker) if p.proc is not None], 60)
 
 

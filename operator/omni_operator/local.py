@@ -456,6 +456,18 @@ def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO, *
     return firsts
 
 
+def warm_up(stage: LocalStage, model: str) -> None:
+    """One untimed request through the pipeline (``up --streaming``): a pipeline's first
+    request pays what no later one does (the KV connections' hellos, the engines' first
+    steps), which a comparison of the two modes must not time."""
+    body = json.dumps({"model": model, "prompt": "warm-up", "max_tokens": STREAMING_DEMO_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(stage.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
 def first_output_seconds(answer: Mapping[str, Any], entry: str, last: str) -> float | None:
     """A pipeline endpoint's answer's first output's time: from the request's arrival at the
     endpoint (``entry``'s ``sent_at``) to the moment the pipeline's ``last`` stage took its
@@ -502,6 +514,7 @@ def compare_first_outputs(local: LocalPipeline, whole: Pipeline, streamed: list[
                 print(f"the whole-hand-off pipeline did not come up (its logs in {workdir}); "
                       "no comparison", file=out, flush=True)
             return
+        warm_up(other.entry, whole.model.name)
         firsts = send_demo_requests(other.entry, whole.model.name, len(streamed), out,
                                     tokens=STREAMING_DEMO_TOKENS, ignore_eos=True,
                                     label="whole: ", ends=endpoint_names(whole))
@@ -619,6 +632,7 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
             if args.compare is None:
                 send_demo_requests(entry, pipeline.model.name, args.demo, out)
             else:
+                warm_up(entry, pipeline.model.name)
                 streamed = send_demo_requests(entry, pipeline.model.name, args.demo, out,
                                               tokens=STREAMING_DEMO_TOKENS, ignore_eos=True,
                                               ends=endpoint_names(pipeline))

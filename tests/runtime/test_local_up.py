@@ -124,6 +124,15 @@ def demo_up(example: str, tmp_path: Path, *args: str):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # The stages lead sessions of their own: a test failing before its Ctrl-C (or a
+        # runner killed) leaves them running unless they go here.
+        for pid in processes_with_env(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reader.join(timeout=10)
 
 
 def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):

@@ -75,9 +75,12 @@ fuzz: setup
 # The tiny pipeline of examples/tiny-pipeline.yaml as local processes: an AR stage (vLLM on
 # the tiny CPU model) shipping each request's KV cache to a receiving stage, behind the
 # pipeline's endpoint. Runs until Ctrl-C; DEMO_ARGS="--exit-after 20" stops it by itself;
-# DEMO_FILE=examples/tiny-chain.yaml runs the thinker -> talker -> vocoder chain instead.
+# DEMO_FILE=examples/tiny-chain.yaml runs the thinker -> talker -> vocoder chain instead;
+# DEMO_ARGS="--streaming" runs examples/tiny-omni-streaming.yaml (its edges streamed), then
+# the same pipeline with every edge whole on the same requests, and prints both modes' first
+# output's times.
 DEMO_ARGS ?=
-DEMO_FILE ?= examples/tiny-pipeline.yaml
+DEMO_FILE ?= $(if $(findstring --streaming,$(DEMO_ARGS)),examples/tiny-omni-streaming.yaml,examples/tiny-pipeline.yaml)
 demo: setup
 	$(PY) -m omni_runtime.devtools.tiny_model .omni-cache/tiny-qwen2
 	$(VENV)/bin/omni-pipeline up $(DEMO_FILE) --demo 3 $(DEMO_ARGS)

@@ -27,7 +27,7 @@ knob silently turned off on ``nan`` or a negative value).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -106,6 +106,17 @@ class Edge:
         if not self.streamed:
             return self.stage
         return {"stage": self.stage, "mode": STREAM, "stream": stream_config(self.stream)}
+
+
+def drain_seconds(transfer_timeout_s: float, streams: Iterable[StreamSettings | None]) -> float:
+    """How long a stopping stage may drain: its KV transfers' deadline, or, at either end of
+    streamed edges (``streams``: their settings, None for a whole edge), the longest
+    whole-stream deadline if longer: a stream open when SIGTERM comes (a rollout's drain, a
+    scale-in's pick) may run that long, and the stage lets it end rather than cut it. The
+    operator sizes a pod's grace period by it (render.drain_seconds); ``omni-stage`` drains
+    that long by default."""
+    longest = max((s.stream_seconds for s in streams if s is not None), default=0.0)
+    return max(float(transfer_timeout_s), longest)
 
 
 def stream_config(settings: StreamSettings | None) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from omni_runtime.kv.connector_config import composed_kv_transfer_config, kv_tra
 from omni_runtime.stages.config import StageConfig, StageConfigError
 # Imports no vLLM at module level (its server process is where it runs).
 from omni_contract.edges import stream_config
+from omni_runtime.stages.stage_input import DRAIN_PATH
 from omni_runtime.stages.stage_input import SETTINGS_KEY as INPUT_SETTINGS_KEY
 from omni_runtime.stages.stage_input import StageInputMiddleware
 
@@ -256,7 +257,9 @@ class ARStage:
                         self._stop_child()
                         return EXIT_TRANSPORT_DEAD
                     next_check = time.monotonic() + HEALTH_CHECK_PERIOD_S
-            return self._stop_child()
+            deadline = time.monotonic() + self.grace_seconds
+            self._drain_streamed_inputs(deadline)
+            return self._stop_child(deadline)
         finally:
             # Whatever is left of vLLM's group (its engine-core process) goes with us.
             try:
@@ -290,16 +293,41 @@ class ARStage:
         except OSError:
             return []  # not serving yet, or too busy to answer: the next check tries again
 
-    def _stop_child(self) -> int:
+    def _drain_streamed_inputs(self, deadline: float) -> None:
+        """A stage fed by a stream, stopping: its streamed inputs drain first (no new hand-off
+        or stream is taken; the open streams run to their end), up to ``deadline``: vLLM's
+        own drain would end a streamed request that waits for its next chunk as if it had
+        finished, cutting its stream (stage_input.py, StageInput.drain_streams)."""
+        if not (self.config.takes_hand_offs and any(e.streamed for e in self.config.input_edges)):
+            return
+        wait = max(0.0, deadline - time.monotonic())
+        url = self._metrics_url().rsplit("/", 1)[0] + f"{DRAIN_PATH}?wait={wait:.3f}"
+        logger.info("stopping: the streamed inputs drain first, for up to %.0fs", wait)
+        try:
+            request = urllib.request.Request(url, data=b"", method="POST")
+            with urllib.request.urlopen(request, timeout=wait + 10) as resp:
+                left = json.loads(resp.read()).get("open", 0)
+        except (OSError, ValueError) as exc:
+            logger.warning("stopping: the streamed inputs could not drain first: %s", exc)
+            return
+        if left:
+            logger.warning("stopping: %s streamed input(s) still open after %.0fs are cut",
+                           left, wait)
+        else:
+            logger.info("stopping: every streamed input ended")
+
+    def _stop_child(self, deadline: float | None = None) -> int:
         """Stop vLLM: SIGTERM, which its --shutdown-timeout turns into a drain of requests and
-        transfers of up to the grace period; SIGKILL after that plus STOP_TIMEOUT_S. 0 if it
-        stopped by itself, 1 if it had to be killed."""
+        transfers of up to the grace period (what is left of it by ``deadline``, when a
+        drain of streamed inputs came first); SIGKILL after that plus STOP_TIMEOUT_S. 0 if
+        it stopped by itself, 1 if it had to be killed."""
         child = self._child
         if child.poll() is None:
             logger.info("stopping vLLM: it drains requests and KV transfers for up to %.0fs",
                         self.grace_seconds)
             child.send_signal(signal.SIGTERM)
-            limit = math.ceil(self.grace_seconds) + STOP_TIMEOUT_S
+            left = self.grace_seconds if deadline is None else max(0.0, deadline - time.monotonic())
+            limit = math.ceil(left) + STOP_TIMEOUT_S
             try:
                 child.wait(timeout=limit)
             except subprocess.TimeoutExpired:

@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         "--grace-seconds",
         type=float,
         default=None,
-        help="on SIGTERM, how long in-flight requests and KV transfers get to finish before "
-        "the stage exits (an AR stage passes it to vLLM as --shutdown-timeout; default: the "
-        "stage's kvTransfer.timeoutSeconds, else 30)",
+        help="on SIGTERM, how long in-flight requests, KV transfers and open streams get to "
+        "finish before the stage exits (an AR stage passes it to vLLM as --shutdown-timeout; "
+        "default: the stage's kvTransfer.timeoutSeconds, else 30, or its streamed edges' "
+        "longest streamSeconds if longer)",
     )
     parser.add_argument("--print-command", action="store_true", help="print the vLLM command of an AR stage and exit")
     args = parser.parse_args(argv)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     grace = args.grace_seconds
     if grace is None:
-        grace = config.kv_timeout_seconds or DEFAULT_GRACE_SECONDS
+        grace = default_grace_seconds(config)
     if config.is_endpoint:
         from omni_runtime.pipeline.endpoint import (
             EndpointConfigError,
@@ -93,7 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from omni_runtime.stages.receiver import ReceiverStage
 
-    return ReceiverStage(config, host=args.host).run()
+    return ReceiverStage(config, host=args.host, grace_seconds=grace).run()
+
+
+def default_grace_seconds(config) -> float:
+    """The stage's drain without ``--grace-seconds``: its KV transfers' deadline, or the
+    longest whole-stream deadline of its streamed edges if longer (the contract's
+    ``drain_seconds``, by which the operator sizes the pod's grace period)."""
+    from omni_contract.edges import drain_seconds
+
+    streams = [d.stream for d in config.downstream] + [e.stream for e in config.input_edges]
+    return drain_seconds(config.kv_timeout_seconds or DEFAULT_GRACE_SECONDS, streams)
 
 
 if __name__ == "__main__":

@@ -37,22 +37,28 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 from omni_runtime.pipeline.link import LinkReporter
 from omni_runtime.pipeline.protocol import ProtocolError, parse_origin
-from omni_runtime.stages.config import StageConfig
+from omni_runtime.stages.config import DEFAULT_GRACE_SECONDS, StageConfig
 from omni_runtime.stages.heap import freeze_startup_heap
 from omni_runtime.transfers.streams import check_interval
 
 logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+#: After a stop's drain, how long the streams' senders get to read the last acks before the
+#: KV receiver closes its connections.
+LAST_ANSWERS_S = 1.0
 
 
 class ReceiverStage:
-    def __init__(self, config: StageConfig, *, host: str) -> None:
+    def __init__(self, config: StageConfig, *, host: str,
+                 grace_seconds: float = DEFAULT_GRACE_SECONDS) -> None:
         from omni_runtime.kv.transport import KVInbox, KVReceiver
         from omni_runtime.observability.receiver_metrics import ReceiverMetrics
         from omni_runtime.observability.tracing import resolve_tracer
 
         self.config = config
+        #: On SIGTERM, how long the streams open here may run on (_drain_and_close).
+        self.grace_seconds = grace_seconds
         self.host = host
         self.inbox = KVInbox()
         self.receiver = KVReceiver(
@@ -89,6 +95,9 @@ class ReceiverStage:
         # The pipeline's last stage: what it stored is the answer of the request's endpoint.
         self._links = LinkReporter(config.stage)
         self._stopping = threading.Event()
+        #: SIGTERM came: /health answers 503, no new work is taken; the streams open here
+        #: drain (the deadline timer runs on until ``_stopping``).
+        self._draining = threading.Event()
         self._http = ThreadingHTTPServer((host, config.http_port), self._handler_class())
         self._http.daemon_threads = True
 
@@ -117,7 +126,13 @@ class ReceiverStage:
 
     def _stored(self, payload, ticket) -> None:
         """On the receiver's thread: a payload stored is held here (acked at once), and
-        reported to its pipeline request's endpoint when it came from one."""
+        reported to its pipeline request's endpoint when it came from one; refused while
+        the stage stops (its sender fails it at once rather than at its deadline)."""
+        if self._draining.is_set():
+            self.inbox.discard(payload.request_id)
+            self.receiver.settle(ticket, ("input_refused", f"stage {self.config.stage} is "
+                                                           "stopping"))
+            return
         self.receiver.settle(ticket)
         try:
             found = parse_origin(payload.origin)
@@ -175,7 +190,7 @@ class ReceiverStage:
 
     def health_problem(self) -> str | None:
         """Why the stage is not healthy, or None."""
-        if self._stopping.is_set():
+        if self._draining.is_set():
             return "stopping"
         if not self.receiver.running:
             died = self.receiver.died
@@ -183,12 +198,45 @@ class ReceiverStage:
         return None
 
     def _begin_stop(self) -> None:
-        # A receiver has no transfers of its own in flight: stop taking new ones (health
-        # turns 503 first, so a load balancer stops routing), then stop the HTTP loop from
-        # another thread (shutdown() blocks until serve_forever returns).
-        self._stopping.set()
+        # Health turns 503 first, so a load balancer stops routing; the rest off the signal
+        # handler (the drain waits, and shutdown() blocks until serve_forever returns).
+        if self._draining.is_set():
+            return
+        if self.streams is not None:  # before health says so: no new stream after a 503
+            self.streams.stop_taking(f"stage {self.config.stage} is stopping")
+        self._draining.set()
+        threading.Thread(target=self._drain_and_close, name="omni-stage-stop",
+                         daemon=True).start()
+
+    def _drain_and_close(self) -> None:
+        """A stop: no new work (a whole hand-off or a stream's first chunk is refused, the
+        stage is stopping), the streams open here run on to their end, their last chunk,
+        their producer's end or a deadline, for up to the grace period (which covers the
+        edges' longest streamSeconds: omni_contract.edges.drain_seconds), so that a stop (a
+        rollout's, a scale-in's) never cuts a stream it could let finish; then the receiver
+        closes and the HTTP loop stops. A whole transfer has nothing in flight here once
+        stored (acked at once)."""
+        if self.streams is not None:
+            open_now = len(self.streams.open_streams())
+            if open_now:
+                logger.info("stopping: %d open stream(s) may run on for up to %.0fs",
+                            open_now, self.grace_seconds)
+            left = self.streams.wait_drained(self.grace_seconds)
+            if left:
+                logger.warning(
+                    "stopping: %d stream(s) still open after the %.0fs grace period are cut: %s",
+                    len(left), self.grace_seconds,
+                    ", ".join(f"request {r.request_id} from {r.from_stage}" for r in left))
+            elif open_now:
+                logger.info("stopping: every open stream ended")
+            if open_now:
+                # The last chunks' acks are sent at once, but a sender that has not read one
+                # when the connection goes loses it (ZeroMQ drops what its peer did not read),
+                # and would fail a chunk this stage took: their readers get a moment.
+                self._stopping.wait(LAST_ANSWERS_S)
         self.receiver.close()
-        threading.Thread(target=self._http.shutdown, daemon=True).start()
+        self._stopping.set()  # the deadline timer ends
+        self._http.shutdown()
 
     def _handler_class(self):
         stage = self

@@ -167,6 +167,9 @@ class StageInput:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix=f"omni-input-{settings.stage}")
         self._stopping = False
+        #: The stage stops (drain_streams): no new hand-off or stream; open streams go on.
+        self.draining = False
+        self._drain_changed: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
         self._files = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -232,6 +235,45 @@ class StageInput:
             await self._session.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ------------------------------------------------------------------ a stop's drain
+    def open_streams(self) -> int:
+        """The streamed inputs open here (their streams begun, not ended)."""
+        if self.streams is None:
+            return 0
+        return int(sum(c.get("open", 0) for c in self.streams.ledger.counts().values()))
+
+    async def drain_streams(self, timeout: float) -> int:
+        """The stage is stopping: from now on a hand-off or a chunk that would begin a new
+        stream is refused (the stage is stopping), while each open stream goes on to its
+        last chunk, its producer's end or a deadline; returns once none is open, or after
+        ``timeout`` seconds, with the number still open. Before vLLM's own drain, which
+        would end a streamed request waiting for its next chunk as if it had finished
+        (the stage's supervisor calls it first: ar.py)."""
+        self.draining = True
+        if self.streams is None:
+            return 0
+        if self._drain_changed is None:
+            from omni_runtime.transfers.streams import StreamObserver
+
+            loop, changed = self._loop, asyncio.Event()
+
+            class Ended(StreamObserver):  # each stream's end wakes the drain
+                def on_resolved(self, end: Any, stream: Any, now: float) -> None:
+                    loop.call_soon_threadsafe(changed.set)
+
+            self._drain_changed = changed
+            self.streams.ledger.add_observer(Ended())
+        deadline = self._loop.time() + timeout
+        while True:
+            self._drain_changed.clear()
+            left, remaining = self.open_streams(), deadline - self._loop.time()
+            if not left or remaining <= 0:
+                return left
+            try:
+                await asyncio.wait_for(self._drain_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
     @property
     def dead(self) -> str | None:
         """Why the stage cannot take inputs any more (its receiver's thread died), or None."""
@@ -248,7 +290,7 @@ class StageInput:
         self._loop.call_soon_threadsafe(self._spawn, payload.request_id, ticket)
 
     def _spawn(self, request_id: str, ticket: Any) -> None:
-        if self._stopping:
+        if self._stopping or self.draining:
             self.receiver.settle(ticket, ("input_refused", f"stage {self.settings.stage} is "
                                                            "stopping"))
             return
@@ -326,8 +368,9 @@ class StageInput:
         self._loop.call_soon_threadsafe(self._spawn_chunk, message, ticket)
 
     def _spawn_chunk(self, message: Any, ticket: Any) -> None:
-        if self._stopping:
-            if ticket is not None:
+        if self._stopping or (self.draining and ticket is not None and (
+                message.request_id, message.from_stage) not in self._stream_requests):
+            if ticket is not None:  # stopping, or a new stream while the open ones drain
                 self.receiver.settle(ticket, ("input_refused",
                                               f"stage {self.settings.stage} is stopping"))
             return
@@ -656,6 +699,11 @@ def _remove(path: str | None) -> None:
             pass
 
 
+#: The route by which the stage's supervisor drains its streamed inputs before vLLM stops
+#: (StageInputMiddleware._drain; ar.py).
+DRAIN_PATH = "/omni/drain"
+
+
 class StageInputMiddleware:
     """vLLM's ``--middleware`` hook (an ASGI middleware): starts the stage input with the
     server (its lifespan; the engine client is on the app's state by then), stops it with
@@ -673,7 +721,39 @@ class StageInputMiddleware:
                 and self.stage_input is not None and (dead := self.stage_input.dead)):
             await _respond(send, 503, f'{{"error": "{dead}"}}'.encode())
             return
+        if scope["type"] == "http" and scope.get("path") == DRAIN_PATH:
+            await self._drain(scope, send)
+            return
+        if (scope["type"] == "http" and scope.get("path") == "/health"
+                and self.stage_input is not None and self.stage_input.draining):
+            await _respond(send, 503, b'{"error": "stopping"}')
+            return
         await self.app(scope, receive, send)
+
+    async def _drain(self, scope: dict, send: Any) -> None:
+        """``POST /omni/drain?wait=SECONDS``, from the stage's own supervisor only (the same
+        host: the port is open to every client): the stage's streamed inputs drain
+        (StageInput.drain_streams), answered with the number still open when they are done
+        or the wait is over."""
+        client = (scope.get("client") or ("",))[0]
+        server = (scope.get("server") or ("",))[0]
+        if client not in ("127.0.0.1", "::1", server):
+            await _respond(send, 403, b'{"error": "only the stage itself may drain it"}')
+            return
+        if scope.get("method") != "POST":
+            await _respond(send, 405, b'{"error": "POST"}')
+            return
+        import json
+        import urllib.parse
+
+        try:
+            query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode()))
+            wait = max(0.0, float(query.get("wait", "0")))
+        except ValueError:
+            await _respond(send, 400, b'{"error": "wait must be a number of seconds"}')
+            return
+        left = 0 if self.stage_input is None else await self.stage_input.drain_streams(wait)
+        await _respond(send, 200, json.dumps({"open": left}).encode())
 
     def _lifespan_receive(self, scope: dict, receive: Any) -> Any:
         async def wrapped() -> dict:

@@ -69,6 +69,10 @@ class StreamInbox:
         self._finished: OrderedDict[tuple[str, str], StreamRecord] = OrderedDict()
         #: Chunks ahead of their turn: (request, stage, seq) -> (tokens, ticket).
         self._early: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        #: Set when the stage stops (:meth:`stop_taking`): why a new stream is refused.
+        self._refusing: str | None = None
+        #: Arrivals whose answers are decided but not yet given to ``settle``.
+        self._answering = 0
 
     def arrive(self, chunk: Any, ticket: Any) -> None:
         """On the receiver's thread: a chunk (protocol.StreamChunk) and its ticket."""
@@ -80,6 +84,17 @@ class StreamInbox:
             return
         key = (chunk.request_id, chunk.from_stage)
         ended: list[StreamRecord] = []
+        with self._cond:
+            if self._refusing is not None and self.ledger.get(*key) is None:
+                # Stopping: the streams open here run to their end, a new one is not begun.
+                refusal = ("input_refused", f"chunk {chunk.seq} of the stream of request "
+                           f"{chunk.request_id} begins a new stream: {self._refusing}")
+                self._cond.notify_all()
+            else:
+                refusal = None
+        if refusal is not None:
+            self._settle(ticket, refusal)
+            return
         with self._cond:
             verdict, ready = self.ledger.arrive(chunk.request_id, chunk.from_stage, chunk.seq,
                                                 chunk.last, chunk.produced_at, settings,
@@ -114,14 +129,21 @@ class StreamInbox:
                 if stream.resolved:
                     ended.append(self._close(key, stream))
                 self._cond.notify_all()
-        if verdict == "next":
-            if started and self._on_start is not None:
-                self._on_start(record, chunk)
-            for its_ticket in answered:
-                self._settle(its_ticket, None)
-        else:
-            self._settle(ticket, refusal)
-        self._ended(ended)
+            # Its answers are given below, out of the lock: until then a drain waits.
+            self._answering += 1
+        try:
+            if verdict == "next":
+                if started and self._on_start is not None:
+                    self._on_start(record, chunk)
+                for its_ticket in answered:
+                    self._settle(its_ticket, None)
+            else:
+                self._settle(ticket, refusal)
+            self._ended(ended)
+        finally:
+            with self._cond:
+                self._answering -= 1
+                self._cond.notify_all()
 
     def end(self, end: Any) -> None:
         """On the receiver's thread: the producer ended a stream early (protocol.StreamEnd)."""
@@ -168,6 +190,38 @@ class StreamInbox:
         if self._on_end is not None:
             for record in records:
                 self._on_end(record)
+
+    def stop_taking(self, why: str) -> None:
+        """From now on a chunk that would begin a new stream is refused (``why`` says so);
+        the streams open here go on until they end."""
+        with self._cond:
+            self._refusing = why
+            self._cond.notify_all()
+
+    def open_streams(self) -> list[StreamRecord]:
+        """The streams begun here and not ended (a stream whose first chunk is still early
+        included)."""
+        with self._cond:
+            return self._open_locked()
+
+    def _open_locked(self) -> list[StreamRecord]:
+        # A stream in the ledger has its record here once its next chunk came, else only
+        # early chunks (resolving it drops both: _close).
+        keys = set(self._open) | {key[:2] for key in self._early}
+        return [self._open.get(key) or StreamRecord(*key, None) for key in sorted(keys)]
+
+    def wait_drained(self, timeout: float) -> list[StreamRecord]:
+        """Wait until no stream is open here (each ends at its last chunk, its producer's
+        end or a deadline: the stage's deadline timer keeps running), at most ``timeout``
+        seconds; the streams still open then (empty: drained)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                left = self._open_locked()
+                remaining = deadline - time.monotonic()
+                if (not left and not self._answering) or remaining <= 0:
+                    return left
+                self._cond.wait(remaining)
 
     def get(self, request_id: str, wait: float = 0.0) -> StreamRecord | None:
         """The stream of ``request_id`` (from any stage) once it ended, waiting up to

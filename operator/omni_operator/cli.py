@@ -15,7 +15,8 @@ including an empty file, a file with no document, and a document of another kind
 however malformed, ends in a traceback.
 
 ``up`` takes the same file ``kubectl apply`` takes and hands it to the local supervisor
-(``local.py``). ``status`` reads the stages of a pipeline ``up`` runs and prints the
+(``local.py``); with ``--streaming`` (and ``--demo N``) also the same pipeline with every edge
+fed whole, to time both modes' first output. ``status`` reads the stages of a pipeline ``up`` runs and prints the
 per-stage and per-edge transfer table the operator's status is computed from
 (``local_status.py``); exit code 0 healthy, 1 stuck or failing, 3 unknown, 2 not running.
 """
@@ -84,6 +85,11 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
     pipeline = _load_one(args.file, out)
     if pipeline is None:
         return 2
+    compare = None
+    if args.streaming:
+        compare = _whole_variant(args, pipeline, out)
+        if compare is None:
+            return 2
 
     def reload(path: Path):
         changed = _load_one(path, out)
@@ -92,8 +98,37 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
         return changed
 
     options = UpOptions(host=args.host, workdir=args.workdir, keep=args.keep, demo=args.demo, exit_after=args.exit_after,
-                        reload=file_watcher(args.file, reload) if args.watch else None, port=args.port)
+                        reload=file_watcher(args.file, reload) if args.watch else None, port=args.port,
+                        compare=compare)
     return run_pipeline(pipeline, options, out)
+
+
+def _whole_variant(args: argparse.Namespace, pipeline, out: TextIO):
+    """``up --streaming``: the file's pipeline with every edge fed whole, to compare with;
+    None (reported) where the comparison cannot be made."""
+    from .local import whole_edges
+
+    problem = None
+    if not pipeline.streamed_edges():
+        problem = ("has no streamed edge (spec.stages[].streams) to compare with whole hand-offs; "
+                   "run a file with one, e.g. examples/tiny-omni-streaming.yaml")
+    elif pipeline.endpoint_stages is None:
+        problem = ("has no one endpoint (one entry ar stage, one last stage), so no first output "
+                   "to time; --streaming needs one")
+    elif not args.demo:
+        problem = "--streaming times the demo's requests: give --demo N too"
+    elif args.watch:
+        problem = "--streaming and --watch do not go together: compare first, then watch"
+    if problem is not None:
+        print(f"{args.file}: {problem}", file=out)
+        return None
+    [document] = [d for d in load_documents(read_text(args.file)) if d.value is not None]
+    try:
+        return admit(whole_edges(document.value)).pipeline
+    except SpecError as exc:
+        for found in exc.problems:
+            print(f"{args.file}: with every edge whole (--streaming): {found}", file=out)
+        return None
 
 
 def _load_one(path: Path, out: TextIO):
@@ -150,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read the file again every second; a new revision rolls out (receivers first, the old one "
                         "drained by its transfers) behind one stable address, the pipeline's front")
     u.add_argument("--port", type=int, default=0, help="the front's port with --watch (default: a free one)")
+    u.add_argument("--streaming", action="store_true",
+                   help="with --demo N: after the demo's requests (streamed, as the file's edges say), start the "
+                        "same pipeline with every edge whole, send it the same requests, stop it, and print both "
+                        "modes' first output's times")
     s = sub.add_parser("status", help="the transfer health of a pipeline that `omni-pipeline up` runs")
     s.add_argument("file", type=Path)
     s.add_argument("--workdir", help="the `up --workdir` of the pipeline (default: found by its name)")

@@ -128,6 +128,7 @@ class PodMetricsSource:
         read_at = self.clock()
         targets: list[tuple[Key, str, str, str, bool, str, bool]] = []  # key, stage, pod, uid, ready, url, draining
         errors: dict[Key, str] = {}
+        costs: dict[Key, dict[str, str | None]] = {k: {} for k in wanted}
         for namespace in sorted({ns for ns, _ in wanted}):
             try:
                 pods = self.kube.list_pods(namespace, POD_SELECTOR)
@@ -144,6 +145,9 @@ class PodMetricsSource:
                 ip = status.get("podIP")
                 if key not in wanted or status.get("phase") != "Running" or not ip:
                     continue
+                if not meta.get("deletionTimestamp"):
+                    costs[key][meta.get("name", "")] = (meta.get("annotations") or {}).get(
+                        naming.POD_DELETION_COST)
                 host = f"[{ip}]" if ":" in ip else ip
                 url = f"http://{host}:{http_port(pod)}/metrics?{METRICS_QUERY}"
                 targets.append((key, labels.get(naming.STAGE_LABEL, ""), meta.get("name", ""),
@@ -175,7 +179,8 @@ class PodMetricsSource:
             out[key] = PipelineReading(
                 read_at=read_at, interval=read_at - last if last is not None else 0.0,
                 stages={s: StageReading(tuple(p), tuple(u)) for s, (p, u) in stages[key].items()},
-                error=errors.get(key, ""), draining=draining[key])
+                error=errors.get(key, ""), draining=draining[key],
+                deletion_costs=None if key in errors else costs[key])
             self._last_read[key] = read_at
         for key in list(self._last_read):
             if key not in wanted:

@@ -149,5 +149,10 @@ class Kube:
                               query={"labelSelector": label_selector})
         return list((result or {}).get("items") or [])
 
+    def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A stage pod's annotations (its deletion cost: deletion_cost.py), by merge patch."""
+        return self.request("patch", "Pod", "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                            body=patch, content_type=MERGE_PATCH)
+
     def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("create", "Event", "POST", f"/api/v1/namespaces/{namespace}/events", body=body)

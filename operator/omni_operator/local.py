@@ -417,26 +417,138 @@ class Front:
         self._server.server_close()
 
 
-def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO) -> None:
+#: What a streamed demo asks of its entry stage (``up --streaming``): enough tokens that a
+#: whole hand-off comes well after a stream's first chunk, all of them said (``ignore_eos``:
+#: the tiny random model may end a request at once).
+STREAMING_DEMO_TOKENS = 40
+
+
+def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO, *,
+                       tokens: int = 8, ignore_eos: bool = False, label: str = "",
+                       ends: tuple[str, str] | None = None) -> list[float | None]:
     """``count`` requests to ``stage`` (the pipeline's endpoint), each answer printed: the last
-    stage's text, or what its payload holds."""
+    stage's text, or what its payload holds. Returns each request's first output's time
+    (:func:`first_output_seconds` between ``ends``, the entry and last stages' names; None
+    without them, or where the answer does not say)."""
     prompts = ["Hello world", "The quick brown fox jumps over the lazy dog.",
                "An omni pipeline ships KV caches between stages."]
+    firsts: list[float | None] = []
     for i in range(count):
-        body = json.dumps({"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 8,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(stage.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        request = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": tokens,
+                   "temperature": 0}
+        if ignore_eos:
+            request["ignore_eos"] = True
+        req = urllib.request.Request(stage.url + "/v1/completions", json.dumps(request).encode(),
+                                     {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:
-            choice = json.loads(resp.read())["choices"][0]
+            answer = json.loads(resp.read())
+        choice = answer["choices"][0]
+        firsts.append(first_output_seconds(answer, *ends) if ends else None)
         payload = choice.get("omni_payload")
         if payload is None:
-            answer = repr(choice["text"])
+            text = repr(choice["text"])
         else:
             what = (f"in {payload['chunks']} streamed chunks" if payload.get("streamed")
                     else f"and their KV {payload['dtype']}{payload['shape']}")
-            answer = (f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} in, the rest "
-                      f"generated) {what} at stage {payload['stage']}, from {payload['from_stage']}")
-        print(f"request {i}: {prompts[i % len(prompts)]!r} -> {answer}", file=out)
+            text = (f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} in, the rest "
+                    f"generated) {what} at stage {payload['stage']}, from {payload['from_stage']}")
+        print(f"{label}request {i}: {prompts[i % len(prompts)]!r} -> {text}", file=out, flush=True)
+    return firsts
+
+
+def warm_up(stage: LocalStage, model: str) -> None:
+    """One untimed request through the pipeline (``up --streaming``): a pipeline's first
+    request pays what no later one does (the KV connections' hellos, the engines' first
+    steps), which a comparison of the two modes must not time."""
+    body = json.dumps({"model": model, "prompt": "warm-up", "max_tokens": STREAMING_DEMO_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(stage.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
+def first_output_seconds(answer: Mapping[str, Any], entry: str, last: str) -> float | None:
+    """A pipeline endpoint's answer's first output's time: from the request's arrival at the
+    endpoint (``entry``'s ``sent_at``) to the moment the pipeline's ``last`` stage took its
+    first input (``taken_at``: a stream's first chunk, or a whole hand-off; what a vocoder
+    would begin to speak from), from the stages' timings the endpoint returns
+    (``omni.stages``, docs/stages.md); None for an answer without them."""
+    stages = (answer.get("omni") or {}).get("stages") or {}
+    sent = (stages.get(entry) or {}).get("sent_at")
+    taken = (stages.get(last) or {}).get("taken_at")
+    if not isinstance(sent, (int, float)) or not isinstance(taken, (int, float)):
+        return None
+    return max(0.0, taken - sent)
+
+
+def endpoint_names(pipeline: Pipeline) -> tuple[str, str] | None:
+    """(entry, last) stage names of a pipeline with one endpoint, else None."""
+    shape = pipeline.endpoint_stages
+    return None if shape is None else (shape[0].name, shape[1].name)
+
+
+def whole_edges(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The same pipeline with every edge fed whole: ``streams`` dropped from each stage (its
+    ``inputs`` stay, so each upstream then hands its output off at its
+    ``kvTransfer.criteria``). What ``up --streaming`` compares the file with."""
+    spec = dict(body.get("spec") or {})
+    spec["stages"] = [{k: v for k, v in stage.items() if k != "streams"}
+                      for stage in spec.get("stages") or ()]
+    return {**body, "spec": spec}
+
+
+def compare_first_outputs(local: LocalPipeline, whole: Pipeline, streamed: list[float | None],
+                          env: dict[str, str], stop: threading.Event, out: TextIO,
+                          workdir: Path) -> None:
+    """``up --streaming``: the same requests at ``whole`` (the pipeline with every edge fed
+    whole), started beside the running one in ``workdir`` and stopped once answered, then
+    both modes' first output's times printed."""
+    print(f"starting the same pipeline with every edge whole (its streams dropped) to compare "
+          f"(its stage configs and logs in {workdir})", file=out, flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    other = LocalPipeline(whole, workdir, local.host)
+    try:
+        if not other.start(env, stop):
+            if not stop.is_set():
+                print(f"the whole-hand-off pipeline did not come up (its logs in {workdir}); "
+                      "no comparison", file=out, flush=True)
+            return
+        warm_up(other.entry, whole.model.name)
+        firsts = send_demo_requests(other.entry, whole.model.name, len(streamed), out,
+                                    tokens=STREAMING_DEMO_TOKENS, ignore_eos=True,
+                                    label="whole: ", ends=endpoint_names(whole))
+    finally:
+        other.stop()
+    print(first_output_summary(local.pipeline, streamed, firsts), file=out, flush=True)
+
+
+def first_output_summary(pipeline: Pipeline, streamed: list[float | None],
+                         whole: list[float | None]) -> str:
+    """The two modes' first output's times, each request's and the medians, and how much
+    sooner the streamed one came."""
+    shape = pipeline.endpoint_stages
+    last = shape[1].name if shape is not None else "the last stage"
+
+    def row(times: list[float | None]) -> tuple[str, float | None]:
+        known = sorted(t for t in times if t is not None)
+        median = known[len(known) // 2] if known else None
+        text = ", ".join("-" if t is None else f"{t:.3f} s" for t in times)
+        return text + (f" (median {median:.3f} s)" if median is not None else ""), median
+
+    streamed_row, streamed_median = row(streamed)
+    whole_row, whole_median = row(whole)
+    lines = [f"first output (the request at the endpoint until {last} took its first input), "
+             f"{len(streamed)} requests each way:",
+             f"  streamed:        {streamed_row}",
+             f"  whole hand-offs: {whole_row}"]
+    if streamed_median and whole_median:
+        if streamed_median < whole_median:
+            lines.append(f"  streamed, the first output came {whole_median / streamed_median:.1f}x "
+                         "sooner")
+        else:
+            lines.append("  streamed, the first output came no sooner")
+    return "\n".join(lines)
 
 
 def show_arrivals(local: LocalPipeline, expected: int, stop: threading.Event, out: TextIO) -> None:
@@ -470,6 +582,9 @@ class UpOptions:
     #: or invalid, reported), to roll to when its revision differs. None: no watching.
     reload: Callable[[], Pipeline | None] | None = None
     port: int = 0  # the front's port with reload (0: a free one)
+    #: With demo: the same pipeline with every edge whole (``whole_edges``), run after the
+    #: demo requests with the same requests, both modes' first output's times printed.
+    compare: Pipeline | None = None
 
 
 def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
@@ -513,8 +628,18 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
             front.switch(local.entry.url)
         show()
         if args.demo:
-            send_demo_requests(front if front is not None else local.entry, pipeline.model.name, args.demo, out)
+            entry = front if front is not None else local.entry
+            if args.compare is None:
+                send_demo_requests(entry, pipeline.model.name, args.demo, out)
+            else:
+                warm_up(entry, pipeline.model.name)
+                streamed = send_demo_requests(entry, pipeline.model.name, args.demo, out,
+                                              tokens=STREAMING_DEMO_TOKENS, ignore_eos=True,
+                                              ends=endpoint_names(pipeline))
             show_arrivals(local, args.demo, stop, out)
+            if args.compare is not None:
+                compare_first_outputs(local, args.compare, streamed, env, stop, out,
+                                      workdir / "whole")
         while not stop.wait(1.0):
             local.poll()
             show()

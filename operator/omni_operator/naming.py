@@ -109,3 +109,8 @@ def common_labels(pipeline: str, stage: str | None = None, revision: str | None 
         labels["app.kubernetes.io/component"] = stage
     labels.update(selector_labels(pipeline, stage, revision))
     return labels
+
+#: The pod annotation by which a ReplicaSet scaling in removes the pods of lowest cost first
+#: (Kubernetes 1.22+, beta, on by default); the operator sets it on stage pods from their open
+#: streams (deletion_cost.py).
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"

@@ -21,6 +21,7 @@ import math
 import re
 from typing import Any, Mapping
 
+from omni_contract import edges
 from omni_contract.metrics import EDGE_ACTIVE, OLDEST_START, STREAMS, TRANSFERS
 
 from . import API_VERSION, KIND, naming
@@ -418,8 +419,7 @@ def drain_seconds(pipeline: Pipeline, stage: Stage) -> int:
     kubelet never cuts the drain short of it)."""
     streams = [pipeline.stage(d).edge_from(stage.name).stream for d in pipeline.downstream_of(stage.name)]
     streams += [edge.stream for edge in stage.streams]
-    longest = max((s.stream_seconds for s in streams if s is not None), default=0.0)
-    return max(stage.kv.timeout_seconds, math.ceil(longest))
+    return math.ceil(edges.drain_seconds(stage.kv.timeout_seconds, streams))
 
 
 def _endpoint_container(pipeline: Pipeline, stage: Stage, stage_container: Mapping[str, Any]

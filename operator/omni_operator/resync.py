@@ -2,7 +2,8 @@
 
 It refreshes status and repairs drift that no event reported, and it is where the stages'
 transfer metrics are read (``health.TransferHealth.refresh``): once per round, for every
-pipeline, before the pipelines are reconciled; a reconcile itself never reads them. A plain
+pipeline, before the pipelines are reconciled; a reconcile itself never reads them. From that
+reading it also sets each stage pod's deletion cost (``deletion_cost.py``). A plain
 thread rather than a kopf timer, because kopf timers put a finalizer on each resource, and
 deleting a pipeline should not depend on the operator running.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from . import deletion_cost
 from .health import TransferHealth
 from .reconcile import Reconciler
 
@@ -48,6 +50,7 @@ class Resync:
                 self.health.refresh(pipelines)
             except Exception:
                 log.exception("resync: reading the stages' transfer metrics failed")
+            self._set_deletion_costs(pipelines)
         for body in pipelines:
             meta = body.get("metadata") or {}
             try:
@@ -55,6 +58,22 @@ class Resync:
             except Exception:
                 log.exception("resync of %s/%s failed", meta.get("namespace"), meta.get("name"))
         self.rounds += 1
+
+    def _set_deletion_costs(self, pipelines: list[dict]) -> None:
+        """Each stage pod's deletion cost from the streams open at it, where it changed
+        (deletion_cost.py): a scale-in then removes idle replicas first."""
+        for body in pipelines:
+            meta = body.get("metadata") or {}
+            namespace = meta.get("namespace") or "default"
+            reading = self.health.reading(namespace, meta.get("name", ""))
+            if reading is None:
+                continue
+            for pod, patch in deletion_cost.patches(reading).items():
+                try:
+                    self.reconciler.kube.patch_pod(namespace, pod, patch)
+                except Exception as exc:  # noqa: BLE001 - a pod gone meanwhile; the next round sees
+                    log.info("resync: setting the deletion cost of pod %s/%s failed: %s",
+                             namespace, pod, getattr(exc, "status", "") or exc)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

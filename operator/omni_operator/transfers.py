@@ -319,6 +319,10 @@ class PipelineReading:
     #: Terminating pods (an old revision draining), by name: read for the rollout's drain,
     #: left out of the stages' figures and of the verdict.
     draining: Mapping[str, PodReading] = field(default_factory=dict)
+    #: Each running pod's ``controller.kubernetes.io/pod-deletion-cost`` as listed (None:
+    #: absent), by name, for ``deletion_cost.patches``; None where the source lists no pods
+    #: (Prometheus).
+    deletion_costs: Mapping[str, str | None] | None = None
 
 
 # ------------------------------------------------------------------------------- status

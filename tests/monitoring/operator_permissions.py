@@ -32,6 +32,8 @@ FIXED_METHODS: dict[str, set[Permission]] = {
     "create_event": {("", "events", "create")},
     # The stage pods: their /metrics (transfer health), and which remain while a revision drains.
     "list_pods": {("", "pods", "list")},
+    # Their deletion cost from their open streams (deletion_cost.py), on the resync timer.
+    "patch_pod": {("", "pods", "patch")},
     # An autoscaled stage's OmniStageScaler status (its pods and selector, for the autoscaler).
     "patch_status": {(GROUP, "omnistagescalers/status", "patch")},
     "serves": set(),  # API discovery (GET /apis/<group>/<version>): open to every account

@@ -42,6 +42,13 @@ NON_DEFAULT = {
                        "runbookBaseUrl": "https://wiki.example/omni/runbooks"},
     "dashboards": {"enabled": True, "namespace": "grafana",
                    "annotations": {"grafana_folder": "Omni"}},
+    "ingress": {"enabled": True, "pipeline": "qwen-omni", "entryStage": "thinker",
+                "namespace": "ml-team", "className": "nginx",
+                "annotations": {"cert-manager.io/cluster-issuer": "letsencrypt"},
+                "hosts": [{"host": "omni.example.com",
+                           "paths": [{"path": "/v1", "pathType": "Prefix"}]},
+                          {"host": "", "paths": [{"path": "/", "pathType": "Prefix"}]}],
+                "tls": [{"secretName": "omni-example-tls", "hosts": ["omni.example.com"]}]},
     "podAnnotations": {"a": "b"},
     "podLabels": {"team": "ml"},
     "priorityClassName": "system-cluster-critical",
@@ -49,7 +56,8 @@ NON_DEFAULT = {
     "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
 }
 ALL_ON = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
-          "dashboards": {"enabled": True}}
+          "dashboards": {"enabled": True},
+          "ingress": {"enabled": True, "pipeline": "tiny-omni-streaming", "entryStage": "thinker"}}
 VALUE_SETS = {"default": {}, "all-toggles-on": ALL_ON, "non-default": NON_DEFAULT}
 
 
@@ -297,6 +305,15 @@ def test_rbac_check_is_not_vacuous():
     {"serviceMonitor": {"interval": "soon"}},
     {"transferHealth": {"prometheusUrl": "prometheus:9090"}},
     {"transferHealth": {"failingRatio": 1}},
+    {"ingress": {"pipeline": "Tiny"}},
+    {"ingress": {"entryStage": "2talker"}},
+    {"ingress": {"hosts": [{"host": "https://omni.example.com", "paths": [{"path": "/", "pathType": "Prefix"}]}]}},
+    {"ingress": {"hosts": [{"host": "omni.example.com:443", "paths": [{"path": "/", "pathType": "Prefix"}]}]}},
+    {"ingress": {"hosts": [{"host": "omni.example.com", "paths": [{"path": "v1", "pathType": "Prefix"}]}]}},
+    {"ingress": {"hosts": [{"host": "omni.example.com", "paths": [{"path": "/", "pathType": "Regex"}]}]}},
+    {"ingress": {"hosts": [{"host": "omni.example.com", "paths": []}]}},
+    {"ingress": {"tls": [{"secretName": "Bad_Name"}]}},
+    {"ingress": {"tls": [{"secretName": "ok", "host": "omni.example.com"}]}},
 ])
 def test_values_schema_rejects_bad_values(bad):
     with helm.Chart.load(CHART) as chart:
@@ -315,3 +332,68 @@ def test_notes_say_what_was_installed():
     assert "ml-team, research" in text and "fires after 120s" in text
     assert 'grafana_dashboard="1"' in text
     assert "all namespaces" in notes()
+
+
+# ---------------------------------------------------------------------------- the Ingress
+def test_no_ingress_unless_enabled():
+    assert not by_kind(render(), "Ingress")
+    assert "Ingress" not in notes()
+
+
+def test_the_ingress_serves_the_port_the_operator_gives_the_pipelines_endpoint():
+    """Its backend is the Service and port the operator renders for the pipeline's endpoint
+    (its entry stage's stable Service, port `endpoint`), in the pipeline's namespace, and
+    `status.endpoint` names the same Service and port."""
+    from omni_operator import naming
+    from omni_operator.admission import admit
+
+    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
+    body["metadata"]["namespace"] = "ml-team"
+    children = admit(body).children
+    ingress = one(render({"ingress": {"enabled": True, "pipeline": "tiny-omni-streaming",
+                                      "entryStage": "thinker", "namespace": "ml-team"}}),
+                  "Ingress")
+    assert ingress["metadata"]["namespace"] == "ml-team"
+    assert ingress["metadata"]["name"] == "tiny-omni-streaming-endpoint"
+    [rule] = ingress["spec"]["rules"]
+    assert rule["host"] == "omni-pipeline.local"  # the default host
+    [path] = rule["http"]["paths"]
+    backend = path["backend"]["service"]
+    services = {c["metadata"]["name"]: c for c in children if c["kind"] == "Service"}
+    service = services[backend["name"]]
+    assert service["metadata"]["namespace"] == "ml-team"
+    [port] = [p for p in service["spec"]["ports"] if p["name"] == backend["port"]["name"]]
+    assert port["port"] == naming.ENDPOINT_PORT
+    assert naming.pipeline_endpoint("tiny-omni-streaming", "thinker", "ml-team") == \
+        f"http://{backend['name']}.ml-team.svc:{port['port']}"
+    # No other stage's Service has the port.
+    assert [n for n, s in services.items()
+            if any(p["name"] == "endpoint" for p in s["spec"]["ports"])] == [backend["name"]]
+
+
+def test_the_ingress_takes_class_annotations_hosts_and_tls_as_given():
+    ingress = one(render(NON_DEFAULT), "Ingress")
+    assert ingress["metadata"]["namespace"] == "ml-team"
+    assert ingress["metadata"]["annotations"] == {"cert-manager.io/cluster-issuer": "letsencrypt"}
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    assert spec["tls"] == [{"hosts": ["omni.example.com"], "secretName": "omni-example-tls"}]
+    first, anyhost = spec["rules"]
+    assert first["host"] == "omni.example.com" and "host" not in anyhost
+    assert [p["path"] for p in first["http"]["paths"]] == ["/v1"]
+    assert {p["backend"]["service"]["name"] for r in spec["rules"] for p in r["http"]["paths"]} \
+        == {"qwen-omni-thinker"}
+    text = notes(NON_DEFAULT)
+    assert "https://omni.example.com/v1" in text and "http://<any host>/" in text
+
+
+@pytest.mark.parametrize("ingress, message", [
+    ({"enabled": True, "entryStage": "thinker"}, "ingress.enabled needs ingress.pipeline"),
+    ({"enabled": True, "pipeline": "tiny"}, "ingress.enabled needs ingress.entryStage"),
+    ({"enabled": True, "pipeline": "a" * 40, "entryStage": "b" * 30}, "over 63 characters"),
+    ({"enabled": True, "pipeline": "tiny", "entryStage": "thinker", "hosts": []},
+     "at least one entry in ingress.hosts"),
+])
+def test_an_ingress_without_its_pipeline_fails_to_render_naming_the_value(ingress, message):
+    with pytest.raises(helm.HelmError, match=message):
+        render({"ingress": ingress})

@@ -15,11 +15,13 @@ handles no events meanwhile (a namespaced install ran on the resync timer alone)
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 
 from k8s_emulator import ApiCall, EmulatorThread
+from metrics_pages import PageServer, ar_page, create_pod
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, RunningOperator, complete_rollout, create_pipeline,
                            make_kube, patch_pipeline, pipeline_body, status, wait_for, workload)
 from omni_operator import naming
@@ -77,7 +79,8 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool, keda: bool) 
     """Create, adopt, update, break, repair and delete a pipeline with an autoscaled stage (its
     autoscaler a KEDA ScaledObject where ``keda``, else an HPA); the operator's calls."""
     # the Prometheus Operator's CRDs are served, and KEDA's in one of the two sessions
-    with EmulatorThread(podmonitors=True, keda=keda) as emu:
+    page = PageServer(ar_page("talker", streams={("thinker", "talker"): {"open": 3}}))
+    with EmulatorThread(podmonitors=True, keda=keda) as emu, _stopping(page):
         emu.emulator.authorize = authorize
         user = make_kube(emu.url, "cluster-admin")
         user.request("create", "Namespace", "POST", "/api/v1/namespaces",
@@ -130,9 +133,13 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool, keda: bool) 
             del stages[0]["inputs"]
             patch_pipeline(user, "tiny", {"spec": {"stages": stages}})
             wait_for(lambda: status(user).get("phase") == "Progressing", what="the spec valid again")
-            # A resync round with the pipeline present reads its stage pods' metrics (list pods).
+            # A resync round with the pipeline present reads its stage pods' metrics (list pods),
+            # and sets the deletion cost of a pod with streams open (patch pods).
+            create_pod(user, "tiny", "talker", "tiny-talker-busy", page.port)
             wait_for(lambda: any(c.verb == "list" and c.resource == "pods" for c in emu.calls(OPERATOR_TOKEN)),
                      what="a resync round's list of the stage pods")
+            wait_for(lambda: any(c.verb == "patch" and c.resource == "pods" for c in emu.calls(OPERATOR_TOKEN)),
+                     what="a resync round's deletion cost of the busy pod")
             user.patch(DEPLOYMENT, NAMESPACE, workload("talker", body), {"spec": {"replicas": 5}})
             wait_for(lambda: user.get(DEPLOYMENT, NAMESPACE, workload("talker", body))["spec"]["replicas"] == 2,
                      what="the hand edit reverted")
@@ -150,6 +157,14 @@ def scripted_session(authorize: ChartAuthorizer, clusterwide: bool, keda: bool) 
         # (and shows in the audit log, asserted below).
         assert op.metrics.reconciles.labels("error")._value.get() == 0
         return emu.calls(OPERATOR_TOKEN)
+
+
+@contextlib.contextmanager
+def _stopping(server: PageServer):
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 MODES = {"cluster-wide": (True, {}), "namespaced": (False, {"watch": {"namespaces": [NAMESPACE]}})}

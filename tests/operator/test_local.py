@@ -209,3 +209,69 @@ def test_the_ports_up_picks_lie_below_the_kernels_ephemeral_range_and_are_free()
     for port in list(ports)[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free: the pick held nothing open
+
+
+# ---------------------------------------------------------------------------- up --streaming
+# (the processes: tests/runtime/test_local_up.py, the streamed example's test)
+
+def test_streaming_compares_with_the_same_pipeline_fed_whole():
+    from omni_operator.admission import admit
+    from omni_operator.local import whole_edges
+
+    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
+    streamed = admit(body).pipeline
+    whole = admit(whole_edges(body)).pipeline
+    assert [s.inputs for s in whole.stages] == [s.inputs for s in streamed.stages]
+    assert len(streamed.streamed_edges()) == 2 and whole.streamed_edges() == []
+    assert whole.revision != streamed.revision
+    # Nothing else changed, and the file's own body is left as it was.
+    assert [{k: v for k, v in s.items() if k != "streams"} for s in body["spec"]["stages"]] == \
+        whole_edges(body)["spec"]["stages"]
+    assert "streams" in body["spec"]["stages"][1]
+
+
+def test_the_first_output_is_the_last_stage_taking_its_first_input():
+    from omni_operator.local import first_output_seconds
+
+    answer = {"omni": {"stages": {"thinker": {"sent_at": 100.0, "finished_at": 103.0},
+                                  "talker": {"taken_at": 100.5},
+                                  "vocoder": {"taken_at": 100.75, "stored_at": 104.0}}}}
+    assert first_output_seconds(answer, "thinker", "vocoder") == 0.75
+    assert first_output_seconds(answer, "thinker", "code2wav") is None
+    assert first_output_seconds({"choices": []}, "thinker", "vocoder") is None
+
+
+def test_the_comparison_prints_each_request_the_medians_and_how_much_sooner():
+    from omni_operator.admission import admit
+    from omni_operator.local import first_output_summary
+
+    pipeline = admit(yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml")
+                                    .read_text())).pipeline
+    text = first_output_summary(pipeline, [0.5, 0.4, None], [2.0, 2.4, 2.2])
+    assert text.splitlines() == [
+        "first output (the request at the endpoint until vocoder took its first input), "
+        "3 requests each way:",
+        "  streamed:        0.500 s, 0.400 s, - (median 0.500 s)",
+        "  whole hand-offs: 2.000 s, 2.400 s, 2.200 s (median 2.200 s)",
+        "  streamed, the first output came 4.4x sooner"]
+    assert first_output_summary(pipeline, [3.0], [2.0]).endswith("came no sooner")
+
+
+def test_up_streaming_refuses_what_it_cannot_compare(tmp_path):
+    streaming = str(ROOT / "examples" / "tiny-omni-streaming.yaml")
+    proc = run_cli("up", str(ROOT / "examples" / "tiny-chain.yaml"), "--demo", "1", "--streaming")
+    assert proc.returncode == 2
+    assert "has no streamed edge (spec.stages[].streams)" in proc.stdout
+    assert "examples/tiny-omni-streaming.yaml" in proc.stdout
+    proc = run_cli("up", streaming, "--streaming")
+    assert proc.returncode == 2 and "give --demo N too" in proc.stdout
+    proc = run_cli("up", streaming, "--demo", "1", "--streaming", "--watch")
+    assert proc.returncode == 2 and "--streaming and --watch do not go together" in proc.stdout
+    # Two last stages: no one endpoint, so no first output to time.
+    body = yaml.safe_load(Path(streaming).read_text())
+    body["spec"]["stages"].append({"name": "extra", "role": "generation", "gpus": 0,
+                                   "inputs": ["thinker"]})
+    path = tmp_path / "two-sinks.yaml"
+    path.write_text(yaml.safe_dump(body))
+    proc = run_cli("up", str(path), "--demo", "1", "--streaming")
+    assert proc.returncode == 2 and "has no one endpoint" in proc.stdout, proc.stdout

@@ -159,3 +159,31 @@ def test_a_stream_end_names_a_known_outcome():
     with pytest.raises(Rejected, match="outcome must be one of"):
         parse_stream_end({"transfer_id": 1, "agent": "a", "request_id": "r", "pipeline": "p",
                           "from_stage": "t", "to_stage": "u", "outcome": "finished"}, [])
+
+
+def test_a_stream_stays_with_the_replica_its_first_chunk_reached(make_receiver, ar, make_sender):
+    """The endpoint is a Service: a connection is one consumer replica. The replica behind
+    it goes and another comes up at the same address (a new connection): the stream begun
+    on the old one fails at its next chunk, naming why, and never reaches the new replica;
+    a new stream begins there."""
+    first = Consumer()
+    first.receiver = make_receiver(streams=first)
+    address = first.receiver.endpoint
+    sender = make_sender(ar, {STAGE: address})
+    sender.submit_chunk(ChunkOffer("moving", 0, token_ids=(1, 2, 3), prompt_len=1), STAGE,
+                        timeout_s=5)
+    assert chunk_answers(sender, 1) == [("moving", STAGE, 0, None)]
+    first.receiver.close()  # its replica goes; another takes its place at the same address
+    second = Consumer()
+    second.receiver = make_receiver(address, streams=second)
+    sender.submit_chunk(ChunkOffer("moving", 1, token_ids=(4,)), STAGE, timeout_s=5)
+    [(rid, stage, seq, reason)] = chunk_answers(sender, 1)
+    assert (rid, stage, seq) == ("moving", STAGE, 1)
+    assert "lost in the middle of this stream" in reason and "another replica" in reason
+    sender.submit_chunk(ChunkOffer("fresh", 0, token_ids=(5, 6), prompt_len=1), STAGE,
+                        timeout_s=5)
+    assert chunk_answers(sender, 1) == [("fresh", STAGE, 0, None)]
+    assert [c.request_id for c in second.got] == ["fresh"]
+    # Pinned to the new connection now: its next chunk goes there too.
+    sender.submit_chunk(ChunkOffer("fresh", 1, last=True, token_ids=(7,)), STAGE, timeout_s=5)
+    assert chunk_answers(sender, 1) == [("fresh", STAGE, 1, None)]

@@ -97,8 +97,8 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
 
 
 @contextlib.contextmanager
-def demo_up(example: str, tmp_path: Path):
-    """``omni-pipeline up examples/<example> --demo 1`` with the tiny model where the example
+def demo_up(example: str, tmp_path: Path, *args: str):
+    """``omni-pipeline up examples/<example> --demo 1 ARGS...`` with the tiny model where the example
     names it, on vLLM's one-process executor in each engine core (tests/runtime/chain.py,
     CHAIN_ENV; the tiny pipeline's test above runs `up` on vLLM's default): yields (the
     process, its output so far as a callable, the marker its processes carry). Ctrl-C must
@@ -110,7 +110,7 @@ def demo_up(example: str, tmp_path: Path):
     marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / example),
-         "--demo", "1", "--workdir", str(tmp_path / "run")],
+         "--demo", "1", "--workdir", str(tmp_path / "run"), *args],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
         env={**os.environ, **CHAIN_ENV, "PYTHONUNBUFFERED": "1",
@@ -124,6 +124,15 @@ def demo_up(example: str, tmp_path: Path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # The stages lead sessions of their own: a test failing before its Ctrl-C (or a
+        # runner killed) leaves them running unless they go here.
+        for pid in processes_with_env(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reader.join(timeout=10)
 
 
 def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
@@ -154,16 +163,37 @@ def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
 
 
 def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes(tmp_path):
-    """examples/tiny-omni-streaming.yaml (thinker -> talker -> vocoder, both edges streamed):
+    """examples/tiny-omni-streaming.yaml (thinker -> talker -> vocoder, both edges streamed),
+    as `make demo DEMO_ARGS=--streaming` runs it: the demo's request answered streamed, then
+    the same pipeline with both edges whole started, asked the same, stopped, and both modes'
+    first output's times printed, the streamed one sooner. Then, on the streamed pipeline:
     the talker's stream begins with the prompt and the thinker's first chunk, the talker
     takes it before the thinker has finished and the vocoder before the talker has, and the
     vocoder's stream is every token the talker said, in the chunks the edge's cadence cuts."""
     import openai
 
-    with demo_up("tiny-omni-streaming.yaml", tmp_path) as (proc, text, marker):
+    # Three requests each way: the medians compared, as `make demo` prints them.
+    with demo_up("tiny-omni-streaming.yaml", tmp_path, "--streaming", "--demo", "3") as (
+            proc, text, marker):
         wait_until(lambda: re.search(r"^request 0: .* in \d+ streamed chunks at stage vocoder, "
                                      r"from talker$", text(), re.M),
                    300, f"the demo request's answer; output so far:\n{text()}")
+        # The comparison: the same request through the same pipeline fed whole.
+        wait_until(lambda: "streamed, the first output came" in text(), 420,
+                   f"both modes' first output's times; output so far:\n{text()}")
+        out = text()
+        assert re.search(r"^whole: request 0: .* and their KV .* at stage vocoder, from talker$",
+                         out, re.M), out
+        medians = {mode: float(m) for mode, m in re.findall(
+            r"^  (streamed|whole hand-offs): +[\d.]+ s, [\d.]+ s, [\d.]+ s \(median ([\d.]+) s\)$",
+            out, re.M)}
+        assert set(medians) == {"streamed", "whole hand-offs"}, out
+        assert medians["streamed"] < medians["whole hand-offs"], out
+        assert re.search(r"^  streamed, the first output came \d+\.\dx sooner$", out, re.M), out
+        # The whole pipeline was only for the comparison: its stages are gone.
+        whole_pids = [int(p.read_text()) for p in (tmp_path / "run" / "whole").glob("*.pid")]
+        assert len(whole_pids) == 4, "thinker, talker, vocoder, endpoint"
+        assert not set(whole_pids) & set(processes_with_env(marker))
         endpoint = re.search(r"the pipeline's endpoint \(OpenAI API\): (\S+) \(ready\)",
                              text()).group(1)
         thinker = re.search(r"^thinker\s+ar\s+.*(http://\S+)/metrics", text(), re.M).group(1)

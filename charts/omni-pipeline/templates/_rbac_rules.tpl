@@ -4,7 +4,7 @@ calls: its Kube layer gets, lists, creates, patches and deletes children (an aut
 stage's OmniStageScaler and its HorizontalPodAutoscaler or KEDA ScaledObject among them),
 patches the scalers' status, reads OmniPipelines, patches their status and posts events, and
 lists the stage pods (while an old revision drains, and on the resync timer to read their
-/metrics for transfer health); kopf lists and watches every resource it has handlers for
+/metrics for transfer health) and patches them (their deletion cost from their open streams); kopf lists and watches every resource it has handlers for
 (OmniPipelines and each child kind) and patches OmniPipelines and their status (its handler
 progress and last-handled state).
 */}}
@@ -47,7 +47,7 @@ progress and last-handled state).
   verbs: ["create"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "patch"]
 {{- end }}
 
 {{/*

@@ -85,6 +85,8 @@ RCVHWM = 1000
 #: A reason is logged and answered, capped so one bad peer cannot flood the log.
 MAX_REASON_CHARS = 512
 _MAX_BATCH = 64  # messages handled per wake-up before reads and timers are looked at
+#: How long the answers given just before a stop may take to leave the socket when it closes.
+STOP_LINGER_MS = 1000
 #: How often an in-flight read's state is polled (polling is what progresses it).
 READ_POLL_MS = 1
 #: How long a read's verdict may come after its time ran out (the AR refuses to commit past
@@ -367,11 +369,17 @@ class KVReceiver:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(ctrl, zmq.POLLIN)
+        linger_ms = 0
         try:
             while True:
                 events = dict(poller.poll(self._timeout_ms()))
                 if ctrl in events:
                     if self._stop_asked(ctrl):
+                        # The consumer's answers given before the stop still go out (a
+                        # stopping stage's last acks), with a moment to leave the socket.
+                        if self._settled:
+                            self._answer_settled(router)
+                            linger_ms = STOP_LINGER_MS
                         break
                     self._answer_settled(router)
                 if router in events:
@@ -395,7 +403,7 @@ class KVReceiver:
             self._drop_all_reads()
             if self._landing is not None:
                 self._landing.close()
-            router.close(linger=0)
+            router.close(linger=linger_ms)
             ctrl.close(linger=0)
             self._report_thread(False)
 

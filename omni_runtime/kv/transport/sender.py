@@ -197,6 +197,9 @@ class KVSender:
         #: Streams' chunks sent and unanswered (by transfer id), and their answers not polled.
         self._chunks: dict[int, _Transfer] = {}
         self._chunk_answers: list[tuple[str, str, int, str | None]] = []
+        #: (stage, request id) -> the connection (its endpoint's handshake count) the
+        #: stream's first chunk went on: its consumer replica (_keeps_its_replica).
+        self._stream_conn: dict[tuple[str, str], int] = {}
         self._closing_deadline: float | None = None
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         self._ctx = zmq.Context(io_threads=1)
@@ -372,6 +375,9 @@ class KVSender:
         ``edges`` (another edge's failure, the deadline, the sender closing)."""
         with self._lock:
             reported = self._report_locked(t, failure)
+        if reported and t.chunk and (failure is not None or t.offer.last or t.offer.end):
+            for stage in t.sent_to | t.waiting:  # the stream is over on this edge
+                self._stream_conn.pop((stage, t.offer.request_id), None)
         if not reported or t.chunk:
             return
         if failure is not None:
@@ -540,6 +546,12 @@ class KVSender:
                 # an offer now would only be refused; _expire reports it as queued.
                 ep.queue.popleft()
                 continue
+            if t.chunk and not self._keeps_its_replica(t, ep):
+                ep.queue.popleft()
+                self._report(t, f"the connection to stage {ep.stage} at {ep.address} was "
+                                "lost in the middle of this stream: a new connection may reach "
+                                "another replica of the stage, which does not hold the stream")
+                continue
             if not t.sent_at:
                 t.sent_at = time.time()
             if t.chunk:
@@ -562,6 +574,26 @@ class KVSender:
             ep.queue.popleft()
             ep.in_flight[t.tid] = t
             t.sent_to.add(ep.stage)
+
+    def _keeps_its_replica(self, t: _Transfer, ep: _Endpoint) -> bool:
+        """Whether a stream's chunk may go on the endpoint's current connection. A stream
+        stays with the consumer replica its first chunk reached: the endpoint is a Service
+        (a revision's KV Service), which balances connections, not messages, so one
+        connection is one replica, and every chunk of a stream goes on the connection its
+        first chunk went on. Once that connection is lost (the replica gone, or the network
+        between), a new one may reach another replica, which does not hold the stream: its
+        next chunk fails here, naming why, and the stream ends, rather than go on where it
+        would be refused or wait out a deadline. A stream's first chunk pins it; its end
+        (``end``) goes anyway."""
+        c = t.offer
+        key = (ep.stage, c.request_id)
+        if c.end is not None:
+            return True
+        if c.seq == 0:
+            self._stream_conn[key] = ep.connections
+            return True
+        began = self._stream_conn.get(key)
+        return began is None or began == ep.connections
 
     def _chunk_frames(self, t: _Transfer, ep: _Endpoint) -> list[bytes]:
         c, h = t.offer, self.hello
@@ -603,6 +635,10 @@ class KVSender:
                     logger.info("KV sender: reconnected to stage %s at %s", ep.stage, ep.address)
                 self._say_hello(ep)
             elif kind == zmq.EVENT_DISCONNECTED:
+                # Answers that came before the connection went are answers: read them before
+                # what is still in flight goes back to the queue (a stopping receiver's last
+                # acks and the disconnect can be seen in one wake-up).
+                self._read_replies(ep)
                 ep.ready = False
                 if ep.in_flight:
                     self._requeue(ep)

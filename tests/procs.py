@@ -269,17 +269,24 @@ class StageProcess:
             raise
         return self
 
+    def signal_tree(self, sig: int) -> None:
+        """``sig`` to the stage and every process under it, vLLM's included, which an AR
+        stage runs in a session of its own (SIGSTOP: a hung pod; SIGCONT: it goes on)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        below = descendants(self.proc.pid)
+        os.killpg(self.proc.pid, sig)
+        for pid in below:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
         """SIGKILL the stage and every process under it (a crash of its pod: no drain, no
-        goodbye), vLLM's included, which an AR stage runs in a session of its own."""
+        goodbye)."""
         if self.proc is not None and self.proc.poll() is None:
-            below = descendants(self.proc.pid)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in below:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self.signal_tree(signal.SIGKILL)
             self.proc.wait(timeout=30)
 
     def stop(self, timeout: float = 60.0) -> int | None:

@@ -165,6 +165,7 @@ class StageFailed(Exception):
 class _Request:
     id: str
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    #: stage -> its link, while the stage holds the request (until its final event)
     links: dict[str, web.WebSocketResponse] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
     #: stage -> when (unix) its hand-off was offered and taken, its first output reached the
@@ -173,6 +174,9 @@ class _Request:
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     #: stage -> (monotonic deadline by which it must take the request, the edge)
     expected: dict[str, tuple[float, Edge]] = field(default_factory=dict)
+    #: Set each time the last stage holding the request (an open link that has not said
+    #: its final event) lets it go.
+    unlinked: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PipelineEndpoint:
@@ -245,14 +249,22 @@ class PipelineEndpoint:
                     logger.warning("link of stage %s for request %s: %s", stage, pending.id,
                                    exc)
                     continue
-                final = final or event["event"] in FINAL_EVENTS
                 pending.events.put_nowait((stage, event))
+                if event["event"] in FINAL_EVENTS and not final:
+                    final = True
+                    self._unlink(pending, stage, ws)  # it holds the request no more
         finally:
-            if pending.links.get(stage) is ws:
-                del pending.links[stage]
+            self._unlink(pending, stage, ws)
             if not final:
                 pending.events.put_nowait((stage, {"event": "lost"}))
         return ws
+
+    @staticmethod
+    def _unlink(pending: _Request, stage: str, ws: web.WebSocketResponse) -> None:
+        if pending.links.get(stage) is ws:
+            del pending.links[stage]
+            if not pending.links:
+                pending.unlinked.set()
 
     # ------------------------------------------------------------------ a request
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -384,13 +396,7 @@ class PipelineEndpoint:
             if kind == "lost":
                 raise StageFailed(stage, f"lost request {pending.id} (its link to the "
                                   "pipeline endpoint closed before it finished)")
-            if kind in ("taken", "finished", "handed_off", "done", "payload"):
-                times = pending.timings.setdefault(stage, {})
-                times[{"taken": "taken_at", "finished": "finished_at", "handed_off": "finished_at",
-                       "done": "finished_at", "payload": "stored_at"}[kind]] = time.time()
-                if kind == "taken":
-                    times.update({k: float(event[k]) for k in ("offered_at", "taken_at")
-                                  if isinstance(event.get(k), (int, float))})
+            _note_time(pending, stage, event)
             if kind == "taken":
                 pending.taken.add(stage)
                 pending.expected.pop(stage, None)
@@ -408,14 +414,37 @@ class PipelineEndpoint:
                 pending.timings.setdefault(stage, {}).setdefault("first_output_at", time.time())
                 await writer.output(event.get("text") or "", list(event.get("token_ids") or ()))
             elif stage == config.sink and kind == "payload":
+                await self._settle(pending, entry)
                 await writer.payload(stage, event.get("payload") or {}, pending.timings)
                 return
             elif stage == config.sink and kind == "done":
+                await self._settle(pending, entry)
                 await writer.done(event.get("finish_reason"), event.get("usage"), pending.timings)
                 return
             elif kind == "done":
                 raise StageFailed(stage, "its request finished without a hand-off to "
                                   + ", ".join(e.target for e in config.downstream(stage)))
+
+    @staticmethod
+    async def _settle(pending: _Request, entry: asyncio.Task) -> None:
+        """The last stage has answered. Over a streamed edge an upstream stage's own end
+        can come after it (its last chunk went out as it finished, and the two race here):
+        the first stage's answer, and every linked stage's final event, are waited for, at most
+        :data:`HOP_GRACE_S` together, so that the answer's timings name every stage's end
+        and no stage that has finished is sent an abort. What came meanwhile is only timed:
+        the client's answer is already whole."""
+        waits: set[asyncio.Future] = set() if entry.done() else {entry}
+        unlinked = None
+        if pending.links:
+            pending.unlinked.clear()
+            unlinked = asyncio.ensure_future(pending.unlinked.wait())
+            waits.add(unlinked)
+        if waits:
+            await asyncio.wait(waits, timeout=HOP_GRACE_S)
+        if unlinked is not None:
+            unlinked.cancel()
+        while not pending.events.empty():
+            _note_time(pending, *pending.events.get_nowait())
 
     def _entry_finished(self, pending: _Request, stage: str, event: dict[str, Any]) -> None:
         reason = event.get("finish_reason")
@@ -450,6 +479,24 @@ class PipelineEndpoint:
                 await ws.close()
             except (ConnectionError, RuntimeError, aiohttp.ClientError):
                 pass
+
+
+#: The request's event that marks each time in the answer's ``omni.stages`` timings.
+_TIMED_EVENTS = {"taken": "taken_at", "finished": "finished_at", "handed_off": "finished_at",
+                 "done": "finished_at", "payload": "stored_at"}
+
+
+def _note_time(pending: _Request, stage: str, event: dict[str, Any]) -> None:
+    """The stage's time for the event (its arrival here), and the offer's and take's times
+    that a ``taken`` event carries from the stage."""
+    kind = event["event"]
+    if kind not in _TIMED_EVENTS:
+        return
+    times = pending.timings.setdefault(stage, {})
+    times[_TIMED_EVENTS[kind]] = time.time()
+    if kind == "taken":
+        times.update({k: float(event[k]) for k in ("offered_at", "taken_at")
+                      if isinstance(event.get(k), (int, float))})
 
 
 class _Writer:

@@ -14,7 +14,6 @@ stream is still waiting when the alert fires; the thinker is continued before it
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 
@@ -25,7 +24,7 @@ from omni_mixin import render
 from omni_mixin.config import Config
 
 from chain import CHAIN_ENV, MODEL, chain_configs
-from procs import PrometheusServer, StageProcess, descendants, metric_value, wait_until
+from procs import PrometheusServer, StageProcess, metric_value, wait_until
 
 from .alert_sinks import Alertmanager, WebhookReceiver
 
@@ -63,18 +62,8 @@ def stages(tmp_path_factory):
     finally:
         for proc in procs.values():
             if proc.proc is not None and proc.proc.poll() is None:
-                _signal_tree(proc, signal.SIGCONT)  # a stopped stage cannot take SIGTERM
+                proc.signal_tree(signal.SIGCONT)  # a stopped stage cannot take SIGTERM
             proc.stop()
-
-
-def _signal_tree(stage: StageProcess, sig: int) -> None:
-    """``sig`` to the stage process and every process under it (an AR stage runs vLLM in a
-    process group of its own, so the stage's group alone is not all of it)."""
-    for pid in [stage.proc.pid, *descendants(stage.proc.pid)]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +141,11 @@ def stopped_mid_stream(stages, prometheus):
     try:
         [stream] = wait_until(lambda: _open_streams(vocoder), 120,
                               "the vocoder to hold the stream's first chunk", interval=0.01)
-        _signal_tree(thinker, signal.SIGSTOP)
+        thinker.signal_tree(signal.SIGSTOP)
         yield stream
     finally:
         if thinker.proc.poll() is None:
-            _signal_tree(thinker, signal.SIGCONT)
+            thinker.signal_tree(signal.SIGCONT)
         session.close()
         asker.join(timeout=60)
 

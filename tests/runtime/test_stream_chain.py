@@ -5,6 +5,7 @@ the pipeline's one endpoint."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import openai
@@ -20,7 +21,12 @@ ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTH
 #: Each chunk is a turn of the talker's streaming-input session: it says this much per chunk.
 PER_CHUNK = 2
 #: The talker's own limit: a long enough thinker answer overflows its streamed request.
-TALKER_MAX_MODEL_LEN = 128
+TALKER_MAX_MODEL_LEN = 512
+#: What the thinker says in the requests that something ends mid-stream: long enough that it
+#: is still decoding when the talker's first output comes, however loaded the machine (with
+#: 90 tokens it once had said them all first under make test's load), and inside the
+#: talker's limit (3 + 300 + 2 per chunk of 38 < 512).
+LONG_ANSWER = 300
 STREAM = {"firstChunkTokens": 4, "chunkTokens": 8, "gapSeconds": 10, "firstChunkSeconds": 20,
           "streamSeconds": 60}
 
@@ -43,9 +49,11 @@ def client(stage) -> openai.OpenAI:
                          timeout=120)
 
 
-def ask_in_background(endpoint, prompt):
-    """A streamed request of 90 tokens asked on a thread, returned once its first output came:
-    (the thread, what it saw: ``first``, and ``error`` if the stream failed)."""
+def ask_in_background(endpoint, prompt, on_first=None):
+    """A streamed request of LONG_ANSWER tokens asked on a thread, returned once its first
+    output came:
+    (the thread, what it saw: ``first``, and ``error`` if the stream failed). ``on_first`` is
+    called on that thread as the first output comes, before anything else."""
     import threading
     import time
 
@@ -53,10 +61,12 @@ def ask_in_background(endpoint, prompt):
 
     def ask() -> None:
         stream = client(endpoint).completions.create(
-            model=MODEL, prompt=prompt, max_tokens=90, temperature=0, stream=True,
+            model=MODEL, prompt=prompt, max_tokens=LONG_ANSWER, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
         try:
             for _ in stream:
+                if "first" not in outcome and on_first is not None:
+                    on_first()
                 outcome.setdefault("first", time.monotonic())
         except openai.APIError as exc:
             outcome["error"] = exc
@@ -76,9 +86,8 @@ def chunk_count(n_output: int) -> int:
 
 def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(streamed):
     prompt = [11, 12, 13, 14, 15]
-    # As long as the talker's limit allows (5 + 80 + 2 per chunk of 11 < 128): the thinker
-    # is still decoding well after its first chunk, even with the machine loaded (with 20
-    # tokens it once finished first under make test's load).
+    # The thinker is still decoding well after its first chunk, even with the machine
+    # loaded (with 20 tokens it once finished first under make test's load).
     thinker_tokens = 80
     answer = client(streamed["endpoint"]).completions.create(
         model=MODEL, prompt=prompt, max_tokens=thinker_tokens, temperature=0,
@@ -106,7 +115,7 @@ def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(s
 def test_a_chunk_over_the_talkers_limit_fails_that_request_naming_the_talker(streamed):
     with pytest.raises(openai.APIStatusError) as err:
         client(streamed["endpoint"]).completions.create(
-            model=MODEL, prompt=[21, 22, 23], max_tokens=300, temperature=0,
+            model=MODEL, prompt=[21, 22, 23], max_tokens=2 * LONG_ANSWER, temperature=0,
             extra_body={"ignore_eos": True})
     assert err.value.body["stage"] == "talker", err.value.body
     assert "its streamed input failed" in err.value.body["message"]
@@ -130,12 +139,12 @@ def test_a_client_that_goes_away_ends_the_stream_at_both_ends(streamed):
         for o in ("aborted", "finished", "producer_error", "consumer_error", "expired"))
     before = ended(talker), ended(thinker)
     stream = client(streamed["endpoint"]).completions.create(
-        model=MODEL, prompt=[41, 42, 43], max_tokens=90, temperature=0, stream=True,
+        model=MODEL, prompt=[41, 42, 43], max_tokens=LONG_ANSWER, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
     next(iter(stream))  # the talker's first output: the stream is open at both ends
     stream.close()  # the client goes away mid-stream
     # Ended at both ends (aborted, or, when the abort reached a stage after its stream's last
-    # chunk, finished there: under load the thinker may say its 90 tokens first).
+    # chunk, finished there).
     wait_until(lambda: ended(talker) > before[0] and ended(thinker) > before[1], 60,
                "the stream to end at both ends")
     wait_until(lambda: metric_value(talker.metrics(), "vllm:num_requests_running") == 0
@@ -160,7 +169,9 @@ def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
         metric_value(talker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
         for o in ("producer_error", "expired", "aborted"))
     before = resolved()
-    asker, outcome = ask_in_background(streamed["endpoint"], [61, 62, 63])
+    # Paused as the talker's first output comes, then killed: the thinker is mid-answer.
+    asker, outcome = ask_in_background(streamed["endpoint"], [61, 62, 63],
+                                       on_first=lambda: thinker.signal_tree(signal.SIGSTOP))
     thinker.kill()
     killed = time.monotonic()
     asker.join(60)
@@ -192,7 +203,13 @@ def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
         metric_value(thinker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
         for o in ("consumer_error", "expired", "aborted"))
     before = resolved()
-    asker, outcome = ask_in_background(streamed["endpoint"], [51, 52, 53])
+    # Paused as its first output comes (its link and connections stay up; it takes no more
+    # chunks): however loaded the machine, the thinker's stream is then mid-way (under make
+    # test's load the talker, killed a moment later, had once taken the whole stream first).
+    asker, outcome = ask_in_background(streamed["endpoint"], [51, 52, 53],
+                                       on_first=lambda: talker.signal_tree(signal.SIGSTOP))
+    wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams", state="open",
+                                    **edge) >= 1, 10, "the thinker's stream, open")
     talker.kill()
     asker.join(60)
     assert not asker.is_alive() and "error" in outcome, "the client was told"

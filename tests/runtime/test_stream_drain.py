@@ -9,7 +9,6 @@ agent, ZeroMQ) of a synthetic AR rank."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -145,7 +144,7 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
     the producer continued, the stream finishes, every chunk taken, and the talker exits
     cleanly."""
     from chain import CHAIN_ENV, chain_configs
-    from procs import descendants, metric_value, stop_groups
+    from procs import metric_value, stop_groups
 
     import requests
 
@@ -159,13 +158,6 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
     talker = StageProcess(configs["talker"], tmp_path, env=CHAIN_ENV, grace_seconds=120)
     edge = {"from_stage": "thinker", "to_stage": "talker"}
 
-    def signal_thinker(sig: int) -> None:
-        for pid in [thinker.proc.pid, *descendants(thinker.proc.pid)]:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
     try:
         talker.launch()
         thinker.launch()
@@ -178,7 +170,7 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
             open_at_talker = lambda: metric_value(  # noqa: E731
                 talker.metrics(), "omni_kv_streams", state="open", **edge) == 1
             wait_until(open_at_talker, 60, "the talker to hold the stream", interval=0.05)
-            signal_thinker(signal.SIGSTOP)
+            thinker.signal_tree(signal.SIGSTOP)
             try:
                 # Still open (the gauge is set on a timer: a stream that had ended would show 0).
                 wait_until(open_at_talker, 10, "the talker's stream, mid-way")
@@ -186,7 +178,7 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
                 wait_until(lambda: stopping(talker), 30, "the talker's input to drain")
                 assert talker.proc.poll() is None, "the talker stopped with its stream open"
             finally:
-                signal_thinker(signal.SIGCONT)
+                thinker.signal_tree(signal.SIGCONT)
             for _ in lines:  # the thinker's answer runs to its end
                 pass
         # The stream runs on after the thinker's answer (the talker takes a chunk a turn).
@@ -207,7 +199,7 @@ def test_a_vllm_consumer_stopped_mid_stream_lets_it_finish(tmp_path):
         assert "start mode=drain" in log  # then vLLM's own drain
     finally:
         if thinker.proc is not None and thinker.proc.poll() is None:
-            signal_thinker(signal.SIGCONT)
+            thinker.signal_tree(signal.SIGCONT)
         stop_groups([p.proc for p in (thinker, talker) if p.proc is not None], 60)
 
 

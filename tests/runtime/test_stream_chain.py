@@ -22,10 +22,10 @@ ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTH
 PER_CHUNK = 2
 #: The talker's own limit: a long enough thinker answer overflows its streamed request.
 TALKER_MAX_MODEL_LEN = 512
-#: What the thinker says in the requests that something ends mid-stream: long enough that it
-#: is still decoding when the talker's first output comes, however loaded the machine (with
-#: 90 tokens it once had said them all first under make test's load), and inside the
-#: talker's limit (3 + 300 + 2 per chunk of 38 < 512).
+#: What the thinker says where a test needs it still decoding as the talker takes its first
+#: chunk or answers it (the order, or something ended mid-stream), however loaded the
+#: machine (with 20 and 90 tokens it once had said them all first under make test's load),
+#: inside the talker's limit (5 + 300 + 2 per chunk of 38 < 512).
 LONG_ANSWER = 300
 STREAM = {"firstChunkTokens": 4, "chunkTokens": 8, "gapSeconds": 10, "firstChunkSeconds": 20,
           "streamSeconds": 60}
@@ -77,6 +77,17 @@ def ask_in_background(endpoint, prompt, on_first=None):
     return asker, outcome
 
 
+EDGE = {"from_stage": "thinker", "to_stage": "talker"}
+
+
+def resolved(stage, outcomes) -> float:
+    """The streams of the thinker -> talker edge that ``stage`` has resolved as one of
+    ``outcomes``."""
+    text = stage.metrics()
+    return sum(metric_value(text, "omni_kv_streams_resolved_total", outcome=o, **EDGE)
+               for o in outcomes)
+
+
 def chunk_count(n_output: int) -> int:
     """Chunks of a stream of ``n_output`` tokens: 4, then 8 each, the last the rest."""
     if n_output <= 4:
@@ -88,7 +99,7 @@ def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(s
     prompt = [11, 12, 13, 14, 15]
     # The thinker is still decoding well after its first chunk, even with the machine
     # loaded (with 20 tokens it once finished first under make test's load).
-    thinker_tokens = 80
+    thinker_tokens = LONG_ANSWER
     answer = client(streamed["endpoint"]).completions.create(
         model=MODEL, prompt=prompt, max_tokens=thinker_tokens, temperature=0,
         extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "streamed-1"})
@@ -101,7 +112,7 @@ def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(s
     # Streamed: the talker took its input before the thinker had finished.
     assert stages["talker"]["taken_at"] < stages["thinker"]["finished_at"]
     thinker = streamed["thinker"].metrics()
-    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    edge = EDGE
     assert metric_value(thinker, "omni_kv_streams_resolved_total", outcome="finished",
                         **edge) >= 1
     assert metric_value(thinker, "omni_kv_stream_chunks_total", outcome="acked",
@@ -126,17 +137,16 @@ def test_a_chunk_over_the_talkers_limit_fails_that_request_naming_the_talker(str
     assert answer.usage.prompt_tokens == 2 + 6
     # Counted where it was refused (the thinker's end resolves it as the refusal or the
     # endpoint's abort reaches it first).
-    edge = {"from_stage": "thinker", "to_stage": "talker"}
+    edge = EDGE
     assert metric_value(streamed["talker"].metrics(), "omni_kv_streams_resolved_total",
                         outcome="consumer_error", **edge) >= 1
 
 
 def test_a_client_that_goes_away_ends_the_stream_at_both_ends(streamed):
     thinker, talker = streamed["thinker"], streamed["talker"]
-    edge = {"from_stage": "thinker", "to_stage": "talker"}
-    ended = lambda stage: sum(  # noqa: E731
-        metric_value(stage.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
-        for o in ("aborted", "finished", "producer_error", "consumer_error", "expired"))
+    edge = EDGE
+    every = ("aborted", "finished", "producer_error", "consumer_error", "expired")
+    ended = lambda stage: resolved(stage, every)  # noqa: E731
     before = ended(talker), ended(thinker)
     stream = client(streamed["endpoint"]).completions.create(
         model=MODEL, prompt=[41, 42, 43], max_tokens=LONG_ANSWER, temperature=0, stream=True,
@@ -164,11 +174,9 @@ def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
     import time
 
     thinker, talker = streamed["thinker"], streamed["talker"]
-    edge = {"from_stage": "thinker", "to_stage": "talker"}
-    resolved = lambda: sum(  # noqa: E731
-        metric_value(talker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
-        for o in ("producer_error", "expired", "aborted"))
-    before = resolved()
+    edge = EDGE
+    failed = ("producer_error", "expired", "aborted")
+    before = resolved(talker, failed)
     # Paused as the talker's first output comes, then killed: the thinker is mid-answer.
     asker, outcome = ask_in_background(streamed["endpoint"], [61, 62, 63],
                                        on_first=lambda: thinker.signal_tree(signal.SIGSTOP))
@@ -178,7 +186,8 @@ def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
     assert not asker.is_alive() and "error" in outcome, "the client was told"
     assert "thinker" in str(outcome["error"]), outcome["error"]
     bound = STREAM["gapSeconds"] + 10  # the deadline, and room for a loaded machine
-    wait_until(lambda: resolved() > before, bound, "the talker's stream to resolve")
+    wait_until(lambda: resolved(talker, failed) > before, bound,
+               "the talker's stream to resolve")
     assert time.monotonic() - killed < bound
     wait_until(lambda: metric_value(talker.metrics(), "omni_kv_streams", state="open",
                                     **edge) == 0, 10, "nothing open at the talker")
@@ -198,11 +207,9 @@ def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
     its engine idle. (How soon after a deadline a stalled stream's error reaches the client is
     benchmarks/streaming.py's stall figure.)"""
     thinker, talker = streamed["thinker"], streamed["talker"]
-    edge = {"from_stage": "thinker", "to_stage": "talker"}
-    resolved = lambda: sum(  # noqa: E731
-        metric_value(thinker.metrics(), "omni_kv_streams_resolved_total", outcome=o, **edge)
-        for o in ("consumer_error", "expired", "aborted"))
-    before = resolved()
+    edge = EDGE
+    failed = ("consumer_error", "expired", "aborted")
+    before = resolved(thinker, failed)
     # Paused as its first output comes (its link and connections stay up; it takes no more
     # chunks): however loaded the machine, the thinker's stream is then mid-way (under make
     # test's load the talker, killed a moment later, had once taken the whole stream first).
@@ -214,7 +221,8 @@ def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
     asker.join(60)
     assert not asker.is_alive() and "error" in outcome, "the client was told"
     assert "talker" in str(outcome["error"]), outcome["error"]
-    wait_until(lambda: resolved() > before, 60, "the thinker's stream to resolve")
+    wait_until(lambda: resolved(thinker, failed) > before, 60,
+               "the thinker's stream to resolve")
     wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams", state="open",
                                     **edge) == 0, 10, "nothing open at the thinker")
     wait_until(lambda: metric_value(thinker.metrics(), "vllm:num_requests_running") == 0, 30,

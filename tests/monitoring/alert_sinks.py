@@ -69,3 +69,23 @@ class Alertmanager(ReadyServer):
             f"--web.listen-address=127.0.0.1:{port}",
             "--cluster.listen-address=",  # no gossip port: a single, local instance
         ], port)
+
+
+def prometheus_config(rules: Path, alertmanager: "Alertmanager",
+                      targets: list[tuple[int, dict[str, str]]]) -> str:
+    """A Prometheus config that scrapes each (port, labels) of ``targets`` on 127.0.0.1 every
+    second, as the operator's PodMonitor does on Kubernetes (docs/monitoring.md: the pod's
+    labels kept, ``honor_labels``), evaluates ``rules`` every second and sends its alerts to
+    ``alertmanager``."""
+    return json.dumps({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "alerting": {"alertmanagers": [{"static_configs": [
+            {"targets": [f"127.0.0.1:{alertmanager.port}"]}]}]},
+        "scrape_configs": [{
+            "job_name": "omni-stages",
+            "honor_labels": True,
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": labels}
+                               for port, labels in targets],
+        }],
+    })

@@ -30,6 +30,26 @@ def promtool() -> str:
 
 
 
+@pytest.fixture(scope="module")
+def webhook():
+    """The receiver of Alertmanager's notifications (alert_sinks.py)."""
+    from .alert_sinks import WebhookReceiver
+
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def alertmanager(tmp_path_factory, webhook):
+    """A real Alertmanager that sends every alert to ``webhook`` (alert_sinks.py)."""
+    from .alert_sinks import Alertmanager
+
+    am = Alertmanager(tmp_path_factory.mktemp("alertmanager"), webhook.url)
+    yield am
+    am.stop()
+
+
 @pytest.fixture(scope="session")
 def empty_prometheus(tmp_path_factory):
     """A Prometheus scraping nothing: enough to check that queries parse and type-check."""

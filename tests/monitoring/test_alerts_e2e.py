@@ -5,7 +5,6 @@ real Alertmanager. (Every dashboard query, against a live two-stage pipeline and
 operator: test_dashboards_e2e.py.)"""
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from omni_mixin.config import Config
 
 from procs import PrometheusServer, VllmServer, wait_until
 
-from .alert_sinks import Alertmanager, WebhookReceiver
+from .alert_sinks import prometheus_config
 
 pytestmark = pytest.mark.engine
 
@@ -49,40 +48,15 @@ def stage(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def webhook():
-    receiver = WebhookReceiver()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture(scope="module")
-def alertmanager(tmp_path_factory, webhook):
-    am = Alertmanager(tmp_path_factory.mktemp("alertmanager"), webhook.url)
-    yield am
-    am.stop()
-
-
-@pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, stage, alertmanager):
     tmp = tmp_path_factory.mktemp("prometheus")
     rules = tmp / "omni.rules.yaml"
     # The generated rules, with a threshold a test can wait for.
     rules.write_text(render.rules_file(Config(stuck_transfer_seconds=STUCK_SECONDS,
                                               stuck_transfer_for="0s")))
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(rules)],
-        "alerting": {"alertmanagers": [{"static_configs": [
-            {"targets": [f"127.0.0.1:{alertmanager.port}"]}]}]},
-        # What the operator's PodMonitor does on Kubernetes (docs/monitoring.md).
-        "scrape_configs": [{
-            "job_name": "omni-stages",
-            "honor_labels": True,
-            "static_configs": [{"targets": [f"127.0.0.1:{stage['port']}"],
-                                "labels": {**SCRAPE_LABELS, "stage": STAGE}}],
-        }],
-    }
-    server = PrometheusServer(tmp, json.dumps(config))
+    config = prometheus_config(rules, alertmanager, [(stage["port"], {**SCRAPE_LABELS,
+                                                                      "stage": STAGE})])
+    server = PrometheusServer(tmp, config)
     yield server
     server.stop()
 

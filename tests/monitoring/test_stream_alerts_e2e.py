@@ -13,7 +13,6 @@ stream is still waiting when the alert fires; the thinker is continued before it
 """
 from __future__ import annotations
 
-import json
 import signal
 import threading
 
@@ -26,7 +25,7 @@ from omni_mixin.config import Config
 from chain import CHAIN_ENV, MODEL, chain_configs
 from procs import PrometheusServer, StageProcess, metric_value, wait_until
 
-from .alert_sinks import Alertmanager, WebhookReceiver
+from .alert_sinks import prometheus_config
 
 pytestmark = pytest.mark.engine
 
@@ -67,42 +66,16 @@ def stages(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def webhook():
-    receiver = WebhookReceiver()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture(scope="module")
-def alertmanager(tmp_path_factory, webhook):
-    am = Alertmanager(tmp_path_factory.mktemp("alertmanager"), webhook.url)
-    yield am
-    am.stop()
-
-
-@pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, stages, alertmanager):
     tmp = tmp_path_factory.mktemp("prometheus")
     rules = tmp / "omni.rules.yaml"
     rules.write_text(render.rules_file(Config(stalled_stream_seconds=STALLED_SECONDS,
                                               stalled_stream_for="0s")))
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(rules)],
-        "alerting": {"alertmanagers": [{"static_configs": [
-            {"targets": [f"127.0.0.1:{alertmanager.port}"]}]}]},
-        # What the operator's PodMonitor does on Kubernetes (docs/monitoring.md).
-        "scrape_configs": [{
-            "job_name": "omni-stages",
-            "honor_labels": True,
-            "static_configs": [
-                {"targets": [f"127.0.0.1:{stage.http_port}"],
-                 "labels": {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": name,
-                            "pod": f"{PIPELINE}-{name}-0"}}
-                for name, stage in stages.items()],
-        }],
-    }
-    server = PrometheusServer(tmp, json.dumps(config))
+    config = prometheus_config(rules, alertmanager, [
+        (stage.http_port, {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": name,
+                           "pod": f"{PIPELINE}-{name}-0"})
+        for name, stage in stages.items()])
+    server = PrometheusServer(tmp, config)
     yield server
     server.stop()
 

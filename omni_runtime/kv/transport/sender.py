@@ -22,6 +22,18 @@ blocks only after this rank answered it, at its own (later) deadline, or after c
 here before the blocks can be written again; the read was complete before ``read_done`` was
 sent. So a committed read read blocks that were held, unchanged, for all of it.
 
+Replicas: a downstream stage's address may name several receivers (a headless Service's name
+resolves to every ready pod). Each resolved address is an endpoint of its own, with its own
+connection and hello, and each transfer goes to one replica of each stage: the one that
+rendezvous hashing of its request id picks among the stage's replicas, so every tensor-parallel
+rank of the request picks the same one (the receiver assembles its shards) and a stage's
+replicas share the requests. A stream goes where its first chunk went, for its life. The name
+is resolved again every ``RESOLVE_INTERVAL_S`` on a thread of its own (DNS may be slow; the
+I/O thread never waits for it): a new replica takes new requests at once; one no longer
+resolved (scaled in, or not ready) takes nothing new and is closed once nothing of it is left
+(a draining pod finishes its streams); one whose connection is lost gives its queued whole
+transfers to the others. An IP address is its one replica, as before.
+
 Threads: the caller's API may be called from any thread. Only the I/O thread touches the
 DEALER sockets and the NIXL agent. UCX's TCP transport serves remote reads only while the
 agent makes progress: NIXL's own thread makes it for an agent that has one (the AR's,
@@ -34,10 +46,13 @@ wake-up is lost, whatever the threads' start order.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
+import ipaddress
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -79,6 +94,9 @@ HEARTBEAT_TIMEOUT_MS = 3000
 PROGRESS_MS = 3
 #: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0
+#: How often a stage's address (a name) is resolved again for its replicas: about how long a
+#: replica scaled out waits for its first request, and one gone for its last.
+RESOLVE_INTERVAL_S = 5.0
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
@@ -127,6 +145,7 @@ class _Transfer:
     sent_at: float = 0.0  # unix, when first offered
     sent_to: set[str] = field(default_factory=set)
     done: bool = False  # reported, superseded or cancelled: no further report, no commit
+    placed: dict[str, _Endpoint] = field(default_factory=dict)  # stage -> its replica
 
     @property
     def chunk(self) -> bool:
@@ -136,6 +155,8 @@ class _Transfer:
 
 @dataclass(eq=False)
 class _Endpoint:
+    """One replica of a downstream stage: its resolved address and connection."""
+
     stage: str
     address: str
     socket: zmq.Socket
@@ -145,6 +166,49 @@ class _Endpoint:
     connections: int = 0  # handshakes so far; the current hello names it
     ready: bool = False  # the receiver accepted this connection's hello
     refused: str | None = None  # why the receiver refused this connection's hello
+    #: No longer resolved: takes nothing new, closed once nothing of it is left.
+    retiring: bool = False
+    #: (stage, request id) of the streams pinned here.
+    streams: set[tuple[str, str]] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Stage:
+    """A downstream stage: its address as configured and its replicas as resolved."""
+
+    name: str
+    address: str  # tcp://host:port
+    replicas: dict[str, _Endpoint] = field(default_factory=dict)  # address -> endpoint
+    #: Transfers that wait for a replica (the name has resolved to none yet).
+    unplaced: deque[_Transfer] = field(default_factory=deque)
+    #: Why the name did not resolve, the last time it did not.
+    unresolved: str | None = None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``tcp://host:port`` (an IPv6 host in brackets)."""
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def resolve_replicas(address: str) -> list[str]:
+    """The replicas' addresses of ``tcp://host:port``: the address itself for an IP, else
+    one for each address the name resolves to (a headless Service: every ready pod);
+    OSError when it does not resolve."""
+    host, port = split_address(address)
+    try:
+        ipaddress.ip_address(host)
+        return [address]
+    except ValueError:
+        pass
+    found = sorted({info[4][0] for info in socket.getaddrinfo(host, port,
+                                                              type=socket.SOCK_STREAM)})
+    return [f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in found]
+
+
+def _weight(request_id: str, replica: str) -> bytes:
+    return hashlib.blake2b(f"{request_id}\0{replica}".encode(), digest_size=8).digest()
 
 
 class KVSender:
@@ -157,7 +221,9 @@ class KVSender:
     outcome, payload bytes)``, outcome ``acked``, ``failed`` or ``expired`` (the per-edge
     metrics); ``on_thread_state``: True when the I/O thread starts, False when it ends (all
     from that thread). ``io_cpus``: the CPUs of the I/O thread and ZeroMQ's (keep them off
-    the engine's OpenMP cores)."""
+    the engine's OpenMP cores). ``resolve``: a stage's address -> its replicas' addresses
+    (:func:`resolve_replicas`; OSError when it does not resolve), called again every
+    ``resolve_interval_s`` for an address that names a host."""
 
     def __init__(
         self,
@@ -171,6 +237,8 @@ class KVSender:
         on_edge: Callable[[str, int, str, str, int], None] | None = None,
         on_thread_state: Callable[[bool], None] | None = None,
         io_cpus: Collection[int] | None = None,
+        resolve: Callable[[str], list[str]] = resolve_replicas,
+        resolve_interval_s: float = RESOLVE_INTERVAL_S,
     ) -> None:
         if not endpoints:
             raise ValueError("KVSender needs at least one endpoint")
@@ -197,9 +265,29 @@ class KVSender:
         #: Streams' chunks sent and unanswered (by transfer id), and their answers not polled.
         self._chunks: dict[int, _Transfer] = {}
         self._chunk_answers: list[tuple[str, str, int, str | None]] = []
-        #: (stage, request id) -> the connection (its endpoint's handshake count) the
-        #: stream's first chunk went on: its consumer replica (_keeps_its_replica).
+        #: (stage, request id) -> the replica the stream's first chunk went to, and the
+        #: connection (that endpoint's handshake count) it went on (_keeps_its_replica).
+        self._stream_ep: dict[tuple[str, str], _Endpoint] = {}
         self._stream_conn: dict[tuple[str, str], int] = {}
+        # Replicas: the resolver thread's answers for the I/O thread, under _lock.
+        self._resolve = resolve
+        self.resolve_interval_s = resolve_interval_s
+        self._resolved: dict[str, tuple[list[str] | None, str | None]] = {}
+        self._resolve_stop = threading.Event()
+        names = {}
+        for stage, address in self.endpoints.items():
+            try:
+                ipaddress.ip_address(split_address(address)[0])
+                self._resolved[stage] = ([address], None)
+            except ValueError:
+                names[stage] = address
+        #: The I/O thread's own: the stages, every replica's endpoint, its poller.
+        self._stages: dict[str, _Stage] = {}
+        self._eps: list[_Endpoint] = []
+        self._poller: zmq.Poller | None = None
+        self._by_socket: dict[zmq.Socket, _Endpoint] = {}
+        self._by_monitor: dict[zmq.Socket, _Endpoint] = {}
+        self._interest: dict[zmq.Socket, int] = {}
         self._closing_deadline: float | None = None
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         self._ctx = zmq.Context(io_threads=1)
@@ -220,6 +308,11 @@ class KVSender:
         self._thread = threading.Thread(target=self._run, name=f"omni-kv-sender-{self.stage}",
                                         daemon=True)
         self._thread.start()
+        self._resolver = None
+        if names:
+            self._resolver = threading.Thread(target=self._resolve_loop, args=(names,),
+                                              name=f"omni-kv-resolver-{self.stage}", daemon=True)
+            self._resolver.start()
 
     # ------------------------------------------------------------------ caller API
     def submit(self, offer: Offer, timeout_s: float | None = None,
@@ -307,6 +400,11 @@ class KVSender:
         with self._lock:
             return len(self._latest) + len(self._chunks)
 
+    def replicas(self) -> dict[str, list[str]]:
+        """Each stage's replicas as last resolved (what new transfers are spread over)."""
+        with self._lock:
+            return {stage: list(found or ()) for stage, (found, _) in self._resolved.items()}
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -324,6 +422,7 @@ class KVSender:
         with self._lock:
             if self._closing_deadline is None:
                 self._closing_deadline = time.monotonic() + max(0.0, linger_s)
+        self._resolve_stop.set()
         self._kick()
         self._thread.join(max(0.0, linger_s) + CLOSE_JOIN_S)
         if self._thread.is_alive():  # pragma: no cover - a hung I/O thread: leave its sockets
@@ -377,7 +476,11 @@ class KVSender:
             reported = self._report_locked(t, failure)
         if reported and t.chunk and (failure is not None or t.offer.last or t.offer.end):
             for stage in t.sent_to | t.waiting:  # the stream is over on this edge
-                self._stream_conn.pop((stage, t.offer.request_id), None)
+                key = (stage, t.offer.request_id)
+                self._stream_conn.pop(key, None)
+                ep = self._stream_ep.pop(key, None)
+                if ep is not None:
+                    ep.streams.discard(key)
         if not reported or t.chunk:
             return
         if failure is not None:
@@ -413,29 +516,23 @@ class KVSender:
             except (OSError, AttributeError) as e:
                 logger.warning("KV sender: cannot bind the I/O thread to CPUs %s: %s",
                                self.io_cpus, e)
-        eps: list[_Endpoint] = []
         wake = self._wake_rx
         self._report_thread(True)
         reason = "sender closed"
         try:
-            for stage, address in self.endpoints.items():
-                s = self._ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.IMMEDIATE, 1)
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-                s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-                s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-                ep = _Endpoint(stage, address, s)
-                eps.append(ep)
-                ep.monitor = s.get_monitor_socket(_MONITOR_EVENTS)
-                s.connect(address)
-            self._loop(wake, eps)
+            self._poller = zmq.Poller()
+            self._poller.register(wake, zmq.POLLIN)
+            self._stages = {stage: _Stage(stage, address)
+                            for stage, address in self.endpoints.items()}
+            self._take_resolved()
+            self._loop(wake)
         except BaseException as e:  # a bug; fail everything, loudly, and say so
             logger.exception("KV sender I/O thread died")
             reason = f"sender I/O thread died: {type(e).__name__}: {e}"
         finally:
             # Whatever broke above, every unresolved transfer is resolved and the sockets are
             # closed, so close() and the caller's poll() still work.
+            self._resolve_stop.set()
             with self._lock:
                 self._dead = reason
                 leftovers = list(self._submitted) + list(self._latest.values()) + list(
@@ -446,12 +543,165 @@ class KVSender:
                     self._report(t, reason)
                 except Exception:  # pragma: no cover - keep resolving the rest
                     logger.exception("KV sender: resolving a transfer at exit failed")
-            for ep in eps:
+            for ep in self._eps:
                 if ep.monitor is not None:
                     ep.monitor.close(linger=0)
                 ep.socket.close(linger=0)
             wake.close(linger=0)
             self._report_thread(False)
+
+    # ------------------------------------------------------------------ replicas
+    def _resolve_loop(self, names: Mapping[str, str]) -> None:
+        """The resolver thread: each named stage's replicas now, then every
+        ``resolve_interval_s``; a change goes to the I/O thread. A name that does not
+        resolve keeps the replicas it had (a DNS hiccup is not a scale-in)."""
+        while True:
+            changed = False
+            for stage, address in names.items():
+                try:
+                    found: list[str] | None = list(self._resolve(address))
+                    why = None
+                except OSError as e:
+                    found, why = None, f"{type(e).__name__}: {e}"
+                with self._lock:
+                    before = self._resolved.get(stage)
+                    if found is None and before is not None and before[0] is not None:
+                        found = before[0]  # keep what was resolved, and say why not now
+                    if before != (found, why):
+                        self._resolved[stage] = (found, why)
+                        changed = True
+            if changed:
+                self._kick()
+            if self._resolve_stop.wait(self.resolve_interval_s):
+                return
+
+    def _take_resolved(self) -> None:
+        """Follow the resolver: an endpoint for each new replica, retire those no longer
+        resolved, then place what waited for a replica."""
+        with self._lock:
+            resolved = dict(self._resolved)
+        for stage, (found, why) in resolved.items():
+            st = self._stages[stage]
+            st.unresolved = why
+            if found is None:
+                continue
+            for address in found:
+                ep = st.replicas.get(address)
+                if ep is None:
+                    self._add_replica(st, address)
+                elif ep.retiring:
+                    ep.retiring = False
+                    logger.info("KV sender: replica %s of stage %s resolved again", address,
+                                stage)
+            for address, ep in list(st.replicas.items()):
+                if address not in found and not ep.retiring:
+                    ep.retiring = True
+                    logger.info("KV sender: replica %s of stage %s no longer resolved: it "
+                                "takes no new transfers", address, stage)
+                    self._rehome(ep, queued_only=True)
+            if st.unplaced and self._live(st):
+                waiting, st.unplaced = st.unplaced, deque()
+                for t in waiting:
+                    self._place(st, t)
+
+    def _add_replica(self, st: _Stage, address: str) -> _Endpoint:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        ep = _Endpoint(st.name, address, s)
+        ep.monitor = s.get_monitor_socket(_MONITOR_EVENTS)
+        st.replicas[address] = ep
+        self._eps.append(ep)
+        self._by_socket[s] = ep
+        self._by_monitor[ep.monitor] = ep
+        self._poller.register(s, zmq.POLLIN)
+        self._interest[s] = zmq.POLLIN
+        self._poller.register(ep.monitor, zmq.POLLIN)
+        s.connect(address)
+        if len(st.replicas) > 1:
+            logger.info("KV sender: stage %s has %d replicas (new: %s)", st.name,
+                        len(st.replicas), address)
+        return ep
+
+    def _drop_replica(self, ep: _Endpoint) -> None:
+        st = self._stages[ep.stage]
+        st.replicas.pop(ep.address, None)
+        self._eps.remove(ep)
+        for sock, table in ((ep.socket, self._by_socket), (ep.monitor, self._by_monitor)):
+            table.pop(sock, None)
+            self._interest.pop(sock, None)
+            self._poller.unregister(sock)
+            sock.close(linger=0)
+        logger.info("KV sender: replica %s of stage %s closed", ep.address, ep.stage)
+
+    @staticmethod
+    def _live(st: _Stage) -> list[_Endpoint]:
+        """The replicas that take new transfers."""
+        return [ep for ep in st.replicas.values() if not ep.retiring and ep.refused is None]
+
+    def _place(self, st: _Stage, t: _Transfer) -> None:
+        """Queue ``t`` at one replica of ``st``: a stream's chunk where its first went; else
+        the replica rendezvous hashing picks for the request (every rank picks the same);
+        no replica yet: it waits (``unplaced``) until one resolves or its deadline."""
+        if not self._current(t):
+            return
+        rid = t.offer.request_id
+        if t.chunk and t.offer.seq > 0 or t.chunk and t.offer.end is not None:
+            ep = self._stream_ep.get((st.name, rid))
+            if ep is not None:
+                if st.replicas.get(ep.address) is not ep or ep.retiring and not ep.ready:
+                    self._report(t, f"replica {ep.address} of stage {st.name}, which holds "
+                                    "this stream, is gone")
+                    return
+                t.placed[st.name] = ep
+                ep.queue.append(t)
+                return
+            if t.offer.end is None:
+                self._report(t, f"this stream's first chunk did not go to stage {st.name}")
+                return
+        live = self._live(st)
+        if not live:
+            refused = [ep.refused for ep in st.replicas.values()
+                       if not ep.retiring and ep.refused is not None]
+            if refused:
+                self._report(t, f"stage {st.name} refused this sender: {refused[0]}")
+            else:
+                st.unplaced.append(t)
+            return
+        ep = max(live, key=lambda e: _weight(rid, e.address))
+        if t.chunk and t.offer.end is None:  # a stream's first chunk: the stream lives here
+            key = (st.name, rid)
+            self._stream_ep[key] = ep
+            ep.streams.add(key)
+        t.placed[st.name] = ep
+        ep.queue.append(t)
+
+    def _rehome(self, ep: _Endpoint, queued_only: bool) -> None:
+        """Give ``ep``'s whole transfers (queued; and in flight, unless ``queued_only``) to
+        the stage's other replicas; its chunks fail (their stream lives there)."""
+        st = self._stages[ep.stage]
+        moving = list(ep.queue)
+        ep.queue.clear()
+        if not queued_only:
+            moving += [ep.in_flight.pop(tid) for tid in sorted(ep.in_flight)]
+        for t in moving:
+            if not self._current(t):
+                continue
+            if t.chunk:
+                self._report(t, f"the connection to replica {ep.address} of stage {ep.stage}, "
+                                "which holds this stream, was lost")
+                continue
+            t.placed.pop(ep.stage, None)
+            self._place(st, t)
+
+    def _retire_idle(self) -> None:
+        """Close each retiring replica with nothing of it left."""
+        for ep in [e for e in self._eps if e.retiring]:
+            if not ep.queue and not ep.in_flight and not ep.streams:
+                self._drop_replica(ep)
 
     def _report_thread(self, up: bool) -> None:
         if self._on_thread_state is None:
@@ -461,19 +711,12 @@ class KVSender:
         except Exception:  # metrics must never decide whether the thread runs
             logger.exception("on_thread_state failed")
 
-    def _loop(self, wake: zmq.Socket, eps: list[_Endpoint]) -> None:
-        by_socket = {ep.socket: ep for ep in eps}
-        by_monitor = {ep.monitor: ep for ep in eps if ep.monitor is not None}
-        # One poller for the thread's life; only an endpoint's POLLOUT interest changes.
-        poller = zmq.Poller()
-        poller.register(wake, zmq.POLLIN)
-        interest: dict[zmq.Socket, int] = {}
-        for ep in eps:
-            poller.register(ep.socket, zmq.POLLIN)
-            interest[ep.socket] = zmq.POLLIN
-            if ep.monitor is not None:
-                poller.register(ep.monitor, zmq.POLLIN)
+    def _loop(self, wake: zmq.Socket) -> None:
+        # One poller for the thread's life; an endpoint's POLLOUT interest changes, and
+        # replicas come and go (_add_replica, _drop_replica).
+        poller, interest = self._poller, self._interest
         while True:
+            eps = self._eps
             for ep in eps:
                 can_send = ep.ready and ep.queue and len(ep.in_flight) < self.max_in_flight
                 flags = zmq.POLLIN | (zmq.POLLOUT if can_send else 0)
@@ -493,32 +736,29 @@ class KVSender:
                         wake.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                self._take_resolved()
                 with self._lock:
                     new = list(self._submitted)
                     self._submitted.clear()
                 for t in new:
                     heapq.heappush(self._deadlines, (t.deadline, t.tid, t))
-                    for ep in eps:
-                        if ep.stage not in t.waiting:
-                            continue
-                        if ep.refused is not None:
-                            self._report(t, f"stage {ep.stage} refused this sender: "
-                                            f"{ep.refused}")
-                        else:
-                            ep.queue.append(t)
+                    for stage in sorted(t.waiting):
+                        self._place(self._stages[stage], t)
             for sock in events:
-                if sock in by_monitor:
-                    self._connection_events(by_monitor[sock])
+                ep = self._by_monitor.get(sock)
+                if ep is not None:
+                    self._connection_events(ep)
             for sock, ev in events.items():
-                ep = by_socket.get(sock)
+                ep = self._by_socket.get(sock)
                 if ep is not None and ev & zmq.POLLIN:
                     self._read_replies(ep)
-            for ep in eps:
+            for ep in list(self._eps):
                 if ep.queue:
                     self._pump(ep)
             now = time.monotonic()
             if self._deadlines and self._deadlines[0][0] <= now:
-                self._expire(eps, now)
+                self._expire(now)
+            self._retire_idle()
             with self._lock:
                 closing = self._closing_deadline
             if closing is not None and (now >= closing or not self.pending()):
@@ -640,7 +880,9 @@ class KVSender:
                 # acks and the disconnect can be seen in one wake-up).
                 self._read_replies(ep)
                 ep.ready = False
-                if ep.in_flight:
+                if ep.retiring:  # gone for good: what it had goes to the other replicas
+                    self._rehome(ep, queued_only=False)
+                elif ep.in_flight:
                     self._requeue(ep)
                     logger.warning("KV sender: connection to stage %s at %s lost; re-offering "
                                    "its transfers on the next connection", ep.stage, ep.address)
@@ -723,21 +965,32 @@ class KVSender:
         for t in failed:
             self._report(t, f"stage {ep.stage} refused this sender: {why}")
 
-    def _expire(self, eps: list[_Endpoint], now: float) -> None:
-        """Fail every transfer past its deadline, naming the first endpoint it waits for."""
+    def _expire(self, now: float) -> None:
+        """Fail every transfer past its deadline, naming the first replica it waits for."""
         heap = self._deadlines
         expired: list[tuple[_Transfer, str | None]] = []
         while heap and heap[0][0] <= now:
             t = heapq.heappop(heap)[2]
-            expired.append((t, self._timeout_reason(t, eps) if self._current(t) else None))
+            expired.append((t, self._timeout_reason(t) if self._current(t) else None))
         for t, why in expired:
-            for ep in eps:  # frees its in-flight slots; queued copies are skipped by _pump
+            for ep in t.placed.values():  # frees its in-flight slots; _pump skips queued ones
                 ep.in_flight.pop(t.tid, None)
+            for stage in t.waiting:
+                st = self._stages.get(stage)
+                if st is not None and t in st.unplaced:
+                    st.unplaced.remove(t)
             if why is not None:
                 self._report(t, why, edges="expired")
 
-    def _timeout_reason(self, t: _Transfer, eps: list[_Endpoint]) -> str:
-        ep = next(e for e in eps if e.stage in t.waiting)
+    def _timeout_reason(self, t: _Transfer) -> str:
+        stage = next((s for s in self.endpoints if s in t.waiting), "")
+        ep = t.placed.get(stage)
+        if ep is None:
+            st = self._stages.get(stage)
+            address = st.address if st is not None else "?"
+            why = f" ({st.unresolved})" if st is not None and st.unresolved else ""
+            return (f"stage {stage} unreachable at {address}: its name resolved to no replica "
+                    f"within {t.timeout:g}s{why}")
         if ep.stage in t.sent_to:
             return f"no ack from stage {ep.stage} at {ep.address} within {t.timeout:g}s"
         if ep.ready or len(ep.in_flight) >= self.max_in_flight:

@@ -84,6 +84,24 @@ def matches(want: Any, have: Any, *, quantity: bool = False) -> bool:
     return type(want) is type(have) and want == have or (is_zero(want) and is_zero(have))
 
 
+def without(patch: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    """``patch`` less the fields at ``paths`` (and the maps they leave empty)."""
+    for path in paths:
+        trail, node = [], patch
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                break
+            trail.append((node, key))
+            node = node[key]
+        else:
+            node.pop(path[-1], None)
+            for parent, key in reversed(trail):
+                if parent[key]:
+                    break
+                del parent[key]
+    return patch
+
+
 def merge_patch(desired: dict[str, Any], live: dict[str, Any], last_applied: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON merge patch that makes `live` match `desired` on the owned fields.
 

@@ -10,6 +10,9 @@ class Kind:
     api_version: str  # "v1", "apps/v1", ...
     plural: str
     optional: bool = False  # served only when an add-on's CRDs are installed
+    #: Fields the API server takes at creation only (immutable after): a live object keeps
+    #: its own, and a patch never asks to change them.
+    create_only: tuple[tuple[str, ...], ...] = ()
 
     @property
     def base_path(self) -> str:
@@ -23,7 +26,7 @@ class Kind:
 
 
 CONFIGMAP = Kind("ConfigMap", "v1", "configmaps")
-SERVICE = Kind("Service", "v1", "services")
+SERVICE = Kind("Service", "v1", "services", create_only=(("spec", "clusterIP"),))
 DEPLOYMENT = Kind("Deployment", "apps/v1", "deployments")
 PDB = Kind("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets")
 NETWORKPOLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")

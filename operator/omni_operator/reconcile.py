@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from . import API_VERSION, KIND, naming
 from .admission import Admitted, admit
-from .diff import last_applied, merge_patch
+from .diff import last_applied, merge_patch, without
 from .errors import SpecError
 from .kinds import BY_KIND, CHILD_KINDS, CONFIGMAP, DEPLOYMENT, HPA, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER, Kind
 from .kube import ApiException, Kube
@@ -528,7 +528,9 @@ class Reconciler:
         known = self._in_sync.get(key)
         if version and known is not None and known[0] == version and known[1] is desired:
             return {}
-        patch = merge_patch(desired, live, last_applied(live))
+        # A field set at creation only keeps the live object's value (a Service made before
+        # the KV Services were headless keeps its cluster IP: it cannot be patched away).
+        patch = without(merge_patch(desired, live, last_applied(live)), kind.create_only)
         if not patch and version:
             self._in_sync[key] = (version, desired)
         return patch

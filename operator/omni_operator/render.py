@@ -140,7 +140,10 @@ def _is_entry(pipeline: Pipeline, stage: Stage) -> bool:
 
 def render_kv_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
     """A receiving stage's KV Service for one revision: the senders of that revision name it
-    in their stage config, so they only ever reach receivers of their own revision."""
+    in their stage config, so they only ever reach receivers of their own revision. Headless:
+    its name resolves to every ready pod, and a sender spreads the stage's requests over
+    them (a ClusterIP Service would balance connections, so one sender rank's requests would
+    all go to one replica)."""
     return {
         "apiVersion": SERVICE.api_version,
         "kind": SERVICE.kind,
@@ -148,6 +151,7 @@ def render_kv_service(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
                               stage.name, pipeline.revision),
         "spec": {
             "type": "ClusterIP",
+            "clusterIP": "None",
             "selector": naming.selector_labels(pipeline.name, stage.name, pipeline.revision),
             "ports": [{"name": "kv", "port": naming.KV_PORT, "targetPort": "kv", "protocol": "TCP"}],
         },

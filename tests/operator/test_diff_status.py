@@ -6,7 +6,7 @@ import copy
 from hypothesis import given, settings, strategies as st
 
 from omnip_support import pipeline_body
-from omni_operator.diff import merge_patch
+from omni_operator.diff import merge_patch, without
 from omni_operator.model import parse_pipeline
 from omni_operator.quantities import parse_quantity
 from omni_operator.status import compute_status, status_patch
@@ -49,6 +49,15 @@ def test_list_element_field_dropped_since_last_apply_rewrites_the_list():
     desired = {"env": [{"name": "A"}]}
     live = {"env": [{"name": "A", "value": "1"}]}
     assert merge_patch(desired, live, last) == {"env": [{"name": "A"}]}
+
+
+def test_a_create_only_field_leaves_the_patch_and_the_maps_it_empties():
+    patch = {"spec": {"clusterIP": "None", "ports": [1]}, "metadata": {"labels": {"a": "b"}}}
+    assert without(patch, (("spec", "clusterIP"),)) == {"spec": {"ports": [1]},
+                                                        "metadata": {"labels": {"a": "b"}}}
+    assert without({"spec": {"clusterIP": "None"}}, (("spec", "clusterIP"),)) == {}
+    assert without({"spec": 3}, (("spec", "clusterIP"),)) == {"spec": 3}
+    assert without({}, (("spec", "clusterIP"),)) == {}
 
 
 def test_apiversion_and_kind_are_identity_not_content():

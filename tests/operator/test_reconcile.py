@@ -106,6 +106,23 @@ def test_hand_edited_and_deleted_children_are_put_back(kube, reconciler):
     assert kube.get(CONFIGMAP, NAMESPACE, workload("code2wav"))["metadata"]["labels"]["team"] == "a"
 
 
+def test_the_kv_services_are_headless_and_one_made_with_a_cluster_ip_is_left_as_it_is(kube, reconciler):
+    """A receiving stage's KV Service resolves to its pods (a sender spreads requests over
+    them). One made before they were headless has a cluster IP, which the API server never
+    lets a patch change (spec.clusterIP is immutable): it is left as it is, not patched at
+    every reconcile and refused. (The emulator lets a user's patch set one, as a Service
+    made then had it.)"""
+    create_pipeline(kube, pipeline_body())
+    reconciler.reconcile(NAMESPACE, "tiny")
+    for stage in ("talker", "code2wav"):
+        assert kube.get(SERVICE, NAMESPACE, workload(stage))["spec"]["clusterIP"] == "None"
+    assert "clusterIP" not in kube.get(SERVICE, NAMESPACE, "tiny-talker")["spec"]
+    kube.patch(SERVICE, NAMESPACE, workload("talker"), {"spec": {"clusterIP": "10.96.0.10"}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert (outcome.result, outcome.writes) == ("unchanged", 0), outcome.changed
+    assert kube.get(SERVICE, NAMESPACE, workload("talker"))["spec"]["clusterIP"] == "10.96.0.10"
+
+
 def test_removed_stage_children_are_deleted(kube, reconciler):
     """Removing a stage changes the graph: a new revision. Once it is up, the old revision
     drains and goes, the removed stage's workload with it; its stable children go at once."""

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from omni_runtime.kv.transport.sender import ChunkOffer, _weight, resolve_replicas, split_address
+from omni_runtime.kv.transport.sender import (ChunkOffer, KVSender, _weight, resolve_replicas,
+                                              split_address)
 
 from transport_fixtures import (  # noqa: F401  (fixtures)
     STAGE,
@@ -107,6 +108,14 @@ def test_an_ip_is_its_one_replica_and_a_name_resolves_to_each_address():
     assert split_address("tcp://[::1]:9600") == ("::1", 9600)
     with pytest.raises(OSError):
         resolve_replicas("tcp://no-such-name.invalid:9600")
+    for bad in ("tcp://talker", "talker:0", "tcp://:9600", "tcp://talker:http"):
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            split_address(bad)
+
+
+def test_a_malformed_address_is_refused_at_once_naming_it(ar):
+    with pytest.raises(ValueError, match="'tcp://talker'"):
+        KVSender({STAGE: "tcp://talker"}, hello=ar.hello, agent=ar.agent)
 
 
 def test_requests_spread_over_the_replicas_each_where_rendezvous_hashing_puts_it(

@@ -186,9 +186,12 @@ class _Stage:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """(host, port) of ``tcp://host:port`` (an IPv6 host in brackets)."""
+    """(host, port) of ``tcp://host:port`` (an IPv6 host in brackets); ValueError naming the
+    form otherwise."""
     rest = address.split("://", 1)[-1]
     host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a KV address must be tcp://HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -276,8 +279,9 @@ class KVSender:
         self._resolve_stop = threading.Event()
         names = {}
         for stage, address in self.endpoints.items():
+            host, _ = split_address(address)  # a malformed address fails here, named
             try:
-                ipaddress.ip_address(split_address(address)[0])
+                ipaddress.ip_address(host)
                 self._resolved[stage] = ([address], None)
             except ValueError:
                 names[stage] = address
@@ -561,8 +565,10 @@ class KVSender:
                 try:
                     found: list[str] | None = list(self._resolve(address))
                     why = None
-                except OSError as e:
+                except Exception as e:  # noqa: BLE001 - any failure to resolve is an answer
                     found, why = None, f"{type(e).__name__}: {e}"
+                if found is not None and not found:
+                    found, why = None, "it resolved to no address"
                 with self._lock:
                     before = self._resolved.get(stage)
                     if found is None and before is not None and before[0] is not None:

@@ -30,5 +30,6 @@ REJECT_CODES: tuple[str, ...] = (
     "read_failed",          # NIXL could not read the blocks (peer gone, memory not registered)
     "deadline",             # the transfer's time ran out before the read or the verdict
     "input_refused",        # the stage that takes it as a request's input refused it (why)
+    "stopping",             # the stage is stopping (its open streams drain): another replica may take it
     "internal_error",       # a bug on the receiver (logged with its traceback)
 )

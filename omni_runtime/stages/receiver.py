@@ -130,8 +130,8 @@ class ReceiverStage:
         the stage stops (its sender fails it at once rather than at its deadline)."""
         if self._draining.is_set():
             self.inbox.discard(payload.request_id)
-            self.receiver.settle(ticket, ("input_refused", f"stage {self.config.stage} is "
-                                                           "stopping"))
+            self.receiver.settle(ticket, ("stopping", f"stage {self.config.stage} is "
+                                                      "stopping"))
             return
         self.receiver.settle(ticket)
         try:

@@ -291,8 +291,8 @@ class StageInput:
 
     def _spawn(self, request_id: str, ticket: Any) -> None:
         if self._stopping or self.draining:
-            self.receiver.settle(ticket, ("input_refused", f"stage {self.settings.stage} is "
-                                                           "stopping"))
+            self.receiver.settle(ticket, ("stopping", f"stage {self.settings.stage} is "
+                                                      "stopping"))
             return
         task = self._loop.create_task(self._take(request_id, ticket))
         self._tasks.add(task)
@@ -371,7 +371,7 @@ class StageInput:
         if self._stopping or (self.draining and ticket is not None and (
                 message.request_id, message.from_stage) not in self._stream_requests):
             if ticket is not None:  # stopping, or a new stream while the open ones drain
-                self.receiver.settle(ticket, ("input_refused",
+                self.receiver.settle(ticket, ("stopping",
                                               f"stage {self.settings.stage} is stopping"))
             return
         self._track(self._loop.create_task(

@@ -87,7 +87,7 @@ class StreamInbox:
         with self._cond:
             if self._refusing is not None and self.ledger.get(*key) is None:
                 # Stopping: the streams open here run to their end, a new one is not begun.
-                refusal = ("input_refused", f"chunk {chunk.seq} of the stream of request "
+                refusal = ("stopping", f"chunk {chunk.seq} of the stream of request "
                            f"{chunk.request_id} begins a new stream: {self._refusing}")
                 self._cond.notify_all()
             else:

@@ -206,3 +206,56 @@ def test_a_name_that_resolves_late_delivers_and_one_that_never_does_fails_naming
     acked, failed = collect(nowhere, 1)
     assert acked == [] and "resolved to no replica" in failed["lost"], failed
     assert STAGE in failed["lost"] and "Name or service not known" in failed["lost"]
+
+
+class Stopping:
+    """A replica that is stopping: it refuses every whole hand-off and every new stream's
+    first chunk with ``stopping``, as a stage does after SIGTERM."""
+
+    def __init__(self):
+        self.receiver = None
+        self.refused = 0
+
+    def __call__(self, message, ticket):
+        if ticket is None:
+            return
+        self.refused += 1
+        self.receiver.settle(ticket, ("stopping", "stage talker is stopping"))
+
+
+def test_a_replica_that_is_stopping_sends_its_new_work_to_the_others(make_receiver, ar,
+                                                                      make_sender):
+    port = _port_free_on_both()
+    stopping, taking = Stopping(), Accepting()
+    stopping.receiver = make_receiver(f"tcp://{HOSTS[0]}:{port}", consumer=stopping,
+                                      streams=stopping)
+    taking.receiver = make_receiver(f"tcp://{HOSTS[1]}:{port}", streams=taking)
+    addresses = [f"tcp://{host}:{port}" for host in HOSTS]
+    names = Names(addresses)
+    sender = make_sender(ar, {STAGE: NAME.format(port=port)}, resolve=names,
+                         resolve_interval_s=0.05)
+    rids = [f"w{i}" for i in range(12)]
+    for i, rid in enumerate(rids):
+        sender.submit(ar.offer(rid, [i % 8 + 1], 4))
+    assert collect(sender, len(rids)) == (sorted(rids), {})  # none lost
+    assert all(rid in taking.receiver.inbox for rid in rids)
+    # After its first refusal it is sent nothing new (it refused one at most per request
+    # in flight when it said so).
+    refused = stopping.refused
+    assert 1 <= refused
+    for i in range(6):  # new streams begin at the replica that takes them
+        sender.submit_chunk(ChunkOffer(f"s{i}", 0, token_ids=(i,)), STAGE, timeout_s=WAIT)
+    answers = []
+    wait_for(lambda: answers.extend(sender.poll_chunks()) or len(answers) == 6, "6 chunks")
+    assert all(why is None for *_, why in answers), answers
+    assert sorted(taking.got) == sorted((f"s{i}", 0) for i in range(6))
+    assert stopping.refused == refused
+    # The stopping replica alone: a new transfer is refused at once, naming why, not kept
+    # waiting for a replica to its deadline.
+    names.replicas = addresses[:1]
+    wait_for(lambda: sender.replicas()[STAGE] == addresses[:1], "the scale-in")
+    began = time.monotonic()
+    sender.submit(ar.offer("alone", [1], 4), timeout_s=60)
+    acked, failed = collect(sender, 1, timeout=60)
+    assert acked == [] and "stopping: stage talker is stopping" in failed["alone"], failed
+    assert time.monotonic() - began < 30, "it waited for its deadline"

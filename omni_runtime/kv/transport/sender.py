@@ -168,6 +168,9 @@ class _Endpoint:
     refused: str | None = None  # why the receiver refused this connection's hello
     #: No longer resolved: takes nothing new, closed once nothing of it is left.
     retiring: bool = False
+    #: It said it is stopping (a ``stopping`` refusal): takes nothing new until a new
+    #: connection's hello (a new process there).
+    stopping: bool = False
     #: (stage, request id) of the streams pinned here.
     streams: set[tuple[str, str]] = field(default_factory=set)
 
@@ -646,12 +649,15 @@ class KVSender:
     @staticmethod
     def _live(st: _Stage) -> list[_Endpoint]:
         """The replicas that take new transfers."""
-        return [ep for ep in st.replicas.values() if not ep.retiring and ep.refused is None]
+        return [ep for ep in st.replicas.values()
+                if not ep.retiring and not ep.stopping and ep.refused is None]
 
     def _place(self, st: _Stage, t: _Transfer) -> None:
         """Queue ``t`` at one replica of ``st``: a stream's chunk where its first went; else
-        the replica rendezvous hashing picks for the request (every rank picks the same);
-        no replica yet: it waits (``unplaced``) until one resolves or its deadline."""
+        the replica rendezvous hashing picks for the request among those that take new work
+        (every rank picks the same); every replica stopping: one of them (it refuses at once,
+        naming why); no replica yet: it waits (``unplaced``) until one resolves or its
+        deadline."""
         if not self._current(t):
             return
         rid = t.offer.request_id
@@ -674,9 +680,13 @@ class KVSender:
                        if not ep.retiring and ep.refused is not None]
             if refused:
                 self._report(t, f"stage {st.name} refused this sender: {refused[0]}")
-            else:
+                return
+            # Every replica is stopping: one refuses it at once, naming why, rather than it
+            # wait for a replica to its deadline.
+            live = [ep for ep in st.replicas.values() if ep.stopping and not ep.retiring]
+            if not live:
                 st.unplaced.append(t)
-            return
+                return
         ep = max(live, key=lambda e: _weight(rid, e.address))
         if t.chunk and t.offer.end is None:  # a stream's first chunk: the stream lives here
             key = (st.name, rid)
@@ -702,6 +712,28 @@ class KVSender:
                 continue
             t.placed.pop(ep.stage, None)
             self._place(st, t)
+
+    def _elsewhere(self, ep: _Endpoint, t: _Transfer) -> bool:
+        """A replica that is stopping refused ``t`` (a whole hand-off, or a new stream's
+        first chunk; it finishes the streams it holds): it takes nothing new from now on,
+        and ``t`` goes to another replica of the stage, if there is one. Whether it did."""
+        if not ep.stopping:
+            ep.stopping = True
+            logger.info("KV sender: replica %s of stage %s is stopping: it takes no new "
+                        "transfers", ep.address, ep.stage)
+        st = self._stages[ep.stage]
+        if t.chunk and t.offer.seq > 0 or not self._live(st):
+            return False
+        del ep.in_flight[t.tid]
+        if t.chunk:  # the stream had not begun there: it begins where it goes now
+            key = (ep.stage, t.offer.request_id)
+            ep.streams.discard(key)
+            self._stream_ep.pop(key, None)
+            self._stream_conn.pop(key, None)
+        t.placed.pop(ep.stage, None)
+        t.sent_to.discard(ep.stage)
+        self._place(st, t)
+        return True
 
     def _retire_idle(self) -> None:
         """Close each retiring replica with nothing of it left."""
@@ -877,6 +909,7 @@ class KVSender:
             kind = event.get("event")
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 ep.connections += 1
+                ep.stopping = False
                 if ep.connections > 1:
                     logger.info("KV sender: reconnected to stage %s at %s", ep.stage, ep.address)
                 self._say_hello(ep)
@@ -941,6 +974,8 @@ class KVSender:
                 ep.queue.appendleft(t)
                 self._requeue(ep)
                 self._say_hello(ep)
+            elif reply.code == "stopping" and self._elsewhere(ep, t):
+                pass  # offered to another replica
             else:
                 del ep.in_flight[t.tid]
                 self._report(t, f"stage {ep.stage} rejected: {reply.code}: {reply.reason}")

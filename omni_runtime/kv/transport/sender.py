@@ -279,6 +279,8 @@ class KVSender:
         self._resolve = resolve
         self.resolve_interval_s = resolve_interval_s
         self._resolved: dict[str, tuple[list[str] | None, str | None]] = {}
+        self._resolved_version = 1  # counts the resolver's changes
+        self._taken_version = 0  # the I/O thread's: the version it has followed
         self._resolve_stop = threading.Event()
         names = {}
         for stage, address in self.endpoints.items():
@@ -578,6 +580,7 @@ class KVSender:
                         found = before[0]  # keep what was resolved, and say why not now
                     if before != (found, why):
                         self._resolved[stage] = (found, why)
+                        self._resolved_version += 1
                         changed = True
             if changed:
                 self._kick()
@@ -588,6 +591,9 @@ class KVSender:
         """Follow the resolver: an endpoint for each new replica, retire those no longer
         resolved, then place what waited for a replica."""
         with self._lock:
+            if self._resolved_version == self._taken_version:
+                return  # nothing new (the usual wake-up: a submit)
+            self._taken_version = self._resolved_version
             resolved = dict(self._resolved)
         for stage, (found, why) in resolved.items():
             st = self._stages[stage]
@@ -607,7 +613,7 @@ class KVSender:
                     ep.retiring = True
                     logger.info("KV sender: replica %s of stage %s no longer resolved: it "
                                 "takes no new transfers", address, stage)
-                    self._rehome(ep, queued_only=True)
+                    self._rehome(ep, lost=False)
             if st.unplaced and self._live(st):
                 waiting, st.unplaced = st.unplaced, deque()
                 for t in waiting:
@@ -695,13 +701,15 @@ class KVSender:
         t.placed[st.name] = ep
         ep.queue.append(t)
 
-    def _rehome(self, ep: _Endpoint, queued_only: bool) -> None:
-        """Give ``ep``'s whole transfers (queued; and in flight, unless ``queued_only``) to
-        the stage's other replicas; its chunks fail (their stream lives there)."""
+    def _rehome(self, ep: _Endpoint, lost: bool) -> None:
+        """Give ``ep``'s queued whole transfers to the stage's other replicas; its chunks
+        stay (their streams live there and a draining replica finishes them). ``lost``: its
+        connection is gone for good, so its transfers in flight go too, and its chunks fail."""
         st = self._stages[ep.stage]
-        moving = list(ep.queue)
-        ep.queue.clear()
-        if not queued_only:
+        moving = [t for t in ep.queue if lost or not t.chunk]
+        kept = deque(t for t in ep.queue if not lost and t.chunk)
+        ep.queue = kept
+        if lost:
             moving += [ep.in_flight.pop(tid) for tid in sorted(ep.in_flight)]
         for t in moving:
             if not self._current(t):
@@ -711,6 +719,7 @@ class KVSender:
                                 "which holds this stream, was lost")
                 continue
             t.placed.pop(ep.stage, None)
+            t.sent_to.discard(ep.stage)
             self._place(st, t)
 
     def _elsewhere(self, ep: _Endpoint, t: _Transfer) -> bool:
@@ -920,7 +929,7 @@ class KVSender:
                 self._read_replies(ep)
                 ep.ready = False
                 if ep.retiring:  # gone for good: what it had goes to the other replicas
-                    self._rehome(ep, queued_only=False)
+                    self._rehome(ep, lost=True)
                 elif ep.in_flight:
                     self._requeue(ep)
                     logger.warning("KV sender: connection to stage %s at %s lost; re-offering "

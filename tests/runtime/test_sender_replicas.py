@@ -259,3 +259,71 @@ def test_a_replica_that_is_stopping_sends_its_new_work_to_the_others(make_receiv
     acked, failed = collect(sender, 1, timeout=60)
     assert acked == [] and "stopping: stage talker is stopping" in failed["alone"], failed
     assert time.monotonic() - began < 30, "it waited for its deadline"
+
+
+class Holding:
+    """A replica's consumer that holds every payload's ticket until told (its transfers stay
+    in flight)."""
+
+    def __init__(self):
+        self.receiver = None
+        self.tickets = []
+
+    def __call__(self, payload, ticket):
+        self.tickets.append(ticket)
+
+    def settle_all(self):
+        for ticket in self.tickets:
+            self.receiver.settle(ticket)
+        self.tickets.clear()
+
+
+def hashed_to(address, other, n, prefix):
+    """``n`` request ids that rendezvous hashing puts at ``address`` rather than ``other``."""
+    found, i = [], 0
+    while len(found) < n:
+        rid = f"{prefix}{i}"
+        i += 1
+        if _weight(rid, address) > _weight(rid, other):
+            found.append(rid)
+    return found
+
+
+def test_a_replica_scaled_in_gives_its_queued_hand_offs_to_the_others_and_its_lost_ones_too(
+        make_receiver, ar, make_sender):
+    """Replica A holds one transfer in flight (its consumer has not answered) and more are
+    queued behind it (one in flight at a time). Scaled in (no longer resolved): the queued
+    ones go to B at once, the one in flight stays A's and is answered there. Then A holds
+    another and its connection is lost for good: that one goes to B too. Nothing is lost."""
+    port = _port_free_on_both()
+    held = Holding()
+    held.receiver = make_receiver(f"tcp://{HOSTS[0]}:{port}", consumer=held)
+    other = make_receiver(f"tcp://{HOSTS[1]}:{port}")
+    a, b = (f"tcp://{host}:{port}" for host in HOSTS)
+    names = Names([a, b])
+    sender = make_sender(ar, {STAGE: NAME.format(port=port)}, resolve=names,
+                         resolve_interval_s=0.05, max_in_flight=1)
+    first, *queued = hashed_to(a, b, 4, "q")
+    for i, rid in enumerate([first, *queued]):
+        sender.submit(ar.offer(rid, [i + 1], 4), timeout_s=60)
+    wait_for(lambda: len(held.tickets) == 1, "A to hold the first transfer")
+    names.replicas = [b]
+    wait_for(lambda: sender.replicas()[STAGE] == [b], "the scale-in")
+    acked, failed = collect(sender, len(queued), timeout=30)
+    assert (acked, failed) == (sorted(queued), {})
+    assert all(rid in other.inbox for rid in queued)
+    held.settle_all()  # A answers the one it held: acked there
+    assert collect(sender, 1) == ([first], {})
+    assert first in held.receiver.inbox
+    # A is back, takes one and holds it, then is gone for good (scaled in, its process
+    # ended): the one it held goes to B.
+    names.replicas = [a, b]
+    wait_for(lambda: sender.replicas()[STAGE] == [a, b], "the scale-out")
+    [last] = hashed_to(a, b, 1, "last")
+    sender.submit(ar.offer(last, [9], 4), timeout_s=60)
+    wait_for(lambda: len(held.tickets) == 1, "A to hold the last transfer")
+    names.replicas = [b]
+    wait_for(lambda: sender.replicas()[STAGE] == [b], "the second scale-in")
+    held.receiver.close()
+    assert collect(sender, 1, timeout=30) == ([last], {})
+    assert last in other.inbox

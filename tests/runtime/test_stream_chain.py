@@ -88,6 +88,45 @@ def resolved(stage, outcomes) -> float:
                for o in outcomes)
 
 
+def engine_cores(stage) -> list[int]:
+    """The pids of the stage's vLLM engine-core processes (its API server serves on)."""
+    from procs import descendants
+
+    found = []
+    for pid in descendants(stage.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"EngineCore" in f.read():
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def signal_pids(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def mid_stream(endpoint, prompt, pause, resume, midway, attempts=3):
+    """A streamed request asked on a thread, and ``pause()`` called on that thread as its
+    first output comes; then ``midway()`` says whether the thinker's stream is still
+    mid-way. Under a heavy load the first output can reach the client only after the whole
+    stream was taken (it happened in make test): then ``resume()``, that request runs to its
+    end, and another is asked (at most ``attempts``). Returns (the thread, what it saw)."""
+    for attempt in range(attempts):
+        asker, outcome = ask_in_background(endpoint, [*prompt, attempt], on_first=pause)
+        if midway():
+            return asker, outcome
+        resume()
+        asker.join(120)
+    raise AssertionError(f"the first output came only after the whole stream, {attempts} "
+                         "times")
+
+
 def chunk_count(n_output: int) -> int:
     """Chunks of a stream of ``n_output`` tokens: 4, then 8 each, the last the rest."""
     if n_output <= 4:
@@ -177,9 +216,14 @@ def test_the_thinker_killed_mid_stream_ends_the_talkers_request(streamed):
     edge = EDGE
     failed = ("producer_error", "expired", "aborted")
     before = resolved(talker, failed)
-    # Paused as the talker's first output comes, then killed: the thinker is mid-answer.
-    asker, outcome = ask_in_background(streamed["endpoint"], [61, 62, 63],
-                                       on_first=lambda: thinker.signal_tree(signal.SIGSTOP))
+    # The thinker's engine paused as the talker's first output comes (its API server serves
+    # on), checked mid-answer, then the whole stage killed.
+    engines = engine_cores(thinker)
+    assert engines, "the thinker's engine core"
+    asker, outcome = mid_stream(
+        streamed["endpoint"], [61, 62, 63], lambda: signal_pids(engines, signal.SIGSTOP),
+        lambda: signal_pids(engines, signal.SIGCONT),
+        lambda: metric_value(thinker.metrics(), "vllm:num_requests_running") == 1)
     thinker.kill()
     killed = time.monotonic()
     asker.join(60)
@@ -211,12 +255,19 @@ def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
     failed = ("consumer_error", "expired", "aborted")
     before = resolved(thinker, failed)
     # Paused as its first output comes (its link and connections stay up; it takes no more
-    # chunks): however loaded the machine, the thinker's stream is then mid-way (under make
-    # test's load the talker, killed a moment later, had once taken the whole stream first).
-    asker, outcome = ask_in_background(streamed["endpoint"], [51, 52, 53],
-                                       on_first=lambda: talker.signal_tree(signal.SIGSTOP))
-    wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams", state="open",
-                                    **edge) >= 1, 10, "the thinker's stream, open")
+    # chunks), checked mid-stream (the thinker's stream open), then killed.
+
+    def open_at_thinker() -> bool:
+        try:
+            wait_until(lambda: metric_value(thinker.metrics(), "omni_kv_streams",
+                                            state="open", **edge) >= 1, 3, "open")
+            return True
+        except TimeoutError:
+            return False
+
+    asker, outcome = mid_stream(
+        streamed["endpoint"], [51, 52, 53], lambda: talker.signal_tree(signal.SIGSTOP),
+        lambda: talker.signal_tree(signal.SIGCONT), open_at_thinker)
     talker.kill()
     asker.join(60)
     assert not asker.is_alive() and "error" in outcome, "the client was told"

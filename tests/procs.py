@@ -136,6 +136,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat), None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     """Stop a process started with start_new_session=True, and whatever is left of its
     process group (vLLM's engine core)."""
@@ -290,9 +299,22 @@ class StageProcess:
             self.proc.wait(timeout=30)
 
     def stop(self, timeout: float = 60.0) -> int | None:
+        """Stop the stage (SIGTERM: it drains) and whatever of it is left. A paused stage is
+        resumed first (stopped, it cannot take SIGTERM); a process under it that outlived it
+        (vLLM runs in a session of its own) is killed (a test that failed with a stage
+        paused had left its vLLM stopped, and orphaned)."""
         if self.proc is None:
             return None
+        below = [(pid, _start_time(pid)) for pid in descendants(self.proc.pid)] \
+            if self.proc.poll() is None else []
+        self.signal_tree(signal.SIGCONT)
         stop_group(self.proc, timeout)
+        for pid, started in below:
+            if started is not None and _start_time(pid) == started:  # not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         return self.proc.returncode
 
     def log_tail(self, n: int = 4000) -> str:

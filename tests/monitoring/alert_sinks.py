@@ -6,10 +6,14 @@ import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from procs import ReadyServer, free_port
+from procs import PrometheusServer, ReadyServer, free_port
+
+if TYPE_CHECKING:
+    from omni_mixin.config import Config
 
 
 class WebhookReceiver:
@@ -89,3 +93,15 @@ def prometheus_config(rules: Path, alertmanager: "Alertmanager",
                                for port, labels in targets],
         }],
     })
+
+
+def alerting_prometheus(tmp: Path, rules: "Config", alertmanager: "Alertmanager",
+                        targets: list[tuple[int, dict[str, str]]]) -> PrometheusServer:
+    """A real Prometheus in ``tmp`` with the mixin's rules rendered for ``rules`` (the
+    thresholds a test can wait for), scraping ``targets`` and alerting ``alertmanager``
+    (:func:`prometheus_config`)."""
+    from omni_mixin import render
+
+    path = tmp / "omni.rules.yaml"
+    path.write_text(render.rules_file(rules))
+    return PrometheusServer(tmp, prometheus_config(path, alertmanager, targets))

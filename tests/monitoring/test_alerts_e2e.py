@@ -10,12 +10,11 @@ import time
 import pytest
 import requests
 
-from omni_mixin import render
 from omni_mixin.config import Config
 
-from procs import PrometheusServer, VllmServer, wait_until
+from procs import VllmServer, wait_until
 
-from .alert_sinks import prometheus_config
+from .alert_sinks import alerting_prometheus
 
 pytestmark = pytest.mark.engine
 
@@ -49,14 +48,11 @@ def stage(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, stage, alertmanager):
-    tmp = tmp_path_factory.mktemp("prometheus")
-    rules = tmp / "omni.rules.yaml"
     # The generated rules, with a threshold a test can wait for.
-    rules.write_text(render.rules_file(Config(stuck_transfer_seconds=STUCK_SECONDS,
-                                              stuck_transfer_for="0s")))
-    config = prometheus_config(rules, alertmanager, [(stage["port"], {**SCRAPE_LABELS,
-                                                                      "stage": STAGE})])
-    server = PrometheusServer(tmp, config)
+    server = alerting_prometheus(
+        tmp_path_factory.mktemp("prometheus"),
+        Config(stuck_transfer_seconds=STUCK_SECONDS, stuck_transfer_for="0s"), alertmanager,
+        [(stage["port"], {**SCRAPE_LABELS, "stage": STAGE})])
     yield server
     server.stop()
 

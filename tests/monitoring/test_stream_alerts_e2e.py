@@ -19,13 +19,12 @@ import threading
 import pytest
 import requests
 
-from omni_mixin import render
 from omni_mixin.config import Config
 
 from chain import CHAIN_ENV, MODEL, chain_configs
-from procs import PrometheusServer, StageProcess, metric_value, wait_until
+from procs import StageProcess, metric_value, wait_until
 
-from .alert_sinks import prometheus_config
+from .alert_sinks import alerting_prometheus
 
 pytestmark = pytest.mark.engine
 
@@ -60,22 +59,17 @@ def stages(tmp_path_factory):
         yield procs
     finally:
         for proc in procs.values():
-            if proc.proc is not None and proc.proc.poll() is None:
-                proc.signal_tree(signal.SIGCONT)  # a stopped stage cannot take SIGTERM
-            proc.stop()
+            proc.stop()  # resumes a stage still paused first
 
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, stages, alertmanager):
-    tmp = tmp_path_factory.mktemp("prometheus")
-    rules = tmp / "omni.rules.yaml"
-    rules.write_text(render.rules_file(Config(stalled_stream_seconds=STALLED_SECONDS,
-                                              stalled_stream_for="0s")))
-    config = prometheus_config(rules, alertmanager, [
-        (stage.http_port, {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": name,
-                           "pod": f"{PIPELINE}-{name}-0"})
-        for name, stage in stages.items()])
-    server = PrometheusServer(tmp, config)
+    server = alerting_prometheus(
+        tmp_path_factory.mktemp("prometheus"),
+        Config(stalled_stream_seconds=STALLED_SECONDS, stalled_stream_for="0s"), alertmanager,
+        [(stage.http_port, {"namespace": NAMESPACE, "pipeline": PIPELINE, "stage": name,
+                            "pod": f"{PIPELINE}-{name}-0"})
+         for name, stage in stages.items()])
     yield server
     server.stop()
 
@@ -127,13 +121,15 @@ def test_a_stopped_producer_fires_stream_stalled_at_its_consumer(
         stages, webhook, prometheus, stopped_mid_stream):
     vocoder = stages["vocoder"]
     edge = {"from_stage": "thinker", "to_stage": "vocoder"}
-    # Stopped mid-stream: the vocoder has part of it and waits for the next chunk.
+    # Stopped mid-stream: the vocoder has part of it and waits for the next chunk. Its
+    # gauges, refreshed on the stage's deadline timer (every 0.5 s at most).
+    wait_until(lambda: metric_value(vocoder.metrics(), "omni_kv_streams", state="waiting",
+                                    **edge) == 1, 10, "the vocoder's stream to show as waiting")
+    # Read once it waits: a chunk the thinker had sent as it stopped has arrived by then
+    # (make test once saw one land between an earlier read and the alert).
     [now] = [s for s in requests.get(f"{vocoder.url}/v1/streams", timeout=5).json()["streams"]
              if s["request_id"] == stopped_mid_stream["request_id"]]
     assert now["outcome"] is None, f"the stream ended before the thinker stopped: {now}"
-    # Its gauges, refreshed on the stage's deadline timer (every 0.5 s at most).
-    wait_until(lambda: metric_value(vocoder.metrics(), "omni_kv_streams", state="waiting",
-                                    **edge) == 1, 10, "the vocoder's stream to show as waiting")
     assert metric_value(vocoder.metrics(), "omni_kv_stream_oldest_wait_start_timestamp_seconds",
                         **edge) > 0
 

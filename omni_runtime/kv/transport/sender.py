@@ -799,7 +799,7 @@ class KVSender:
                 ep = self._by_socket.get(sock)
                 if ep is not None and ev & zmq.POLLIN:
                     self._read_replies(ep)
-            for ep in list(self._eps):
+            for ep in self._eps:  # _pump never adds or drops a replica
                 if ep.queue:
                     self._pump(ep)
             now = time.monotonic()

@@ -68,8 +68,8 @@ def get(url: str, timeout: float = 30.0) -> tuple[int, bytes, float]:
 
 
 def stage_configs(workdir: Path) -> dict[str, dict]:
-    from omni_operator.local import local_stage_configs
-    from omni_operator.model import parse_pipeline
+    from omni_operator.local.run import local_stage_configs
+    from omni_operator.pipeline.model import parse_pipeline
 
     from omni_runtime.devtools.tiny_model import ensure_tiny_model
 

@@ -44,7 +44,7 @@ from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube
                            pipeline_body)
 from k8s_emulator import EmulatorThread  # noqa: E402
 from metrics_pages import PageServer, ar_page, create_pod  # noqa: E402
-from omni_operator.reconcile import Reconciler  # noqa: E402
+from omni_operator.controller.reconcile import Reconciler  # noqa: E402
 
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
 
@@ -99,8 +99,8 @@ def rss_mib() -> float:
 
 def operator_process(url: str, pipe) -> None:
     """The operator's side: the resync timer's round (list, read every pod, reconcile)."""
-    from omni_operator.health import PodMetricsSource, TransferHealth
-    from omni_operator.resync import Resync
+    from omni_operator.health.reader import PodMetricsSource, TransferHealth
+    from omni_operator.controller.resync import Resync
 
     kube = make_kube(url, OPERATOR_TOKEN)
     health = TransferHealth(PodMetricsSource(kube))

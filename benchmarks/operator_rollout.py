@@ -38,11 +38,11 @@ from cluster_sim import Clock, SimCluster  # noqa: E402
 from k8s_emulator import EmulatorThread  # noqa: E402
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, patch_pipeline,  # noqa: E402
                            pipeline_body, revision)
-from omni_operator import naming  # noqa: E402
-from omni_operator.health import PodMetricsSource, TransferHealth  # noqa: E402
-from omni_operator.kinds import DEPLOYMENT  # noqa: E402
-from omni_operator.reconcile import Reconciler  # noqa: E402
-from omni_operator.resync import Resync  # noqa: E402
+from omni_operator.pipeline import naming  # noqa: E402
+from omni_operator.health.reader import PodMetricsSource, TransferHealth  # noqa: E402
+from omni_operator.pipeline.kinds import DEPLOYMENT  # noqa: E402
+from omni_operator.controller.reconcile import Reconciler  # noqa: E402
+from omni_operator.controller.resync import Resync  # noqa: E402
 
 WRITES = ("create", "patch", "update", "delete")
 

@@ -51,8 +51,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "operator"))
 
 import yaml  # noqa: E402
-from omni_operator.local import ENDPOINT, free_port, local_stage_configs  # noqa: E402
-from omni_operator.model import parse_pipeline  # noqa: E402
+from omni_operator.local.run import ENDPOINT, free_port, local_stage_configs  # noqa: E402
+from omni_operator.pipeline.model import parse_pipeline  # noqa: E402
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model  # noqa: E402
 

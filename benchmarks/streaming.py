@@ -64,8 +64,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from omni_operator.local import ENDPOINT, free_port, local_stage_configs  # noqa: E402
-from omni_operator.model import parse_pipeline  # noqa: E402
+from omni_operator.local.run import ENDPOINT, free_port, local_stage_configs  # noqa: E402
+from omni_operator.pipeline.model import parse_pipeline  # noqa: E402
 from pipeline_chain import descendants, get, start, stop  # noqa: E402
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model  # noqa: E402

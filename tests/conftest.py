@@ -6,7 +6,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # Every engine a test starts shares this host's cores with the others (and, under pytest-xdist,
 # with another worker's): vLLM's CPU auto binding would pin each one's worker to the same core
-# (operator/omni_operator/local.py, local_stage_env, says why that starves a starting engine).
+# (operator/omni_operator/local/run.py, local_stage_env, says why that starves a starting engine).
 # A test that is about the binding sets its own.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 

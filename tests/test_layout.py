@@ -146,7 +146,8 @@ def test_no_import_cycles_between_modules():
 
 def test_no_import_cycles_in_the_operator_or_the_contract():
     """omni_operator (and omni_contract) import one way too: no module reaches itself again,
-    lazy imports included (cli.py starts local.py's supervisor; local.py never imports cli)."""
+    lazy imports included (local/cli.py starts local/run.py's supervisor; run.py never
+    imports cli)."""
     for root, package in ((OPERATOR, "omni_operator"), (CONTRACT, "omni_contract")):
         modules = {_module_name(p, root, package): p for p in root.rglob("*.py")}
         graph = {name: {m for m in _imports(path, name) if m in modules and m != name}
@@ -167,6 +168,34 @@ def test_no_import_cycles_in_the_operator_or_the_contract():
         for m in sorted(graph):
             if state[m] == 0:
                 visit(m, [])
+
+
+#: The operator's packages -> those they may import (besides themselves and the package's
+#: constants): three programs (the controller, the offline check, the local run) on two shared
+#: packages; the controller and the local run never import each other.
+OPERATOR_ALLOWED: dict[str, set[str]] = {
+    "pipeline": set(),
+    "health": {"pipeline"},
+    "check": {"pipeline"},
+    "controller": {"check", "health", "pipeline"},
+    "local": {"check", "health", "pipeline"},
+}
+
+
+def test_the_operator_is_its_programs_each_a_package_with_arrows_one_way():
+    top = {p.name for p in OPERATOR.iterdir() if p.suffix == ".py"}
+    assert top == {"__init__.py"}, f"modules outside the operator's packages: {sorted(top - {'__init__.py'})}"
+    packages = {p.name for p in OPERATOR.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(OPERATOR_ALLOWED), packages ^ set(OPERATOR_ALLOWED)
+    for path in OPERATOR.rglob("*.py"):
+        name = _module_name(path, OPERATOR, "omni_operator")
+        mine = name.split(".")[1] if name.count(".") else ""
+        for target in _imports(path, name):
+            parts = target.split(".")
+            if parts[0] != "omni_operator" or len(parts) < 2 or parts[1] not in OPERATOR_ALLOWED:
+                continue  # another package, or the constants of omni_operator/__init__.py
+            assert parts[1] == mine or parts[1] in OPERATOR_ALLOWED[mine], (
+                f"{name} imports {target}: {mine} may import {sorted(OPERATOR_ALLOWED[mine])}")
 
 
 def test_the_transfer_bookkeeping_imports_no_engine_or_io_library():

@@ -13,9 +13,9 @@ import yaml
 from imagesupport import CHART, OPERATOR_IMAGE, ROOT, RUNTIME_IMAGE, chart_operator_deployment, image_config
 from pods import podman
 
-from omni_operator import naming
-from omni_operator.model import parse_pipeline
-from omni_operator.render import RUN_AS_USER, render_children
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.render import RUN_AS_USER, render_children
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
@@ -127,7 +127,7 @@ def test_operator_image_is_small_and_carries_no_vllm_torch_or_runtime(images):
     assert {"kopf", "kubernetes", "jsonschema", "cel-python", "omni-pipeline"} <= set(packages)
     assert not {p for p in packages if p.startswith(("vllm", "torch", "nvidia-", "triton"))}
     assert not {"opentelemetry-sdk", "pyzmq", "numpy"} & set(packages), "the runtime's dependencies stay out"
-    schema = run_in(OPERATOR_IMAGE, "-c", "import importlib.resources as r, omni_operator.kube_schema as k; "
+    schema = run_in(OPERATOR_IMAGE, "-c", "import importlib.resources as r, omni_operator.check.kube_schema as k; "
                     "assert r.files('kubernetes_validate').joinpath(k._SCHEMA_DIR).is_dir(), k._SCHEMA_DIR",
                     entrypoint="python3")
     assert schema.returncode == 0, "the Kubernetes schemas the operator reads stay in the image: " + schema.stderr

@@ -23,9 +23,9 @@ from omnip_support import NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube,
 from pods import PodContainer, podman, start_pod
 from procs import free_port, http_get, wait_until
 
-from omni_operator import naming
-from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, SERVICE
-from omni_operator.model import parse_pipeline
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import CONFIGMAP, DEPLOYMENT, SERVICE
+from omni_operator.pipeline.model import parse_pipeline
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 KUBECONFIG_DIR = "/var/run/omni-test"

@@ -22,9 +22,9 @@ from imagesupport import ROOT, RUNTIME_IMAGE
 from pods import PodContainer, podman, start_pod
 from procs import http_get, metric_value, wait_until
 
-from omni_operator import naming
-from omni_operator.model import parse_pipeline
-from omni_operator.render import render_children
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.render import render_children
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.engine

@@ -1,10 +1,10 @@
 """The Kubernetes permissions the operator needs, derived from its code.
 
 Two sources make every API call the operator makes:
-- its Kube layer (omni_operator.kube.Kube), whose methods the reconciler and the resync call;
+- its Kube layer (omni_operator.controller.kube.Kube), whose methods the reconciler and the resync call;
   the generic child methods (get, list, create, patch, delete) are applied to every kind
-  in omni_operator.kinds.CHILD_KINDS, because the reconciler's apply path loops over them;
-- kopf, for the handlers in omni_operator.handlers.build_registry(): it lists and watches
+  in omni_operator.pipeline.kinds.CHILD_KINDS, because the reconciler's apply path loops over them;
+- kopf, for the handlers in omni_operator.controller.handlers.build_registry(): it lists and watches
   every resource it has a handler for, and for change handlers (create/update/resume)
   patches the object and its status (handler progress, last-handled configuration).
 A Kube method that is called but not known here fails the derivation, so a new kind of API
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import omni_operator
 from omni_operator import GROUP, PLURAL
-from omni_operator.handlers import build_registry
-from omni_operator.kinds import CHILD_KINDS
+from omni_operator.controller.handlers import build_registry
+from omni_operator.pipeline.kinds import CHILD_KINDS
 
 Permission = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 
@@ -58,7 +58,7 @@ def _group(api_version: str) -> str:
 def kube_methods_called() -> set[str]:
     """Names of Kube methods the operator's modules call (`<something>.kube.<method>(...)`)."""
     called: set[str] = set()
-    for path in Path(omni_operator.__file__).parent.glob("*.py"):
+    for path in Path(omni_operator.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "kube"):

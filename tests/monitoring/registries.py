@@ -64,7 +64,7 @@ def runtime() -> dict[str, frozenset[str]]:
 
 
 def operator() -> dict[str, frozenset[str]]:
-    from omni_operator.metrics import OperatorMetrics
+    from omni_operator.controller.metrics import OperatorMetrics
 
     metrics = OperatorMetrics()
     # Bind one child of each labelled family so that its label names show in the samples.

@@ -141,7 +141,7 @@ def test_probes_use_kopfs_liveness_endpoint_on_the_port_the_operator_is_told():
 
 
 def test_operator_arguments_parse_with_the_operators_own_cli():
-    from omni_operator.main import parse_args
+    from omni_operator.controller.main import parse_args
 
     _, container = _container(render())
     options = parse_args(container["args"])
@@ -158,7 +158,7 @@ def test_operator_arguments_parse_with_the_operators_own_cli():
 def test_transfer_health_values_reach_the_operator_and_its_rbac():
     """Pod reads (the default) and rollouts (which pods of an old revision remain) need
     `list pods`, whichever way transfer health is read, or not at all."""
-    from omni_operator.main import parse_args
+    from omni_operator.controller.main import parse_args
 
     pods = ("", "pods", "list")
     objects = render()
@@ -344,8 +344,8 @@ def test_the_ingress_serves_the_port_the_operator_gives_the_pipelines_endpoint()
     """Its backend is the Service and port the operator renders for the pipeline's endpoint
     (its entry stage's stable Service, port `endpoint`), in the pipeline's namespace, and
     `status.endpoint` names the same Service and port."""
-    from omni_operator import naming
-    from omni_operator.admission import admit
+    from omni_operator.pipeline import naming
+    from omni_operator.check.admission import admit
 
     body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
     body["metadata"]["namespace"] = "ml-team"

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from omni_operator import crd_check
+from omni_operator.check import crd_check
 
 from .chart import by_kind, render
 from .conftest import ROOT

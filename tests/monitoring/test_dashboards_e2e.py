@@ -30,11 +30,11 @@ import zmq
 
 from k8s_emulator import EmulatorThread
 from omni_mixin.dashboards import DASHBOARDS
-from omni_operator import naming
-from omni_operator.kinds import DEPLOYMENT
-from omni_operator.local import local_stage_configs
-from omni_operator.model import parse_pipeline
-from omni_operator.render import render_children
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import DEPLOYMENT
+from omni_operator.local.run import local_stage_configs
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.render import render_children
 from omnip_support import OPERATOR_TOKEN, RunningOperator, create_pipeline, make_kube, wait_for
 from procs import PrometheusServer, StageProcess, free_port, metric_value, wait_until
 
@@ -84,7 +84,7 @@ def relabel_configs(endpoint: dict) -> list[dict]:
 
 def pod_meta(namespace: str, pod: str, labels: dict[str, str]) -> dict[str, str]:
     """The `__meta_kubernetes_*` labels Kubernetes discovery gives Prometheus for a pod."""
-    from omni_operator.render import pod_label_meta
+    from omni_operator.pipeline.render import pod_label_meta
 
     return {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": pod,
             **{pod_label_meta(k): v for k, v in labels.items()}}

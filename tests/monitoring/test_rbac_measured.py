@@ -24,10 +24,10 @@ from k8s_emulator import ApiCall, EmulatorThread
 from metrics_pages import PageServer, ar_page, create_pod
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, RunningOperator, complete_rollout, create_pipeline,
                            make_kube, patch_pipeline, pipeline_body, status, wait_for, workload)
-from omni_operator import naming
-from omni_operator.kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, EVENT, SCALEDOBJECT, STAGESCALER
-from omni_operator.model import parse_pipeline
-from omni_operator.render import render_children
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import BY_KIND, CHILD_KINDS, DEPLOYMENT, EVENT, SCALEDOBJECT, STAGESCALER
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.render import render_children
 
 from . import operator_permissions
 from .chart import NAMESPACE as RELEASE_NAMESPACE

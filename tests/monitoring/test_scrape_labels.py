@@ -9,8 +9,8 @@ import pytest
 from omni_mixin import metrics as m
 from omni_mixin.alerts import rule_groups
 from omni_mixin.dashboards import DASHBOARDS
-from omni_operator.model import parse_pipeline
-from omni_operator.render import render_children
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.render import render_children
 
 from . import registries
 from .chart import one, render

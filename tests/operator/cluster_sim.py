@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrics_pages import PageServer, ar_page
-from omni_operator import naming
-from omni_operator.kinds import DEPLOYMENT
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import DEPLOYMENT
 
 FINALIZER = "sim.omnipipeline.dev/running-container"
 
@@ -72,7 +72,7 @@ class SimPod:
 
     @property
     def drain_deadline(self) -> float:
-        from omni_operator.rollout import DRAIN_MARGIN_SECONDS
+        from omni_operator.controller.rollout import DRAIN_MARGIN_SECONDS
 
         return max(self.started_terminating, self.kill_at - DRAIN_MARGIN_SECONDS)
 

@@ -6,8 +6,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from k8s_emulator import EmulatorThread
-from omni_operator.kube import Kube
-from omni_operator.reconcile import Reconciler
+from omni_operator.controller.kube import Kube
+from omni_operator.controller.reconcile import Reconciler
 from omnip_support import NAMESPACE, RunningOperator, make_kube
 
 

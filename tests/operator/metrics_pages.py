@@ -128,7 +128,7 @@ def create_pod(kube, pipeline: str, stage: str, name: str, port: int, *, namespa
                ip: str = "127.0.0.1", ready: bool = True, phase: str = "Running") -> dict:
     """A stage pod as the Deployment controller and the kubelet would leave it: the stage's
     labels, its container's `http` port, and a status with its IP and readiness."""
-    from omni_operator import naming
+    from omni_operator.pipeline import naming
 
     body = {
         "apiVersion": "v1", "kind": "Pod",

@@ -10,14 +10,14 @@ from typing import Any, Callable
 
 import kubernetes
 
-from omni_operator import cli
-from omni_operator import main as operator_main
-from omni_operator import naming
-from omni_operator.documents import load_documents
-from omni_operator.kinds import DEPLOYMENT
-from omni_operator.kube import Kube
-from omni_operator.metrics import OperatorMetrics
-from omni_operator.model import parse_pipeline
+from omni_operator.local import cli
+from omni_operator.controller import main as operator_main
+from omni_operator.pipeline import naming
+from omni_operator.check.documents import load_documents
+from omni_operator.pipeline.kinds import DEPLOYMENT
+from omni_operator.controller.kube import Kube
+from omni_operator.controller.metrics import OperatorMetrics
+from omni_operator.pipeline.model import parse_pipeline
 from procs import free_port
 
 NAMESPACE = "team-a"

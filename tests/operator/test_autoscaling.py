@@ -8,9 +8,9 @@ from cluster_sim import Clock, SimCluster
 from k8s_emulator import EmulatorThread
 from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body, revision,
                            status, workload)
-from omni_operator import naming
-from omni_operator.kinds import DEPLOYMENT, HPA, SCALEDOBJECT, STAGESCALER
-from omni_operator.reconcile import Reconciler
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import DEPLOYMENT, HPA, SCALEDOBJECT, STAGESCALER
+from omni_operator.controller.reconcile import Reconciler
 from test_rollout import Invariants, Rig, settled, step, with_engine_args
 
 AUTOSCALING = {"minReplicas": 1, "maxReplicas": 6, "metrics": [{"signal": "incomingTransfers", "target": 2}]}

@@ -9,8 +9,8 @@ import pytest
 from k8s_emulator import ApiCall
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, patch_pipeline, pipeline_body, status,
                            wait_for, workload)
-from omni_operator.kinds import CONFIGMAP, DEPLOYMENT
-from omni_operator.kube import ApiException
+from omni_operator.pipeline.kinds import CONFIGMAP, DEPLOYMENT
+from omni_operator.controller.kube import ApiException
 
 INVALID = 'Deployment.apps "tiny-thinker" is invalid: spec.template.spec.containers[0].image: Required value'
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from omni_operator import crd
-from omni_operator.main import parse_args
+from omni_operator.pipeline import crd
+from omni_operator.controller.main import parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,7 +46,7 @@ def test_console_script_help():
 
 
 def test_operator_imports_neither_vllm_nor_the_runtime():
-    code = ("import sys, omni_operator.main, omni_operator.handlers; "
+    code = ("import sys, omni_operator.controller.main, omni_operator.controller.handlers; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'omni_runtime', 'torch')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

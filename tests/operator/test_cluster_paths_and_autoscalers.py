@@ -13,11 +13,11 @@ import yaml
 
 from k8s_emulator import EmulatorThread
 from omnip_support import NAMESPACE, body_of, create_pipeline, make_kube, validate_text
-from omni_operator import naming
-from omni_operator.admission import admit
-from omni_operator.kinds import HPA, SCALEDOBJECT
-from omni_operator.reconcile import Reconciler
-from omni_operator.validation import resource_problems
+from omni_operator.pipeline import naming
+from omni_operator.check.admission import admit
+from omni_operator.pipeline.kinds import HPA, SCALEDOBJECT
+from omni_operator.controller.reconcile import Reconciler
+from omni_operator.check.validation import resource_problems
 
 PIPELINE = """\
 apiVersion: omnipipeline.dev/v1alpha1

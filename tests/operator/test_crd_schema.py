@@ -10,11 +10,11 @@ import yaml
 
 from omnip_cases import BOTH_REJECT, OPERATOR_REJECTS
 from omnip_support import pipeline_body
-from omni_operator.validation import validate
-from omni_operator import crd
-from omni_operator.admission import admit
-from omni_operator.errors import SpecError
-from omni_operator.model import parse_pipeline
+from omni_operator.check.validation import validate
+from omni_operator.pipeline import crd
+from omni_operator.check.admission import admit
+from omni_operator.pipeline.errors import SpecError
+from omni_operator.pipeline.model import parse_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
@@ -129,7 +129,7 @@ def test_operator_catches_what_the_schema_cannot(schema, case_id, body, field, t
 # -- the CRD's pass-through fields against Kubernetes' own schema -------------------------------
 
 def _upstream(name: str) -> dict:
-    from omni_operator.kube_schema import definition
+    from omni_operator.check.kube_schema import definition
     return definition(name)
 
 
@@ -191,7 +191,7 @@ def test_the_subset_check_has_teeth(schema):
 
 def test_the_crd_rules_evaluate_in_every_example(schema):
     # Every CEL rule compiles (cel-python parses the expression) and none errors on a valid spec.
-    from omni_operator.validation import _program
+    from omni_operator.check.validation import _program
     for _, node in _walk(schema):
         for rule in node.get("x-kubernetes-validations", []):
             _program(rule["rule"])

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from metrics_pages import PageServer, ar_page, create_pod
-from omni_operator import deletion_cost
-from omni_operator.health import PodMetricsSource, TransferHealth
-from omni_operator.naming import POD_DELETION_COST
-from omni_operator.reconcile import Reconciler
-from omni_operator.resync import Resync
+from omni_operator.controller import deletion_cost
+from omni_operator.health.reader import PodMetricsSource, TransferHealth
+from omni_operator.pipeline.naming import POD_DELETION_COST
+from omni_operator.controller.reconcile import Reconciler
+from omni_operator.controller.resync import Resync
 from omnip_support import NAMESPACE, make_kube
 from test_stream_health import EDGE, streamed_body
 from test_transfers import reading

@@ -6,10 +6,10 @@ import copy
 from hypothesis import given, settings, strategies as st
 
 from omnip_support import pipeline_body
-from omni_operator.diff import merge_patch, without
-from omni_operator.model import parse_pipeline
-from omni_operator.quantities import parse_quantity
-from omni_operator.status import compute_status, status_patch
+from omni_operator.pipeline.diff import merge_patch, without
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.quantities import parse_quantity
+from omni_operator.controller.status import compute_status, status_patch
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -155,7 +155,7 @@ def test_transition_time_kept_while_status_unchanged():
 def test_the_phase_gauge_counts_pipelines_as_their_phases_change():
     """The gauge is kept by counting changes (not by a recount at each reconcile): it still
     says how many pipelines are in each phase as they move, repeat and go away."""
-    from omni_operator.metrics import OperatorMetrics
+    from omni_operator.controller.metrics import OperatorMetrics
 
     metrics = OperatorMetrics()
 

@@ -8,7 +8,7 @@ also matches before a final newline. Each pipeline below is written as a user wo
 and refused naming the field, as ``kubectl apply`` would refuse it. Quantities beyond int64
 that ``ParseQuantity`` takes (``1e19``, ``20E``) are accepted. A last test keeps Python's
 ``re`` away from anchored patterns in the operator: every Kubernetes pattern goes through
-``omni_operator.gopattern``."""
+``omni_operator.check.gopattern``."""
 from __future__ import annotations
 
 import ast
@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from omnip_support import body_of, validate_text
-from omni_operator.admission import admit, problems_of
-from omni_operator.gopattern import PatternError, matches
-from omni_operator.quantities import QuantityError, canonical_quantity, parse
-from omni_operator.validation import resource_problems
+from omni_operator.check.admission import admit, problems_of
+from omni_operator.check.gopattern import PatternError, matches
+from omni_operator.pipeline.quantities import QuantityError, canonical_quantity, parse
+from omni_operator.check.validation import resource_problems
 
 OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "omni_operator"
 
@@ -206,8 +206,9 @@ def test_the_rendered_target_is_the_quantity_kubernetes_reads():
 
 def _anchored_python_patterns() -> list[str]:
     """Calls of Python's re with a literal pattern that anchors with `$`, in the operator."""
-    found = []
-    for path in sorted(OPERATOR.glob("*.py")):
+    found, paths = [], sorted(OPERATOR.rglob("*.py"))
+    assert len(paths) > 30, f"the operator's modules are not where this looks: {OPERATOR}"
+    for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -220,13 +221,13 @@ def _anchored_python_patterns() -> list[str]:
 
 
 def test_no_kubernetes_pattern_is_evaluated_by_pythons_re():
-    """Go semantics in one place (omni_operator.gopattern); Python-side parsing matches whole
+    """Go semantics in one place (omni_operator.check.gopattern); Python-side parsing matches whole
     (fullmatch), never with a `$` that also matches before a final newline."""
     assert _anchored_python_patterns() == []
 
 
 def test_crd_patterns_and_cel_matches_run_on_go_regexp():
-    from omni_operator import gopattern, kube_schema, validation
+    from omni_operator.check import gopattern, kube_schema, validation
 
     assert validation.CEL_FUNCTIONS["matches"] is validation._matches
     assert validation._crd_validator().__class__ is gopattern.SchemaValidator

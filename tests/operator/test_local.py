@@ -9,16 +9,16 @@ from pathlib import Path
 
 import yaml
 
-from omni_operator.local import (LocalStage, launch_order, local_stage_configs, local_stage_env, render_table,
+from omni_operator.local.run import (LocalStage, launch_order, local_stage_configs, local_stage_env, render_table,
                                  stage_counts)
-from omni_operator.model import parse_pipeline
+from omni_operator.pipeline.model import parse_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omni_operator.cli", *args],
+    return subprocess.run([sys.executable, "-m", "omni_operator.local.cli", *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -122,7 +122,7 @@ def test_the_front_forwards_to_the_current_revision_and_counts_what_is_in_flight
     import urllib.request
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from omni_operator.local import Front
+    from omni_operator.local.run import Front
 
     release = threading.Event()
 
@@ -182,7 +182,7 @@ def test_the_front_forwards_to_the_current_revision_and_counts_what_is_in_flight
 
 
 def test_the_watcher_reports_a_changed_file_once(tmp_path):
-    from omni_operator.local import file_watcher
+    from omni_operator.local.run import file_watcher
 
     path = tmp_path / "p.yaml"
     path.write_text("a: 1\n")
@@ -200,7 +200,7 @@ def test_the_ports_up_picks_lie_below_the_kernels_ephemeral_range_and_are_free()
     takes a port by itself."""
     import socket
 
-    from omni_operator.local import _ephemeral_ports, free_port
+    from omni_operator.local.run import _ephemeral_ports, free_port
 
     first, _ = _ephemeral_ports()
     ports = {free_port("127.0.0.1") for _ in range(50)}
@@ -215,8 +215,8 @@ def test_the_ports_up_picks_lie_below_the_kernels_ephemeral_range_and_are_free()
 # (the processes: tests/runtime/test_local_up.py, the streamed example's test)
 
 def test_streaming_compares_with_the_same_pipeline_fed_whole():
-    from omni_operator.admission import admit
-    from omni_operator.local import whole_edges
+    from omni_operator.check.admission import admit
+    from omni_operator.local.run import whole_edges
 
     body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
     streamed = admit(body).pipeline
@@ -231,7 +231,7 @@ def test_streaming_compares_with_the_same_pipeline_fed_whole():
 
 
 def test_the_first_output_is_the_last_stage_taking_its_first_input():
-    from omni_operator.local import first_output_seconds
+    from omni_operator.local.run import first_output_seconds
 
     answer = {"omni": {"stages": {"thinker": {"sent_at": 100.0, "finished_at": 103.0},
                                   "talker": {"taken_at": 100.5},
@@ -242,8 +242,8 @@ def test_the_first_output_is_the_last_stage_taking_its_first_input():
 
 
 def test_the_comparison_prints_each_request_the_medians_and_how_much_sooner():
-    from omni_operator.admission import admit
-    from omni_operator.local import first_output_summary
+    from omni_operator.check.admission import admit
+    from omni_operator.local.run import first_output_summary
 
     pipeline = admit(yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml")
                                     .read_text())).pipeline

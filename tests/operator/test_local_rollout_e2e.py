@@ -23,7 +23,7 @@ import pytest
 import requests
 import yaml
 
-from omni_operator.local import stage_counts
+from omni_operator.local.run import stage_counts
 from procs import free_port, stop_group, wait_until
 
 # Two AR engines start on CPUs here (the new revision's while the old one serves): minutes
@@ -71,7 +71,7 @@ def test_a_changed_file_rolls_the_local_pipeline_receivers_first_and_loses_nothi
            # stages); the multi-process CPU executor's drain is test_pipeline_e2e.py's.
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "wb") as out:
-        up = subprocess.Popen([sys.executable, "-m", "omni_operator.cli", "up", str(spec), "--watch", "--port", str(port),
+        up = subprocess.Popen([sys.executable, "-m", "omni_operator.local.cli", "up", str(spec), "--watch", "--port", str(port),
                                "--workdir", str(workdir)], stdout=out, stderr=subprocess.STDOUT, env=env,
                               start_new_session=True)
     front = f"http://127.0.0.1:{port}"

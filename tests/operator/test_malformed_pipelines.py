@@ -14,9 +14,9 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from omni_operator import cli
-from omni_operator.admission import problems_of
-from omni_operator.validation import resource_problems
+from omni_operator.local import cli
+from omni_operator.check.admission import problems_of
+from omni_operator.check.validation import resource_problems
 
 BASE = yaml.safe_load("""
 apiVersion: omnipipeline.dev/v1alpha1
@@ -317,6 +317,6 @@ def test_the_console_script_runs_validate(tmp_path):
 
     path = tmp_path / "p.yaml"
     path.write_text(json.dumps(BASE))  # JSON is YAML too
-    result = subprocess.run([sys.executable, "-m", "omni_operator.cli", "validate", str(path)],
+    result = subprocess.run([sys.executable, "-m", "omni_operator.local.cli", "validate", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "valid (3 stages)" in result.stdout, result.stdout + result.stderr

@@ -5,9 +5,9 @@ import urllib.request
 
 from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body, workload,
                            status, wait_for)
-from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, PDB, SERVICE
-from omni_operator.reconcile import Reconciler
-from omni_operator.resync import Resync
+from omni_operator.pipeline.kinds import CONFIGMAP, DEPLOYMENT, PDB, SERVICE
+from omni_operator.controller.reconcile import Reconciler
+from omni_operator.controller.resync import Resync
 
 STAGES = ("thinker", "talker", "code2wav")
 PIPELINE_PATH = f"/apis/omnipipeline.dev/v1alpha1/namespaces/{NAMESPACE}/omnipipelines/tiny"

@@ -3,9 +3,9 @@ in the status and the ENDPOINT column of `kubectl get omnip`, and it is what the
 stage's Service serves."""
 from __future__ import annotations
 
-from omni_operator import crd, naming
-from omni_operator.model import parse_pipeline
-from omni_operator.status import compute_status
+from omni_operator.pipeline import crd, naming
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.controller.status import compute_status
 from omnip_support import NAMESPACE, create_pipeline, pipeline_body, status
 from test_render import children
 

@@ -9,9 +9,9 @@ import pytest
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body,
                            workload)
 from k8s_emulator import EmulatorThread
-from omni_operator import naming
-from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
-from omni_operator.reconcile import Reconciler
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import CONFIGMAP, DEPLOYMENT, NETWORKPOLICY, PDB, PODMONITOR, SERVICE
+from omni_operator.controller.reconcile import Reconciler
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -243,7 +243,8 @@ def test_deleted_pipeline_is_forgotten(kube, reconciler):
 def test_each_step_once_per_reconcile(kube, reconciler, monkeypatch):
     """One reconcile parses, defaults and renders once: what admission checked is what is
     applied; an unchanged spec is neither checked nor rendered again."""
-    from omni_operator import admission, crd
+    from omni_operator.check import admission
+    from omni_operator.pipeline import crd
 
     counts = {"defaults": 0, "render": 0}
     real_defaults, real_render = crd._default_in_place, admission.render_children

@@ -12,9 +12,9 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from omni_operator import cli
-from omni_operator.admission import admit, problems_of
-from omni_operator.validation import resource_problems
+from omni_operator.local import cli
+from omni_operator.check.admission import admit, problems_of
+from omni_operator.check.validation import resource_problems
 
 BASE = yaml.safe_load("""
 apiVersion: omnipipeline.dev/v1alpha1

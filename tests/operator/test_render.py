@@ -11,11 +11,11 @@ import yaml
 from hypothesis import given, settings, strategies as st
 
 from omnip_support import pipeline_body
-from omni_operator import naming
-from omni_operator.kube_schema import MIN_KUBERNETES, check_object
-from omni_operator.model import parse_pipeline
-from omni_operator.render import render_children
-from omni_operator.stage_config import dump_stage_config, render_stage_config
+from omni_operator.pipeline import naming
+from omni_operator.check.kube_schema import MIN_KUBERNETES, check_object
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.pipeline.render import render_children
+from omni_operator.pipeline.stage_config import dump_stage_config, render_stage_config
 
 K8S_VERSION = MIN_KUBERNETES  # the CRD's minimum server version
 
@@ -177,8 +177,8 @@ def test_validation_would_catch_a_broken_child():
 def test_the_last_guard_names_the_stage(monkeypatch):
     """A rendered child Kubernetes would refuse (a gap in the earlier checks) refuses the
     pipeline, naming the stage, before anything is created."""
-    from omni_operator import admission
-    from omni_operator.errors import SpecError
+    from omni_operator.check import admission
+    from omni_operator.pipeline.errors import SpecError
 
     real = admission.render_children
 
@@ -324,7 +324,7 @@ def test_the_kv_payload_format_version_is_part_of_the_revision(monkeypatch):
     senders only ever reach receivers that speak it; the runtime's protocol speaks the
     contract's version."""
     from omni_contract import kv_wire
-    from omni_operator import model
+    from omni_operator.pipeline import model
     from omni_runtime.kv.transport import protocol
 
     assert protocol.Compat.__dataclass_fields__["wire_version"].default == kv_wire.KV_WIRE_VERSION
@@ -456,7 +456,7 @@ def test_the_rendered_io_cpus_reach_the_omni_kv_connector():
 def test_a_valid_shape_is_remembered_and_an_invalid_child_still_refused():
     """check_object remembers valid shapes (strings the kind's schema never reads differ);
     a child whose structure differs is checked in full, with its own values in the message."""
-    from omni_operator.kube_schema import _VALID_SHAPES, check_object
+    from omni_operator.check.kube_schema import _VALID_SHAPES, check_object
 
     deployment = children(pipeline_body(), podmonitors=False)[("Deployment", "tiny-thinker")]
     assert check_object(deployment) == []
@@ -477,7 +477,7 @@ def test_a_valid_shape_is_remembered_and_an_invalid_child_still_refused():
 def test_user_ucx_settings_that_do_not_touch_the_port_range_pass_through():
     """Only UCX_TCP_PORT_RANGE is the operator's: other UCX tuning (the transports, the NICs)
     is accepted at the door and reaches the container, after the operator's variables."""
-    from omni_operator.admission import admit
+    from omni_operator.check.admission import admit
 
     body = pipeline_body()
     body["spec"]["stages"][0]["env"] = [{"name": "UCX_TLS", "value": "tcp,cma"},
@@ -492,7 +492,7 @@ def test_user_ucx_settings_that_do_not_touch_the_port_range_pass_through():
 
 def test_the_crd_refuses_the_port_range_variable_naming_the_operator_s_range():
     """The CRD's rule is YAML: it must name the variable and the range naming.py sets."""
-    from omni_operator import crd
+    from omni_operator.pipeline import crd
 
     text = yaml.safe_dump(crd.crd())
     assert f"self.name != '{naming.KV_DATA_PORT_RANGE_ENV}'" in text

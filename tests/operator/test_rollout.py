@@ -24,11 +24,11 @@ import pytest
 from cluster_sim import Clock, SimCluster
 from omnip_support import (NAMESPACE, create_pipeline, make_kube, patch_pipeline, pipeline_body, revision, status,
                            wait_for)
-from omni_operator import naming
-from omni_operator.health import PodMetricsSource, TransferHealth
-from omni_operator.kinds import CONFIGMAP, DEPLOYMENT, SERVICE
-from omni_operator.reconcile import Reconciler
-from omni_operator.resync import Resync
+from omni_operator.pipeline import naming
+from omni_operator.health.reader import PodMetricsSource, TransferHealth
+from omni_operator.pipeline.kinds import CONFIGMAP, DEPLOYMENT, SERVICE
+from omni_operator.controller.reconcile import Reconciler
+from omni_operator.controller.resync import Resync
 
 STAGES = ("thinker", "talker", "code2wav")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import copy
 
 from omnip_support import pipeline_body
-from omni_operator.model import parse_pipeline
-from omni_operator.rollout import LEGACY, PodLoad, StagePod, Workload, plan, pod_of, workload_of
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.controller.rollout import LEGACY, PodLoad, StagePod, Workload, plan, pod_of, workload_of
 
 NOW = 1_800_000_000.0
 OLD = "0000000old"
@@ -140,8 +140,8 @@ def test_pod_loads_count_the_streams_a_pod_sends_not_those_it_takes():
     """A talker that takes thinker's stream and streams on to code2wav: only the second is
     its to drain (the first is the thinker's)."""
     from metrics_pages import ar_page
-    from omni_operator.reconcile import pod_loads
-    from omni_operator.transfers import PipelineReading, StageReading, parse_metrics, pod_reading
+    from omni_operator.controller.reconcile import pod_loads
+    from omni_operator.health.transfers import PipelineReading, StageReading, parse_metrics, pod_reading
 
     page = ar_page("talker", streams={("thinker", "talker"): {"open": 5, "waiting": 1},
                                       ("talker", "code2wav"): {"open": 2, "held": 1}})

@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from metrics_pages import PageServer, ar_page, create_pod, stream_lines
 from omni_contract import metrics as contract
-from omni_operator.health import PodMetricsSource, PrometheusSource, TransferHealth
-from omni_operator.model import parse_pipeline
-from omni_operator.reconcile import Reconciler
-from omni_operator.resync import Resync
-from omni_operator.status import compute_status
-from omni_operator.transfers import parse_metrics, transfers_verdict
+from omni_operator.health.reader import PodMetricsSource, PrometheusSource, TransferHealth
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.controller.reconcile import Reconciler
+from omni_operator.controller.resync import Resync
+from omni_operator.controller.status import compute_status
+from omni_operator.health.transfers import parse_metrics, transfers_verdict
 from omnip_support import NAMESPACE, complete_rollout, create_pipeline, make_kube, pipeline_body, status
 from test_transfer_health import condition, events
 from test_transfers import NOW, T0, reading
@@ -98,7 +98,7 @@ def test_a_wait_over_the_threshold_is_a_stall_naming_the_edge():
 
 
 def test_the_threshold_defaults_from_the_crd_and_rolls_no_pod():
-    from omni_operator import crd
+    from omni_operator.pipeline import crd
 
     default = (crd.openapi_schema()["properties"]["spec"]["properties"]["observability"]["properties"]["alerts"]
                ["properties"]["stalledStreamSeconds"]["default"])
@@ -120,8 +120,8 @@ def test_an_ageing_stall_is_not_rewritten_at_every_resync():
 
 
 def test_the_stream_fields_are_in_the_crds_status_schema():
-    from omni_operator import crd
-    from omni_operator.validation import validate
+    from omni_operator.pipeline import crd
+    from omni_operator.check.validation import validate
 
     p = streamed_pipeline()
     verdict = transfers_verdict(p, reading(pages({"open": 1}, {"waiting": 1, "oldest_wait": NOW - 99})))
@@ -212,7 +212,7 @@ def test_a_stall_begins_and_ends_one_event_each_and_no_write_while_it_lasts(kube
 
 
 def test_omni_pipeline_status_prints_the_streams_per_edge_and_end():
-    from omni_operator.transfers import render_table
+    from omni_operator.health.transfers import render_table
 
     p = streamed_pipeline()
     table = render_table(p, transfers_verdict(p, reading(pages({"open": 5, "held": 1},

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from omni_contract import edges as contract
-from omni_operator import crd
-from omni_operator.admission import admit, problems_of
-from omni_operator.validation import validate
+from omni_operator.pipeline import crd
+from omni_operator.check.admission import admit, problems_of
+from omni_operator.check.validation import validate
 from omnip_support import pipeline_body, validate_text
 
 
@@ -227,7 +227,7 @@ def test_a_pipeline_without_streams_renders_byte_identical():
     """Config hashes pinned before streamed edges existed (a5e9f43): the stage configs of a
     pipeline that streams nothing are byte for byte what they were, so an operator upgrade
     rolls no pod. (A deliberate change of the stage config changes them: update them then.)"""
-    from omni_operator.stage_config import config_hash, dump_stage_config, render_stage_config
+    from omni_operator.pipeline.stage_config import config_hash, dump_stage_config, render_stage_config
 
     repo = Path(__file__).resolve().parents[2]
     chain = yaml.safe_load((repo / "examples" / "tiny-chain.yaml").read_text())
@@ -297,7 +297,7 @@ def test_a_stream_change_rolls_both_ends_and_nothing_else_changes_in_their_pods(
 
 
 def test_the_local_runner_writes_the_same_edge_with_local_addresses():
-    from omni_operator.local import local_stage_configs
+    from omni_operator.local.run import local_stage_configs
 
     pipeline = admit(body_with([{"stage": "thinker"}])).pipeline
     configs = local_stage_configs(pipeline, {s.name: {"http": 18000 + i, "kv": 19600 + i}

@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from omnip_support import pipeline_body
-from omni_operator import cli, crd_check
-from omni_operator.render import SIGNALS
+from omni_operator.local import cli
+from omni_operator.check import crd_check
+from omni_operator.pipeline.render import SIGNALS
 
 REPO = Path(__file__).resolve().parents[2]
 UPSTREAM = REPO.parent / "shared" / "reference" / "crds"

@@ -1,4 +1,4 @@
-"""Reading the stages' metrics (omni_operator/health.py) from the pods listed at the API
+"""Reading the stages' metrics (omni_operator/health/reader.py) from the pods listed at the API
 emulator, and what the reconcile makes of it: status, printer column, events, writes.
 
 The pods' /metrics are `metrics_pages.PageServer`s (HTTP servers on 127.0.0.1 serving the text a
@@ -12,10 +12,10 @@ import time
 import pytest
 
 from metrics_pages import PageServer, ar_page, create_pod
-from omni_operator.health import PodMetricsSource, TransferHealth
-from omni_operator.kinds import EVENT, NETWORKPOLICY
-from omni_operator.reconcile import Reconciler
-from omni_operator.resync import Resync
+from omni_operator.health.reader import PodMetricsSource, TransferHealth
+from omni_operator.pipeline.kinds import EVENT, NETWORKPOLICY
+from omni_operator.controller.reconcile import Reconciler
+from omni_operator.controller.resync import Resync
 from omnip_support import NAMESPACE, complete_rollout, create_pipeline, make_kube, pipeline_body, status
 
 SENDERS = ("thinker", "talker")
@@ -230,8 +230,8 @@ def test_the_prometheus_reader_against_a_real_prometheus(tmp_path, pages):
     Prometheus scraping two stage pages labelled as the operator's PodMonitor labels them."""
     import json
 
-    from omni_operator.health import PrometheusSource
-    from omni_operator.model import parse_pipeline
+    from omni_operator.health.reader import PrometheusSource
+    from omni_operator.pipeline.model import parse_pipeline
     from procs import PrometheusServer, wait_until
 
     thinker = pages("thinker", ar_page(resolved={"acked": 100}))
@@ -286,9 +286,9 @@ def test_omni_pipeline_status_finds_a_running_pipeline_by_its_pointer_and_says_w
     pointer removed) it says the pipeline is not running, and how to start it (exit 2)."""
     import json
 
-    from omni_operator import cli
-    from omni_operator.local_status import forget_endpoints, record_endpoints
-    from omni_operator.model import parse_pipeline
+    from omni_operator.local import cli
+    from omni_operator.local.status import forget_endpoints, record_endpoints
+    from omni_operator.pipeline.model import parse_pipeline
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     body = pipeline_body()

@@ -20,13 +20,13 @@ import pytest
 import requests
 
 from metrics_pages import create_pod, set_pod_status
-from omni_operator import cli
-from omni_operator.crd import crd
-from omni_operator.health import PrometheusSource, TransferHealth
-from omni_operator.kinds import EVENT
-from omni_operator.local import local_stage_configs
-from omni_operator.local_status import forget_endpoints, record_endpoints
-from omni_operator.model import parse_pipeline
+from omni_operator.local import cli
+from omni_operator.pipeline.crd import crd
+from omni_operator.health.reader import PrometheusSource, TransferHealth
+from omni_operator.pipeline.kinds import EVENT
+from omni_operator.local.run import local_stage_configs
+from omni_operator.local.status import forget_endpoints, record_endpoints
+from omni_operator.pipeline.model import parse_pipeline
 from omnip_support import NAMESPACE, OPERATOR_TOKEN, create_pipeline, status, wait_for
 from procs import PrometheusServer, StageProcess, free_port
 

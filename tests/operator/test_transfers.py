@@ -1,4 +1,4 @@
-"""Transfer health as a pure function of metric text (omni_operator/transfers.py) and how it
+"""Transfer health as a pure function of metric text (omni_operator/health/transfers.py) and how it
 lands in the status (status.py): stuck, failing, unknown, recovery, counter resets, fan-out."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from metrics_pages import ar_page
-from omni_operator.model import parse_pipeline
-from omni_operator.status import compute_status, status_patch
-from omni_operator.transfers import (
+from omni_operator.pipeline.model import parse_pipeline
+from omni_operator.controller.status import compute_status, status_patch
+from omni_operator.health.transfers import (
     NOT_READ,
     PipelineReading,
     StageReading,
@@ -304,8 +304,8 @@ def test_an_operator_restart_does_not_clear_a_failing_pipeline_for_one_round():
 def test_every_status_field_is_in_the_crds_status_schema():
     """The API server prunes what its structural schema does not name: a field missing there
     would be dropped from every write and differ again at the next reconcile (a write each time)."""
-    from omni_operator import crd
-    from omni_operator.validation import validate
+    from omni_operator.pipeline import crd
+    from omni_operator.check.validation import validate
 
     p = pipeline(stages=FAN_OUT)
     before = {"thinker": {"thinker-0": ar_page(resolved={"acked": 1}, edges={"talker": {}, "vocoder": {}})},

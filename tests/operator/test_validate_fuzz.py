@@ -16,8 +16,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni_operator import cli
-from omni_operator.documents import Document, load_documents
+from omni_operator.local import cli
+from omni_operator.check.documents import Document, load_documents
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))]

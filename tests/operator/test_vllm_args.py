@@ -27,10 +27,10 @@ import yaml
 
 from omni_contract import vllm_args
 from omni_contract.engine_args import RESERVED, engine_args_problems, engine_args_report, flag_name
-from omni_operator import cli
+from omni_operator.local import cli
 from omnip_support import validate_text
-from omni_operator.admission import admit, problems_of
-from omni_operator.documents import load_documents
+from omni_operator.check.admission import admit, problems_of
+from omni_operator.check.documents import load_documents
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -360,7 +360,7 @@ def test_the_examples_pass_with_the_image_they_name(tmp_path, name):
 def test_the_operator_posts_the_warnings_once_per_generation():
     from k8s_emulator import EmulatorThread
     from omnip_support import NAMESPACE, create_pipeline, make_kube, patch_pipeline
-    from omni_operator.reconcile import Reconciler
+    from omni_operator.controller.reconcile import Reconciler
 
     with EmulatorThread() as emu:
         kube = make_kube(emu.url)

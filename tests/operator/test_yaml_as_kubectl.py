@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_operator import cli
-from omni_operator.documents import load_documents
+from omni_operator.local import cli
+from omni_operator.check.documents import load_documents
 
 
 def value_of(text: str):

@@ -493,9 +493,9 @@ def test_a_receiving_stage_config_names_its_inputs_for_from_stage():
     from_stage values ReceiverMetrics(from_stages=config.inputs) creates series for."""
     import yaml
 
-    from omni_operator.local import local_stage_configs
-    from omni_operator.model import parse_pipeline
-    from omni_operator.stage_config import dump_stage_config
+    from omni_operator.local.run import local_stage_configs
+    from omni_operator.pipeline.model import parse_pipeline
+    from omni_operator.pipeline.stage_config import dump_stage_config
     from omni_runtime.stages.config import StageConfigError, parse_stage_config
 
     body = {"apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline",

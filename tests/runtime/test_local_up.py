@@ -53,7 +53,7 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
     workdir = tmp_path / "run"
     marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / "tiny-pipeline.yaml"),
+        [sys.executable, "-m", "omni_operator.local.cli", "up", str(ROOT / "examples" / "tiny-pipeline.yaml"),
          "--demo", "2", "--workdir", str(workdir)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -109,7 +109,7 @@ def demo_up(example: str, tmp_path: Path, *args: str):
     shutil.copytree(ensure_tiny_model(), model_path)
     marker = f"OMNI_TEST_RUN={uuid.uuid4().hex}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_operator.cli", "up", str(ROOT / "examples" / example),
+        [sys.executable, "-m", "omni_operator.local.cli", "up", str(ROOT / "examples" / example),
          "--demo", "1", "--workdir", str(tmp_path / "run"), *args],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

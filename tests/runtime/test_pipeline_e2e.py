@@ -40,8 +40,8 @@ RECIPES = {"tiny": ("tiny-qwen2", 64 << 20), "kv7b": ("kv7b-qwen2", 256 << 20)}
 
 def stage_configs(tmp_path, *, timeout_seconds=8, recipe="tiny", engine_args=None):
     """Stage configs as the operator renders them, with local ports (as omni-pipeline up)."""
-    from omni_operator.local import local_stage_configs
-    from omni_operator.model import parse_pipeline
+    from omni_operator.local.run import local_stage_configs
+    from omni_operator.pipeline.model import parse_pipeline
 
     name, kv_cache_bytes = RECIPES[recipe]
     ports = {name: {"http": free_port(), "kv": free_port()} for name in ("ar", "receiver")}

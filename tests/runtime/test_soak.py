@@ -36,8 +36,8 @@ OUTCOMES = ("acked", "failed", "expired", "cancelled")
 
 
 def configs(workdir):
-    from omni_operator.local import local_stage_configs
-    from omni_operator.model import parse_pipeline
+    from omni_operator.local.run import local_stage_configs
+    from omni_operator.pipeline.model import parse_pipeline
 
     ports = {name: {"http": free_port(), "kv": free_port()} for name in ("ar", "receiver")}
     body = {

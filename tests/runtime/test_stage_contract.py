@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omni_contract.engine_args import RESERVED, engine_args_problems, flag_name
-from omni_operator.admission import admit, problems_of
+from omni_operator.check.admission import admit, problems_of
 from omni_runtime.stages.ar import vllm_command
 from omni_runtime.stages.config import StageConfigError, load_stage_config, parse_stage_config
 
@@ -192,7 +192,7 @@ def test_load_stage_config_names_the_file(tmp_path):
 
 def test_the_contract_is_what_the_operator_checks_not_a_copy():
     """The operator's model checks engineArgs with omni_contract's function itself."""
-    from omni_operator import model
+    from omni_operator.pipeline import model
 
     assert model.engine_args_problems is engine_args_problems
 

@@ -107,10 +107,10 @@ def test_the_default_grace_period_is_the_drain_the_operator_gives_the_pod():
     """Each stage of the streamed examples, from the stage config the operator renders: the
     grace period omni-stage takes by default is the operator's drain_seconds, which the pod's
     terminationGracePeriodSeconds covers."""
-    from omni_operator.admission import admit
-    from omni_operator.render import (KILL_MARGIN_SECONDS, STOP_BEYOND_GRACE_SECONDS,
+    from omni_operator.check.admission import admit
+    from omni_operator.pipeline.render import (KILL_MARGIN_SECONDS, STOP_BEYOND_GRACE_SECONDS,
                                       drain_seconds)
-    from omni_operator.stage_config import dump_stage_config, render_stage_config
+    from omni_operator.pipeline.stage_config import dump_stage_config, render_stage_config
 
     from omni_runtime.stages.config import parse_stage_config
     from omni_runtime.stages.main import default_grace_seconds

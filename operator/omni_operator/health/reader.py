@@ -29,8 +29,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
-from . import naming
-from .model import Pipeline
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.model import Pipeline
 from .transfers import (
     DEFAULT_FAILING_RATIO,
     REQUEST_FAMILIES,

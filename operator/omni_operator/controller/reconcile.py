@@ -29,20 +29,22 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from . import API_VERSION, KIND, naming
-from .admission import Admitted, admit
-from .diff import last_applied, merge_patch, without
-from .errors import SpecError
-from .kinds import BY_KIND, CHILD_KINDS, CONFIGMAP, DEPLOYMENT, HPA, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER, Kind
+from omni_operator import API_VERSION, KIND
+
+from omni_operator.pipeline import naming
+from omni_operator.check.admission import Admitted, admit
+from omni_operator.pipeline.diff import last_applied, merge_patch, without
+from omni_operator.pipeline.errors import SpecError
+from omni_operator.pipeline.kinds import BY_KIND, CHILD_KINDS, CONFIGMAP, DEPLOYMENT, HPA, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER, Kind
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
-from .model import Pipeline
+from omni_operator.pipeline.model import Pipeline
 from .rollout import LEGACY, Plan, PodLoad, plan, pod_of, workload_of
 from .status import compute_status, invalid_status, status_patch
-from .transfers import STALLED, TRANSFERS_HEALTHY
+from omni_operator.health.transfers import STALLED, TRANSFERS_HEALTHY
 
 if TYPE_CHECKING:
-    from .health import TransferHealth
+    from omni_operator.health.reader import TransferHealth
 
 log = logging.getLogger("omni_operator")
 

@@ -42,9 +42,9 @@ from typing import Any, Callable, Mapping, TextIO
 
 from omni_contract.metrics import RECEIVED, RESOLVED, TRANSFERS
 
-from .local_status import forget_endpoints, record_endpoints
-from .model import Pipeline, find_cycle
-from .stage_config import dump_stage_config, render_endpoint_config, render_stage_config
+from .status import forget_endpoints, record_endpoints
+from omni_operator.pipeline.model import Pipeline, find_cycle
+from omni_operator.pipeline.stage_config import dump_stage_config, render_endpoint_config, render_stage_config
 
 STARTUP_TIMEOUT_S = 600.0
 

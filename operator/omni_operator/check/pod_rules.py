@@ -18,9 +18,9 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from .errors import Problem
-from .model import Stage
-from .quantities import canonical_quantity, parse_quantity
+from omni_operator.pipeline.errors import Problem
+from omni_operator.pipeline.model import Stage
+from omni_operator.pipeline.quantities import canonical_quantity, parse_quantity
 
 HUGEPAGES = "hugepages-"
 _CPU_DIVISORS = {"1m", "1"}

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, TextIO
 
-from .health import METRICS_QUERY, fetch_page
-from .model import Pipeline
-from .transfers import PipelineReading, Sample, StageReading, parse_metrics, pod_reading, render_table, transfers_verdict
+from omni_operator.health.reader import METRICS_QUERY, fetch_page
+from omni_operator.pipeline.model import Pipeline
+from omni_operator.health.transfers import PipelineReading, Sample, StageReading, parse_metrics, pod_reading, render_table, transfers_verdict
 
 ENDPOINTS_FILE = "endpoints.json"
 #: Exit codes of `status`: TransfersHealthy True, False, Unknown; and "no running pipeline".

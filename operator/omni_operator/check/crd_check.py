@@ -22,9 +22,9 @@ from typing import Any, Iterable, TextIO
 
 import yaml
 
-from . import API_VERSION, KIND
+from omni_operator import API_VERSION, KIND
 from .documents import DocumentError, iter_files, load_documents, read_text
-from .errors import SpecError
+from omni_operator.pipeline.errors import SpecError
 from .gopattern import SchemaValidator
 from .validation import problems, to_jsonschema
 
@@ -136,7 +136,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_operator.crd_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m omni_operator.check.crd_check", description=__doc__.splitlines()[0])
     parser.add_argument("--crds", type=Path, required=True)
     parser.add_argument("paths", nargs="+", type=Path)
     args = parser.parse_args(argv)

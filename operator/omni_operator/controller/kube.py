@@ -14,8 +14,8 @@ from urllib.parse import urlencode
 
 import kubernetes
 
-from . import API_VERSION, PLURAL
-from .kinds import Kind
+from omni_operator import API_VERSION, PLURAL
+from omni_operator.pipeline.kinds import Kind
 
 ApiException = kubernetes.client.exceptions.ApiException
 MERGE_PATCH = "application/merge-patch+json"

@@ -10,9 +10,9 @@ from typing import Any, Mapping
 
 from typing import TYPE_CHECKING
 
-from . import naming
-from .model import Pipeline
-from .transfers import FAILING, NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.model import Pipeline
+from omni_operator.health.transfers import FAILING, NOT_READ, TRANSFERS_HEALTHY, TransfersVerdict
 
 if TYPE_CHECKING:
     from .rollout import Plan

@@ -24,7 +24,9 @@ from typing import Any, Mapping
 from omni_contract import edges
 from omni_contract.metrics import EDGE_ACTIVE, OLDEST_START, STREAMS, TRANSFERS
 
-from . import API_VERSION, KIND, naming
+from omni_operator import API_VERSION, KIND
+
+from . import naming
 from .kinds import CONFIGMAP, DEPLOYMENT, HPA, NETWORKPOLICY, PDB, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER
 from .model import GPU_RESOURCE, Metric, Pipeline, Stage
 from .stage_config import config_hash, dump_stage_config, render_endpoint_config, render_stage_config

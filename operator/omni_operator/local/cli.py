@@ -15,10 +15,10 @@ including an empty file, a file with no document, and a document of another kind
 however malformed, ends in a traceback.
 
 ``up`` takes the same file ``kubectl apply`` takes and hands it to the local supervisor
-(``local.py``); with ``--streaming`` (and ``--demo N``) also the same pipeline with every edge
+(``run.py``); with ``--streaming`` (and ``--demo N``) also the same pipeline with every edge
 fed whole, to time both modes' first output. ``status`` reads the stages of a pipeline ``up`` runs and prints the
 per-stage and per-edge transfer table the operator's status is computed from
-(``local_status.py``); exit code 0 healthy, 1 stuck or failing, 3 unknown, 2 not running.
+(``status.py``); exit code 0 healthy, 1 stuck or failing, 3 unknown, 2 not running.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from .admission import admit, report_of
-from .documents import Document, DocumentError, iter_files, load_documents, read_text
-from .errors import Problem, SpecError
+from omni_operator.check.admission import admit, report_of
+from omni_operator.check.documents import Document, DocumentError, iter_files, load_documents, read_text
+from omni_operator.pipeline.errors import Problem, SpecError
 
 
 def check_document(doc: Document) -> list[Problem]:
@@ -80,7 +80,7 @@ def cmd_validate(paths: list[Path], out: TextIO) -> int:
 
 
 def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
-    from .local import UpOptions, file_watcher, run_pipeline
+    from .run import UpOptions, file_watcher, run_pipeline
 
     pipeline = _load_one(args.file, out)
     if pipeline is None:
@@ -106,7 +106,7 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
 def _whole_variant(args: argparse.Namespace, pipeline, out: TextIO):
     """``up --streaming``: the file's pipeline with every edge fed whole, to compare with;
     None (reported) where the comparison cannot be made."""
-    from .local import whole_edges
+    from .run import whole_edges
 
     problem = None
     if not pipeline.streamed_edges():
@@ -156,7 +156,7 @@ def _load_one(path: Path, out: TextIO):
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
-    from .local_status import NOT_RUNNING, show_status
+    from .status import NOT_RUNNING, show_status
 
     pipeline = _load_one(args.file, out)
     if pipeline is None:
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read twice, this far apart: failed and expired count over it (0: read once)")
     s.add_argument("--failing-ratio", type=float, default=0.05, metavar="R",
                    help="share of the interval's transfers that may fail or expire (the operator's default)")
-    from .crd_check import add_parser as add_crd_check
+    from omni_operator.check.crd_check import add_parser as add_crd_check
 
     add_crd_check(sub)
     return parser
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return cmd_status(args, sys.stdout)
     if args.command == "crd-check":
-        from .crd_check import run
+        from omni_operator.check.crd_check import run
 
         return run(args.crds, args.paths, sys.stdout)
     return cmd_up(args, sys.stdout)

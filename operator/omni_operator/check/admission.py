@@ -33,15 +33,17 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import API_VERSION, KIND, naming
-from .diff import with_last_applied
-from .errors import Problem, SpecError
-from .kinds import CONFIGMAP, HPA, PODMONITOR, SCALEDOBJECT
+from omni_operator import API_VERSION, KIND
+
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.diff import with_last_applied
+from omni_operator.pipeline.errors import Problem, SpecError
+from omni_operator.pipeline.kinds import CONFIGMAP, HPA, PODMONITOR, SCALEDOBJECT
 from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod_spec_field, check_value
-from .model import Pipeline, Stage, graph_report, pipeline_view, stream_problems
+from omni_operator.pipeline.model import Pipeline, Stage, graph_report, pipeline_view, stream_problems
 from .objectmeta import metadata_problems
 from .pod_rules import stage_problems
-from .render import render_children
+from omni_operator.pipeline.render import render_children
 from .schema_errors import shown
 from .validation import pipeline_view_problems, server_view
 

@@ -17,15 +17,15 @@ from typing import Sequence
 import kopf
 from prometheus_client import start_http_server
 
-from .gopattern import matches
+from omni_operator.check.gopattern import matches
 from .handlers import build_registry
-from .health import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, PodMetricsSource, PrometheusSource, TransferHealth
+from omni_operator.health.reader import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, PodMetricsSource, PrometheusSource, TransferHealth
 from .kube import Kube
 from .metrics import OperatorMetrics
-from .objectmeta import is_dns1123_label, is_qualified_name, is_valid_label_value
+from omni_operator.check.objectmeta import is_dns1123_label, is_qualified_name, is_valid_label_value
 from .reconcile import Reconciler
 from .resync import Resync
-from .transfers import DEFAULT_FAILING_RATIO
+from omni_operator.health.transfers import DEFAULT_FAILING_RATIO
 
 log = logging.getLogger("omni_operator")
 

@@ -13,7 +13,7 @@ So every pattern the operator evaluates for Kubernetes goes through :func:`match
 CRD's ``pattern`` keywords (:data:`SchemaValidator`, the JSON Schema validator of the CRD,
 ``crd-check`` and the Kubernetes schemas), CEL's ``matches()`` (``validation.py``), and
 apimachinery's own expressions (names, label keys and values, qualified names:
-``objectmeta.py``; the operator's command line: ``main.py``). It runs RE2 itself (google-re2,
+``objectmeta.py``; the operator's command line: ``controller/main.py``). It runs RE2 itself (google-re2,
 which cel-python depends on). A test keeps Python's ``re`` away from anchored patterns in the
 operator (tests/operator/test_go_semantics.py).
 """

@@ -11,7 +11,7 @@ to the old ones, and :func:`plan` moves the capacity across, one reconcile at a 
   pods, and the annotations that record each revision's graph: an old revision's graph is
   read from its own objects, never from the spec),
 - while an old revision remains, the stage pods as listed (which still exist, which are
-  terminating and until when), and the last reading of their metrics (``health.py``): the
+  terminating and until when), and the last reading of their metrics (``omni_operator.health``): the
   KV transfers each pod has pending, active or held, and the requests it is running.
 
 Nothing is remembered between calls, so an operator restarted at any point resumes the
@@ -48,9 +48,9 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from . import naming
-from .model import Pipeline
-from .render import KILL_MARGIN_SECONDS, STOP_BEYOND_GRACE_SECONDS
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.model import Pipeline
+from omni_operator.pipeline.render import KILL_MARGIN_SECONDS, STOP_BEYOND_GRACE_SECONDS
 
 #: A draining pod's grace period is its transfer timeout plus these margins (render.py): its
 #: transfers are over (acked, failed or expired) by its deletionTimestamp minus them, when the

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .naming import POD_DELETION_COST
-from .transfers import PipelineReading, PodReading
+from omni_operator.pipeline.naming import POD_DELETION_COST
+from omni_operator.health.transfers import PipelineReading, PodReading
 
 #: The counts of open streams a cost is rounded down to.
 STEPS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)

@@ -29,11 +29,11 @@ import celpy
 import jsonschema
 from celpy import celtypes
 
-from omni_operator import crd
-from omni_operator.gopattern import PatternError, SchemaValidator, matches
-from omni_operator.objectmeta import metadata_problems, metadata_shape_problems
-from omni_operator.quantities import Quantity, QuantityError, is_quantity, parse
-from omni_operator.schema_errors import describe, json_type, key_path, short, shown
+from omni_operator.pipeline import crd
+from omni_operator.check.gopattern import PatternError, SchemaValidator, matches
+from omni_operator.check.objectmeta import metadata_problems, metadata_shape_problems
+from omni_operator.pipeline.quantities import Quantity, QuantityError, is_quantity, parse
+from omni_operator.check.schema_errors import describe, json_type, key_path, short, shown
 
 _PASSTHROUGH = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
                 "minItems", "maxItems", "required", "description", "default", "minProperties", "maxProperties")

@@ -13,7 +13,7 @@ import logging
 import threading
 
 from . import deletion_cost
-from .health import TransferHealth
+from omni_operator.health.reader import TransferHealth
 from .reconcile import Reconciler
 
 log = logging.getLogger("omni_operator")

@@ -1,6 +1,6 @@
 """Transfer health of a pipeline's stages: a pure function of what their metrics say.
 
-The operator (on its resync timer, ``health.py``) and ``omni-pipeline status`` (for a
+The operator (on its resync timer, ``reader.py``) and ``omni-pipeline status`` (for a
 pipeline run locally) read each stage pod's ``omni_kv_*`` families, from the pod's
 ``/metrics`` or from Prometheus; this module turns those readings into
 
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 
 from omni_contract import metrics
 
-from .model import Pipeline
+from omni_operator.pipeline.model import Pipeline
 
 # The families read (docs/metrics.md; their names are the metric contract's): the ledger's ...
 TRANSFERS = metrics.TRANSFERS.name

@@ -11,8 +11,10 @@ from typing import Any
 
 import kopf
 
-from . import GROUP, PLURAL, VERSION, naming
-from .kinds import CHILD_KINDS
+from omni_operator import GROUP, PLURAL, VERSION
+
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import CHILD_KINDS
 
 log = logging.getLogger("omni_operator")
 

@@ -275,3 +275,33 @@ def test_up_streaming_refuses_what_it_cannot_compare(tmp_path):
     path.write_text(yaml.safe_dump(body))
     proc = run_cli("up", str(path), "--demo", "1", "--streaming")
     assert proc.returncode == 2 and "has no one endpoint" in proc.stdout, proc.stdout
+
+
+def test_up_refuses_a_model_path_that_is_not_on_this_machine(tmp_path):
+    """A fresh clone runs `omni-pipeline up examples/...` before `make demo` built the tiny
+    model: refused before any stage starts, naming the field and the fix (vLLM would say
+    "Repo id must use alphanumeric chars" from every stage)."""
+    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
+    for path in (str(tmp_path / "nowhere" / "tiny-qwen2"), "./.omni-no-such-cache/tiny-qwen2"):
+        body["spec"]["model"]["path"] = path
+        spec = tmp_path / "pipeline.yaml"
+        spec.write_text(yaml.safe_dump(body))
+        workdir = tmp_path / "work"
+        proc = run_cli("up", str(spec), "--workdir", str(workdir))
+        assert proc.returncode == 2, proc.stdout
+        assert f"spec.model.path: {path} is not on this machine" in proc.stdout, proc.stdout
+        assert f"python -m omni_runtime.devtools.tiny_model {path}" in proc.stdout
+        assert not workdir.exists(), "nothing was started"
+
+
+def test_a_model_hub_id_or_a_model_here_is_left_to_the_stages(tmp_path):
+    from omni_operator.local.run import model_not_here
+    from omni_operator.pipeline.model import parse_pipeline
+
+    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    for path in ("Qwen/Qwen2.5-0.5B", "./models/tiny", str(tmp_path / "models" / "tiny")):
+        body["spec"]["model"]["path"] = path
+        assert model_not_here(parse_pipeline(body), cwd=tmp_path) is None, path
+    body["spec"]["model"]["path"] = "./models/gone"
+    assert "./models/gone is not on this machine" in model_not_here(parse_pipeline(body), cwd=tmp_path)

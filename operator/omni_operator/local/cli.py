@@ -80,7 +80,7 @@ def cmd_validate(paths: list[Path], out: TextIO) -> int:
 
 
 def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
-    from .run import UpOptions, file_watcher, run_pipeline
+    from .run import UpOptions, file_watcher, model_not_here, run_pipeline
 
     pipeline = _load_one(args.file, out)
     if pipeline is None:
@@ -90,9 +90,15 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
         compare = _whole_variant(args, pipeline, out)
         if compare is None:
             return 2
+    if (problem := model_not_here(pipeline)) is not None:  # before any stage starts
+        print(f"{args.file}: {problem}", file=out)
+        return 2
 
     def reload(path: Path):
         changed = _load_one(path, out)
+        if changed is not None and (problem := model_not_here(changed)) is not None:
+            print(f"{path}: {problem}", file=out)
+            changed = None
         if changed is None:
             print(f"{path}: not applied; the running revision stays", file=out, flush=True)
         return changed

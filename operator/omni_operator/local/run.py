@@ -114,6 +114,23 @@ def launch_order(pipeline: Pipeline) -> list[str]:
 
 #: The local endpoint's name in the table, its files, and ``local_stage_configs`` (a stage's
 #: name is a DNS label: no stage has it).
+def model_not_here(pipeline: Pipeline, cwd: Path | None = None) -> str | None:
+    """Why the stages could not load the pipeline's model on this machine, where
+    ``spec.model.path`` is a local path (absolute, or beginning with ``.`` or ``~``: no model
+    hub id does) that is not there; None otherwise. The stages run here, relative paths from
+    the current directory, as the stages see them; a hub id is left to vLLM."""
+    path = pipeline.model.path
+    if not path or not path.startswith(("/", ".", "~")):
+        return None
+    where = (cwd or Path.cwd()) / Path(path).expanduser()
+    if where.exists():
+        return None
+    return (f"spec.model.path: {path} is not on this machine ({where} does not exist), and "
+            "`omni-pipeline up` runs the stages here; build the tiny random model there with "
+            f"`python -m omni_runtime.devtools.tiny_model {path}` (`make demo` does), or point "
+            "spec.model.path at a model directory on this machine")
+
+
 ENDPOINT = "_endpoint"
 
 

@@ -65,9 +65,20 @@ class _Session:
         #: Chunks fed and not yet in the request, by seq: their answers.
         self.answers: dict[int, asyncio.Future[str | None]] = {}
         self.task: asyncio.Task | None = None
-        #: Tokens in its request: every chunk fed, every token it said (an upper bound: vLLM
-        #: drops a token still in flight when a turn ends).
-        self.length = 0
+        #: Tokens of the chunks fed to its request, and the turns they made (a chunk with
+        #: tokens is a turn).
+        self.fed = 0
+        self.turns = 0
+        #: What one turn may say (its sampling parameters' max_tokens; None: up to the model's
+        #: length).
+        self.turn_tokens: int | None = None
+
+    def length_with(self, tokens: int, max_len: int) -> int:
+        """An upper bound on the request's length once ``tokens`` more are applied: a chunk
+        that comes while a turn runs waits in vLLM's queue until the turns before it end,
+        each saying up to its max_tokens, and is then appended whole."""
+        said = max_len if self.turn_tokens is None and self.turns else self.turns * (self.turn_tokens or 0)
+        return self.fed + said + tokens
 
 
 class StreamInputs:
@@ -118,28 +129,33 @@ class StreamInputs:
         session = self._sessions.get(key)
         if session is None:
             session = self._sessions[key] = _Session(stream)
-            session.task = asyncio.ensure_future(self._run(session, self._params(chunk),
-                                                           chunk.trace_headers))
+            params = self._params(chunk)
+            session.turn_tokens = getattr(params, "max_tokens", None)
+            session.task = asyncio.ensure_future(self._run(session, params, chunk.trace_headers))
         for taken in ready:
             if taken.seq == chunk.seq:
                 item, fut = chunk, answer
             else:
                 item, fut = self._early.pop((chunk.request_id, chunk.from_stage, taken.seq))
             session.answers[item.seq] = fut
-            if self._max_len is not None and (
-                    session.length + len(item.token_ids) >= self._max_len):
+            if self._max_len is not None and item.token_ids and (
+                    session.length_with(len(item.token_ids), self._max_len) >= self._max_len):
                 await self._over_length(session, item)
                 break
-            session.length += len(item.token_ids)
+            session.fed += len(item.token_ids)
+            session.turns += bool(item.token_ids)
             session.inputs.put_nowait((item.seq, item.token_ids, item.last))
         return await answer
 
     async def _over_length(self, session: _Session, chunk: ChunkIn) -> None:
         """Chunk ``chunk`` would take its request to the engine's max-model-len: the stream
         ends for that request alone (``consumer_error``), its request aborted."""
+        said = (f"up to {session.turn_tokens} said after each"
+                if session.turn_tokens is not None else "no max_tokens per chunk")
         reason = (f"over this stage's max-model-len {self._max_len}: the streamed request "
-                  f"holds up to {session.length} tokens and chunk {chunk.seq} adds "
-                  f"{len(chunk.token_ids)}")
+                  f"can hold {session.length_with(0, self._max_len)} tokens when chunk "
+                  f"{chunk.seq} is applied ({session.fed} fed in {session.turns} chunks, "
+                  f"{said}) and chunk {chunk.seq} adds {len(chunk.token_ids)}")
         self.ledger.refused(session.stream, chunk.seq, reason, self._clock())
         if session.task is not None and not session.task.done():
             session.task.cancel()
@@ -173,7 +189,6 @@ class StreamInputs:
             async for output in self._engine.generate(
                     self._inputs(session), params, stream.request_id,
                     trace_headers=dict(trace_headers) if trace_headers else None):
-                session.length += len(output.outputs[0].token_ids)
                 if self._on_output is not None:
                     await self._on_output(stream.request_id, output)
                 finished = output.finished

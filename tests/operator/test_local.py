@@ -110,6 +110,9 @@ def test_the_table_reads_the_stage_metrics():
     row = next(line for line in table.splitlines() if line.startswith("ar "))
     assert row.split()[:6] == ["ar", "ar", "yes", "1/2/2", "7", "3"]
     assert "waiting" in next(line for line in table.splitlines() if line.startswith("rx "))
+    # The endpoint starts last: until then it is waiting, not "exited".
+    endpoint = LocalStage("_endpoint", "endpoint", Path("x"), Path("y"), 8002, "127.0.0.1")
+    assert render_table("p", [ar, endpoint]).splitlines()[-1].endswith("/v1 (waiting)")
 
 
 def test_the_front_forwards_to_the_current_revision_and_counts_what_is_in_flight():

@@ -139,6 +139,34 @@ def test_a_chunk_the_engine_refuses_fails_its_request_alone(engine, loop):
     loop.run_until_complete(go())
 
 
+def test_a_chunk_that_would_overflow_once_the_turns_before_it_have_spoken_is_refused(engine, loop):
+    """A chunk that comes while a turn runs waits in vLLM's queue until that turn has said its
+    max_tokens, then is appended whole: counted on what was said so far it fitted (100 + 20 <
+    128), appended it made 135 tokens and vLLM 0.32's worker failed on it ("could not
+    broadcast input array from shape (135,) into shape (128,)"), and the engine with it (a
+    stress run of the streamed example found it). Refused here, that request alone."""
+    def speaks_16(_chunk):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                              output_kind=RequestOutputKind.DELTA)
+
+    async def go():
+        outputs = Outputs()
+        inputs = StreamInputs(engine, ConsumerStreams(), speaks_16, outputs)
+        assert await inputs.take(chunk("long", 0, list(range(100, 200)))) is None
+        refused = await inputs.take(chunk("long", 1, list(range(200, 220))))
+        assert refused and "max-model-len 128" in refused and "100 fed in 1 chunks" in refused, refused
+        await inputs.ended("long", "thinker")
+        # The engine lives: the next stream is answered.
+        assert await inputs.take(chunk("next", 0, [1, 2, 3], last=True)) is None
+        await inputs.ended("next", "thinker")
+        assert outputs.final("next").finished and len(outputs.final("next").outputs[0].token_ids) > 0
+        assert not inputs._sessions
+    loop.run_until_complete(go())
+
+
 def test_an_ended_or_silent_stream_aborts_its_request_and_answers_its_chunks(engine, loop):
     async def go():
         now = [0.0]

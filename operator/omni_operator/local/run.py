@@ -236,6 +236,12 @@ def stage_counts(page: str) -> dict[str, float]:
     return counts
 
 
+def _state(stage: LocalStage) -> str:
+    """ready, waiting (not started yet: stages start downstream first), starting or exited."""
+    return ("ready" if stage.ready else "waiting" if stage.proc is None
+            else "starting" if stage.alive() else "exited")
+
+
 def render_table(pipeline: str, stages: list[LocalStage]) -> str:
     rows = [("STAGE", "ROLE", "READY", "PENDING/ACTIVE/HELD", "DELIVERED", "FAILED", "RECEIVED", "METRICS")]
     for st in stages:
@@ -245,7 +251,7 @@ def render_table(pipeline: str, stages: list[LocalStage]) -> str:
         flight = "/".join(str(int(c.get(k, 0))) for k in ("pending", "active", "held")) if st.role == "ar" else "-"
         rows.append((
             st.name, st.role,
-            "yes" if st.ready else "waiting" if st.proc is None else "starting" if st.alive() else "exited",
+            "yes" if st.ready else _state(st),
             flight,
             str(int(c.get("delivered", 0))) if st.role == "ar" else "-",
             str(int(c.get("failed", 0))) if st.role == "ar" else str(int(c.get("rejected", 0))),
@@ -257,7 +263,7 @@ def render_table(pipeline: str, stages: list[LocalStage]) -> str:
     for st in stages:
         if st.role == "endpoint":
             lines.append(f"the pipeline's endpoint (OpenAI API): {st.url}/v1 "
-                         f"({'ready' if st.ready else 'starting' if st.alive() else 'exited'})")
+                         f"({_state(st)})")
     return "\n".join(lines)
 
 

@@ -274,6 +274,10 @@ class PipelineEndpoint:
             return _error_body(400, "the request body must be a JSON object")
         if not isinstance(body, dict):
             return _error_body(400, "the request body must be a JSON object")
+        if self.config.entry_stage != self.config.sink:
+            refused = _refused_past_one_stage(body)
+            if refused is not None:
+                return _error_body(400, refused[1], param=refused[0])
         request_id = request.headers.get("X-Request-Id") or f"omni-{uuid.uuid4().hex}"
         if request_id in self._requests:
             return _error_body(409, f"a request with X-Request-Id {request_id} is in flight")
@@ -343,6 +347,7 @@ class PipelineEndpoint:
         sink = stage == self.config.sink
         if not sink:
             forwarded["stream"] = False  # its own output is not the answer
+            forwarded.pop("stream_options", None)  # vLLM refuses them on a request not streamed
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
             async with self._session.post(f"{self.config.entry_url}{path}", json=forwarded,
@@ -613,9 +618,36 @@ def _error(failed: StageFailed) -> web.Response:
                                          "stage": failed.stage}}, status=failed.status)
 
 
-def _error_body(status: int, message: str) -> web.Response:
+def _error_body(status: int, message: str, param: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error",
-                                         "code": status, "param": None}}, status=status)
+                                         "code": status, "param": param}}, status=status)
+
+
+def _refused_past_one_stage(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the parameter, why) where a request's parameters cannot go past the first stage of a
+    pipeline of several; None when they can. Refused here, before any stage holds it:
+    - stop strings: vLLM's API server ends a request on one by aborting it in the engine, so
+      the stage sees an abort, and an aborted request hands nothing off (its next stage would
+      wait for the hand-off until the edge's deadline);
+    - several outputs (``n``, ``best_of``) or several prompts: a pipeline request carries one
+      output from stage to stage."""
+    stop = body.get("stop")
+    if stop:
+        return "stop", ("stop strings cannot end a request of a pipeline of several stages: "
+                        "vLLM ends a request on one by aborting it, and an aborted request "
+                        "hands nothing to the next stage; use stop_token_ids, which end it "
+                        "in the engine")
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return key, (f"{key}={value}: a pipeline request carries one output from stage to "
+                         f"stage; send {value} requests instead")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
+        return "prompt", (f"{len(prompt)} prompts in one request: a pipeline request carries "
+                          "one prompt from stage to stage; send one request per prompt")
+    return None
 
 
 def _error_message(text: str) -> str:

@@ -1,0 +1,122 @@
+"""What a pipeline of several stages cannot carry is refused at its endpoint, before any stage
+holds the request, naming the parameter; what the first stage would refuse only because the
+endpoint asks it differently from the client is not sent to it.
+
+A stand-in first stage (a small aiohttp app that records what reaches it: the endpoint is the
+part under test) answers every request as a thinker that handed its request off would, and a
+stand-in talker reports the pipeline's answer over its link. On real engines: a stop string
+ended the thinker's request by an abort (vLLM's API server matches stop strings and aborts
+the request in the engine), so no hand-off went and the client had a 504 after the edge's
+10 s deadline (a run of examples/tiny-omni-streaming.yaml showed it); ``stream_options``
+with ``"stream": true`` was refused by the thinker, which the endpoint asks without a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
+from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, encode_event, link_url, parse_origin
+
+DONE = {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+
+def _listening() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def _through(bodies: list[dict], chain: tuple[str, ...] = ("thinker", "talker"),
+                   kind: str = "completions") -> tuple[int, dict | str]:
+    """Each body sent in turn to an endpoint in front of ``chain``, whose first stage is a
+    stand-in recording what reaches it (``bodies`` is replaced by the answers)."""
+    session = aiohttp.ClientSession()
+    received: list[dict] = []
+
+    async def thinker(request: web.Request) -> web.Response:
+        body = await request.json()
+        received.append(body)
+        if len(chain) == 1:  # the one stage: its answer is the client's
+            return web.json_response({"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
+        request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
+        async with session.ws_connect(link_url(endpoint, request_id, chain[-1])) as link:
+            await link.send_str(encode_event("taken"))
+            await link.send_str(encode_event("output", token_ids=[7, 8], text="hi"))
+            await link.send_str(encode_event("done", **DONE))
+        return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+    app = web.Application()
+    app.router.add_post(f"/v1/{'chat/' if kind == 'chat' else ''}completions", thinker)
+    runners = []
+    answers = []
+    try:
+        thinker_sock, front_sock = _listening(), _listening()
+        thinker_url = "http://127.0.0.1:%d" % thinker_sock.getsockname()[1]
+        front_url = "http://127.0.0.1:%d" % front_sock.getsockname()[1]
+        front = PipelineEndpoint(parse_endpoint_config("p", "m", {
+            "entry": {"stage": chain[0], "url": thinker_url}, "sink": chain[-1],
+            "edges": [{"from": a, "to": b, "timeoutSeconds": 30} for a, b in zip(chain, chain[1:])],
+            "advertise": front_url}))
+        for served, sock in ((app, thinker_sock), (front.app, front_sock)):
+            runner = web.AppRunner(served)
+            runners.append(runner)
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        for body in bodies:
+            async with session.post(front_url + path, json=body) as resp:
+                text = await resp.text()
+                answers.append((resp.status, await resp.json() if "json" in resp.content_type else text))
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        await session.close()
+    bodies[:] = received
+    return answers
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop": ["a", "e"]}, "stop"),
+    ({"stop": "\n"}, "stop"),
+    ({"n": 2}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": [[1, 2], [3, 4]]}, "prompt"),
+])
+def test_what_cannot_go_past_the_first_stage_is_refused_at_the_door(body, param):
+    sent = [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, **body}]
+    [(status, answer)] = asyncio.run(_through(sent))
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and param in answer["error"]["message"]
+    assert sent == [], "nothing reached the first stage"
+
+
+def test_what_can_go_past_it_goes_and_a_one_stage_pipeline_takes_anything():
+    # One token-id prompt, one string in a list, n=1, an empty stop list, stop token ids.
+    fine = [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 2},
+            {"model": "m", "prompt": ["one"], "max_tokens": 2, "n": 1, "stop": [],
+             "stop_token_ids": [2]}]
+    answers = asyncio.run(_through(fine))
+    assert [status for status, _ in answers] == [200, 200], answers
+    assert [a["choices"][0]["text"] for _, a in answers] == ["hi", "hi"]
+    # A pipeline of one stage: the stage's own answer, whatever vLLM takes.
+    alone = [{"model": "m", "prompt": ["one", "two"], "max_tokens": 2, "n": 2, "stop": ["a"]}]
+    [(status, answer)] = asyncio.run(_through(alone, chain=("thinker",)))
+    assert status == 200 and answer["choices"][0]["text"] == "ok", answer
+    assert alone[0]["stop"] == ["a"] and alone[0]["n"] == 2
+
+
+def test_stream_options_of_a_streamed_request_are_not_sent_to_a_first_stage_asked_without_a_stream():
+    sent = [{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+             "stream": True, "stream_options": {"include_usage": True}}]
+    [(status, answer)] = asyncio.run(_through(sent, kind="chat"))
+    assert status == 200, answer
+    assert "data: [DONE]" in answer and '"error"' not in answer
+    [forwarded] = sent
+    assert forwarded["stream"] is False and "stream_options" not in forwarded

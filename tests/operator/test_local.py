@@ -115,6 +115,35 @@ def test_the_table_reads_the_stage_metrics():
     assert render_table("p", [ar, endpoint]).splitlines()[-1].endswith("/v1 (waiting)")
 
 
+def test_the_table_counts_a_streamed_edges_streams_as_its_transfers():
+    """A streamed pipeline hands nothing off whole: its stages' streams are what the table
+    counts (a stress run of the streamed example showed DELIVERED 0 and RECEIVED 0 after 120
+    streams on every edge)."""
+    def resolved(stage, from_stage, to_stage, outcome, value):
+        return (f'omni_kv_streams_resolved_total{{from_stage="{from_stage}",model_name="m",'
+                f'outcome="{outcome}",stage="{stage}",to_stage="{to_stage}"}} {value}')
+
+    talker_page = "\n".join([
+        "# TYPE omni_kv_streams_resolved_total counter",
+        resolved("talker", "thinker", "talker", "finished", 9.0),     # taken from the thinker
+        resolved("talker", "talker", "vocoder", "finished", 7.0),     # streamed on
+        resolved("talker", "talker", "vocoder", "expired", 1.0),
+        resolved("talker", "talker", "vocoder", "aborted", 1.0),      # a client went away
+    ])
+    vocoder_page = "\n".join([
+        "# TYPE omni_kv_streams_resolved_total counter",
+        resolved("vocoder", "talker", "vocoder", "finished", 7.0),
+        resolved("vocoder", "talker", "vocoder", "producer_error", 2.0),
+    ])
+    talker = LocalStage("talker", "ar", Path("x"), Path("y"), 8000, "127.0.0.1", ready=True,
+                        counts=stage_counts(talker_page))
+    vocoder = LocalStage("vocoder", "generation", Path("x"), Path("y"), 8001, "127.0.0.1",
+                         ready=True, counts=stage_counts(vocoder_page))
+    rows = {line.split()[0]: line.split() for line in render_table("p", [talker, vocoder]).splitlines()[2:]}
+    assert rows["talker"][:6] == ["talker", "ar", "yes", "0/0/0", "7", "1"]
+    assert rows["vocoder"][3:7] == ["-", "-", "2", "7"]  # FAILED: what did not arrive whole
+
+
 def test_the_front_forwards_to_the_current_revision_and_counts_what_is_in_flight():
     """The front of `up --watch`: requests reach the entry stage it points at (headers a
     stage reads carried on), a switch sends new ones to the new target, and waiting for the

@@ -40,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
-from omni_contract.metrics import RECEIVED, RESOLVED, TRANSFERS
+from omni_contract.metrics import RECEIVED, RESOLVED, STREAMS_RESOLVED, TRANSFERS
 
 from .status import forget_endpoints, record_endpoints
 from omni_operator.pipeline.model import Pipeline, find_cycle
@@ -233,6 +233,16 @@ def stage_counts(page: str) -> dict[str, float]:
                 add("delivered" if outcome == "acked" else "failed" if outcome in ("failed", "expired") else "other", s.value)
             elif s.name == RECEIVED.name:
                 add("received" if s.labels.get("outcome") == "delivered" else "rejected", s.value)
+            elif s.name == STREAMS_RESOLVED.name:
+                # A streamed edge's streams count as its transfers do: at the producer's end
+                # (the stage streams it) delivered or failed, at the consumer's received.
+                outcome = s.labels.get("outcome")
+                if s.labels.get("from_stage") == s.labels.get("stage"):
+                    add("delivered" if outcome == "finished" else "failed"
+                        if outcome in ("producer_error", "consumer_error", "expired") else "other", s.value)
+                else:
+                    add("received" if outcome == "finished" else "rejected"
+                        if outcome in ("producer_error", "consumer_error", "expired") else "other", s.value)
     return counts
 
 

@@ -15,6 +15,7 @@ HTTP (the stage's ``http`` port):
     array ``[layers, 2, kv_heads, seq_len, head_size]`` (header ``X-Omni-Seq-Len`` etc.),
     waiting up to ``wait`` seconds for it to arrive; 404 if it does not. It stays in the
     inbox (the inbox's TTL bounds its life), so several readers may fetch it.
+  A ``wait`` is 0 to :data:`MAX_WAIT_S` seconds (more is taken as that; nan or negative: 400).
 
 KV (the stage's ``kv`` port): the control channel of the KV receiver, which reads each
 transfer's blocks with NIXL straight out of the AR's KV cache (docs/connector.md). It
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import logging
 import signal
 import threading
@@ -44,6 +46,20 @@ from omni_runtime.transfers.streams import check_interval
 logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+WAIT_REFUSED = (f"wait must be a number of seconds from 0 to {MAX_WAIT_S:g} (larger is taken as "
+                f"{MAX_WAIT_S:g})").encode()
+
+
+def wait_seconds(query: dict[str, list[str]]) -> float | None:
+    """The ``wait`` of a query (0 without one), at most :data:`MAX_WAIT_S`; None when it is
+    not a number of seconds (nan waited forever: a handler thread held for good)."""
+    try:
+        wait = float(query.get("wait", ["0"])[0])
+    except ValueError:
+        return None
+    if math.isnan(wait) or wait < 0:
+        return None
+    return min(wait, MAX_WAIT_S)
 #: After a stop's drain, how long the streams' senders get to read the last acks before the
 #: KV receiver closes its connections.
 LAST_ANSWERS_S = 1.0
@@ -272,10 +288,9 @@ class ReceiverStage:
                 return self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
 
             def _stream(self, request_id, query):
-                try:
-                    wait = min(float(query.get("wait", ["0"])[0]), MAX_WAIT_S)
-                except ValueError:
-                    return self._send(HTTPStatus.BAD_REQUEST, b"wait must be a number of seconds", "text/plain")
+                wait = wait_seconds(query)
+                if wait is None:
+                    return self._send(HTTPStatus.BAD_REQUEST, WAIT_REFUSED, "text/plain")
                 record = stage.streams.get(request_id, wait)
                 if record is None:
                     return self._send(HTTPStatus.NOT_FOUND, b"no such stream (or not ended)", "text/plain")
@@ -285,10 +300,9 @@ class ReceiverStage:
             def _payload(self, request_id, query):
                 import numpy as np
 
-                try:
-                    wait = min(float(query.get("wait", ["0"])[0]), MAX_WAIT_S)
-                except ValueError:
-                    return self._send(HTTPStatus.BAD_REQUEST, b"wait must be a number of seconds", "text/plain")
+                wait = wait_seconds(query)
+                if wait is None:
+                    return self._send(HTTPStatus.BAD_REQUEST, WAIT_REFUSED, "text/plain")
                 payload = stage.inbox.get(request_id, wait, remove=False)
                 if payload is None:
                     return self._send(HTTPStatus.NOT_FOUND, b"no such payload", "text/plain")

@@ -225,7 +225,9 @@ class StreamInbox:
 
     def get(self, request_id: str, wait: float = 0.0) -> StreamRecord | None:
         """The stream of ``request_id`` (from any stage) once it ended, waiting up to
-        ``wait`` seconds; None if it did not."""
+        ``wait`` seconds; None if it did not. A nan ``wait`` is refused (it would never end)."""
+        if wait != wait:
+            raise ValueError("wait must be a number of seconds, not nan")
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
@@ -237,7 +239,10 @@ class StreamInbox:
 
     def chunks(self, request_id: str, from_stage: str, timeout: float) -> Iterator[list[int]]:
         """The stream's tokens as they come, a list per arrival (its prompt in the first),
-        until it ends; TimeoutError when nothing new comes within ``timeout``."""
+        until it ends; TimeoutError when nothing new comes within ``timeout`` (a nan one is
+        refused: it would never end)."""
+        if timeout != timeout:
+            raise ValueError("timeout must be a number of seconds, not nan")
         key = (request_id, from_stage)
         seen = 0
         while True:

@@ -119,3 +119,36 @@ def test_an_ar_stage_whose_sender_thread_died_stops_with_exit_3(tmp_path):
         assert "KV sender thread of the engine died" in log
     finally:
         ar.stop()
+
+
+def test_a_wait_that_is_not_a_number_of_seconds_is_refused_not_waited_on():
+    """``GET /v1/streams/<id>?wait=nan`` held a handler thread for good (the inbox waited on a
+    nan deadline); every path with a ``wait`` answers 400 naming it for nan or a negative
+    wait, and takes a larger one as its cap."""
+    from omni_runtime.stages.config import parse_stage_config
+    from omni_runtime.stages.receiver import MAX_WAIT_S, ReceiverStage, wait_seconds
+
+    assert wait_seconds({}) == 0 and wait_seconds({"wait": ["0.5"]}) == 0.5
+    assert wait_seconds({"wait": ["inf"]}) == wait_seconds({"wait": ["1e400"]}) == MAX_WAIT_S
+    assert [wait_seconds({"wait": [w]}) for w in ("nan", "-1", "abc", "")] == [None] * 4
+
+    raw = {"pipeline": "p", "stage": "vocoder", "role": "generation",
+           "model": {"name": "m"}, "kvTransfer": {"send": False},
+           "inputs": [{"stage": "talker", "mode": "stream", "stream": {"firstChunkTokens": 4}}],
+           "ports": {"http": free_port(), "kv": free_port()}}
+    stage = ReceiverStage(parse_stage_config(raw), host="127.0.0.1")
+    server = threading.Thread(target=stage._http.serve_forever, kwargs={"poll_interval": 0.1},
+                              daemon=True)
+    server.start()
+    try:
+        assert stage.streams is not None
+        url = f"http://127.0.0.1:{raw['ports']['http']}"
+        for path in ("/v1/streams/nope", "/v1/kv/nope"):
+            for wait in ("nan", "NaN", "-1"):
+                status, body, _ = http_get(f"{url}{path}?wait={wait}", timeout=10)
+                assert status == 400 and b"wait must be a number of seconds" in body, (path, wait)
+            assert http_get(f"{url}{path}?wait=0.1", timeout=10)[0] == 404
+    finally:
+        stage._http.shutdown()
+        stage._http.server_close()
+        stage.receiver.close()

@@ -83,3 +83,11 @@ def test_an_early_end_a_silence_and_a_whole_edge_are_told(inbox):
     box.arrive(chunk("c", 0, [1], stage="thinker"), "c0")
     assert "whole, not streamed" in settled[-1][1][1]
     assert len(box.ledger) == 0
+
+
+def test_a_nan_wait_is_refused_not_waited_on(inbox):
+    box = inbox[0]
+    with pytest.raises(ValueError, match="nan"):
+        box.get("nope", float("nan"))
+    with pytest.raises(ValueError, match="nan"):
+        next(box.chunks("nope", "talker", float("nan")))

@@ -25,10 +25,12 @@ Other routes: ``GET /v1/models`` (the first stage's), ``GET /health``, and the s
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
 import re
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
@@ -41,9 +43,11 @@ from aiohttp import web
 from omni_contract.ports import ENDPOINT_PORT
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
+    CLOSE_WRONG_TOKEN,
     FINAL_EVENTS,
     HEARTBEAT_S,
     KV_PARAMS_KEY,
+    LINK_TOKEN_HEADER,
     MAX_EVENT_BYTES,
     ProtocolError,
     encode_event,
@@ -177,6 +181,9 @@ class _Request:
     #: Set each time the last stage holding the request (an open link that has not said
     #: its final event) lets it go.
     unlinked: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The secret its origin carries to the stages: a link must present it (a request's id
+    #: can be a client's own X-Request-Id, and the links' path is on the clients' port).
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
 
 class PipelineEndpoint:
@@ -236,6 +243,12 @@ class PipelineEndpoint:
         pending = self._requests.get(request.match_info["request_id"])
         if pending is None:
             await ws.close(code=CLOSE_UNKNOWN_REQUEST, message=b"no such request")
+            return ws
+        if not hmac.compare_digest(request.headers.get(LINK_TOKEN_HEADER, "").encode(),
+                                   pending.token.encode()):
+            logger.warning("a link for request %s as stage %s without the request's token: "
+                           "refused", pending.id, stage)
+            await ws.close(code=CLOSE_WRONG_TOKEN, message=b"not the request's token")
             return ws
         pending.links[stage] = ws
         final = False
@@ -342,7 +355,7 @@ class PipelineEndpoint:
         stage = self.config.entry_stage
         forwarded = dict(body)
         params = dict(forwarded.get("kv_transfer_params") or {})
-        params[KV_PARAMS_KEY] = origin(pending.id, self.config.advertise)
+        params[KV_PARAMS_KEY] = origin(pending.id, self.config.advertise, pending.token)
         forwarded["kv_transfer_params"] = params
         sink = stage == self.config.sink
         if not sink:

@@ -16,8 +16,10 @@ import aiohttp
 
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
+    CLOSE_WRONG_TOKEN,
     FINAL_EVENTS,
     HEARTBEAT_S,
+    LINK_TOKEN_HEADER,
     MAX_EVENT_BYTES,
     ProtocolError,
     encode_event,
@@ -48,11 +50,14 @@ class EndpointLink:
 
     @classmethod
     async def open(cls, session: aiohttp.ClientSession, endpoint: str, request_id: str,
-                   stage: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> EndpointLink:
+                   stage: str, *, token: str | None = None,
+                   timeout_s: float = CONNECT_TIMEOUT_S) -> EndpointLink:
+        """``token``: the origin's, which the endpoint asks of every link of the request."""
         url = link_url(endpoint, request_id, stage)
         try:
             ws = await asyncio.wait_for(
-                session.ws_connect(url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_EVENT_BYTES),
+                session.ws_connect(url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_EVENT_BYTES,
+                                   headers={LINK_TOKEN_HEADER: token} if token else None),
                 timeout_s)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise LinkError(f"the pipeline endpoint {endpoint} did not take the link of "
@@ -77,6 +82,8 @@ class EndpointLink:
             else:
                 if ws.close_code == CLOSE_UNKNOWN_REQUEST:
                     reason = "the pipeline endpoint has no such request (it ended)"
+                elif ws.close_code == CLOSE_WRONG_TOKEN:
+                    reason = "the pipeline endpoint refused the link: not the request's token"
                 elif ws.exception() is not None:
                     reason = f"the link to the pipeline endpoint broke: {ws.exception()}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -130,17 +137,19 @@ class LinkReporter:
         self._thread.start()
 
     def report(self, endpoint: str, request_id: str,
-               events: list[tuple[str, dict[str, Any]]]) -> Any:
-        """Send ``events`` on a link of ``request_id``; a future of whether they went."""
-        return asyncio.run_coroutine_threadsafe(self._report(endpoint, request_id, events),
-                                                self._loop)
+               events: list[tuple[str, dict[str, Any]]], token: str | None = None) -> Any:
+        """Send ``events`` on a link of ``request_id`` (``token``: its origin's); a future of
+        whether they went."""
+        return asyncio.run_coroutine_threadsafe(
+            self._report(endpoint, request_id, events, token), self._loop)
 
     async def _report(self, endpoint: str, request_id: str,
-                      events: list[tuple[str, dict[str, Any]]]) -> bool:
+                      events: list[tuple[str, dict[str, Any]]], token: str | None) -> bool:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
-            link = await EndpointLink.open(self._session, endpoint, request_id, self.stage)
+            link = await EndpointLink.open(self._session, endpoint, request_id, self.stage,
+                                           token=token)
         except LinkError as exc:
             logger.info("stage %s: nothing reported for request %s: %s", self.stage,
                         request_id, exc)

@@ -3,13 +3,16 @@ to the pipeline's endpoint (endpoint.py).
 
 A client's request enters at the endpoint, which gives it an id (the client's
 ``X-Request-Id``, else a new one) and sends it to the pipeline's first stage with its
-**origin** in ``kv_transfer_params["omni"]``: ``{"request_id", "endpoint"}``, the endpoint
-being the URL of the endpoint replica awaiting its output. A stage's scheduler carries the
+**origin** in ``kv_transfer_params["omni"]``: ``{"request_id", "endpoint", "token"}``, the
+endpoint being the URL of the endpoint replica awaiting its output, the token a secret of the
+request's (only the stages it travels to know it). A stage's scheduler carries the
 origin with each hand-off (sched/handoff.py's Carried), so each stage that takes the request
 from a hand-off knows where it belongs, and passes it on with its own request.
 
 Each stage that takes the request opens a **link** to the endpoint: a WebSocket at
-:func:`link_path` on the origin's endpoint, carrying :data:`EVENTS` as JSON text frames, one
+:func:`link_path` on the origin's endpoint, presenting the origin's token
+(:data:`LINK_TOKEN_HEADER`: the link's path is on the clients' port, and a request id can be
+a client's own ``X-Request-Id``, so whoever knows one could otherwise report for a stage), carrying :data:`EVENTS` as JSON text frames, one
 per message. The link is also the request's lifeline both ways: the endpoint aborts a stage's
 request by sending ``{"event": "abort"}`` or closing the link; a stage whose link drops
 before it said ``done``, ``handed_off`` or ``error`` is taken to have lost the request.
@@ -29,6 +32,10 @@ KV_PARAMS_KEY = "omni"
 #: The origin's keys: the pipeline request's id, and the endpoint replica's base URL.
 ORIGIN_REQUEST_ID = "request_id"
 ORIGIN_ENDPOINT = "endpoint"
+ORIGIN_TOKEN = "token"
+#: The header by which a stage's link presents its request's token.
+LINK_TOKEN_HEADER = "X-Omni-Link-Token"
+MAX_TOKEN_CHARS = 256
 
 #: Stage -> endpoint:
 #:   taken       the stage holds the request (its input accepted; its hand-off acked)
@@ -44,6 +51,8 @@ EVENTS = ("taken", "output", "payload", "handed_off", "done", "error", "abort")
 FINAL_EVENTS = frozenset({"handed_off", "done", "error"})
 #: WebSocket close code of a link the endpoint has no request for (it ended or never was).
 CLOSE_UNKNOWN_REQUEST = 4404
+#: WebSocket close code of a link that did not present its request's token.
+CLOSE_WRONG_TOKEN = 4403
 #: A frame's size bound (an output event carries one step's tokens and text).
 MAX_EVENT_BYTES = 1 << 20
 #: WebSocket pings on a link, both ways: a peer that vanished is noticed within about twice
@@ -55,8 +64,22 @@ class ProtocolError(ValueError):
     """A malformed origin or event, with the reason."""
 
 
-def origin(request_id: str, endpoint: str) -> dict[str, str]:
-    return {ORIGIN_REQUEST_ID: request_id, ORIGIN_ENDPOINT: endpoint}
+def origin(request_id: str, endpoint: str, token: str | None = None) -> dict[str, str]:
+    found = {ORIGIN_REQUEST_ID: request_id, ORIGIN_ENDPOINT: endpoint}
+    if token:
+        found[ORIGIN_TOKEN] = token
+    return found
+
+
+def origin_token(raw: Any) -> str | None:
+    """The token of an origin (None: it has none); ProtocolError when it is malformed."""
+    token = raw.get(ORIGIN_TOKEN) if isinstance(raw, Mapping) else None
+    if token is None:
+        return None
+    if not (isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS):
+        raise ProtocolError(f"the origin's token must be a string of 1 to {MAX_TOKEN_CHARS} "
+                            "characters")
+    return token
 
 
 def parse_origin(raw: Any) -> tuple[str, str] | None:

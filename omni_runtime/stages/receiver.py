@@ -38,7 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
 from omni_runtime.pipeline.link import LinkReporter
-from omni_runtime.pipeline.protocol import ProtocolError, parse_origin
+from omni_runtime.pipeline.protocol import ProtocolError, origin_token, parse_origin
 from omni_runtime.stages.config import DEFAULT_GRACE_SECONDS, StageConfig
 from omni_runtime.stages.heap import freeze_startup_heap
 from omni_runtime.transfers.streams import check_interval
@@ -151,7 +151,7 @@ class ReceiverStage:
             return
         self.receiver.settle(ticket)
         try:
-            found = parse_origin(payload.origin)
+            found, token = parse_origin(payload.origin), origin_token(payload.origin)
         except ProtocolError as exc:
             logger.warning("payload of request %s: its pipeline context is malformed: %s",
                            payload.request_id, exc)
@@ -160,7 +160,7 @@ class ReceiverStage:
             request_id, endpoint = found
             self._links.report(endpoint, request_id, [
                 ("taken", {"offered_at": payload.sent_at, "taken_at": payload.received_at}),
-                ("payload", {"payload": payload.summary()})])
+                ("payload", {"payload": payload.summary()})], token)
 
     # ------------------------------------------------------------------ streamed inputs
     def _stream_message(self, message, ticket) -> None:
@@ -179,19 +179,22 @@ class ReceiverStage:
         found = self._origin_of(record)
         if found is None:
             return
+        (request_id, endpoint), token = found
         if record.outcome == "finished":
-            self._links.report(found[1], found[0], [
+            self._links.report(endpoint, request_id, [
                 ("taken", {"offered_at": record.offered_at or record.started_at,
                            "taken_at": record.started_at}),
-                ("payload", {"payload": record.summary()})])
+                ("payload", {"payload": record.summary()})], token)
         else:
-            self._links.report(found[1], found[0], [
+            self._links.report(endpoint, request_id, [
                 ("error", {"message": f"its stream from {record.from_stage} ended "
-                                      f"{record.outcome}: {record.reason}"})])
+                                      f"{record.outcome}: {record.reason}"})], token)
 
     def _origin_of(self, record):
+        """((request id, endpoint), token) of a stream's origin; None without one."""
         try:
-            return parse_origin(record.origin)
+            found = parse_origin(record.origin)
+            return None if found is None else (found, origin_token(record.origin))
         except ProtocolError as exc:
             logger.warning("stream of request %s: its pipeline context is malformed: %s",
                            record.request_id, exc)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, payload_into_file
-from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, parse_origin
+from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, origin_token, parse_origin
 from omni_runtime.stages.inputs import InputHookError, Upstream, load_hook, request_of
 from omni_runtime.transfers.streams import check_interval
 
@@ -305,9 +305,9 @@ class StageInput:
         try:
             if payload is None:
                 raise Refused("the payload left the inbox before the stage took it")
-            pipeline_id, endpoint = self._origin(payload)
+            pipeline_id, endpoint, token = self._origin(payload)
             if endpoint is not None:  # opens while the request is made
-                linking = self._loop.create_task(self._link(endpoint, pipeline_id))
+                linking = self._loop.create_task(self._link(endpoint, pipeline_id, token))
             if payload.nbytes <= INLINE_BYTES:
                 prompt, params, path = self._prepare(payload, pipeline_id)
             else:  # a large payload's assembly off the server's event loop
@@ -389,7 +389,7 @@ class StageInput:
                               "whole, not streamed: both ends must read the same edge")
             tokens = chunk.token_ids
             if chunk.seq == 0 and key not in self._stream_requests:
-                pipeline_id, endpoint = self._origin(chunk)
+                pipeline_id, endpoint, token = self._origin(chunk)
                 made = self._request(_ChunkUpstream(chunk), pipeline_id)
                 tokens = tuple(made.prompt.get("prompt_token_ids") or ())
                 self._stream_requests[key] = pipeline_id
@@ -400,7 +400,7 @@ class StageInput:
                 if endpoint is not None:
                     # Opened beside the request, not before it: the engine starts at once.
                     entry[0] = self._loop.create_task(self._open_stream_link(
-                        endpoint, pipeline_id, chunk.from_stage, chunk.sent_at))
+                        endpoint, pipeline_id, chunk.from_stage, chunk.sent_at, token))
             pipeline_id = self._stream_requests.get(key)
             if pipeline_id is None:  # a chunk of a stream whose first chunk never came here
                 pipeline_id = chunk.request_id
@@ -413,14 +413,14 @@ class StageInput:
         self.receiver.settle(ticket, None if why is None else ("input_refused", why[:512]))
 
     async def _open_stream_link(self, endpoint: str, pipeline_id: str, from_stage: str,
-                                offered_at: float) -> Any:
+                                offered_at: float, token: str | None) -> Any:
         """The streamed request's link to the endpoint, its input taken said; None when the
         pipeline request is gone (its stream then ends here)."""
         from omni_runtime.transfers.streams import StreamOutcome
 
         taken_at = time.time()
         try:
-            link = await self._link(endpoint, pipeline_id)
+            link = await self._link(endpoint, pipeline_id, token)
         except Refused as refused:
             await self.streams.end(pipeline_id, from_stage, StreamOutcome.ABORTED,
                                    refused.reason)
@@ -506,15 +506,16 @@ class StageInput:
                     await link.send("error", message=stream.reason or "stream expired")
                     await link.close()
 
-    def _origin(self, payload: Any) -> tuple[str, str | None]:
-        """The pipeline request's id and its endpoint (None: it came from none)."""
+    def _origin(self, payload: Any) -> tuple[str, str | None, str | None]:
+        """The pipeline request's id, its endpoint (None: it came from none) and the token its
+        links present."""
         try:
-            found = parse_origin(payload.origin)
+            found, token = parse_origin(payload.origin), origin_token(payload.origin)
         except ProtocolError as exc:
             raise Refused(f"its pipeline context is malformed: {exc}") from None
         if found is not None:
-            return found
-        return payload.external_request_id or payload.request_id, None
+            return (*found, token)
+        return payload.external_request_id or payload.request_id, None, None
 
     def _request(self, payload: Any, pipeline_id: str):
         upstream = Upstream(pipeline_id, payload.from_stage, tuple(payload.token_ids),
@@ -573,12 +574,12 @@ class StageInput:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_params}
         return prompt, params, path
 
-    async def _link(self, endpoint: str, pipeline_id: str):
+    async def _link(self, endpoint: str, pipeline_id: str, token: str | None):
         from omni_runtime.pipeline.link import EndpointLink, LinkError
 
         try:
             return await EndpointLink.open(self._session, endpoint, pipeline_id,
-                                           self.settings.stage)
+                                           self.settings.stage, token=token)
         except LinkError as exc:
             raise Refused(f"the pipeline request is gone: {exc}") from None
 

@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 
 from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
-from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, encode_event, link_url, parse_origin
+from omni_runtime.pipeline.protocol import (CLOSE_WRONG_TOKEN, KV_PARAMS_KEY, LINK_TOKEN_HEADER, encode_event, link_url,
+                                            origin_token, parse_origin)
 
 DONE = {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
 
@@ -45,7 +46,9 @@ async def _through(bodies: list[dict], chain: tuple[str, ...] = ("thinker", "tal
         if len(chain) == 1:  # the one stage: its answer is the client's
             return web.json_response({"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
         request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
-        async with session.ws_connect(link_url(endpoint, request_id, chain[-1])) as link:
+        token = origin_token(body["kv_transfer_params"][KV_PARAMS_KEY])
+        async with session.ws_connect(link_url(endpoint, request_id, chain[-1]),
+                                      headers={LINK_TOKEN_HEADER: token}) as link:
             await link.send_str(encode_event("taken"))
             await link.send_str(encode_event("output", token_ids=[7, 8], text="hi"))
             await link.send_str(encode_event("done", **DONE))
@@ -120,3 +123,59 @@ def test_stream_options_of_a_streamed_request_are_not_sent_to_a_first_stage_aske
     assert "data: [DONE]" in answer and '"error"' not in answer
     [forwarded] = sent
     assert forwarded["stream"] is False and "stream_options" not in forwarded
+
+
+def test_a_link_without_the_requests_token_is_refused_and_the_request_goes_on():
+    """The links' path is on the clients' port and a request id can be a client's own
+    X-Request-Id: a link that does not present the request's token (which only its origin
+    carries, to the stages) is closed at once; it neither reports for the stage nor loses the
+    request (one such link closing used to fail the request as lost; one could have put its
+    own output in another client's answer)."""
+    async def go():
+        session = aiohttp.ClientSession()
+        rogue_closes = []
+
+        async def thinker(request: web.Request) -> web.Response:
+            body = await request.json()
+            request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
+            token = origin_token(body["kv_transfer_params"][KV_PARAMS_KEY])
+            assert token and len(token) >= 24
+            url = link_url(endpoint, request_id, "talker")
+            for headers in ({}, {LINK_TOKEN_HEADER: "guessed"}):
+                async with session.ws_connect(url, headers=headers) as rogue:
+                    await rogue.send_str(encode_event("output", token_ids=[666], text="injected"))
+                    await rogue.receive(timeout=10)
+                    rogue_closes.append(rogue.close_code)
+            async with session.ws_connect(url, headers={LINK_TOKEN_HEADER: token}) as link:
+                await link.send_str(encode_event("taken"))
+                await link.send_str(encode_event("output", token_ids=[7, 8], text="hi"))
+                await link.send_str(encode_event("done", **DONE))
+            return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", thinker)
+        runners = []
+        try:
+            thinker_sock, front_sock = _listening(), _listening()
+            front_url = "http://127.0.0.1:%d" % front_sock.getsockname()[1]
+            front = PipelineEndpoint(parse_endpoint_config("p", "m", {
+                "entry": {"stage": "thinker", "url": "http://127.0.0.1:%d" % thinker_sock.getsockname()[1]},
+                "sink": "talker", "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 30}],
+                "advertise": front_url}))
+            for served, sock in ((app, thinker_sock), (front.app, front_sock)):
+                runner = web.AppRunner(served)
+                runners.append(runner)
+                await runner.setup()
+                await web.SockSite(runner, sock).start()
+            async with session.post(front_url + "/v1/completions", headers={"X-Request-Id": "known-id"},
+                                    json={"model": "m", "prompt": [1], "max_tokens": 2}) as resp:
+                return resp.status, await resp.json(), rogue_closes
+        finally:
+            for runner in reversed(runners):
+                await runner.cleanup()
+            await session.close()
+
+    status, answer, closes = asyncio.run(go())
+    assert closes == [CLOSE_WRONG_TOKEN, CLOSE_WRONG_TOKEN]
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == "hi" and answer["choices"][0]["token_ids"] == [7, 8]

@@ -20,7 +20,8 @@ from aiohttp import web
 
 from omni_runtime.pipeline import endpoint as endpoint_module
 from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
-from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, encode_event, link_url, parse_origin
+from omni_runtime.pipeline.protocol import (KV_PARAMS_KEY, LINK_TOKEN_HEADER, encode_event, link_url,
+                                            origin_token, parse_origin)
 
 #: How long after the last stage's end an upstream stand-in reports its own: a stage slow to
 #: report its end (its output processor busy), well inside the endpoint's grace.
@@ -43,12 +44,17 @@ async def _ask(thinker, chain=("thinker", "talker")) -> tuple[dict, float]:
     returns its answer (``ended`` is set once the client has its answer). Returns the
     client's answer and when it had it."""
     session = aiohttp.ClientSession()
+    link_sessions: list[aiohttp.ClientSession] = []
     ended = asyncio.Event()
 
     async def thinker_completions(request: web.Request) -> web.Response:
         body = await request.json()
         request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
-        return await thinker(session, endpoint, request_id, ended)
+        # The stand-in's links present the request's token, as a stage's do.
+        token = origin_token(body["kv_transfer_params"][KV_PARAMS_KEY])
+        links = aiohttp.ClientSession(headers={LINK_TOKEN_HEADER: token})
+        link_sessions.append(links)  # closed at the end: a stand-in's links may outlive it
+        return await thinker(links, endpoint, request_id, ended)
 
     thinker_app = web.Application()
     thinker_app.router.add_post("/v1/completions", thinker_completions)
@@ -78,6 +84,8 @@ async def _ask(thinker, chain=("thinker", "talker")) -> tuple[dict, float]:
         for runner in reversed(runners):
             await runner.cleanup()
         await session.close()
+        for links in link_sessions:
+            await links.close()
 
 
 def _answering_after_talker_done(lag_s: float | None, answered: list[float]):

@@ -57,7 +57,7 @@ MAX_NAME_CHARS = 256
 #: Token ids a read may carry are below this (vocabularies are far smaller).
 MAX_TOKEN_ID = 1 << 31
 #: A read's pipeline context (ReadRequest.origin): its keys and their values' length.
-ORIGIN_KEYS = frozenset({"request_id", "endpoint"})
+ORIGIN_KEYS = frozenset({"request_id", "endpoint", "token"})
 MAX_ORIGIN_CHARS = 2048
 
 

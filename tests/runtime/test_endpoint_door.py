@@ -14,29 +14,22 @@ with ``"stream": true`` was refused by the thinker, which the endpoint asks with
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
-from omni_runtime.pipeline.protocol import (CLOSE_WRONG_TOKEN, KV_PARAMS_KEY, LINK_TOKEN_HEADER, encode_event, link_url,
-                                            origin_token, parse_origin)
+from omni_runtime.pipeline.protocol import CLOSE_WRONG_TOKEN, LINK_TOKEN_HEADER, encode_event, link_url
+
+from stand_in_stage import endpoint_before, origin_of
 
 DONE = {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
 
 
-def _listening() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 async def _through(bodies: list[dict], chain: tuple[str, ...] = ("thinker", "talker"),
-                   kind: str = "completions") -> tuple[int, dict | str]:
+                   kind: str = "completions") -> list[tuple[int, dict | str]]:
     """Each body sent in turn to an endpoint in front of ``chain``, whose first stage is a
-    stand-in recording what reaches it (``bodies`` is replaced by the answers)."""
+    stand-in recording what reaches it (``bodies`` is replaced by what reached it)."""
     session = aiohttp.ClientSession()
     received: list[dict] = []
 
@@ -45,8 +38,7 @@ async def _through(bodies: list[dict], chain: tuple[str, ...] = ("thinker", "tal
         received.append(body)
         if len(chain) == 1:  # the one stage: its answer is the client's
             return web.json_response({"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
-        request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
-        token = origin_token(body["kv_transfer_params"][KV_PARAMS_KEY])
+        request_id, endpoint, token = origin_of(body)
         async with session.ws_connect(link_url(endpoint, request_id, chain[-1]),
                                       headers={LINK_TOKEN_HEADER: token}) as link:
             await link.send_str(encode_event("taken"))
@@ -54,31 +46,15 @@ async def _through(bodies: list[dict], chain: tuple[str, ...] = ("thinker", "tal
             await link.send_str(encode_event("done", **DONE))
         return web.json_response({"choices": [{"finish_reason": "length"}]})
 
-    app = web.Application()
-    app.router.add_post(f"/v1/{'chat/' if kind == 'chat' else ''}completions", thinker)
-    runners = []
     answers = []
     try:
-        thinker_sock, front_sock = _listening(), _listening()
-        thinker_url = "http://127.0.0.1:%d" % thinker_sock.getsockname()[1]
-        front_url = "http://127.0.0.1:%d" % front_sock.getsockname()[1]
-        front = PipelineEndpoint(parse_endpoint_config("p", "m", {
-            "entry": {"stage": chain[0], "url": thinker_url}, "sink": chain[-1],
-            "edges": [{"from": a, "to": b, "timeoutSeconds": 30} for a, b in zip(chain, chain[1:])],
-            "advertise": front_url}))
-        for served, sock in ((app, thinker_sock), (front.app, front_sock)):
-            runner = web.AppRunner(served)
-            runners.append(runner)
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        for body in bodies:
-            async with session.post(front_url + path, json=body) as resp:
-                text = await resp.text()
-                answers.append((resp.status, await resp.json() if "json" in resp.content_type else text))
+        async with endpoint_before(thinker, chain, kind) as front_url:
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            for body in bodies:
+                async with session.post(front_url + path, json=body) as resp:
+                    text = await resp.text()
+                    answers.append((resp.status, await resp.json() if "json" in resp.content_type else text))
     finally:
-        for runner in reversed(runners):
-            await runner.cleanup()
         await session.close()
     bodies[:] = received
     return answers
@@ -136,9 +112,7 @@ def test_a_link_without_the_requests_token_is_refused_and_the_request_goes_on():
         rogue_closes = []
 
         async def thinker(request: web.Request) -> web.Response:
-            body = await request.json()
-            request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
-            token = origin_token(body["kv_transfer_params"][KV_PARAMS_KEY])
+            request_id, endpoint, token = origin_of(await request.json())
             assert token and len(token) >= 24
             url = link_url(endpoint, request_id, "talker")
             for headers in ({}, {LINK_TOKEN_HEADER: "guessed"}):
@@ -152,27 +126,12 @@ def test_a_link_without_the_requests_token_is_refused_and_the_request_goes_on():
                 await link.send_str(encode_event("done", **DONE))
             return web.json_response({"choices": [{"finish_reason": "length"}]})
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", thinker)
-        runners = []
         try:
-            thinker_sock, front_sock = _listening(), _listening()
-            front_url = "http://127.0.0.1:%d" % front_sock.getsockname()[1]
-            front = PipelineEndpoint(parse_endpoint_config("p", "m", {
-                "entry": {"stage": "thinker", "url": "http://127.0.0.1:%d" % thinker_sock.getsockname()[1]},
-                "sink": "talker", "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 30}],
-                "advertise": front_url}))
-            for served, sock in ((app, thinker_sock), (front.app, front_sock)):
-                runner = web.AppRunner(served)
-                runners.append(runner)
-                await runner.setup()
-                await web.SockSite(runner, sock).start()
-            async with session.post(front_url + "/v1/completions", headers={"X-Request-Id": "known-id"},
-                                    json={"model": "m", "prompt": [1], "max_tokens": 2}) as resp:
-                return resp.status, await resp.json(), rogue_closes
+            async with endpoint_before(thinker) as front_url:
+                async with session.post(front_url + "/v1/completions", headers={"X-Request-Id": "known-id"},
+                                        json={"model": "m", "prompt": [1], "max_tokens": 2}) as resp:
+                    return resp.status, await resp.json(), rogue_closes
         finally:
-            for runner in reversed(runners):
-                await runner.cleanup()
             await session.close()
 
     status, answer, closes = asyncio.run(go())

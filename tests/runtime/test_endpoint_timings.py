@@ -12,26 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import aiohttp
 from aiohttp import web
 
 from omni_runtime.pipeline import endpoint as endpoint_module
-from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
-from omni_runtime.pipeline.protocol import (KV_PARAMS_KEY, LINK_TOKEN_HEADER, encode_event, link_url,
-                                            origin_token, parse_origin)
+from omni_runtime.pipeline.protocol import LINK_TOKEN_HEADER, encode_event, link_url
+
+from stand_in_stage import endpoint_before, origin_of
 
 #: How long after the last stage's end an upstream stand-in reports its own: a stage slow to
 #: report its end (its output processor busy), well inside the endpoint's grace.
 UPSTREAM_LAG_S = 0.3
-
-
-def _listening() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 DONE = {"finish_reason": "length",
@@ -48,41 +41,23 @@ async def _ask(thinker, chain=("thinker", "talker")) -> tuple[dict, float]:
     ended = asyncio.Event()
 
     async def thinker_completions(request: web.Request) -> web.Response:
-        body = await request.json()
-        request_id, endpoint = parse_origin(body["kv_transfer_params"][KV_PARAMS_KEY])
+        request_id, endpoint, token = origin_of(await request.json())
         # The stand-in's links present the request's token, as a stage's do.
-        token = origin_token(body["kv_transfer_params"][KV_PARAMS_KEY])
         links = aiohttp.ClientSession(headers={LINK_TOKEN_HEADER: token})
         link_sessions.append(links)  # closed at the end: a stand-in's links may outlive it
         return await thinker(links, endpoint, request_id, ended)
 
-    thinker_app = web.Application()
-    thinker_app.router.add_post("/v1/completions", thinker_completions)
-    runners = []
     try:
-        thinker_sock, front_sock = _listening(), _listening()
-        thinker_url = "http://127.0.0.1:%d" % thinker_sock.getsockname()[1]
-        front_url = "http://127.0.0.1:%d" % front_sock.getsockname()[1]
-        front = PipelineEndpoint(parse_endpoint_config("p", "m", {
-            "entry": {"stage": chain[0], "url": thinker_url}, "sink": chain[-1],
-            "edges": [{"from": a, "to": b, "timeoutSeconds": 30}
-                      for a, b in zip(chain, chain[1:])],
-            "advertise": front_url}))
-        for app, sock in ((thinker_app, thinker_sock), (front.app, front_sock)):
-            runner = web.AppRunner(app)
-            runners.append(runner)
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
-        async with session.post(f"{front_url}/v1/completions",
-                                json={"model": "m", "prompt": [1, 2, 3],
-                                      "max_tokens": 2}) as resp:
-            assert resp.status == 200, await resp.text()
-            answer = await resp.json()
-        return answer, time.time()
+        async with endpoint_before(thinker_completions, chain) as front_url:
+            async with session.post(f"{front_url}/v1/completions",
+                                    json={"model": "m", "prompt": [1, 2, 3],
+                                          "max_tokens": 2}) as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+            ended.set()
+            return answer, time.time()
     finally:
         ended.set()
-        for runner in reversed(runners):
-            await runner.cleanup()
         await session.close()
         for links in link_sessions:
             await links.close()

@@ -15,6 +15,7 @@ from omni_operator.controller import main as operator_main
 from omni_operator.pipeline import naming
 from omni_operator.check.documents import load_documents
 from omni_operator.pipeline.kinds import DEPLOYMENT
+from omni_operator.controller.children import ChildCache
 from omni_operator.controller.kube import Kube
 from omni_operator.controller.metrics import OperatorMetrics
 from omni_operator.pipeline.model import parse_pipeline
@@ -165,6 +166,8 @@ class RunningOperator:
         self.options = operator_main.Options(
             namespaces=namespaces, metrics_host="127.0.0.1", metrics_port=self.metrics_port,
             liveness_host="127.0.0.1", liveness_port=self.liveness_port, resync_seconds=resync_seconds)
+        # The reconciler's cache of the children, which the operator's watches feed.
+        self.children = ChildCache()
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.error: BaseException | None = None
@@ -173,7 +176,7 @@ class RunningOperator:
     def _run(self) -> None:
         try:
             operator_main.run(self.options, kube=self.kube, metrics=self.metrics,
-                              stop_flag=self.stop_flag, ready_flag=self.ready_flag)
+                              stop_flag=self.stop_flag, ready_flag=self.ready_flag, children=self.children)
         except BaseException as exc:  # reported by stop()
             self.error = exc
 

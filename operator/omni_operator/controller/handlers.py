@@ -1,5 +1,10 @@
 """The kopf handlers: thin, each hands the work to the Reconciler kept in kopf's memo.
 
+The children's watches also feed the reconciler's cache of them (children.py): an index
+handler per child kind (kopf runs index handlers first, and no other handler until every
+watched kind's first listing is indexed: the first call of any other handler says the cache
+is complete), and the child event handler for deletions.
+
 Built into a fresh registry per operator instance (tests run several in one process).
 No handler needs a finalizer: children carry ownerReferences and the garbage collector
 removes them, so deleting an OmniPipeline never waits for the operator.
@@ -32,16 +37,18 @@ def build_registry() -> kopf.OperatorRegistry:
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
     def reconcile_pipeline(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+        _indexed(memo)
         memo.reconciler.reconcile(namespace, name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def pipeline_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+        _indexed(memo)
         if type == "DELETED":
             memo.reconciler.forget(namespace, name)
 
     for kind in CHILD_KINDS:
         group, _, version = kind.api_version.rpartition("/")
-        register_child_watch(registry, group, version or kind.api_version, kind.plural)
+        register_child_watch(registry, group, version or kind.api_version, kind.plural, kind.kind)
 
     return registry
 
@@ -65,15 +72,33 @@ def connection_info(config: Any) -> kopf.ConnectionInfo:
     )
 
 
-def register_child_watch(registry: kopf.OperatorRegistry, group: str, version: str, plural: str) -> None:
+def _indexed(memo: kopf.Memo) -> None:
+    """kopf runs this handler: every child kind's first listing is in the cache."""
+    children = memo.reconciler.children
+    if children is not None and not children.ready:
+        children.mark_ready()
+
+
+def register_child_watch(registry: kopf.OperatorRegistry, group: str, version: str, plural: str,
+                         kind: str) -> None:
+    labels = {naming.MANAGED_BY_LABEL: naming.MANAGER, naming.PIPELINE_LABEL: kopf.PRESENT}
+
+    # Every child as its watch reports it, into the reconciler's cache (kopf's index handlers
+    # see each object before any other handler; nothing is kept in kopf's own index).
+    @kopf.index(group, version, plural, registry=registry, labels=labels, id=f"children-{plural}")
+    def child_seen(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        if memo.reconciler.children is not None:
+            memo.reconciler.children.saw(dict(body), kind)
+
     # A child changed by hand, deleted, or rolling out: reconcile its pipeline (when needed).
-    @kopf.on.event(group, version, plural, registry=registry,
-                   labels={"app.kubernetes.io/managed-by": naming.MANAGER, naming.PIPELINE_LABEL: kopf.PRESENT},
-                   id=f"child-{plural}")
+    @kopf.on.event(group, version, plural, registry=registry, labels=labels, id=f"child-{plural}")
     def child_event(type: str | None, body: kopf.Body, namespace: str, labels: kopf.Labels,
                     memo: kopf.Memo, **_: Any) -> None:
+        _indexed(memo)
         child = dict(body)
         reconciler = memo.reconciler
+        if type == "DELETED" and reconciler.children is not None:
+            reconciler.children.gone(child, kind)
         if not reconciler.child_needs_reconcile(child, deleted=(type == "DELETED")):
             return
         try:

@@ -24,6 +24,7 @@ from .kube import Kube
 from .metrics import OperatorMetrics
 from omni_operator.check.objectmeta import is_dns1123_label, is_qualified_name, is_valid_label_value
 from .reconcile import Reconciler
+from .children import ChildCache
 from .resync import Resync
 from omni_operator.health.transfers import DEFAULT_FAILING_RATIO
 
@@ -161,12 +162,14 @@ def operator_settings() -> kopf.OperatorSettings:
 
 def run(options: Options, *, kube: Kube | None = None, metrics: OperatorMetrics | None = None,
         stop_flag: threading.Event | None = None, ready_flag: threading.Event | None = None,
-        settings: kopf.OperatorSettings | None = None) -> None:
-    """Run the operator until stop_flag is set (or forever); blocks the calling thread."""
+        settings: kopf.OperatorSettings | None = None, children: ChildCache | None = None) -> None:
+    """Run the operator until stop_flag is set (or forever); blocks the calling thread.
+    ``children``: the cache its watches feed (a new one when None)."""
     metrics = metrics or OperatorMetrics()
     kube = kube or Kube.from_environment(on_call=metrics.api_call)
     health = build_health(options, kube)
-    reconciler = Reconciler(kube, metrics, health=health, operator_peer=options.operator_peer)
+    reconciler = Reconciler(kube, metrics, health=health, operator_peer=options.operator_peer,
+                            children=children if children is not None else ChildCache())
     resync = Resync(reconciler, options.namespaces or None, options.resync_seconds)
     server = None
     if options.metrics_port:

@@ -36,6 +36,7 @@ from omni_operator.check.admission import Admitted, admit
 from omni_operator.pipeline.diff import last_applied, merge_patch, without
 from omni_operator.pipeline.errors import SpecError
 from omni_operator.pipeline.kinds import BY_KIND, CHILD_KINDS, CONFIGMAP, DEPLOYMENT, HPA, PODMONITOR, SCALEDOBJECT, SERVICE, STAGESCALER, Kind
+from .children import ChildCache
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
 from omni_operator.pipeline.model import Pipeline
@@ -130,15 +131,19 @@ def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 
 
 def child_selector(pipeline_name: str) -> str:
-    return f"{naming.PIPELINE_LABEL}={pipeline_name},app.kubernetes.io/managed-by={naming.MANAGER}"
+    return f"{naming.PIPELINE_LABEL}={pipeline_name},{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
 
 
 class Reconciler:
     def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
                  clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0,
                  health: TransferHealth | None = None, operator_peer: Mapping[str, Any] | None = None,
-                 now: Callable[[], float] = time.time, apply_concurrency: int = APPLY_CONCURRENCY):
+                 now: Callable[[], float] = time.time, apply_concurrency: int = APPLY_CONCURRENCY,
+                 children: ChildCache | None = None):
         self.kube = kube
+        # The children as the watches report them (children.py), read by a reconcile an event
+        # started; None: every reconcile lists them.
+        self.children = children
         # The child writes of one wave in flight at once (1: one after the other), on a
         # pool started at the first wave with two writes and stopped by close().
         self.apply_concurrency = apply_concurrency
@@ -185,7 +190,10 @@ class Reconciler:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def reconcile(self, namespace: str, name: str) -> Outcome:
+    def reconcile(self, namespace: str, name: str, fresh: bool = False) -> Outcome:
+        """Bring the pipeline's children and status to what its spec says. ``fresh``: list
+        the children rather than read the watches' cache (the resync timer's repair of
+        what the cache may have missed)."""
         with self._lock_for(namespace, name):
             started = time.perf_counter()
             try:
@@ -194,7 +202,7 @@ class Reconciler:
                     self.forget(namespace, name)
                     outcome = Outcome("gone")
                 else:
-                    outcome = self._reconcile(body)
+                    outcome = self._reconcile(body, fresh)
             except Exception:
                 self.metrics.reconciles.labels("error").inc()
                 raise
@@ -220,6 +228,8 @@ class Reconciler:
                         if k[0] == namespace and child["metadata"]["labels"].get(naming.PIPELINE_LABEL) == name]:
                 self._replicated.pop(key, None)
             self.metrics.set_phase(namespace, name, None)
+            if self.children is not None:
+                self.children.forget(namespace, name)
             if self.health is not None:
                 self.health.forget(namespace, name)
 
@@ -259,7 +269,7 @@ class Reconciler:
             self._keda = (now, self.kube.serves(SCALEDOBJECT))
         return self._keda[1]
 
-    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+    def _reconcile(self, body: dict[str, Any], fresh: bool) -> Outcome:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
@@ -276,13 +286,13 @@ class Reconciler:
             return self._refuse(body, "ChildRejected", rejected[2], pipeline.generation)
         self._rejected.pop((namespace, name), None)
         try:
-            return self._apply(body, admitted)
+            return self._apply(body, admitted, fresh)
         except ChildRejected as exc:
             self._rejected[(namespace, name)] = (pipeline.uid, pipeline.generation, exc.message)
             log.warning("%s/%s: %s", namespace, name, exc.message)
             return self._refuse(body, "ChildRejected", exc.message, pipeline.generation)
 
-    def _apply(self, body: dict[str, Any], admitted: Admitted) -> Outcome:
+    def _apply(self, body: dict[str, Any], admitted: Admitted, fresh: bool) -> Outcome:
         """Apply the children admission rendered (each with its last-applied record): the
         very objects it checked, the current revision's Deployments with the replicas the
         rollout gives them; then the rollout's step for the old revisions."""
@@ -295,7 +305,7 @@ class Reconciler:
         # very spec by an attempt that stopped half-way: creating each child finds those
         # (409: read, compare, patch), and none can be undesired. So nothing is listed.
         first = pipeline.generation <= 1 and not (body.get("status") or {}).get("observedGeneration")
-        live = {} if first else self._owned_children(pipeline, podmonitors, keda)
+        live = {} if first else self._owned_children(pipeline, podmonitors, keda, fresh)
         workloads = [w for (kind, _), obj in live.items() if kind == DEPLOYMENT.kind
                      for w in [workload_of(obj, pipeline)] if w is not None]
         targets = self._targets(pipeline, live, workloads)
@@ -314,7 +324,8 @@ class Reconciler:
                 want = step.replicas[_old_workload_key(obj, pipeline)]
                 if int((obj.get("spec") or {}).get("replicas", 1)) != want:
                     with _refusals("patch", key[0], key[1]):
-                        current[key] = self.kube.patch(DEPLOYMENT, namespace, key[1], {"spec": {"replicas": want}})
+                        current[key] = self._wrote(self.kube.patch(DEPLOYMENT, namespace, key[1],
+                                                                   {"spec": {"replicas": want}}))
                     outcome.changed.append(f"scale {key[0]}/{key[1]} to {want}")
                 else:
                     current[key] = obj
@@ -322,6 +333,8 @@ class Reconciler:
             if key not in wanted and key not in kept:
                 with _refusals("delete", key[0], key[1]):
                     self.kube.delete(BY_KIND[key[0]], namespace, key[1])
+                if self.children is not None:
+                    self.children.gone(obj)
                 outcome.changed.append(f"delete {key[0]}/{key[1]}")
         outcome.writes = len(outcome.changed)
         if outcome.changed:
@@ -418,7 +431,7 @@ class Reconciler:
             }
             if (scaler.get("status") or {}) != status:
                 try:
-                    self.kube.patch_status(STAGESCALER, pipeline.namespace, name, {"status": status})
+                    self._wrote(self.kube.patch_status(STAGESCALER, pipeline.namespace, name, {"status": status}))
                 except ApiException as exc:
                     if exc.status != 404:
                         raise
@@ -452,18 +465,36 @@ class Reconciler:
             return posted + 1
         return posted
 
-    def _owned_children(self, pipeline: Pipeline, podmonitors: bool, keda: bool) -> dict[tuple[str, str], dict[str, Any]]:
-        selector = child_selector(pipeline.name)
+    def _owned_children(self, pipeline: Pipeline, podmonitors: bool, keda: bool,
+                        fresh: bool) -> dict[tuple[str, str], dict[str, Any]]:
+        """The children this very resource controls, by (kind, name): from the watches' cache,
+        else (``fresh``, or no cache ready) listed, the cache then told what the lists found."""
+        kinds = [kind for kind in CHILD_KINDS
+                 if not ((kind is PODMONITOR and not podmonitors) or (kind is SCALEDOBJECT and not keda))]
+        cached = None if fresh or self.children is None else self.children.children(pipeline.namespace, pipeline.name)
+        if cached is not None:
+            served = {kind.kind for kind in kinds}
+            labelled = [obj for (kind, _), obj in cached.items() if kind in served]
+        else:
+            selector = child_selector(pipeline.name)
+            labelled = [{**obj, "kind": kind.kind} for kind in kinds
+                        for obj in self.kube.list(kind, pipeline.namespace, selector)]
+            if self.children is not None:
+                self.children.replace(pipeline.namespace, pipeline.name, [kind.kind for kind in kinds], labelled)
         found: dict[tuple[str, str], dict[str, Any]] = {}
-        for kind in CHILD_KINDS:
-            if (kind is PODMONITOR and not podmonitors) or (kind is SCALEDOBJECT and not keda):
-                continue
-            for obj in self.kube.list(kind, pipeline.namespace, selector):
-                labels = (obj.get("metadata") or {}).get("labels") or {}
-                # Filter again here: only what this very resource controls is ever changed.
-                if labels.get(naming.PIPELINE_LABEL) == pipeline.name and is_owned_by(obj, pipeline.uid):
-                    found[(kind.kind, obj["metadata"]["name"])] = {"kind": kind.kind, **obj}
+        for obj in labelled:
+            labels = (obj.get("metadata") or {}).get("labels") or {}
+            # Filter again here: only what this very resource controls is ever changed.
+            if (labels.get(naming.PIPELINE_LABEL) == pipeline.name and labels.get(naming.MANAGED_BY_LABEL) == naming.MANAGER
+                    and is_owned_by(obj, pipeline.uid)):
+                found[(obj["kind"], obj["metadata"]["name"])] = obj
         return found
+
+    def _wrote(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A child as the API server answered a write of it, told to the cache."""
+        if self.children is not None:
+            self.children.saw(obj)
+        return obj
 
     def _apply_children(self, pipeline: Pipeline, desired: list[dict[str, Any]],
                         live: Mapping[tuple[str, str], dict[str, Any]], targets: Mapping[str, int],
@@ -547,7 +578,8 @@ class Reconciler:
         name = desired["metadata"]["name"]
         if live is None:
             try:
-                return self.kube.create(kind, pipeline.namespace, create_as or desired), f"create {kind.kind}/{name}"
+                return (self._wrote(self.kube.create(kind, pipeline.namespace, create_as or desired)),
+                        f"create {kind.kind}/{name}")
             except ApiException as exc:
                 if exc.status in PERMANENT_STATUSES:
                     raise ChildRejected("create", kind.kind, name, exc) from None
@@ -555,13 +587,15 @@ class Reconciler:
                     raise
             # It exists after all: created concurrently, or someone else's object.
             live = self.kube.get(kind, pipeline.namespace, name)
+            if live is not None and self.children is not None:
+                self.children.saw(live, kind.kind)
             if live is None or not is_owned_by(live, pipeline.uid):
                 return None, None
             patch = self._patch_for(kind, pipeline, desired, live)
             if not patch:
                 return live, None
         with _refusals("patch", kind.kind, name):
-            patched = self.kube.patch(kind, pipeline.namespace, name, patch)
+            patched = self._wrote(self.kube.patch(kind, pipeline.namespace, name, patch))
         return patched, f"patch {kind.kind}/{name}"
 
     def _write_status(self, body: Mapping[str, Any], status: dict[str, Any]) -> bool:

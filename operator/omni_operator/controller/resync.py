@@ -54,7 +54,8 @@ class Resync:
         for body in pipelines:
             meta = body.get("metadata") or {}
             try:
-                self.reconciler.reconcile(meta.get("namespace") or "default", meta["name"])
+                # From fresh lists: what the watches' cache missed is repaired here.
+                self.reconciler.reconcile(meta.get("namespace") or "default", meta["name"], fresh=True)
             except Exception:
                 log.exception("resync of %s/%s failed", meta.get("namespace"), meta.get("name"))
         self.rounds += 1

@@ -24,6 +24,8 @@ CONFIG_KEY = "stage.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 
 MANAGER = "omni-operator"
+#: The label that says the operator made an object (with MANAGER): its children carry it.
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 PIPELINE_LABEL = "omnipipeline.dev/pipeline"
 STAGE_LABEL = "omnipipeline.dev/stage"
 REVISION_LABEL = "omnipipeline.dev/revision"
@@ -103,7 +105,7 @@ def common_labels(pipeline: str, stage: str | None = None, revision: str | None 
         "app.kubernetes.io/name": "omni-stage",
         "app.kubernetes.io/instance": pipeline,
         "app.kubernetes.io/part-of": "omni-pipeline",
-        "app.kubernetes.io/managed-by": MANAGER,
+        MANAGED_BY_LABEL: MANAGER,
     }
     if stage is not None:
         labels["app.kubernetes.io/component"] = stage

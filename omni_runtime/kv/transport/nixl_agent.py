@@ -14,6 +14,15 @@ request arrives and not otherwise. NIXL's Python wrapper fixes that thread's pol
 :data:`PROGRESS_THREAD_TIMEOUT_US` instead (next to no CPU while idle: docs/connector.md,
 "Figures behind the design").
 An agent without it is progressed by whoever calls :meth:`KVAgent.progress`.
+
+Notifications. An agent that has loaded a peer's metadata can send it a message
+(:meth:`KVAgent.notify`), and a READ may carry one that NIXL delivers to the peer whose memory
+was read once the read has completed (``read(..., notify=)``). The peer collects them with
+:meth:`KVAgent.notifications`; polling for them is also what progresses an agent, so
+:meth:`KVAgent.progress` keeps what it collects for the next :meth:`KVAgent.notifications`:
+one mechanism, nothing dropped. They work here between processes, over shared memory and over
+UCX's TCP (``benchmarks/kv_control_rtt.py``; docs/connector.md, "The control plane and NIXL
+notifications").
 """
 
 from __future__ import annotations
@@ -39,6 +48,10 @@ DONE, IN_PROGRESS, ERROR = "DONE", "PROC", "ERR"
 #: take the CPU from busy ones where several stages share a host (docs/connector.md,
 #: "Figures behind the design").
 PROGRESS_THREAD_TIMEOUT_US = 100_000
+
+#: Notifications collected and not taken that an agent keeps (beyond, the oldest are dropped,
+#: logged): a bound on what an agent nobody asks for them can hold.
+MAX_PENDING_NOTIFICATIONS = 1 << 16
 
 # The wrapper's progress-thread timeout is replaced while an agent is made (below): one at a time.
 _MAKING = threading.Lock()
@@ -98,6 +111,8 @@ class KVAgent:
         #: peer reads its memory over a transport that needs the owner's progress).
         self.progresses_itself = progress_thread
         self._registrations: list[Any] = []
+        # Notifications collected by progress() and not taken yet: (peer, message), oldest first.
+        self._pending: list[tuple[str, bytes]] = []
 
     # ------------------------------------------------------------------ memory
     def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -139,14 +154,16 @@ class KVAgent:
 
     # ------------------------------------------------------------------ transfers
     def read(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str,
-             remote_agent: str) -> Any:
+             remote_agent: str, notify: bytes = b"") -> Any:
         """Post a READ of the ``remote`` descriptors (Nx3 ``[addr, length, device]``) of
-        ``remote_agent`` into the ``local`` ones (same lengths, pairwise). Returns a handle
+        ``remote_agent`` into the ``local`` ones (same lengths, pairwise); ``notify``: a
+        message NIXL delivers to ``remote_agent`` once the read has completed. Returns a handle
         for :meth:`state` / :meth:`release`; raises on a request NIXL refuses (memory not
         registered, peer disconnected)."""
         agent = self._agent
         handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
-                                       agent.get_xfer_descs(remote, remote_mem), remote_agent)
+                                       agent.get_xfer_descs(remote, remote_mem), remote_agent,
+                                       notify)
         try:
             if agent.transfer(handle) == ERROR:
                 raise RuntimeError("NIXL refused to post the READ")
@@ -173,10 +190,30 @@ class KVAgent:
             return False
         return True
 
+    # ------------------------------------------------------------------ notifications
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer`` (an agent whose metadata this one has loaded); raises
+        when NIXL cannot (the peer unknown or gone)."""
+        self._agent.send_notif(peer, message)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """The messages peers sent since the last call, (peer, message), in the order NIXL
+        delivered them (this also progresses the agent)."""
+        self.progress()
+        taken, self._pending = self._pending, []
+        return taken
+
     def progress(self) -> None:
         """Drive the backends once (UCX's TCP transport serves remote reads only when the
-        owner of the memory makes progress)."""
-        self._agent.get_new_notifs()
+        owner of the memory makes progress); what it collects waits for :meth:`notifications`."""
+        for peer, messages in self._agent.get_new_notifs().items():
+            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self._pending.extend((peer, bytes(m)) for m in messages)
+            if len(self._pending) > MAX_PENDING_NOTIFICATIONS:
+                dropped = len(self._pending) - MAX_PENDING_NOTIFICATIONS
+                del self._pending[:dropped]
+                logger.warning("NIXL agent %s: %d notifications nobody took dropped (the oldest)",
+                               self.name, dropped)
 
     def close(self) -> None:
         for descs in self._registrations:

@@ -3,12 +3,16 @@ writes report goes in, newer over older; a reconcile an event started reads it i
 listing; the resync timer's fresh lists repair what it missed."""
 from __future__ import annotations
 
+import copy
+import random
+
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, pipeline_body, status, wait_for,
                            workload)
 from omni_operator.controller.children import ChildCache
+from omni_operator.controller.kube import ApiException
 from omni_operator.controller.reconcile import Reconciler
 from omni_operator.pipeline import naming
-from omni_operator.pipeline.kinds import CHILD_KINDS, DEPLOYMENT, SERVICE
+from omni_operator.pipeline.kinds import CHILD_KINDS, CONFIGMAP, DEPLOYMENT, PDB, SERVICE
 
 
 def child(name: str, version: str, pipeline: str | None = "p", kind: str = "Service", **extra) -> dict:
@@ -106,6 +110,33 @@ def test_a_reconcile_reads_the_cache_and_the_fresh_one_repairs_what_it_missed(ku
         client.close()
 
 
+def test_a_child_the_cache_still_holds_but_the_server_lost_is_made_again(kube, emulator):
+    """A patch of a child gone since the cache last heard of it (its deletion's event not in
+    yet) answers 404: the reconcile makes the child again instead of failing (a reconcile an
+    event started is not retried before the resync timer's)."""
+    create_pipeline(kube, pipeline_body())
+    client = make_kube(emulator.url, OPERATOR_TOKEN)
+    cache = ChildCache()
+    cache.mark_ready()
+    reconciler = Reconciler(client, children=cache)
+    try:
+        reconciler.reconcile(NAMESPACE, "tiny")
+        service = kube.get(SERVICE, NAMESPACE, "tiny-thinker")
+        kube.delete(SERVICE, NAMESPACE, "tiny-thinker")
+        # What the watch said just before the deletion: an edit the reconcile will undo.
+        edited = copy.deepcopy(service)
+        edited["metadata"]["resourceVersion"] = str(int(service["metadata"]["resourceVersion"]) + 1)
+        edited["spec"]["selector"] = {"edited": "yes"}
+        cache.saw(edited, "Service")
+        outcome = reconciler.reconcile(NAMESPACE, "tiny")
+        assert outcome.changed == ["create Service/tiny-thinker"], outcome
+        assert kube.get(SERVICE, NAMESPACE, "tiny-thinker")["spec"] == service["spec"]
+        assert reconciler.reconcile(NAMESPACE, "tiny").result == "unchanged"
+    finally:
+        reconciler.close()
+        client.close()
+
+
 def test_the_running_operator_repairs_a_child_from_its_watches_without_listing(kube, start_operator, emulator):
     start_operator()
     create_pipeline(kube, pipeline_body())
@@ -119,3 +150,69 @@ def test_the_running_operator_repairs_a_child_from_its_watches_without_listing(k
     calls = emulator.calls(OPERATOR_TOKEN)[mark:]
     assert [c for c in calls if c.verb in ("patch", "create") and c.resource in ("deployments", "services")]
     assert not [c for c in calls if c.verb == "list"], "a reconcile an event started listed children"
+
+
+def _state(kube, pipeline: str) -> dict:
+    """What the operator owns of a pipeline's children, as a user sees it: each child's name
+    and the part of it the operator sets (a Deployment's spec but its replicas, a Service's
+    spec, a ConfigMap's data, a budget's spec)."""
+    seen = {}
+    for kind in (CONFIGMAP, DEPLOYMENT, PDB, SERVICE):
+        for obj in kube.list(kind, NAMESPACE, f"{naming.PIPELINE_LABEL}={pipeline}"):
+            part = obj.get("data") if kind is CONFIGMAP else dict(obj.get("spec") or {})
+            if kind is DEPLOYMENT:
+                # A sender held at 0 until its receivers are ready counts as started once it
+                # has replicas (an edit to them starts it): the rollout's to say, which the
+                # fresh reconcile at the end checks.
+                part.pop("replicas", None)
+            seen[(kind.kind, obj["metadata"]["name"])] = part
+    return seen
+
+
+def test_a_burst_of_edits_and_deletions_behind_its_back_converges_to_what_a_fresh_reconcile_keeps(
+        kube, start_operator, emulator):
+    """Edits and deletions of children of two pipelines, 40 in a burst with no wait between
+    them (the watches' events trail them, the cache is behind): the running operator ends
+    with every child back as it made it, and a reconcile from fresh lists then finds nothing
+    to change (the cache's view and the server's agree)."""
+    start_operator()
+    pipelines = ("tiny", "other")
+    for name in pipelines:
+        create_pipeline(kube, pipeline_body(name=name))
+    for name in pipelines:
+        wait_for(lambda: status(kube, name).get("stagesReady") == "0/3", what=f"{name}'s first status")
+    made = {name: _state(kube, name) for name in pipelines}
+    assert all(len(state) >= 10 for state in made.values()), made
+    rng = random.Random(20261207)
+    for _ in range(40):
+        name = rng.choice(pipelines)
+        kind_name, _ = rng.choice(sorted(made[name].items()))
+        kind = {k.kind: k for k in (CONFIGMAP, DEPLOYMENT, PDB, SERVICE)}[kind_name[0]]
+        action = rng.choice(("edit", "edit", "delete"))
+        try:
+            if action == "delete":
+                kube.delete(kind, NAMESPACE, kind_name[1])
+            elif kind is DEPLOYMENT:
+                kube.patch(kind, NAMESPACE, kind_name[1], {"spec": {"replicas": rng.randint(2, 9)}})
+            elif kind is CONFIGMAP:
+                kube.patch(kind, NAMESPACE, kind_name[1], {"data": {"stage.yaml": "stage: edited\n"}})
+            else:
+                kube.patch(kind, NAMESPACE, kind_name[1], {"spec": {"selector": {"edited": "yes"}}})
+        except ApiException as exc:
+            assert exc.status == 404  # deleted a moment ago, not re-created yet
+    for name in pipelines:
+        try:
+            wait_for(lambda: _state(kube, name) == made[name], timeout=60, what=f"{name}'s children put back")
+        except AssertionError:
+            now = _state(kube, name)
+            raise AssertionError({k: (made[name].get(k), now.get(k)) for k in set(now) | set(made[name])
+                                  if now.get(k) != made[name].get(k)})
+    client = make_kube(emulator.url, OPERATOR_TOKEN)
+    oracle = Reconciler(client)
+    try:
+        for name in pipelines:
+            outcome = oracle.reconcile(NAMESPACE, name, fresh=True)
+            assert outcome.changed == [], outcome
+    finally:
+        oracle.close()
+        client.close()

@@ -324,8 +324,15 @@ class Reconciler:
                 want = step.replicas[_old_workload_key(obj, pipeline)]
                 if int((obj.get("spec") or {}).get("replicas", 1)) != want:
                     with _refusals("patch", key[0], key[1]):
-                        current[key] = self._wrote(self.kube.patch(DEPLOYMENT, namespace, key[1],
-                                                                   {"spec": {"replicas": want}}))
+                        try:
+                            current[key] = self._wrote(self.kube.patch(DEPLOYMENT, namespace, key[1],
+                                                                       {"spec": {"replicas": want}}))
+                        except ApiException as exc:
+                            if exc.status != 404:
+                                raise
+                            if self.children is not None:  # gone: an old revision is not made again
+                                self.children.gone(obj)
+                            continue
                     outcome.changed.append(f"scale {key[0]}/{key[1]} to {want}")
                 else:
                     current[key] = obj
@@ -569,12 +576,14 @@ class Reconciler:
         return patch
 
     def _write_child(self, kind: Kind, pipeline: Pipeline, desired: dict[str, Any], live: dict[str, Any] | None,
-                     patch: dict[str, Any] | None, create_as: dict[str, Any] | None
+                     patch: dict[str, Any] | None, create_as: dict[str, Any] | None, again: bool = True
                      ) -> tuple[dict[str, Any] | None, str | None]:
         """Create the child (``live`` None) or apply ``patch`` to it: (the child as written, or
         None when an object of its name exists that this pipeline does not own; the change
         made, "verb Kind/name", or None). ``create_as``: the body to create it with, where that
-        holds more than the operator keeps owning (a scaler's initial replicas)."""
+        holds more than the operator keeps owning (a scaler's initial replicas). A child gone
+        when it is patched (deleted since it was read, or the watches' cache not told yet) is
+        made again (``again``: once)."""
         name = desired["metadata"]["name"]
         if live is None:
             try:
@@ -595,8 +604,17 @@ class Reconciler:
             if not patch:
                 return live, None
         with _refusals("patch", kind.kind, name):
-            patched = self._wrote(self.kube.patch(kind, pipeline.namespace, name, patch))
-        return patched, f"patch {kind.kind}/{name}"
+            try:
+                patched = self.kube.patch(kind, pipeline.namespace, name, patch)
+            except ApiException as exc:
+                if exc.status != 404 or not again:
+                    raise
+                patched = None
+        if patched is None:
+            if self.children is not None:
+                self.children.gone({"metadata": {"namespace": pipeline.namespace, "name": name}}, kind.kind)
+            return self._write_child(kind, pipeline, desired, None, None, create_as, again=False)
+        return self._wrote(patched), f"patch {kind.kind}/{name}"
 
     def _write_status(self, body: Mapping[str, Any], status: dict[str, Any]) -> bool:
         patch = status_patch(body.get("status"), status)

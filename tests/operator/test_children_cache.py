@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
+
 from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube, pipeline_body, status, wait_for,
                            workload)
 from omni_operator.controller.children import ChildCache
@@ -78,63 +80,59 @@ def test_fresh_lists_replace_what_was_filed_for_their_kinds_alone():
     assert cache.children("ns", "p") == {} and len(cache) == 0
 
 
-def test_a_reconcile_reads_the_cache_and_the_fresh_one_repairs_what_it_missed(kube, emulator):
+@pytest.fixture
+def cached(kube, emulator):
+    """A reconciler with a ready cache and nothing to feed it (no kopf: a test of the
+    reconciler alone), and the pipeline it reconciles, created."""
+    create_pipeline(kube, pipeline_body())
+    client = make_kube(emulator.url, OPERATOR_TOKEN)
+    cache = ChildCache()
+    cache.mark_ready()
+    reconciler = Reconciler(client, children=cache)
+    yield reconciler
+    reconciler.close()
+    client.close()
+
+
+def test_a_reconcile_reads_the_cache_and_the_fresh_one_repairs_what_it_missed(kube, emulator, cached):
     """Without kopf (a test of the reconciler alone): the cache is told what the reconciler
     wrote and what its fresh lists found, nothing else; a child deleted behind its back is
     what a watch gap would leave in it."""
-    create_pipeline(kube, pipeline_body())
-    client = make_kube(emulator.url, OPERATOR_TOKEN)
-    cache = ChildCache()
-    cache.mark_ready()
-    reconciler = Reconciler(client, children=cache)
-    try:
-        assert reconciler.reconcile(NAMESPACE, "tiny").result == "applied"
-        assert len(cache.children(NAMESPACE, "tiny")) == 15  # each create's answer went in
-        mark = len(emulator.calls(OPERATOR_TOKEN))
-        assert reconciler.reconcile(NAMESPACE, "tiny").result == "unchanged"
-        calls = emulator.calls(OPERATOR_TOKEN)[mark:]
-        assert [(c.verb, c.resource) for c in calls] == [("get", "omnipipelines")]
+    assert cached.reconcile(NAMESPACE, "tiny").result == "applied"
+    assert len(cached.children.children(NAMESPACE, "tiny")) == 15  # each create's answer went in
+    mark = len(emulator.calls(OPERATOR_TOKEN))
+    assert cached.reconcile(NAMESPACE, "tiny").result == "unchanged"
+    calls = emulator.calls(OPERATOR_TOKEN)[mark:]
+    assert [(c.verb, c.resource) for c in calls] == [("get", "omnipipelines")]
 
-        kube.delete(SERVICE, NAMESPACE, "tiny-thinker")  # no watch tells the cache
-        assert reconciler.reconcile(NAMESPACE, "tiny").result == "unchanged"
-        assert kube.get(SERVICE, NAMESPACE, "tiny-thinker") is None
-        mark = len(emulator.calls(OPERATOR_TOKEN))
-        outcome = reconciler.reconcile(NAMESPACE, "tiny", fresh=True)
-        assert outcome.changed == ["create Service/tiny-thinker"]
-        lists = [c.resource for c in emulator.calls(OPERATOR_TOKEN)[mark:] if c.verb == "list"]
-        assert len(lists) == len(CHILD_KINDS) - 2  # no PodMonitor or ScaledObject served here
-        assert kube.get(SERVICE, NAMESPACE, "tiny-thinker") is not None
-        assert reconciler.reconcile(NAMESPACE, "tiny").result == "unchanged"
-    finally:
-        reconciler.close()
-        client.close()
+    kube.delete(SERVICE, NAMESPACE, "tiny-thinker")  # no watch tells the cache
+    assert cached.reconcile(NAMESPACE, "tiny").result == "unchanged"
+    assert kube.get(SERVICE, NAMESPACE, "tiny-thinker") is None
+    mark = len(emulator.calls(OPERATOR_TOKEN))
+    outcome = cached.reconcile(NAMESPACE, "tiny", fresh=True)
+    assert outcome.changed == ["create Service/tiny-thinker"]
+    lists = [c.resource for c in emulator.calls(OPERATOR_TOKEN)[mark:] if c.verb == "list"]
+    assert len(lists) == len(CHILD_KINDS) - 2  # no PodMonitor or ScaledObject served here
+    assert kube.get(SERVICE, NAMESPACE, "tiny-thinker") is not None
+    assert cached.reconcile(NAMESPACE, "tiny").result == "unchanged"
 
 
-def test_a_child_the_cache_still_holds_but_the_server_lost_is_made_again(kube, emulator):
+def test_a_child_the_cache_still_holds_but_the_server_lost_is_made_again(kube, cached):
     """A patch of a child gone since the cache last heard of it (its deletion's event not in
     yet) answers 404: the reconcile makes the child again instead of failing (a reconcile an
     event started is not retried before the resync timer's)."""
-    create_pipeline(kube, pipeline_body())
-    client = make_kube(emulator.url, OPERATOR_TOKEN)
-    cache = ChildCache()
-    cache.mark_ready()
-    reconciler = Reconciler(client, children=cache)
-    try:
-        reconciler.reconcile(NAMESPACE, "tiny")
-        service = kube.get(SERVICE, NAMESPACE, "tiny-thinker")
-        kube.delete(SERVICE, NAMESPACE, "tiny-thinker")
-        # What the watch said just before the deletion: an edit the reconcile will undo.
-        edited = copy.deepcopy(service)
-        edited["metadata"]["resourceVersion"] = str(int(service["metadata"]["resourceVersion"]) + 1)
-        edited["spec"]["selector"] = {"edited": "yes"}
-        cache.saw(edited, "Service")
-        outcome = reconciler.reconcile(NAMESPACE, "tiny")
-        assert outcome.changed == ["create Service/tiny-thinker"], outcome
-        assert kube.get(SERVICE, NAMESPACE, "tiny-thinker")["spec"] == service["spec"]
-        assert reconciler.reconcile(NAMESPACE, "tiny").result == "unchanged"
-    finally:
-        reconciler.close()
-        client.close()
+    cached.reconcile(NAMESPACE, "tiny")
+    service = kube.get(SERVICE, NAMESPACE, "tiny-thinker")
+    kube.delete(SERVICE, NAMESPACE, "tiny-thinker")
+    # What the watch said just before the deletion: an edit the reconcile will undo.
+    edited = copy.deepcopy(service)
+    edited["metadata"]["resourceVersion"] = str(int(service["metadata"]["resourceVersion"]) + 1)
+    edited["spec"]["selector"] = {"edited": "yes"}
+    cached.children.saw(edited, "Service")
+    outcome = cached.reconcile(NAMESPACE, "tiny")
+    assert outcome.changed == ["create Service/tiny-thinker"], outcome
+    assert kube.get(SERVICE, NAMESPACE, "tiny-thinker")["spec"] == service["spec"]
+    assert cached.reconcile(NAMESPACE, "tiny").result == "unchanged"
 
 
 def test_the_running_operator_repairs_a_child_from_its_watches_without_listing(kube, start_operator, emulator):

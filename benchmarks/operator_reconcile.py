@@ -9,7 +9,12 @@ reconciling them again with nothing to change, both ways a reconcile reads the c
 from fresh lists (the resync timer's way: a LIST per child kind) and from the cache the
 operator's watches keep (an event's way: the real operator, kopf and its watches, runs
 beside the timed reconciler and feeds the cache it reads; `noop_pipelines_per_s`, target
-150/s, is this one). The server is the kmock-
+150/s, is this one). Then --deployed-pipelines more created through the API as a user
+creates them, the running operator reconciling them, until every status has observed its
+pipeline (`deployed_pipelines_per_s`, with the CPU per pipeline of the benchmark's process,
+where kopf, its handlers and the creating client run, and the emulator's): the rate a user
+sees, kopf's own work per watch event included (no target: the sequential `pipelines_per_s`
+is the one its target was set on). The server is the kmock-
 based emulator of tests/operator (there is no Kubernetes API server here), in a process of
 its own as an API server is (its CPU does not take the operator's interpreter lock), so the
 wall time measures the operator's own work, the emulator's and local HTTP, not a real
@@ -204,6 +209,8 @@ def streamed(body: dict, i: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=int, default=100)
+    parser.add_argument("--deployed-pipelines", type=int, default=50,
+                        help="pipelines created through the running operator (kopf) at the end")
     parser.add_argument("--health-pipelines", type=int, default=100,
                         help="pipelines of 3 stages x 2 pods for the transfer-health resync (0: skip)")
     args = parser.parse_args()
@@ -270,6 +277,19 @@ def main() -> None:
                 noop_total_writes += reconciler.reconcile(NAMESPACE, name).writes
             noop_elapsed, noop_cpu = time.perf_counter() - started, time.process_time() - cpu
             noop_server_cpu = emu.cpu_s() - server_cpu
+
+            # Creates as a user makes them: through the API, the running operator (kopf: its
+            # watch events, its handlers, its own records) reconciling each; until every one's
+            # status has observed it.
+            deployed = [f"d{i:03d}" for i in range(args.deployed_pipelines)]
+            started, cpu, server_cpu = time.perf_counter(), time.process_time(), emu.cpu_s()
+            for i, name in enumerate(deployed):
+                create_pipeline(user, streamed(pipeline_body(name=name), i))
+            wait_for(lambda: sum(1 for p in user.list_pipelines(NAMESPACE) if p["metadata"]["name"] in deployed
+                                 and (p.get("status") or {}).get("observedGeneration") == 1) == len(deployed),
+                     timeout=300, what="the running operator to create every pipeline")
+            deployed_elapsed, deployed_cpu = time.perf_counter() - started, time.process_time() - cpu
+            deployed_server_cpu = emu.cpu_s() - server_cpu
         finally:
             operator.stop()
             reconciler.close()
@@ -290,6 +310,10 @@ def main() -> None:
         "streamed_pipelines": args.pipelines // 2,
         "pipelines_per_s": round(args.pipelines / elapsed, 1),
         "noop_pipelines_per_s": round(args.pipelines / noop_elapsed, 1),
+        "deployed_pipelines": args.deployed_pipelines,
+        "deployed_pipelines_per_s": round(args.deployed_pipelines / deployed_elapsed, 1),
+        "deployed_operator_cpu_ms": round(1000 * deployed_cpu / args.deployed_pipelines, 1),
+        "deployed_emulator_cpu_ms": round(1000 * deployed_server_cpu / args.deployed_pipelines, 1),
         "noop_listing_pipelines_per_s": round(args.pipelines / listed_elapsed, 1),
         "noop_cache_ratio": round(listed_elapsed / noop_elapsed, 2),
         "noop_writes_100": noop_total_writes,

@@ -14,6 +14,7 @@ stream is still waiting when the alert fires; the thinker is continued before it
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 
 import pytest
@@ -97,10 +98,11 @@ def stopped_mid_stream(stages, prometheus):
                     "model": MODEL, "prompt": [11, 12, 13, 14, 15],
                     "max_tokens": THINKER_TOKENS, "temperature": 0, "ignore_eos": True,
                     "stream": True}) as response:
+                answered["response"] = response
                 for _ in response.iter_lines():
                     pass
                 answered["status"] = response.status_code
-        except requests.RequestException as exc:  # the session closed at teardown
+        except requests.RequestException as exc:  # its connection shut at teardown
             answered["error"] = exc
 
     asker = threading.Thread(target=ask, daemon=True)
@@ -113,8 +115,16 @@ def stopped_mid_stream(stages, prometheus):
     finally:
         if thinker.proc.poll() is None:
             thinker.signal_tree(signal.SIGCONT)
+        # The client goes away (the thinker aborts the request) rather than reading the
+        # rest of its long answer: its connection is shut under the reading thread, which
+        # then sees the answer end early.
+        sock = getattr(getattr(answered.get("response") and answered["response"].raw, "connection", None),
+                       "sock", None)
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
         session.close()
         asker.join(timeout=60)
+        assert not asker.is_alive(), "the asking thread did not end"
 
 
 def test_a_stopped_producer_fires_stream_stalled_at_its_consumer(

@@ -67,6 +67,17 @@ def test_a_child_relabelled_moves_and_one_unlabelled_leaves():
     assert cache.children("ns", "q") == {} and len(cache) == 0
 
 
+def test_the_servers_field_ownership_records_are_not_kept():
+    cache = ChildCache()
+    cache.mark_ready()
+    reported = child("a", "1")
+    reported["metadata"]["managedFields"] = [{"manager": "omni-operator", "fieldsV1": {"f:spec": {}}}]
+    cache.saw(reported)
+    kept = cache.children("ns", "p")[("Service", "a")]
+    assert "managedFields" not in kept["metadata"] and kept["metadata"]["resourceVersion"] == "1"
+    assert "managedFields" in reported["metadata"]  # the report itself is left as it was
+
+
 def test_fresh_lists_replace_what_was_filed_for_their_kinds_alone():
     cache = ChildCache()
     cache.mark_ready()

@@ -126,6 +126,10 @@ class ChildCache:
         if not kind or not name:
             return
         child = obj if obj.get("kind") == kind else {**obj, "kind": kind}
+        if "managedFields" in meta:  # the API server's field-ownership records: often most of
+            # an object's metadata, and nothing a reconcile reads (controller-runtime's caches
+            # drop them too)
+            child = {**child, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
         filed = self._filed.get((namespace, kind, name))
         if filed is not None:
             old = self._by_pipeline.get((namespace, filed), {}).get((kind, name))

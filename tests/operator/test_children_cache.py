@@ -13,6 +13,7 @@ from omnip_support import (NAMESPACE, OPERATOR_TOKEN, create_pipeline, make_kube
 from omni_operator.controller.children import ChildCache
 from omni_operator.controller.kube import ApiException
 from omni_operator.controller.reconcile import Reconciler
+from omni_operator.controller.resync import Resync
 from omni_operator.pipeline import naming
 from omni_operator.pipeline.kinds import CHILD_KINDS, CONFIGMAP, DEPLOYMENT, PDB, SERVICE
 
@@ -91,6 +92,20 @@ def test_fresh_lists_replace_what_was_filed_for_their_kinds_alone():
     assert cache.children("ns", "p") == {} and len(cache) == 0
 
 
+def test_a_namespaces_fresh_lists_replace_every_pipelines_entries_there_and_no_others():
+    cache = ChildCache()
+    cache.mark_ready()
+    cache.saw(child("ghost", "1"))
+    cache.saw(child("kept", "2", pipeline="q", kind="Deployment"))
+    elsewhere = child("other-ns", "3")
+    elsewhere["metadata"]["namespace"] = "ns2"
+    cache.saw(elsewhere)
+    cache.replace_namespace("ns", ["Service"], [child("s", "4", pipeline="q")])
+    assert cache.children("ns", "p") == {}
+    assert sorted(cache.children("ns", "q")) == [("Deployment", "kept"), ("Service", "s")]
+    assert list(cache.children("ns2", "p")) == [("Service", "other-ns")]
+
+
 @pytest.fixture
 def cached(kube, emulator):
     """A reconciler with a ready cache and nothing to feed it (no kopf: a test of the
@@ -126,6 +141,27 @@ def test_a_reconcile_reads_the_cache_and_the_fresh_one_repairs_what_it_missed(ku
     assert len(lists) == len(CHILD_KINDS) - 2  # no PodMonitor or ScaledObject served here
     assert kube.get(SERVICE, NAMESPACE, "tiny-thinker") is not None
     assert cached.reconcile(NAMESPACE, "tiny").result == "unchanged"
+
+
+def test_the_resync_lists_each_kind_once_for_a_namespace_and_repairs_what_the_cache_missed(kube, emulator, cached):
+    """The resync timer's round with the cache: one LIST per child kind for the namespace (not
+    per kind and pipeline), the cache's entries replaced with it, then every pipeline
+    reconciled from the cache: a child deleted behind its back is made again."""
+    for name in ("second", "third"):
+        create_pipeline(kube, pipeline_body(name=name))
+    for name in ("tiny", "second", "third"):
+        assert cached.reconcile(NAMESPACE, name).result == "applied"
+    kube.delete(SERVICE, NAMESPACE, "third-thinker")  # no watch tells the cache
+    assert cached.reconcile(NAMESPACE, "third").result == "unchanged"  # it does not know
+    mark = len(emulator.calls(OPERATOR_TOKEN))
+    Resync(cached, [NAMESPACE], interval=3600).run_once()
+    calls = emulator.calls(OPERATOR_TOKEN)[mark:]
+    lists = sorted(c.resource for c in calls if c.verb == "list")
+    served = sorted(kind.plural for kind in CHILD_KINDS if kind.kind not in ("PodMonitor", "ScaledObject"))
+    assert lists == sorted(served + ["omnipipelines"]), lists
+    assert kube.get(SERVICE, NAMESPACE, "third-thinker") is not None
+    assert [(c.verb, c.resource) for c in calls if c.verb in ("create", "patch", "delete")] == [
+        ("create", "services")]
 
 
 def test_a_child_the_cache_still_holds_but_the_server_lost_is_made_again(kube, cached):

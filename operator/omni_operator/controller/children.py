@@ -14,8 +14,9 @@ What the cache may get wrong, and why that is safe: a watch event trails its wri
 watch that restarts after a gap re-lists without reporting what was deleted meanwhile. A
 reconcile reading it may then patch a child that already matches (the merge patch changes
 nothing), create one that exists (409: read, compared, patched), or miss a child deleted in a
-gap. The resync timer reconciles from fresh lists and replaces the pipeline's entry with what
-they found (``replace``), so such a ghost lives one resync interval at most.
+gap. The resync timer lists each child kind once per namespace and replaces the namespace's
+entries with what it found (``replace_namespace``) before it reconciles the pipelines there, so
+such a ghost lives one resync interval at most.
 
 Versions: a newer report of a child replaces an older one, never the other way round (a
 watch event that trails the reconciler's write must not bring the old object back; a
@@ -89,6 +90,16 @@ class ChildCache:
             for kind, name in [key for key in self._by_pipeline.get((namespace, pipeline), {})
                                if key[0] in kinds]:
                 self._unfile(namespace, kind, name, pipeline)
+            for obj in found:
+                self._saw(obj)
+
+    def replace_namespace(self, namespace: str, kinds: Iterable[str], found: Iterable[Mapping[str, Any]]) -> None:
+        """What fresh lists of ``kinds`` found in ``namespace`` (every pipeline's children
+        there): the namespace's children of those kinds are these and no others."""
+        kinds = set(kinds)
+        with self._lock:
+            for ns, kind, name in [key for key in self._filed if key[0] == namespace and key[1] in kinds]:
+                self._unfile(ns, kind, name, self._filed[(ns, kind, name)])
             for obj in found:
                 self._saw(obj)
 

@@ -134,6 +134,16 @@ def child_selector(pipeline_name: str) -> str:
     return f"{naming.PIPELINE_LABEL}={pipeline_name},{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
 
 
+class ResyncRound:
+    """The namespaces one round of the resync timer has listed into the children's cache:
+    each child kind is listed once a round in a namespace, when the first of its pipelines
+    that reads its children is reconciled (none for a namespace whose pipelines are all
+    refused), not once per pipeline."""
+
+    def __init__(self) -> None:
+        self.listed: set[str] = set()
+
+
 class Reconciler:
     def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
                  clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0,
@@ -190,10 +200,11 @@ class Reconciler:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def reconcile(self, namespace: str, name: str, fresh: bool = False) -> Outcome:
+    def reconcile(self, namespace: str, name: str, fresh: bool | ResyncRound = False) -> Outcome:
         """Bring the pipeline's children and status to what its spec says. ``fresh``: list
-        the children rather than read the watches' cache (the resync timer's repair of
-        what the cache may have missed)."""
+        the children rather than read the watches' cache (the repair of what the cache may
+        have missed); a ResyncRound: list each child kind once for the namespace in the round,
+        into the cache, and read the cache (the resync timer's way)."""
         with self._lock_for(namespace, name):
             started = time.perf_counter()
             try:
@@ -269,7 +280,7 @@ class Reconciler:
             self._keda = (now, self.kube.serves(SCALEDOBJECT))
         return self._keda[1]
 
-    def _reconcile(self, body: dict[str, Any], fresh: bool) -> Outcome:
+    def _reconcile(self, body: dict[str, Any], fresh: bool | ResyncRound) -> Outcome:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
@@ -292,7 +303,7 @@ class Reconciler:
             log.warning("%s/%s: %s", namespace, name, exc.message)
             return self._refuse(body, "ChildRejected", exc.message, pipeline.generation)
 
-    def _apply(self, body: dict[str, Any], admitted: Admitted, fresh: bool) -> Outcome:
+    def _apply(self, body: dict[str, Any], admitted: Admitted, fresh: bool | ResyncRound) -> Outcome:
         """Apply the children admission rendered (each with its last-applied record): the
         very objects it checked, the current revision's Deployments with the replicas the
         rollout gives them; then the rollout's step for the old revisions."""
@@ -472,12 +483,29 @@ class Reconciler:
             return posted + 1
         return posted
 
+    @staticmethod
+    def _served_kinds(podmonitors: bool, keda: bool) -> list[Kind]:
+        return [kind for kind in CHILD_KINDS
+                if not ((kind is PODMONITOR and not podmonitors) or (kind is SCALEDOBJECT and not keda))]
+
     def _owned_children(self, pipeline: Pipeline, podmonitors: bool, keda: bool,
-                        fresh: bool) -> dict[tuple[str, str], dict[str, Any]]:
+                        fresh: bool | ResyncRound) -> dict[tuple[str, str], dict[str, Any]]:
         """The children this very resource controls, by (kind, name): from the watches' cache,
         else (``fresh``, or no cache ready) listed, the cache then told what the lists found."""
-        kinds = [kind for kind in CHILD_KINDS
-                 if not ((kind is PODMONITOR and not podmonitors) or (kind is SCALEDOBJECT and not keda))]
+        kinds = self._served_kinds(podmonitors, keda)
+        if isinstance(fresh, ResyncRound):
+            if self.children is None or not self.children.ready:
+                fresh = True
+            else:
+                if pipeline.namespace not in fresh.listed:
+                    # Every pipeline's children in the namespace, a LIST per kind: the
+                    # namespace's entries in the cache become what they found.
+                    selector = f"{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
+                    found = [{**obj, "kind": kind.kind} for kind in kinds
+                             for obj in self.kube.list(kind, pipeline.namespace, selector)]
+                    self.children.replace_namespace(pipeline.namespace, [kind.kind for kind in kinds], found)
+                    fresh.listed.add(pipeline.namespace)
+                fresh = False
         cached = None if fresh or self.children is None else self.children.children(pipeline.namespace, pipeline.name)
         if cached is not None:
             served = {kind.kind for kind in kinds}

@@ -14,7 +14,7 @@ import threading
 
 from . import deletion_cost
 from omni_operator.health.reader import TransferHealth
-from .reconcile import Reconciler
+from .reconcile import Reconciler, ResyncRound
 
 log = logging.getLogger("omni_operator")
 
@@ -51,11 +51,14 @@ class Resync:
             except Exception:
                 log.exception("resync: reading the stages' transfer metrics failed")
             self._set_deletion_costs(pipelines)
+        # From fresh lists, what the watches' cache missed is repaired here: each child kind
+        # listed once per namespace into the cache, then the pipelines there reconciled from
+        # it (without a cache ready, each reconcile lists for itself).
+        round_ = ResyncRound()
         for body in pipelines:
             meta = body.get("metadata") or {}
             try:
-                # From fresh lists: what the watches' cache missed is repaired here.
-                self.reconciler.reconcile(meta.get("namespace") or "default", meta["name"], fresh=True)
+                self.reconciler.reconcile(meta.get("namespace") or "default", meta["name"], fresh=round_)
             except Exception:
                 log.exception("resync of %s/%s failed", meta.get("namespace"), meta.get("name"))
         self.rounds += 1

@@ -66,7 +66,11 @@ def _exchange(tag: str) -> dict:
         while not receiver._pending and time.monotonic() < deadline:
             receiver.progress()
         kept = receiver.notifications()
-        return {"offers": offers, "replies": replies, "read_state": read_state,
+        # The largest read descriptor the protocol allows is about 1 MB of JSON.
+        large = bytes(range(256)) * (1 << 12)  # 1 MiB
+        ar.notify(receiver.name, large)
+        arrived = _until(receiver, 1)
+        return {"large": arrived == [(ar.name, large)], "offers": offers, "replies": replies, "read_state": read_state,
                 "read_equal": bool((src == dst).all()), "read_done": read_done, "kept": kept,
                 "ar": ar.name, "receiver": receiver.name}
     finally:
@@ -81,6 +85,7 @@ def _check(result: dict) -> None:
     assert result["read_state"] == DONE and result["read_equal"]
     assert result["read_done"] == [(receiver, b"read_done 1")]
     assert result["kept"] == [(ar, b"verdict 1 commit")]
+    assert result["large"], "a 1 MiB notification did not arrive whole"
 
 
 def test_messages_and_a_reads_completion_reach_the_peer_in_order():

@@ -86,7 +86,7 @@ def test_fresh_lists_replace_what_was_filed_for_their_kinds_alone():
     cache.saw(child("d", "2", kind="Deployment"))
     listed = child("s", "3")
     del listed["kind"]  # a list's items do not say their kind
-    cache.replace("ns", "p", ["Service"], [{"kind": "Service", **listed}])
+    cache.replace("ns", ["Service"], [{"kind": "Service", **listed}], pipeline="p")
     assert sorted(cache.children("ns", "p")) == [("Deployment", "d"), ("Service", "s")]
     cache.forget("ns", "p")
     assert cache.children("ns", "p") == {} and len(cache) == 0
@@ -100,7 +100,7 @@ def test_a_namespaces_fresh_lists_replace_every_pipelines_entries_there_and_no_o
     elsewhere = child("other-ns", "3")
     elsewhere["metadata"]["namespace"] = "ns2"
     cache.saw(elsewhere)
-    cache.replace_namespace("ns", ["Service"], [child("s", "4", pipeline="q")])
+    cache.replace("ns", ["Service"], [child("s", "4", pipeline="q")])
     assert cache.children("ns", "p") == {}
     assert sorted(cache.children("ns", "q")) == [("Deployment", "kept"), ("Service", "s")]
     assert list(cache.children("ns2", "p")) == [("Service", "other-ns")]

@@ -15,7 +15,7 @@ watch that restarts after a gap re-lists without reporting what was deleted mean
 reconcile reading it may then patch a child that already matches (the merge patch changes
 nothing), create one that exists (409: read, compared, patched), or miss a child deleted in a
 gap. The resync timer lists each child kind once per namespace and replaces the namespace's
-entries with what it found (``replace_namespace``) before it reconciles the pipelines there, so
+entries with what it found (``replace`` without a pipeline) before it reconciles the pipelines there, so
 such a ghost lives one resync interval at most.
 
 Versions: a newer report of a child replaces an older one, never the other way round (a
@@ -81,25 +81,21 @@ class ChildCache:
                 return  # the deletion of an older object: the one stored was made since
             self._unfile(namespace, kind, name, filed)
 
-    def replace(self, namespace: str, pipeline: str, kinds: Iterable[str],
-                found: Iterable[Mapping[str, Any]]) -> None:
-        """What fresh lists of ``kinds`` found labelled for the pipeline: the pipeline's
-        children of those kinds are these and no others."""
+    def replace(self, namespace: str, kinds: Iterable[str], found: Iterable[Mapping[str, Any]],
+                pipeline: str | None = None) -> None:
+        """What fresh lists of ``kinds`` found in ``namespace``, labelled for ``pipeline`` (or,
+        without one, every pipeline's children there): those children of those kinds are these
+        and no others."""
         kinds = set(kinds)
         with self._lock:
-            for kind, name in [key for key in self._by_pipeline.get((namespace, pipeline), {})
-                               if key[0] in kinds]:
-                self._unfile(namespace, kind, name, pipeline)
-            for obj in found:
-                self._saw(obj)
-
-    def replace_namespace(self, namespace: str, kinds: Iterable[str], found: Iterable[Mapping[str, Any]]) -> None:
-        """What fresh lists of ``kinds`` found in ``namespace`` (every pipeline's children
-        there): the namespace's children of those kinds are these and no others."""
-        kinds = set(kinds)
-        with self._lock:
-            for ns, kind, name in [key for key in self._filed if key[0] == namespace and key[1] in kinds]:
-                self._unfile(ns, kind, name, self._filed[(ns, kind, name)])
+            if pipeline is None:
+                stale = [(kind, name, owner) for (ns, kind, name), owner in self._filed.items()
+                         if ns == namespace and kind in kinds]
+            else:
+                stale = [(kind, name, pipeline) for kind, name in self._by_pipeline.get((namespace, pipeline), {})
+                         if kind in kinds]
+            for kind, name, owner in stale:
+                self._unfile(namespace, kind, name, owner)
             for obj in found:
                 self._saw(obj)
 

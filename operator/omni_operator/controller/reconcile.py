@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from omni_operator import API_VERSION, KIND
 
@@ -500,10 +500,9 @@ class Reconciler:
                 if pipeline.namespace not in fresh.listed:
                     # Every pipeline's children in the namespace, a LIST per kind: the
                     # namespace's entries in the cache become what they found.
-                    selector = f"{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
-                    found = [{**obj, "kind": kind.kind} for kind in kinds
-                             for obj in self.kube.list(kind, pipeline.namespace, selector)]
-                    self.children.replace_namespace(pipeline.namespace, [kind.kind for kind in kinds], found)
+                    found = self._list_children(pipeline.namespace, kinds,
+                                                f"{naming.MANAGED_BY_LABEL}={naming.MANAGER}")
+                    self.children.replace(pipeline.namespace, [kind.kind for kind in kinds], found)
                     fresh.listed.add(pipeline.namespace)
                 fresh = False
         cached = None if fresh or self.children is None else self.children.children(pipeline.namespace, pipeline.name)
@@ -511,11 +510,10 @@ class Reconciler:
             served = {kind.kind for kind in kinds}
             labelled = [obj for (kind, _), obj in cached.items() if kind in served]
         else:
-            selector = child_selector(pipeline.name)
-            labelled = [{**obj, "kind": kind.kind} for kind in kinds
-                        for obj in self.kube.list(kind, pipeline.namespace, selector)]
+            labelled = self._list_children(pipeline.namespace, kinds, child_selector(pipeline.name))
             if self.children is not None:
-                self.children.replace(pipeline.namespace, pipeline.name, [kind.kind for kind in kinds], labelled)
+                self.children.replace(pipeline.namespace, [kind.kind for kind in kinds], labelled,
+                                      pipeline=pipeline.name)
         found: dict[tuple[str, str], dict[str, Any]] = {}
         for obj in labelled:
             labels = (obj.get("metadata") or {}).get("labels") or {}
@@ -524,6 +522,10 @@ class Reconciler:
                     and is_owned_by(obj, pipeline.uid)):
                 found[(obj["kind"], obj["metadata"]["name"])] = obj
         return found
+
+    def _list_children(self, namespace: str, kinds: Iterable[Any], selector: str) -> list[dict[str, Any]]:
+        """A LIST per kind in ``namespace`` by ``selector``, each object told its kind."""
+        return [{**obj, "kind": kind.kind} for kind in kinds for obj in self.kube.list(kind, namespace, selector)]
 
     def _wrote(self, obj: dict[str, Any]) -> dict[str, Any]:
         """A child as the API server answered a write of it, told to the cache."""

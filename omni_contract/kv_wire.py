@@ -14,7 +14,9 @@ of its metrics (``omni_kv_receive_rejected_total``): a bounded enum, stated once
 """
 
 #: 3: the compatibility fields name the sender's pipeline revision (``Compat.revision``).
-KV_WIRE_VERSION = 3
+#: 4: after the hello (whose answer carries the receiver's NIXL metadata), every control message
+#: travels as a NIXL notification.
+KV_WIRE_VERSION = 4
 
 #: Why a receiver refuses: a bounded enum, the ``reason`` metric label.
 REJECT_CODES: tuple[str, ...] = (

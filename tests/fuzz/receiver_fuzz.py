@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing (atheris) of the KV receiver's control-message handler, with the
 receiver alive: each input becomes one control message (hello, read, verdict, a stream's
-chunk or raw frames), sent from a DEALER over TCP on 127.0.0.1 to a real KVReceiver (a stage
+chunk or raw frames), sent as the AR's sender sends it (a hello, or frames of several parts,
+on a DEALER over TCP on 127.0.0.1; any other as a NIXL notification) to a real KVReceiver (a stage
 that takes streams) that serves a synthetic AR
 rank's registered KV cache (real NIXL). Reads it takes on are really read, get their verdict
 and their final answer. Every hello and read must be answered, never ``internal_error``; the
@@ -46,7 +47,7 @@ with atheris.instrument_imports(include=["omni_runtime.kv.transport"]):
     from omni_runtime.kv.transport.protocol import (WIRE_VERSION, StreamChunk, Verdict,
                                                     encode_chunk, encode_hello, encode_verdict)
 
-from transport_fixtures import MODEL, SyntheticAR, read_body  # noqa: E402
+from transport_fixtures import MODEL, RawDealer, SyntheticAR, read_body  # noqa: E402
 
 STAGE = "talker"
 INBOX_BYTES = 256 << 10
@@ -89,9 +90,8 @@ class Harness:
             expect={"model": MODEL}, streams=self._stream)
         self.receiver.start()
         self.ctx = zmq.Context()
-        self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.connect(self.receiver.endpoint)
+        # A hello on the handshake connection, the rest as the AR agent's notifications.
+        self.dealer = RawDealer(self.ctx, self.receiver.endpoint, self.ar)
         self.hello = dataclasses.replace(self.ar.hello, to_stage=STAGE)
         self.count = 0
         self.tid = 1 << 20
@@ -106,18 +106,13 @@ class Harness:
             self.receiver.settle(ticket)
 
     # ------------------------------------------------------------------ the peer
-    def send(self, frames: list[bytes]) -> None:
-        self.dealer.send_multipart(frames)
+    def send(self, frames: list[bytes], channel: str | None = None) -> None:
+        self.dealer.send(frames, channel)
 
-    def reply(self) -> dict:
-        """The next reply; the AR's agent is progressed meanwhile (UCX serves a read of its
-        memory only then, as the AR's sender thread does)."""
-        deadline = time.monotonic() + REPLY_WAIT_S
-        while not self.dealer.poll(1):
-            if time.monotonic() > deadline:
-                raise AssertionError("no answer from the receiver")
-            self.ar.agent.progress()
-        reply = json.loads(self.dealer.recv())
+    def reply(self, timeout: float = REPLY_WAIT_S) -> dict:
+        """The next reply, by either way; the AR's agent is progressed meanwhile (UCX serves
+        a read of its memory only then, as the AR's sender thread does)."""
+        reply = self.dealer.reply(timeout)
         assert reply["type"] in ("hello_ok", "read_done", "ok", "rejected"), reply
         if reply["type"] == "rejected":
             assert reply["code"] in REJECT_CODES, reply
@@ -171,9 +166,10 @@ class Harness:
 
     def one(self, data: bytes) -> None:
         kind, frames, commit = self.message(data)
-        self.send(frames)
+        channel = self.dealer.channel(frames)  # the marker goes the same way: answered after
+        self.send(frames, channel)
         marker = f"marker-{self.count}"
-        self.send([json.dumps({"v": WIRE_VERSION, "type": marker}).encode()])
+        self.send([json.dumps({"v": WIRE_VERSION, "type": marker}).encode()], channel)
         replies = []
         while True:  # the message's own replies come before the marker's
             reply = self.reply()
@@ -203,8 +199,10 @@ class Harness:
         deadline = time.monotonic() + REPLY_WAIT_S
         while self.receiver._reads:  # every read resolved (a short deadline: soon)
             assert time.monotonic() < deadline, "a read was left behind"
-            if self.dealer.poll(1):
-                self.reply()
+            try:
+                self.reply(timeout=0.001)
+            except AssertionError:
+                pass  # nothing yet
         self.count += 1
         if self.count % 1000 == 0:
             rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -222,7 +220,7 @@ def write_seeds(directory: Path) -> None:
             (directory / f"{kind}-field-{field_no}").write_bytes(
                 bytes([0x80 | i, field_no, 4]) + b"abcd")
     (directory / "read-abort").write_bytes(bytes([0xB1, 0]))
-    (directory / "raw-json").write_bytes(bytes([1]) + b'{"v": 3, "type": "read"}')
+    (directory / "raw-json").write_bytes(bytes([1]) + b'{"v": %d, "type": "read"}' % WIRE_VERSION)
 
 
 def main() -> None:

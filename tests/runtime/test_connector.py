@@ -833,8 +833,9 @@ def exchange(dealer: RawDealer, frames: list[bytes], tag: int) -> list[dict]:
     """Send ``frames``, then a marker message; the replies before the marker's are the
     frames' own (a verdict for nothing gets none). A read the receiver took on is answered
     after the marker: it gets its verdict (commit) and its final answer."""
-    dealer.send(frames)
-    dealer.send(_msg({"v": WIRE_VERSION, "type": f"marker-{tag}"}))
+    channel = dealer.channel(frames)  # the marker goes the same way, so it is answered after
+    dealer.send(frames, channel)
+    dealer.send(_msg({"v": WIRE_VERSION, "type": f"marker-{tag}"}), channel)
     replies = []
     while True:
         reply = dealer.reply()
@@ -1117,6 +1118,7 @@ def test_each_edge_of_a_fan_out_resolves_once_with_its_own_outcome(make_receiver
     assert sample(reg, "omni_kv_received_bytes_count", "talker", from_stage="ar") >= 1
 
     edges.clear()
+    sender.close()  # one sender an agent: the agent's answers are the next one's
     with zmq.Context() as ctx:
         silent = ctx.socket(zmq.ROUTER)  # accepts the connection, never answers the hello
         port = silent.bind_to_random_port("tcp://127.0.0.1")

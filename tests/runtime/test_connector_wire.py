@@ -155,8 +155,8 @@ def test_verdicts_and_replies_round_trip_and_garbage_is_no_reply():
     ([b'{"v": 1, "type": "read"}'], "unsupported_version"),
     ([b'{"type": "read"}'], "unsupported_version"),
     ([b'{"v": true, "type": "read"}'], "unsupported_version"),
-    ([b'{"v": 3}'], "malformed"),
-    ([b'{"v": 3, "type": 5}'], "malformed"),
+    ([b'{"v": %d}' % WIRE_VERSION], "malformed"),
+    ([b'{"v": %d, "type": 5}' % WIRE_VERSION], "malformed"),
 ])
 def test_each_bad_envelope_is_rejected_with_its_code(frames, code):
     with pytest.raises(Rejected) as e:

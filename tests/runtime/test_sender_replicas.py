@@ -200,6 +200,7 @@ def test_a_name_that_resolves_late_delivers_and_one_that_never_does_fails_naming
     names.replicas = addresses[:1]
     assert collect(sender, 1) == (["early"], {})
     assert where(receivers, "early") == [0]
+    sender.close()  # one sender an agent
     nowhere = make_sender(ar, {STAGE: NAME.format(port=port)}, resolve=Names([]),
                           resolve_interval_s=0.05)
     nowhere.submit(ar.offer("lost", [1], 4), timeout_s=0.5)

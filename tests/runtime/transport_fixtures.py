@@ -379,7 +379,10 @@ def rejected_counts(registry, stage: str = STAGE) -> dict[str, float]:
 # ---------------------------------------------------------------------- raw peers
 class RawDealer:
     """A test peer that sends arbitrary control messages to a receiver and reads its
-    replies (it may speak for a real agent: a hello with that agent's metadata)."""
+    replies (it may speak for a real agent: a hello with that agent's metadata). As the
+    sender does: a hello (and any message of several frames) on the handshake connection,
+    any other message, once a hello of ``ar`` was accepted, as a notification of ``ar``'s
+    agent; replies come by either."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, ar: SyntheticAR | None = None) -> None:
         self.sock = ctx.socket(zmq.DEALER)
@@ -388,20 +391,45 @@ class RawDealer:
         #: The AR whose agent this peer speaks for: its agent is progressed while waiting
         #: (UCX serves a remote read of its memory only then, as the sender's thread does).
         self.ar = ar
+        self.peer: str | None = None  # the receiver's agent, once a hello was accepted
+        self._notes: list[bytes] = []
 
-    def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
+    def channel(self, frames: list[bytes]) -> str:
+        """``"notify"`` or ``"handshake"``: where the sender would send ``frames``."""
+        if self.peer is None or len(frames) != 1:
+            return "handshake"
+        try:
+            hello = json.loads(frames[0]).get("type") == "hello"
+        except (ValueError, AttributeError):
+            hello = False
+        return "handshake" if hello else "notify"
+
+    def send(self, frames: list[bytes], channel: str | None = None) -> None:
+        if (channel or self.channel(frames)) == "notify":
+            self.ar.agent.notify(self.peer, frames[0])
+        else:
+            self.sock.send_multipart(frames)
 
     def reply(self, timeout: float = WAIT) -> dict:
         deadline = time.monotonic() + timeout
-        while not self.sock.poll(1 if self.ar is not None else int(timeout * 1000)):
-            assert self.ar is not None and time.monotonic() < deadline, \
-                "no reply from the receiver"
-            self.ar.agent.progress()
-        return json.loads(self.sock.recv())
+        while True:
+            if self.sock.poll(0):
+                frames = self.sock.recv_multipart()
+                body = json.loads(frames[0])
+                if body.get("type") == "hello_ok" and self.ar is not None and len(frames) == 2:
+                    self.peer = self.ar.agent.add_remote(frames[1])
+                return body
+            if self.ar is not None:
+                self._notes += [raw for source, raw in self.ar.agent.notifications()
+                                if source == self.peer]
+                if self._notes:
+                    return json.loads(self._notes.pop(0))
+            assert time.monotonic() < deadline, "no reply from the receiver"
+            self.sock.poll(1)
 
     def hello(self, ar: SyntheticAR, to_stage: str = STAGE, **changes) -> dict:
-        self.send(encode_hello(dataclasses.replace(ar.hello, to_stage=to_stage, **changes)))
+        self.sock.send_multipart(encode_hello(dataclasses.replace(ar.hello, to_stage=to_stage,
+                                                                  **changes)))
         return self.reply()
 
     def read(self, ar: SyntheticAR, tid: int, rid: str, block_ids, tokens: int,
@@ -438,28 +466,39 @@ def zctx():
 
 
 class FakeReceiver:
-    """A raw ROUTER that speaks the receiver's side of the control protocol as the test
-    says (accepts hellos, then reads are the test's to answer, or to leave unanswered): a
-    stand-in for a receiver that misbehaves, for tests of the sender's own rules."""
+    """A raw ROUTER and a NIXL agent that speak the receiver's side of the control protocol
+    as the test says (accepts hellos, then reads are the test's to answer, or to leave
+    unanswered): a stand-in for a receiver that misbehaves, for tests of the sender's own
+    rules. A message's ``identity`` is the agent that sent it (answers go to it)."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.agent = KVAgent(f"fake-receiver.{uuid.uuid4().hex[:12]}")
+        self._notes: list[tuple[str, bytes]] = []
 
-    def recv(self, timeout: float = WAIT) -> tuple[bytes, dict]:
+    def recv(self, timeout: float = WAIT) -> tuple[str, dict]:
         """The next message other than a hello (hellos are accepted on the way)."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            assert left > 0 and self.sock.poll(int(left * 1000)), "nothing arrived"
-            identity, body, *_ = self.sock.recv_multipart()
-            msg = json.loads(body)
-            if msg["type"] == "hello":
-                self.send(identity, "hello_ok", conn=msg["conn"])
+            assert time.monotonic() < deadline, "nothing arrived"
+            if self.sock.poll(0):
+                identity, body, *rest = self.sock.recv_multipart()
+                msg = json.loads(body)
+                if msg["type"] == "hello":
+                    self.agent.add_remote(rest[0])
+                    self.sock.send_multipart([identity, json.dumps(
+                        {"v": WIRE_VERSION, "type": "hello_ok", "transfer_id": None,
+                         "request_id": None, "conn": msg["conn"], "code": "", "reason": ""}
+                    ).encode(), self.agent.metadata()])
                 continue
-            return identity, msg
+            self._notes += self.agent.notifications()
+            if self._notes:
+                source, raw = self._notes.pop(0)
+                return source, json.loads(raw)
+            self.sock.poll(1)
 
     def nothing_within(self, seconds: float) -> bool:
         """No message but hellos within ``seconds`` (an assertion of absence)."""
@@ -469,18 +508,24 @@ class FakeReceiver:
             return True
         return False
 
-    def send(self, identity: bytes, kind: str, msg: dict | None = None, **fields) -> None:
+    def send(self, identity: str, kind: str, msg: dict | None = None, **fields) -> None:
         body = {"v": WIRE_VERSION, "type": kind, "transfer_id": None, "request_id": None, "conn": None,
                 "code": "", "reason": ""}
         if msg is not None:
             body["transfer_id"], body["request_id"] = msg["transfer_id"], msg["request_id"]
         body.update(fields)
-        self.sock.send_multipart([identity, json.dumps(body).encode()])
+        self.agent.notify(identity, json.dumps(body).encode())
+        self.agent.progress()  # no thread of its own: the message leaves as it progresses
+
+    def close(self) -> None:
+        self.agent.close()
 
 
 @pytest.fixture
 def fake(zctx):
-    return FakeReceiver(zctx)
+    f = FakeReceiver(zctx)
+    yield f
+    f.close()
 
 
 # ---------------------------------------------------------------------- processes

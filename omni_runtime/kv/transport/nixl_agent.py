@@ -113,6 +113,7 @@ class KVAgent:
         self._registrations: list[Any] = []
         # Notifications collected by progress() and not taken yet: (peer, message), oldest first.
         self._pending: list[tuple[str, bytes]] = []
+        self._reader: object | None = None  # the one taker of notifications (claim())
 
     # ------------------------------------------------------------------ memory
     def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -195,6 +196,21 @@ class KVAgent:
         """Send ``message`` to ``peer`` (an agent whose metadata this one has loaded); raises
         when NIXL cannot (the peer unknown or gone)."""
         self._agent.send_notif(peer, message)
+
+    def claim(self, reader: object) -> None:
+        """Make ``reader`` the one taker of this agent's notifications (an answer goes to
+        whoever takes it first: two takers would take each other's); raises when another
+        holds them. :meth:`unclaim` gives them back."""
+        with _MAKING:
+            if self._reader is not None and self._reader is not reader:
+                raise RuntimeError(f"NIXL agent {self.name}'s notifications are taken by "
+                                   f"{self._reader!r} already: one sender per agent")
+            self._reader = reader
+
+    def unclaim(self, reader: object) -> None:
+        with _MAKING:
+            if self._reader is reader:
+                self._reader = None
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """The messages peers sent since the last call, (peer, message), in the order NIXL

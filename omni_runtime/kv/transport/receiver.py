@@ -1,10 +1,12 @@
 """KVReceiver: the receiving stage's side of the KV data plane.
 
-One background thread owns a ZeroMQ ROUTER (the control channel, protocol.py) and a NIXL
-agent. For each ``read`` an AR rank offers, it reads the transfer's blocks straight out of
-the AR's registered KV cache (NIXL READ; the AR does no work), says ``read_done``, and stores
-the payload in the inbox only when the AR's verdict says the blocks were held for the whole
-read (``commit``); then it answers ``ok``: the transfer's ack. Where the bytes land:
+One background thread owns a ZeroMQ ROUTER (the handshake: each AR rank's ``hello``,
+answered with this agent's metadata) and a NIXL agent, over which every other control message
+travels as a NIXL notification (protocol.py). For each ``read`` an AR rank offers, it reads the
+transfer's blocks straight out of the AR's registered KV cache (NIXL READ; the AR does no
+work), says ``read_done``, and stores the payload in the inbox only when the AR's verdict says
+the blocks were held for the whole read (``commit``); then it answers ``ok``: the transfer's
+ack. Where the bytes land:
 
 * on the host (``staging_device="cpu"``), in the payload's own registered memory
   (landing.py), stored as read; the payload's ``[layers, 2, H, seq_len, D]`` array is
@@ -28,6 +30,15 @@ Invariants:
   refuses the release.
 * Only the receiver thread touches the ROUTER, the NIXL agent and the staging slots (NIXL's
   agent is created without locking); other threads talk to it through an inproc PAIR socket.
+* A message is answered where it came from: a hello on its connection, a notification with a
+  notification to its agent. An agent this receiver no longer knows (forgotten while idle)
+  cannot be notified: it is answered ``unknown_agent`` on the connection of its last hello,
+  and says hello again.
+
+NIXL offers nothing to wait on for notifications, only to poll: the thread polls its agent
+every ``NOTIFY_POLL_MS`` while peers are active and every ``IDLE_NOTIFY_POLL_MS`` once they
+have been quiet for ``NOTIFY_HOT_S`` (docs/connector.md, "The control plane and NIXL
+notifications").
 """
 
 from __future__ import annotations
@@ -96,7 +107,19 @@ VERDICT_GRACE_S = 1.0
 #: restarted AR is a new agent, its predecessor goes.
 DEFAULT_AGENT_IDLE_TTL_S = 600.0
 MAX_AGENTS = 1024
+#: How often the thread polls its agent for notifications while a peer spoke within
+#: ``NOTIFY_HOT_S``, and after.
+NOTIFY_POLL_MS = 1
+IDLE_NOTIFY_POLL_MS = 10
+NOTIFY_HOT_S = 1.0
+#: Connections of hellos remembered (agent -> ROUTER identity), to answer an agent forgotten
+#: since: a bound whatever peers send.
+MAX_ROUTES = 4 * 1024
 _propagator = TraceContextTextMapPropagator()
+
+#: Where an answer goes: a ROUTER identity (bytes: the handshake connection) or a NIXL agent's
+#: name (str: a notification).
+Route = bytes | str
 
 
 @dataclass(eq=False)
@@ -137,7 +160,7 @@ class Ticket:
 class _Awaiting:
     """A transfer stored (or a stream's chunk) handed to the consumer, not yet answered."""
 
-    identity: bytes
+    identity: Route
     request: ReadRequest | StreamChunk
     span: Any
     nbytes: int
@@ -145,7 +168,7 @@ class _Awaiting:
 
 @dataclass(eq=False)
 class _Read:
-    identity: bytes
+    identity: Route
     request: ReadRequest
     peer: _Peer
     read_by: float  # monotonic: the transfer's time on this side
@@ -247,6 +270,9 @@ class KVReceiver:
         self._staging: StagingPool | None = None
         self._landing: LandingPool | None = None  # host staging only
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently seen first
+        #: Each agent's last hello's connection (ROUTER identity), least recent first.
+        self._routes: OrderedDict[str, bytes] = OrderedDict()
+        self._hot_until = 0.0  # monotonic: until when notifications are polled often
         self._reads: dict[tuple[str, int], _Read] = {}
         self._queue: deque[_Read] = deque()  # waiting for a staging slot
         #: Counts of what the thread did (tests and the stage's status page read them).
@@ -389,11 +415,19 @@ class KVReceiver:
                         except zmq.Again:
                             break
                         self._handle(router, frames)  # never raises
+                if self._routes:  # an agent that said hello may notify (even once forgotten)
+                    notes = self._agent.notifications()
+                    if notes:
+                        self._hot_until = time.monotonic() + NOTIFY_HOT_S
+                    for source, raw in notes:
+                        self._on_notification(router, source, raw)  # never raises
                 self._advance(router)
                 if self._landing is not None:
                     self._landing.collect()  # slabs of payloads consumers assembled
                 self._expire(router, time.monotonic())
                 self.inbox.expire()  # TTL evictions happen even without consumer calls
+            if linger_ms:
+                self._flush_notifications(linger_ms)
         except BaseException as e:
             # Not a message's fault (those are answered in _handle): the socket, NIXL or the
             # inbox broke. Say so loudly; /health and omni_kv_transport_thread_up report it.
@@ -406,6 +440,14 @@ class KVReceiver:
             router.close(linger=linger_ms)
             ctrl.close(linger=0)
             self._report_thread(False)
+
+    def _flush_notifications(self, linger_ms: int) -> None:
+        """Progress the agent for a moment so that the answers given last leave it (a
+        notification goes out as its sender's agent progresses; this one has no thread)."""
+        until = time.monotonic() + min(linger_ms, 50) / 1000
+        while time.monotonic() < until:
+            self._agent.progress()
+            time.sleep(0.001)
 
     @staticmethod
     def _stop_asked(ctrl: zmq.Socket) -> bool:
@@ -442,7 +484,7 @@ class KVReceiver:
                 continue
             self._delivered(router, waiting.identity, req, waiting.span, waiting.nbytes)
 
-    def _delivered(self, router: zmq.Socket, identity: bytes, req: ReadRequest, span: Any,
+    def _delivered(self, router: zmq.Socket, identity: Route, req: ReadRequest, span: Any,
                    nbytes: int) -> None:
         self.num_delivered += 1
         self.metrics.delivered(nbytes, req.from_stage)
@@ -454,18 +496,21 @@ class KVReceiver:
             return 0  # a read to start (one per pass: _advance)
         if any(r.phase == "reading" for r in self._reads.values()):
             return READ_POLL_MS
+        now = time.monotonic()
+        if self._routes and (now < self._hot_until or self._reads or self._awaiting):
+            return NOTIFY_POLL_MS
         wake = [r.read_by for r in self._reads.values()]
         if self._awaiting:
             wake.append(min(self._awaiting_deadlines.values()))
         if self._peers:
             wake.append(next(iter(self._peers.values())).last_seen + self.agent_idle_ttl_s)
         expiry = self.inbox.next_expiry_in()
-        now = time.monotonic()
         if expiry is not None:
             wake.append(now + expiry)
+        longest = IDLE_NOTIFY_POLL_MS if self._routes else 1000
         if not wake:
-            return 1000
-        return max(0, min(1000, int((min(wake) - now) * 1000) + 1))
+            return longest
+        return max(0, min(longest, int((min(wake) - now) * 1000) + 1))
 
     def _report_thread(self, up: bool) -> None:
         try:
@@ -475,26 +520,54 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ messages
     def _handle(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        """A message on the handshake connection: a hello is taken; any other is checked as
+        it would be as a notification, then refused ``unknown_agent`` (it comes as a
+        notification from an agent whose hello was accepted)."""
+        identity = frames[0].bytes
+        self._message(router, identity, [f.buffer for f in frames[1:]])
+
+    def _on_notification(self, router: zmq.Socket, source: str, raw: bytes) -> None:
+        """A notification from agent ``source``: any message but a hello."""
+        self._message(router, source, [raw])
+
+    def _message(self, router: zmq.Socket, route: Route, frames: list) -> None:
         """Handle one message, answering it at most once, and never raise: a bug while
         handling one message is answered ``internal_error``, counted, and serving goes on."""
         received = time.time()
-        identity = frames[0].bytes
+        identity = route
+        handshake = isinstance(route, bytes)
         tid = rid = None
         try:
-            kind, body, rest = parse_message([f.buffer for f in frames[1:]])
+            kind, body, rest = parse_message(frames)
             tid, rid = addressing(body)
             if kind == "hello":
+                if not handshake:
+                    raise Rejected("bad_frames", "a hello comes on the handshake connection, "
+                                                 "not as a notification")
                 self._on_hello(router, identity, parse_hello(body, rest))
-            elif kind == "read":
-                self._on_read(router, identity, parse_read(body, rest), received)
-            elif kind == "verdict":
-                self._on_verdict(router, identity, parse_verdict(body, rest))
-            elif kind == "chunk":
-                self._on_chunk(router, identity, parse_chunk(body, rest))
-            elif kind == "stream_end":
-                self._on_stream_end(router, identity, parse_stream_end(body, rest))
-            else:
+                return
+            parse = {"read": parse_read, "verdict": parse_verdict, "chunk": parse_chunk,
+                     "stream_end": parse_stream_end}.get(kind)
+            if parse is None:
                 raise Rejected("malformed", f"unknown message type {kind!r}")
+            message = parse(body, rest)
+            if handshake:
+                raise Rejected("unknown_agent", f"a {kind} comes as a NIXL notification from an "
+                                                "agent whose hello was accepted; this connection "
+                                                "takes hellos (say hello first)")
+            if message.agent != route and message.agent in self._peers:
+                # One agent may not speak for another (commit its reads, say, or end its
+                # streams); one unknown here is answered unknown_agent by its handler.
+                raise Rejected("malformed", f"agent {route} sent a {kind} of agent "
+                                            f"{message.agent}")
+            if kind == "read":
+                self._on_read(router, identity, message, received)
+            elif kind == "verdict":
+                self._on_verdict(router, identity, message)
+            elif kind == "chunk":
+                self._on_chunk(router, identity, message)
+            else:
+                self._on_stream_end(router, identity, message)
         except Rejected as r:
             self._reject(router, identity, r.code, r.reason,
                          r.transfer_id if r.transfer_id is not None else tid,
@@ -504,7 +577,7 @@ class KVReceiver:
             logger.exception("KV receiver of stage %r: error handling a message", self.stage)
             self._reject(router, identity, "internal_error", f"{type(e).__name__}: {e}", tid, rid)
 
-    def _reject(self, router, identity: bytes, code: str, reason: str, tid: int | None,
+    def _reject(self, router, identity: Route, code: str, reason: str, tid: int | None,
                 rid: str | None, span: Any = None, from_stage: str | None = None,
                 read: ReadRequest | None = None) -> None:
         """Refuse a message (``read``: the read it refuses, when it is one). A refused shard
@@ -524,14 +597,34 @@ class KVReceiver:
         self._end_span(span, "rejected", f"{code}: {reason}", code)
         self._reply(router, identity, Reply("rejected", tid, rid, code=code, reason=reason))
 
-    def _reply(self, router: zmq.Socket, identity: bytes, reply: Reply) -> None:
+    def _reply(self, router: zmq.Socket, identity: Route, reply: Reply) -> None:
+        """Answer on the route the message came by: a notification to an agent known here, else
+        the connection of the agent's last hello (an agent forgotten since), else nowhere."""
+        if isinstance(identity, str):
+            if identity in self._peers:
+                try:
+                    self._agent.notify(identity, encode_reply(reply))
+                except Exception as e:  # the agent went away
+                    self.num_replies_lost += 1
+                    logger.warning("KV receiver: reply to agent %s lost: %s", identity, e)
+                return
+            connection = self._routes.get(identity)
+            if connection is None:
+                self.num_replies_lost += 1
+                logger.warning("KV receiver: no way to answer agent %s (never said hello)",
+                               identity)
+                return
+            identity = connection
+        frames = [identity, encode_reply(reply)]
+        if reply.kind == "hello_ok":
+            frames.append(self._agent.metadata())  # so the AR can notify this agent
         try:
-            router.send_multipart([identity, encode_reply(reply)], zmq.NOBLOCK)
+            router.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the sender is gone; Again: it reads no replies
             self.num_replies_lost += 1
             logger.warning("KV receiver: reply to a sender lost: %s", e)
 
-    def _on_hello(self, router: zmq.Socket, identity: bytes, hello: Hello) -> None:
+    def _on_hello(self, router: zmq.Socket, identity: Route, hello: Hello) -> None:
         self._check_destination(hello.pipeline, hello.to_stage)
         problem = incompatibility(hello.compat, self.expect)
         if problem is not None:
@@ -567,6 +660,11 @@ class KVReceiver:
                         "said hello", self.stage, hello.agent, hello.from_stage, hello.shard,
                         hello.num_shards)
         self._seen(peer)
+        self._routes[hello.agent] = identity
+        self._routes.move_to_end(hello.agent)
+        while len(self._routes) > MAX_ROUTES:
+            self._routes.popitem(last=False)
+        self._hot_until = time.monotonic() + NOTIFY_HOT_S
         self._reply(router, identity, Reply("hello_ok", conn=hello.conn))
 
     def _check_destination(self, pipeline: str, to_stage: str) -> None:
@@ -589,7 +687,7 @@ class KVReceiver:
             raise Rejected("unknown_agent", f"agent {agent} has not said hello")
         self._seen(peer)
 
-    def _on_chunk(self, router: zmq.Socket, identity: bytes, chunk: StreamChunk) -> None:
+    def _on_chunk(self, router: zmq.Socket, identity: Route, chunk: StreamChunk) -> None:
         self._stream_peer(chunk.agent, chunk.pipeline, chunk.to_stage)
         if chunk.compat_hash != self._peers[chunk.agent].hello.compat_hash:
             raise Rejected("incompatible", "the chunk's compat_hash is not its agent's")
@@ -608,7 +706,7 @@ class KVReceiver:
             logger.exception("KV receiver of stage %r: the stream consumer failed", self.stage)
             self._settled.append((ticket, ("internal_error", f"{type(e).__name__}: {e}")))
 
-    def _on_stream_end(self, router: zmq.Socket, identity: bytes, end: StreamEnd) -> None:
+    def _on_stream_end(self, router: zmq.Socket, identity: Route, end: StreamEnd) -> None:
         self._stream_peer(end.agent, end.pipeline, end.to_stage)
         self._streams(end, None)
         self._reply(router, identity, Reply("ok", end.transfer_id, end.request_id))
@@ -632,7 +730,7 @@ class KVReceiver:
         self._agent.remove_remote(peer.remote_name)
         logger.info("KV receiver of stage %r forgot agent %s: %s", self.stage, agent, why)
 
-    def _on_read(self, router: zmq.Socket, identity: bytes, req: ReadRequest,
+    def _on_read(self, router: zmq.Socket, identity: Route, req: ReadRequest,
                  received: float) -> None:
         ids = {"transfer_id": req.transfer_id, "request_id": req.request_id}
         awaiting = self._awaiting.get((req.agent, req.transfer_id))
@@ -723,7 +821,7 @@ class KVReceiver:
         return [_Chunk((l, l + 1), (b, min(b + per_slot, blocks)))
                 for l in range(layers) for b in range(0, blocks, per_slot)]
 
-    def _on_verdict(self, router: zmq.Socket, identity: bytes, verdict: Verdict) -> None:
+    def _on_verdict(self, router: zmq.Socket, identity: Route, verdict: Verdict) -> None:
         job = self._reads.get((verdict.agent, verdict.transfer_id))
         if job is None or job.phase != "verdict":
             # A verdict for a read this receiver gave up on (its time ran out): nothing to do.

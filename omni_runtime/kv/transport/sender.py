@@ -1,9 +1,12 @@
 """KVSender: an AR rank's control side of the KV data plane.
 
 The bytes stay where they are: the receiving stages read them with NIXL from this rank's
-registered KV cache. The sender offers each transfer to every downstream stage (a ``read``
-descriptor over ZeroMQ, protocol.py), answers each receiver's ``read_done`` with the fence's
-verdict, and reports each transfer's outcome to the caller (the connector's worker half).
+registered KV cache. The sender says hello to each receiver over one ZeroMQ connection (the
+handshake: the answer carries the receiver's NIXL metadata, and the connection's events tell
+a receiver lost or restarted); then it offers each transfer to every downstream stage (a
+``read`` descriptor, a NIXL notification, protocol.py), answers each receiver's ``read_done``
+with the fence's verdict, and reports each transfer's outcome to the caller (the connector's
+worker half).
 
 Delivery semantics (docs/connector.md):
 * ``acked``: every endpoint's receiver read the blocks, was told ``commit``, stored the payload
@@ -35,10 +38,12 @@ resolved (scaled in, or not ready) takes nothing new and is closed once nothing 
 transfers to the others. An IP address is its one replica, as before.
 
 Threads: the caller's API may be called from any thread. Only the I/O thread touches the
-DEALER sockets and the NIXL agent. UCX's TCP transport serves remote reads only while the
-agent makes progress: NIXL's own thread makes it for an agent that has one (the AR's,
-``KVAgent(progress_thread=True)``); for one without, the I/O thread does, every
-``PROGRESS_MS`` while transfers are in flight. submit() hands it work through a deque
+DEALER sockets and the NIXL agent. The receivers' answers are notifications, which NIXL
+offers to poll, not to wait on: the I/O thread polls the agent every ``NOTIFY_POLL_MS`` while
+anything is in flight (nothing comes unasked otherwise). UCX's TCP transport serves remote
+reads only while the agent makes progress: NIXL's own thread makes it for an agent that has
+one (the AR's, ``KVAgent(progress_thread=True)``); for one without, that polling does, and
+the thread progresses the agent while a hello waits. submit() hands it work through a deque
 and wakes it over an inproc PAIR whose two ends are connected before the thread starts, so no
 wake-up is lost, whatever the threads' start order.
 """
@@ -65,6 +70,7 @@ from zmq.utils.monitor import recv_monitor_message
 from omni_runtime.kv.transport.protocol import (
     Hello,
     ReadRequest,
+    Reply,
     StreamChunk,
     StreamEnd,
     Verdict,
@@ -85,13 +91,15 @@ RECONNECT_IVL_MS = 100
 # sends stop waiting for it: ZMTP heartbeats every second, dead after three missed.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
-#: While reads of this rank's memory may be in flight, the I/O thread wakes this often to
-#: progress a NIXL agent that has no progress thread of its own (the AR's has:
-#: ``KVAgent(progress_thread=True)``, woken by UCX when a peer's request arrives). Only UCX's
-#: TCP transport needs it (RDMA, CUDA IPC and cma read without the owner); each wake-up costs
-#: the AR's CPU, and a longer period slows TCP reads: this one is where the two met
-#: (docs/connector.md, "Figures behind the design").
-PROGRESS_MS = 3
+#: While anything is in flight, the I/O thread polls the agent for the receivers' answers this
+#: often (which also progresses an agent without a thread of its own: UCX's TCP transport
+#: serves reads of this rank's memory only then). Each poll costs the AR's CPU and a longer
+#: period delays every answer (docs/connector.md, "The control plane and NIXL notifications").
+NOTIFY_POLL_MS = 1
+#: ... and this long after: a receiver's answer to a transfer resolved here meanwhile (a
+#: ``read_done`` after the deadline) still gets its verdict (``abort``), so the receiver lets
+#: the read go at once rather than when its own time runs out.
+LATE_ANSWER_S = 2.0
 #: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0
 #: How often a stage's address (a name) is resolved again for its replicas: about how long a
@@ -171,6 +179,8 @@ class _Endpoint:
     #: It said it is stopping (a ``stopping`` refusal): takes nothing new until a new
     #: connection's hello (a new process there).
     stopping: bool = False
+    #: The receiver's NIXL agent (from this connection's hello_ok): where messages go.
+    peer: str | None = None
     #: (stage, request id) of the streams pinned here.
     streams: set[tuple[str, str]] = field(default_factory=set)
 
@@ -220,8 +230,8 @@ def _weight(request_id: str, replica: str) -> bytes:
 class KVSender:
     """Offers each submitted transfer to every stage of ``endpoints`` ({stage: zmq
     address}); ``hello``: this rank's hello (its ``to_stage`` and ``conn`` are filled in per
-    endpoint and connection); ``agent``: the NIXL agent whose memory the receivers read (its
-    progress is driven here), or None. ``max_in_flight``: offered, unanswered transfers per
+    endpoint and connection); ``agent``: the NIXL agent whose memory the receivers read and whose
+    notifications carry the control messages. ``max_in_flight``: offered, unanswered transfers per
     endpoint. ``observe_bytes``: called with each acked transfer's size; ``on_edge``: called
     once per transfer and endpoint as that edge resolves, with ``(request id, attempt, stage,
     outcome, payload bytes)``, outcome ``acked``, ``failed`` or ``expired`` (the per-edge
@@ -248,6 +258,9 @@ class KVSender:
     ) -> None:
         if not endpoints:
             raise ValueError("KVSender needs at least one endpoint")
+        if agent is None:
+            raise ValueError("KVSender needs the NIXL agent whose memory the receivers read "
+                             "(its control messages travel as that agent's notifications)")
         if max_in_flight < 1 or send_timeout_s <= 0:
             raise ValueError("max_in_flight must be >= 1 and send_timeout_s > 0")
         self.endpoints = dict(endpoints)
@@ -296,7 +309,8 @@ class KVSender:
         self._poller: zmq.Poller | None = None
         self._by_socket: dict[zmq.Socket, _Endpoint] = {}
         self._by_monitor: dict[zmq.Socket, _Endpoint] = {}
-        self._interest: dict[zmq.Socket, int] = {}
+        #: The receivers' agents: name -> the endpoint whose hello_ok named it.
+        self._by_peer: dict[str, _Endpoint] = {}
         self._closing_deadline: float | None = None
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         self._ctx = zmq.Context(io_threads=1)
@@ -316,6 +330,7 @@ class KVSender:
         self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"omni-kv-sender-{self.stage}",
                                         daemon=True)
+        agent.claim(self)  # its notifications are this sender's answers (one sender an agent)
         self._thread.start()
         self._resolver = None
         if names:
@@ -557,6 +572,7 @@ class KVSender:
                     ep.monitor.close(linger=0)
                 ep.socket.close(linger=0)
             wake.close(linger=0)
+            self.agent.unclaim(self)
             self._report_thread(False)
 
     # ------------------------------------------------------------------ replicas
@@ -633,7 +649,6 @@ class KVSender:
         self._by_socket[s] = ep
         self._by_monitor[ep.monitor] = ep
         self._poller.register(s, zmq.POLLIN)
-        self._interest[s] = zmq.POLLIN
         self._poller.register(ep.monitor, zmq.POLLIN)
         s.connect(address)
         if len(st.replicas) > 1:
@@ -647,7 +662,6 @@ class KVSender:
         self._eps.remove(ep)
         for sock, table in ((ep.socket, self._by_socket), (ep.monitor, self._by_monitor)):
             table.pop(sock, None)
-            self._interest.pop(sock, None)
             self._poller.unregister(sock)
             sock.close(linger=0)
         logger.info("KV sender: replica %s of stage %s closed", ep.address, ep.stage)
@@ -759,23 +773,23 @@ class KVSender:
             logger.exception("on_thread_state failed")
 
     def _loop(self, wake: zmq.Socket) -> None:
-        # One poller for the thread's life; an endpoint's POLLOUT interest changes, and
-        # replicas come and go (_add_replica, _drop_replica).
-        poller, interest = self._poller, self._interest
+        # One poller for the thread's life; replicas come and go (_add_replica, _drop_replica).
+        poller = self._poller
+        quiet_at = 0.0  # monotonic: when the last transfer in flight resolved, plus LATE_ANSWER_S
         while True:
             eps = self._eps
-            for ep in eps:
-                can_send = ep.ready and ep.queue and len(ep.in_flight) < self.max_in_flight
-                flags = zmq.POLLIN | (zmq.POLLOUT if can_send else 0)
-                if interest[ep.socket] != flags:
-                    poller.modify(ep.socket, flags)
-                    interest[ep.socket] = flags
-            polled = self.agent is not None and not self.agent.progresses_itself
-            reading = polled and any(ep.in_flight for ep in eps)
-            events = dict(poller.poll(PROGRESS_MS if reading else self._next_timeout_ms()))
-            if polled and (reading or any(not ep.ready and ep.connections for ep in eps)):
-                # Reads of this rank's memory may be in flight (or a hello's wire-up): UCX
-                # serves them over TCP only while this agent makes progress.
+            waiting = any(ep.in_flight for ep in eps)
+            if waiting:
+                quiet_at = time.monotonic() + LATE_ANSWER_S
+            else:
+                waiting = time.monotonic() < quiet_at
+            events = dict(poller.poll(NOTIFY_POLL_MS if waiting else self._next_timeout_ms()))
+            if waiting:
+                self._collect()
+            elif not self.agent.progresses_itself and any(not ep.ready and ep.connections
+                                                          for ep in eps):
+                # A hello's wire-up: UCX answers a peer's connection only while this agent
+                # makes progress.
                 self.agent.progress()
             if wake in events:
                 while True:
@@ -854,10 +868,8 @@ class KVSender:
                 num_shards=self.hello.num_shards, sent_at=t.sent_at,
                 token_ids=t.offer.token_ids, prompt_len=t.offer.prompt_len,
                 origin=t.offer.origin))
-            try:
-                ep.socket.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                return  # not connected (ZMQ_IMMEDIATE) or full: POLLOUT tells when to retry
+            if not self._notify(ep, frames[0]):
+                return  # the endpoint says hello again; the transfer waits for its answer
             ep.queue.popleft()
             ep.in_flight[t.tid] = t
             t.sent_to.add(ep.stage)
@@ -895,16 +907,27 @@ class KVSender:
             deadline_in_s=max(0.0, t.deadline - time.monotonic()), produced_at=c.produced_at,
             sent_at=t.sent_at, trace_context=c.trace_context, origin=c.origin))
 
-    def _send(self, ep: _Endpoint, frames: list[bytes]) -> None:
+    def _notify(self, ep: _Endpoint, message: bytes) -> bool:
+        """Send a message to the endpoint's receiver agent; whether NIXL took it. When it
+        does not (the receiver's agent went away), the endpoint says hello again: the
+        answer names the agent there now."""
         try:
-            ep.socket.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the connection is gone: the monitor says so next
-            logger.info("KV sender: a message to stage %s was not sent: %s", ep.stage, e)
+            self.agent.notify(ep.peer, message)
+            return True
+        except Exception as e:
+            logger.info("KV sender: a message to stage %s at %s was not sent (%s: %s); saying "
+                        "hello again", ep.stage, ep.address, type(e).__name__, e)
+            self._requeue(ep)
+            self._say_hello(ep)
+            return False
 
     def _say_hello(self, ep: _Endpoint) -> None:
         ep.ready, ep.refused = False, None
         hello = dataclasses.replace(self.hello, to_stage=ep.stage, conn=ep.connections)
-        self._send(ep, encode_hello(hello))
+        try:
+            ep.socket.send_multipart(encode_hello(hello), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the connection is gone: the monitor says so next
+            logger.info("KV sender: a hello to stage %s was not sent: %s", ep.stage, e)
 
     def _connection_events(self, ep: _Endpoint) -> None:
         """Follow the endpoint's connection: a new one starts with our hello; a lost one
@@ -927,6 +950,7 @@ class KVSender:
                 # what is still in flight goes back to the queue (a stopping receiver's last
                 # acks and the disconnect can be seen in one wake-up).
                 self._read_replies(ep)
+                self._collect()
                 ep.ready = False
                 if ep.retiring:  # gone for good: what it had goes to the other replicas
                     self._rehome(ep, lost=True)
@@ -940,54 +964,83 @@ class KVSender:
         ep.queue.extendleft(reversed([t for t in lost if self._current(t)]))
 
     def _read_replies(self, ep: _Endpoint) -> None:
+        """The handshake connection's answers: a hello's, or an ``unknown_agent`` of a
+        receiver that forgot this agent."""
         while True:
             try:
-                raw = ep.socket.recv(zmq.NOBLOCK)
+                frames = ep.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = decode_reply(raw)
-            if reply is None:
-                logger.info("KV sender: ignored a message from stage %s: %r", ep.stage, raw[:200])
-                continue
-            if reply.kind == "hello_ok":
+            reply = decode_reply(frames[0])
+            if reply is not None and reply.kind == "hello_ok":
                 if reply.conn == ep.connections:
-                    ep.ready = True
+                    self._accepted(ep, frames[1] if len(frames) == 2 else b"")
                 continue
-            t = ep.in_flight.get(reply.transfer_id) if reply.transfer_id is not None else None
-            if reply.kind == "read_done":
-                self._fence(ep, t, reply.transfer_id)
+            self._answer(ep, reply, frames[0])
+
+    def _accepted(self, ep: _Endpoint, metadata: bytes) -> None:
+        """The receiver accepted this connection's hello: its agent is loaded (again, on a
+        new connection: NIXL takes it), and messages may go to it."""
+        try:
+            name = self.agent.add_remote(metadata)
+        except Exception as e:
+            self._refused(ep, f"its hello_ok carried NIXL metadata this agent cannot load: "
+                              f"{type(e).__name__}: {e}")
+            return
+        if ep.peer is not None and ep.peer != name:
+            self._by_peer.pop(ep.peer, None)  # the receiver restarted: a new agent there
+        ep.peer, ep.ready = name, True
+        self._by_peer[name] = ep
+
+    def _collect(self) -> None:
+        """The receivers' answers that came as notifications."""
+        for source, raw in self.agent.notifications():
+            ep = self._by_peer.get(source)
+            if ep is None:
+                logger.info("KV sender: ignored a notification from agent %s", source)
                 continue
-            if reply.kind == "rejected" and reply.transfer_id is None:
-                if reply.code == "incompatible" or not ep.ready:
-                    self._refused(ep, f"{reply.code}: {reply.reason}")
-                else:
-                    logger.warning("KV sender: stage %s rejected a message: %s: %s", ep.stage,
-                                   reply.code, reply.reason)
-                continue
-            if t is None:
-                # A late answer to a transfer that already timed out, or garbage.
-                logger.info("KV sender: ignored a %s from stage %s for transfer %s", reply.kind,
-                            ep.stage, reply.transfer_id)
-                continue
-            if reply.kind == "ok":
-                del ep.in_flight[t.tid]
-                if ep.stage in t.waiting:
-                    t.waiting.discard(ep.stage)
-                    self._edge(t, ep.stage, "acked")
-                if not t.waiting:
-                    self._report(t, None)
-            elif reply.code == "unknown_agent":
-                # The receiver forgot this agent (idle, or restarted behind a proxy): say hello
-                # again and offer the transfer anew.
-                del ep.in_flight[t.tid]
-                ep.queue.appendleft(t)
-                self._requeue(ep)
-                self._say_hello(ep)
-            elif reply.code == "stopping" and self._elsewhere(ep, t):
-                pass  # offered to another replica
+            self._answer(ep, decode_reply(raw), raw)
+
+    def _answer(self, ep: _Endpoint, reply: Reply | None, raw: bytes) -> None:
+        """One answer of ``ep``'s receiver (a hello's is _accepted's)."""
+        if reply is None or reply.kind == "hello_ok":
+            logger.info("KV sender: ignored a message from stage %s: %r", ep.stage, raw[:200])
+            return
+        t = ep.in_flight.get(reply.transfer_id) if reply.transfer_id is not None else None
+        if reply.kind == "read_done":
+            self._fence(ep, t, reply.transfer_id)
+            return
+        if reply.kind == "rejected" and reply.transfer_id is None:
+            if reply.code == "incompatible" or not ep.ready:
+                self._refused(ep, f"{reply.code}: {reply.reason}")
             else:
-                del ep.in_flight[t.tid]
-                self._report(t, f"stage {ep.stage} rejected: {reply.code}: {reply.reason}")
+                logger.warning("KV sender: stage %s rejected a message: %s: %s", ep.stage,
+                               reply.code, reply.reason)
+            return
+        if t is None:
+            # A late answer to a transfer that already timed out, or garbage.
+            logger.info("KV sender: ignored a %s from stage %s for transfer %s", reply.kind,
+                        ep.stage, reply.transfer_id)
+            return
+        if reply.kind == "ok":
+            del ep.in_flight[t.tid]
+            if ep.stage in t.waiting:
+                t.waiting.discard(ep.stage)
+                self._edge(t, ep.stage, "acked")
+            if not t.waiting:
+                self._report(t, None)
+        elif reply.code == "unknown_agent":
+            # The receiver forgot this agent (idle, or restarted behind a proxy): say hello
+            # again and offer the transfer anew.
+            del ep.in_flight[t.tid]
+            ep.queue.appendleft(t)
+            self._requeue(ep)
+            self._say_hello(ep)
+        elif reply.code == "stopping" and self._elsewhere(ep, t):
+            pass  # offered to another replica
+        else:
+            del ep.in_flight[t.tid]
+            self._report(t, f"stage {ep.stage} rejected: {reply.code}: {reply.reason}")
 
     def _fence(self, ep: _Endpoint, t: _Transfer | None, tid: int | None) -> None:
         """Answer a receiver's read_done: commit only a read of a transfer still current and
@@ -999,7 +1052,7 @@ class KVSender:
         reason = "" if commit else ("the transfer was resolved or withdrawn before the read "
                                     "was confirmed" if t is None or t.done
                                     else "the transfer's deadline passed during the read")
-        self._send(ep, encode_verdict(Verdict(self.hello.agent, tid, commit, reason)))
+        self._notify(ep, encode_verdict(Verdict(self.hello.agent, tid, commit, reason))[0])
         if not commit and t is not None:
             ep.in_flight.pop(tid, None)
 

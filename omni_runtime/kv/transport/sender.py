@@ -96,9 +96,10 @@ HEARTBEAT_TIMEOUT_MS = 3000
 #: serves reads of this rank's memory only then). Each poll costs the AR's CPU and a longer
 #: period delays every answer (docs/connector.md, "The control plane and NIXL notifications").
 NOTIFY_POLL_MS = 1
-#: ... and this long after: a receiver's answer to a transfer resolved here meanwhile (a
-#: ``read_done`` after the deadline) still gets its verdict (``abort``), so the receiver lets
-#: the read go at once rather than when its own time runs out.
+#: ... and this long after a transfer in flight expired: a receiver's late ``read_done`` still
+#: gets its verdict (``abort``), so the receiver lets the read go at once rather than when its
+#: own time runs out. (A transfer answered, or withdrawn while in flight, stays in flight
+#: until its answer comes: nothing else comes late.)
 LATE_ANSWER_S = 2.0
 #: How long close() waits for the I/O thread beyond the linger time.
 CLOSE_JOIN_S = 10.0
@@ -312,6 +313,7 @@ class KVSender:
         #: The receivers' agents: name -> the endpoint whose hello_ok named it.
         self._by_peer: dict[str, _Endpoint] = {}
         self._closing_deadline: float | None = None
+        self._late_until = 0.0  # monotonic: answers are polled for until then (LATE_ANSWER_S)
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
         self._ctx = zmq.Context(io_threads=1)
         self.io_cpus = sorted(io_cpus) if io_cpus else None
@@ -775,14 +777,9 @@ class KVSender:
     def _loop(self, wake: zmq.Socket) -> None:
         # One poller for the thread's life; replicas come and go (_add_replica, _drop_replica).
         poller = self._poller
-        quiet_at = 0.0  # monotonic: when the last transfer in flight resolved, plus LATE_ANSWER_S
         while True:
             eps = self._eps
-            waiting = any(ep.in_flight for ep in eps)
-            if waiting:
-                quiet_at = time.monotonic() + LATE_ANSWER_S
-            else:
-                waiting = time.monotonic() < quiet_at
+            waiting = any(ep.in_flight for ep in eps) or time.monotonic() < self._late_until
             events = dict(poller.poll(NOTIFY_POLL_MS if waiting else self._next_timeout_ms()))
             if waiting:
                 self._collect()
@@ -1077,7 +1074,8 @@ class KVSender:
             expired.append((t, self._timeout_reason(t) if self._current(t) else None))
         for t, why in expired:
             for ep in t.placed.values():  # frees its in-flight slots; _pump skips queued ones
-                ep.in_flight.pop(t.tid, None)
+                if ep.in_flight.pop(t.tid, None) is not None:
+                    self._late_until = now + LATE_ANSWER_S
             for stage in t.waiting:
                 st = self._stages.get(stage)
                 if st is not None and t in st.unplaced:

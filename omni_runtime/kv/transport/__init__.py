@@ -1,8 +1,9 @@
 """The KV data plane's transport, on NIXL: what NIXL itself does not do.
 
 NIXL moves the bytes (nixl_agent.py: the receiving stage reads the blocks straight out of the
-AR's registered KV cache). What is here: the control protocol over ZeroMQ (protocol.py: the
-hello, the read descriptor, the fence's verdict, the ack), the AR rank's control side
+AR's registered KV cache) and, as notifications, the control messages. What is here: the
+control protocol (protocol.py: the hello over one ZeroMQ connection per peer, then the read
+descriptor, the fence's verdict and the ack as NIXL notifications), the AR rank's control side
 (:class:`KVSender`), the receiving side (:class:`KVReceiver`: NIXL reads into registered
 staging slots, assembly of the payload from the AR's block format, the fence) and its inbox
 (:class:`KVInbox`, shards.py for tensor-parallel shards).

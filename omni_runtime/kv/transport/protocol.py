@@ -2,9 +2,10 @@
 ``omni_contract.kv_wire.KV_WIRE_VERSION``).
 
 The KV bytes never travel here: the receiving stage reads them with NIXL straight out of the
-AR's registered KV cache. What travels, over one ZeroMQ DEALER (AR rank) -> ROUTER (receiver)
-connection per endpoint, are small messages, each one frame of UTF-8 JSON (a ``hello`` has a
-second frame: the NIXL agent's metadata):
+AR's registered KV cache. What travels are small messages, each one UTF-8 JSON object: the
+``hello`` and its answer over one ZeroMQ DEALER (AR rank) -> ROUTER (receiver) connection per
+endpoint, each with a second frame (the sending agent's NIXL metadata); every other message as
+a NIXL notification between the two agents:
 
 AR -> receiver
   ``hello``   who the agent is, where its KV cache is registered (one region per layer), the
@@ -19,7 +20,8 @@ AR -> receiver
               KV. Answered ``ok`` once the consumer's request holds it, or ``rejected``.
   ``stream_end`` a stream the producer ended before its last chunk (answered ``ok``).
 receiver -> AR
-  ``hello_ok`` the hello was accepted (reads may follow on this connection);
+  ``hello_ok`` the hello was accepted (reads may follow, as notifications to the agent whose
+              metadata it carries);
   ``read_done`` the blocks of a ``read`` were read (all of them); the AR answers a verdict;
   ``ok``       the payload is stored in the inbox: the transfer's ack;
   ``rejected`` a ``hello`` or ``read`` refused, with a code from :data:`REJECT_CODES`.

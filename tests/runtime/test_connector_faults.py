@@ -86,6 +86,10 @@ def test_a_receiver_killed_mid_read_fails_by_the_deadline_or_is_re_offered_on_re
     second.say("get short")
     assert second.expect("short").split()[1] == "none"
     assert sender.pending() == 0 and sender.wait(0.3) is False  # nothing answered twice
+    # The first receiver's agent is unloaded from the AR's: a restart leaves one peer.
+    assert len(ar.agent.remotes) == 1
+    sender.close()
+    assert ar.agent.remotes == set()  # a closed sender leaves the agent as it found it
 
 
 def test_an_ar_killed_mid_read_fails_the_read_and_the_receiver_serves_on(

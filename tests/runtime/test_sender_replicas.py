@@ -179,6 +179,9 @@ def test_a_stream_stays_on_its_replica_through_a_scale_in_and_new_ones_go_elsewh
         sender.submit(ar.offer(rid, [i + 1], 4))
     assert collect(sender, len(rids)) == (sorted(rids), {})
     assert all(where(receivers, rid) == [1 - home] for rid in rids)
+    # The scaled-in replica, its stream over, is closed: its agent is unloaded from the AR's.
+    wait_for(lambda: ar.agent.remotes == {receivers[1 - home]._agent.name},
+             "the scaled-in replica's agent unloaded")
     # Scaled out again: both take new requests.
     names.replicas = list(addresses)
     wait_for(lambda: sender.replicas()[STAGE] == addresses, "the scale-out")

@@ -114,6 +114,8 @@ class KVAgent:
         # Notifications collected by progress() and not taken yet: (peer, message), oldest first.
         self._pending: list[tuple[str, bytes]] = []
         self._reader: object | None = None  # the one taker of notifications (claim())
+        #: The peers whose metadata is loaded (add_remote, not yet remove_remote).
+        self.remotes: set[str] = set()
 
     # ------------------------------------------------------------------ memory
     def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -143,11 +145,14 @@ class KVAgent:
 
     # ------------------------------------------------------------------ peers
     def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's metadata; its agent name."""
+        """Load a peer's metadata (again: NIXL takes it); its agent name."""
         name = self._agent.add_remote_agent(metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self.remotes.add(name)
+        return name
 
     def remove_remote(self, name: str) -> None:
+        self.remotes.discard(name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # already gone, or never loaded: nothing to free

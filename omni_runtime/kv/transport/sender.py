@@ -569,7 +569,10 @@ class KVSender:
                     self._report(t, reason)
                 except Exception:  # pragma: no cover - keep resolving the rest
                     logger.exception("KV sender: resolving a transfer at exit failed")
-            for ep in self._eps:
+            eps, self._eps = self._eps, []
+            for ep in eps:
+                if ep.peer is not None:
+                    self._unload(ep.peer)
                 if ep.monitor is not None:
                     ep.monitor.close(linger=0)
                 ep.socket.close(linger=0)
@@ -662,6 +665,8 @@ class KVSender:
         st = self._stages[ep.stage]
         st.replicas.pop(ep.address, None)
         self._eps.remove(ep)
+        if ep.peer is not None:
+            self._unload(ep.peer)
         for sock, table in ((ep.socket, self._by_socket), (ep.monitor, self._by_monitor)):
             table.pop(sock, None)
             self._poller.unregister(sock)
@@ -984,10 +989,18 @@ class KVSender:
             self._refused(ep, f"its hello_ok carried NIXL metadata this agent cannot load: "
                               f"{type(e).__name__}: {e}")
             return
-        if ep.peer is not None and ep.peer != name:
-            self._by_peer.pop(ep.peer, None)  # the receiver restarted: a new agent there
-        ep.peer, ep.ready = name, True
+        old, ep.peer, ep.ready = ep.peer, name, True
         self._by_peer[name] = ep
+        if old is not None and old != name:
+            self._unload(old)  # the receiver restarted: a new agent there
+
+    def _unload(self, name: str) -> None:
+        """Forget a receiver's agent no endpoint names any more (a restarted receiver, a
+        replica gone): the AR's agent keeps no peer it will not talk to again."""
+        if any(ep.peer == name for ep in self._eps):
+            return
+        self._by_peer.pop(name, None)
+        self.agent.remove_remote(name)
 
     def _collect(self) -> None:
         """The receivers' answers that came as notifications."""

@@ -59,8 +59,9 @@ def test_a_stream_change_is_a_new_revision_and_no_stream_keeps_the_old_one():
     whole = admit(pipeline_body()).pipeline.revision
     # Pinned before streamed edges existed (a5e9f43): an operator upgrade must not roll the
     # pods of every pipeline that streams nothing. A deliberate change of what a revision
-    # covers (the KV wire version, a new stage field) changes it: update it then.
-    assert whole == "5655df9904"
+    # covers (the KV wire version, a new stage field) changes it: update it then. (Updated
+    # for KV wire version 4: the control on NIXL notifications, which old pods do not speak.)
+    assert whole == "c041de47f1"
     streamed = admit(body_with([{"stage": "thinker"}])).pipeline.revision
     faster = admit(body_with([{"stage": "thinker", "firstChunkTokens": 2}])).pipeline.revision
     assert len({whole, streamed, faster}) == 3
@@ -226,16 +227,17 @@ def _configs(body: dict) -> dict[str, dict]:
 def test_a_pipeline_without_streams_renders_byte_identical():
     """Config hashes pinned before streamed edges existed (a5e9f43): the stage configs of a
     pipeline that streams nothing are byte for byte what they were, so an operator upgrade
-    rolls no pod. (A deliberate change of the stage config changes them: update them then.)"""
+    rolls no pod. (A deliberate change of the stage config changes them: update them then.
+    Updated once since, for KV wire version 4, which every revision covers.)"""
     from omni_operator.pipeline.stage_config import config_hash, dump_stage_config, render_stage_config
 
     repo = Path(__file__).resolve().parents[2]
     chain = yaml.safe_load((repo / "examples" / "tiny-chain.yaml").read_text())
     for body, revision, hashes in [
-        (pipeline_body(), "5655df9904",
-         {"thinker": "d12e86d36095e9cd", "talker": "22aa3c2649372643", "code2wav": "c263adfb9de8a2c7"}),
-        (chain, "ec71669a3a",
-         {"thinker": "8cfb2b407fe2e75c", "talker": "5ecfb1db7f6dc559", "vocoder": "ab54257374e8b55e"}),
+        (pipeline_body(), "c041de47f1",
+         {"thinker": "bce3068bffa8afef", "talker": "b2c21488f20b0cf9", "code2wav": "c5056313ca915c2b"}),
+        (chain, "468fd4377b",
+         {"thinker": "7d09d42c011337b0", "talker": "7e72e1781d8a535e", "vocoder": "fa4617e6806e49c3"}),
     ]:
         pipeline = admit(body).pipeline
         assert pipeline.revision == revision

@@ -1209,3 +1209,52 @@ def test_an_input_never_taken_fails_at_the_transfers_deadline_and_a_late_answer_
     wait_for(lambda: len(consumer.tickets) == 2, what="the next input")
     receiver.settle(consumer.tickets[1][1])
     assert collect(sender, 1) == (["s"], {})
+
+
+# ---------------------------------------------------------------------- the two ways messages come
+def test_one_agent_cannot_speak_for_another_and_a_hello_comes_on_the_handshake_alone(
+        receiver, make_ar, zctx, registry):
+    """After the hello, messages are NIXL notifications, and a notification's sender is its
+    NIXL agent: one whose body names another agent known here is refused ``malformed`` (it
+    could commit that agent's reads); a hello as a notification is refused ``bad_frames``; a
+    read on the handshake connection is refused ``unknown_agent`` (say hello, then notify).
+    The agent spoken for is served on."""
+    a, b = make_ar(seed=1), make_ar(seed=2)
+    dealer_a, dealer_b = RawDealer(zctx, receiver.endpoint, a), RawDealer(zctx, receiver.endpoint, b)
+    assert dealer_a.hello(a)["type"] == "hello_ok" and dealer_b.hello(b)["type"] == "hello_ok"
+    dealer_b.read(b, 7, "b-read", [1, 2], 6)
+    assert dealer_b.reply()["type"] == "read_done"
+    # a commits b's read: refused, and b's read still waits for b's own verdict.
+    dealer_a.send([json.dumps({"v": WIRE_VERSION, "type": "verdict", "agent": b.name,
+                               "transfer_id": 7, "commit": True}).encode()], "notify")
+    answer = dealer_a.reply()
+    assert (answer["type"], answer["code"]) == ("rejected", "malformed")
+    assert f"agent {a.name} sent a verdict of agent {b.name}" in answer["reason"]
+    assert "b-read" not in receiver.inbox
+    dealer_b.verdict(b, 7)
+    assert dealer_b.reply()["type"] == "ok"
+    assert np.array_equal(receiver.inbox.get("b-read").kv, b.expected([1, 2], 6))
+    # A hello as a notification, a read on the connection.
+    dealer_a.send(encode_hello(dataclasses.replace(a.hello, to_stage=STAGE))[:1], "notify")
+    answer = dealer_a.reply()
+    assert (answer["type"], answer["code"]) == ("rejected", "bad_frames")
+    dealer_a.read(a, 8, "on-the-connection", [3], 2)  # read() goes the way channel() says...
+    dealer_a.send([json.dumps(read_body(a, 9, "handshake-read", [3], 2)).encode()], "handshake")
+    answers = [dealer_a.reply(), dealer_a.reply()]
+    by_tid = {r["transfer_id"]: r for r in answers}
+    assert by_tid[8]["type"] == "read_done"  # ... as a notification: taken on
+    assert (by_tid[9]["type"], by_tid[9]["code"]) == ("rejected", "unknown_agent")
+    assert rejected_counts(registry) == {"malformed": 1, "bad_frames": 1, "unknown_agent": 1}
+
+
+def test_one_sender_per_agent(ar, make_sender, fake):
+    """An agent's notifications are one stream: a second sender on an agent that has one is
+    refused at once, and a closed sender gives the agent back."""
+    first = make_sender(ar, {STAGE: fake.endpoint})
+    with pytest.raises(RuntimeError, match="one sender per agent"):
+        make_sender(ar, {STAGE: fake.endpoint})
+    first.close()
+    second = make_sender(ar, {STAGE: fake.endpoint})
+    second.submit(ar.offer("r", [1], 2))
+    identity, read = fake.recv()
+    assert read["type"] == "read" and identity == ar.name

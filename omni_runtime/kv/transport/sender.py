@@ -315,6 +315,9 @@ class KVSender:
         self._closing_deadline: float | None = None
         self._late_until = 0.0  # monotonic: answers are polled for until then (LATE_ANSWER_S)
         self._dead: str | None = None  # why the I/O thread is gone (then submit fails at once)
+        # Its notifications are this sender's answers (one sender an agent); before any socket,
+        # so that a refusal leaves nothing open.
+        agent.claim(self)
         self._ctx = zmq.Context(io_threads=1)
         self.io_cpus = sorted(io_cpus) if io_cpus else None
         if self.io_cpus:
@@ -332,7 +335,6 @@ class KVSender:
         self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"omni-kv-sender-{self.stage}",
                                         daemon=True)
-        agent.claim(self)  # its notifications are this sender's answers (one sender an agent)
         self._thread.start()
         self._resolver = None
         if names:

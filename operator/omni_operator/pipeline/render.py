@@ -178,9 +178,10 @@ def render_networkpolicy(pipeline: Pipeline, operator_peer: Mapping[str, Any] | 
     ingress: list[dict[str, Any]] = [
         # KV caches are only accepted from the pipeline's own stages.
         {"from": [{"podSelector": pods}], "ports": [{"protocol": "TCP", "port": naming.KV_PORT}]},
-        # The KV bytes themselves: a receiving stage's NIXL agent reads the sender's registered
-        # memory over UCX, which (on TCP) listens in this range only (UCX_TCP_PORT_RANGE, set
-        # on every stage container): the pipeline's own pods alone may reach it.
+        # The KV bytes themselves, and the control after the handshake: a receiving stage's
+        # NIXL agent reads the sender's registered memory, and the two agents notify each other
+        # (both ways), over UCX, which (on TCP) listens in this range only (UCX_TCP_PORT_RANGE,
+        # set on every stage container): the pipeline's own pods alone may reach it.
         {"from": [{"podSelector": pods}],
          "ports": [{"protocol": "TCP", "port": naming.KV_DATA_PORTS[0], "endPort": naming.KV_DATA_PORTS[1]}]},
         # The HTTP API and /metrics stay reachable for clients and Prometheus, and so does the

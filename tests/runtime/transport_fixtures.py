@@ -43,10 +43,12 @@ from omni_runtime.kv.transport.protocol import (
     Hello,
     ReadRequest,
     Region,
+    Reply,
     WIRE_VERSION,
     Verdict,
     encode_hello,
     encode_read,
+    encode_reply,
     encode_verdict,
 )
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
@@ -489,10 +491,8 @@ class FakeReceiver:
                 msg = json.loads(body)
                 if msg["type"] == "hello":
                     self.agent.add_remote(rest[0])
-                    self.sock.send_multipart([identity, json.dumps(
-                        {"v": WIRE_VERSION, "type": "hello_ok", "transfer_id": None,
-                         "request_id": None, "conn": msg["conn"], "code": "", "reason": ""}
-                    ).encode(), self.agent.metadata()])
+                    self.sock.send_multipart([identity, encode_reply(Reply("hello_ok", conn=msg["conn"])),
+                                              self.agent.metadata()])
                 continue
             self._notes += self.agent.notifications()
             if self._notes:

@@ -55,6 +55,8 @@ MAX_PENDING_NOTIFICATIONS = 1 << 16
 
 # The wrapper's progress-thread timeout is replaced while an agent is made (below): one at a time.
 _MAKING = threading.Lock()
+# Guards each agent's one reader of notifications (KVAgent.claim).
+_CLAIMS = threading.Lock()
 
 
 class NixlUnavailable(RuntimeError):
@@ -206,14 +208,14 @@ class KVAgent:
         """Make ``reader`` the one taker of this agent's notifications (an answer goes to
         whoever takes it first: two takers would take each other's); raises when another
         holds them. :meth:`unclaim` gives them back."""
-        with _MAKING:
+        with _CLAIMS:
             if self._reader is not None and self._reader is not reader:
                 raise RuntimeError(f"NIXL agent {self.name}'s notifications are taken by "
                                    f"{self._reader!r} already: one sender per agent")
             self._reader = reader
 
     def unclaim(self, reader: object) -> None:
-        with _MAKING:
+        with _CLAIMS:
             if self._reader is reader:
                 self._reader = None
 

@@ -534,7 +534,6 @@ class KVReceiver:
         """Handle one message, answering it at most once, and never raise: a bug while
         handling one message is answered ``internal_error``, counted, and serving goes on."""
         received = time.time()
-        identity = route
         handshake = isinstance(route, bytes)
         tid = rid = None
         try:
@@ -544,7 +543,7 @@ class KVReceiver:
                 if not handshake:
                     raise Rejected("bad_frames", "a hello comes on the handshake connection, "
                                                  "not as a notification")
-                self._on_hello(router, identity, parse_hello(body, rest))
+                self._on_hello(router, route, parse_hello(body, rest))
                 return
             parse = {"read": parse_read, "verdict": parse_verdict, "chunk": parse_chunk,
                      "stream_end": parse_stream_end}.get(kind)
@@ -561,21 +560,21 @@ class KVReceiver:
                 raise Rejected("malformed", f"agent {route} sent a {kind} of agent "
                                             f"{message.agent}")
             if kind == "read":
-                self._on_read(router, identity, message, received)
+                self._on_read(router, route, message, received)
             elif kind == "verdict":
-                self._on_verdict(router, identity, message)
+                self._on_verdict(router, route, message)
             elif kind == "chunk":
-                self._on_chunk(router, identity, message)
+                self._on_chunk(router, route, message)
             else:
-                self._on_stream_end(router, identity, message)
+                self._on_stream_end(router, route, message)
         except Rejected as r:
-            self._reject(router, identity, r.code, r.reason,
+            self._reject(router, route, r.code, r.reason,
                          r.transfer_id if r.transfer_id is not None else tid,
                          r.request_id if r.request_id is not None else rid)
         except Exception as e:  # a bug: still answer, count, keep serving
             self.num_internal_errors += 1
             logger.exception("KV receiver of stage %r: error handling a message", self.stage)
-            self._reject(router, identity, "internal_error", f"{type(e).__name__}: {e}", tid, rid)
+            self._reject(router, route, "internal_error", f"{type(e).__name__}: {e}", tid, rid)
 
     def _reject(self, router, identity: Route, code: str, reason: str, tid: int | None,
                 rid: str | None, span: Any = None, from_stage: str | None = None,

@@ -959,7 +959,11 @@ class KVReceiver:
 
     def _post(self, router: zmq.Socket, job: _Read) -> None:
         """Post the READ of the job's next chunk: into its slot (device staging), or into
-        its place in the transfer's landing slab (host)."""
+        its place in the transfer's landing slab (host). None once the transfer's time is
+        over here: the AR's deadline ends first, so it would only answer the read abort."""
+        if time.monotonic() > job.read_by:
+            self._time_ran_out(router, job)
+            return
         chunk = job.chunks[job.next_chunk]
         fmt = job.peer.hello.block_format
         block_bytes = fmt.block_bytes
@@ -1009,6 +1013,10 @@ class KVReceiver:
         out = payload_view(job.kv, fmt.dtype)[l0:l1, :, :, t0:t1]
         assemble_chunk(job.slot.tensor, fmt, l1 - l0, b1 - b0, t1 - t0, out)
 
+    def _time_ran_out(self, router: zmq.Socket, job: _Read) -> None:
+        where = "waiting for a staging slot" if job.phase == "queued" else "reading"
+        self._fail(router, job, "deadline", f"the transfer's time ran out {where}")
+
     def _fail(self, router: zmq.Socket, job: _Read, code: str, reason: str) -> None:
         self._finish(job)
         self._reject(router, job.identity, code, reason, job.request.transfer_id,
@@ -1047,8 +1055,7 @@ class KVReceiver:
                     self._fail(router, job, "deadline", "no verdict from the sender within "
                                                         "the transfer's time")
             elif now > job.read_by:
-                where = "waiting for a staging slot" if job.phase == "queued" else "reading"
-                self._fail(router, job, "deadline", f"the transfer's time ran out {where}")
+                self._time_ran_out(router, job)
         while self._peers:
             agent, peer = next(iter(self._peers.items()))
             if now - peer.last_seen < self.agent_idle_ttl_s:

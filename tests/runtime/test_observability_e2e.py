@@ -106,7 +106,10 @@ def prometheus(tmp_path_factory, stage):
 
 @pytest.fixture(scope="module")
 def traffic(stage, prometheus):
-    """Requests whose transfers nobody acks: each ends with its transfer active and held."""
+    """Requests whose transfers nobody acks: each ends with its transfer active and held.
+    Each decodes its four tokens (``ignore_eos``): a request that ends at its first token ends
+    in its prefill's step, and its transfer starts on ``request_finished`` instead (a random
+    model may end at once; which token wins a near tie can differ between CPUs)."""
     started = time.time()
     responses = []
     for i in range(N_PLAIN + 1):
@@ -115,6 +118,7 @@ def traffic(stage, prometheus):
             headers["traceparent"] = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"
         r = requests.post(f"{stage['url']}/v1/completions", headers=headers, timeout=60, json={
             "model": MODEL, "prompt": f"{SECRET} {PROMPT}", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True,
         })
         r.raise_for_status()
         responses.append(r.json())
@@ -147,7 +151,10 @@ def test_metrics_page_shows_vllm_and_omni_families_with_active_and_held_transfer
     assert sample(samples, "omni_kv_transfers", state="active") == n
     assert sample(samples, "omni_kv_transfers", state="pending") == 0
     assert low <= sample(samples, "omni_kv_held_blocks") <= high
-    assert sample(samples, "omni_kv_transfers_started_total", trigger="prefill_finished") == n
+    started = {dict(labels)["trigger"]: value for (name, labels), value in samples.items()
+               if name == "omni_kv_transfers_started_total" and value}
+    assert started == {"prefill_finished": n}, [r["choices"][0]["finish_reason"]
+                                                for r in traffic["responses"]]
     assert sample(samples, "omni_kv_transfers_resolved_total", outcome="expired") == 0
     oldest = sample(samples, "omni_kv_transfer_oldest_start_timestamp_seconds", state="active")
     assert traffic["started"] - 1 <= oldest <= traffic["finished"] + 1

@@ -33,7 +33,9 @@ def in_process_engine_core():
 def _generate(llm, max_tokens=12):
     from vllm import SamplingParams
 
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    # ignore_eos: every request decodes max_tokens, whatever the random model's tokens.
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                ignore_eos=True))
     return outs
 
 

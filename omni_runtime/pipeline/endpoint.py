@@ -39,6 +39,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
 
 from omni_contract.ports import ENDPOINT_PORT
 from omni_runtime.pipeline.protocol import (
@@ -61,6 +62,15 @@ logger = logging.getLogger(__name__)
 HOP_GRACE_S = 2.0
 #: The default bound on a request's whole time in the pipeline.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+#: How long a connection to the first stage may idle before it is closed rather than re-used:
+#: below the keep-alive of vLLM's server (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default),
+#: so that a request is never sent on a connection the server is closing (it would fail,
+#: "Server disconnected", and a request is not sent twice).
+ENTRY_KEEPALIVE_S = 2.0
+#: How vLLM's request models read the fields the endpoint acts on (pydantic, lax: "false" is
+#: False, "2" is 2): read the same way here, the endpoint and its first stage never disagree
+#: on what a request asks.
+_BOOL, _INT = TypeAdapter(bool), TypeAdapter(int)
 
 
 class EndpointConfigError(ValueError):
@@ -207,6 +217,7 @@ class PipelineEndpoint:
 
     async def _start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=ENTRY_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         from omni_runtime.observability.tracing import resolve_tracer
 
@@ -287,14 +298,13 @@ class PipelineEndpoint:
             return _error_body(400, "the request body must be a JSON object")
         if not isinstance(body, dict):
             return _error_body(400, "the request body must be a JSON object")
-        if self.config.entry_stage != self.config.sink:
-            refused = _refused_past_one_stage(body)
-            if refused is not None:
-                return _error_body(400, refused[1], param=refused[0])
+        refused = _refused(body, several_stages=self.config.entry_stage != self.config.sink)
+        if refused is not None:
+            return _error_body(400, refused[1], param=refused[0])
         request_id = request.headers.get("X-Request-Id") or f"omni-{uuid.uuid4().hex}"
         if request_id in self._requests:
             return _error_body(409, f"a request with X-Request-Id {request_id} is in flight")
-        stream = bool(body.get("stream"))
+        stream = bool(_as_vllm_reads(_BOOL, body.get("stream")))
         pending = self._requests[request_id] = _Request(request_id)
         pending.timings[self.config.entry_stage] = {"sent_at": time.time()}
         span, headers = self._start_span(request, request_id)
@@ -352,6 +362,19 @@ class PipelineEndpoint:
                           headers: dict[str, str]) -> None:
         """The request at the first stage; its end (or failure) goes to the request's events
         as the entry stage's."""
+        stage = self.config.entry_stage
+        try:
+            await self._ask_entry(pending, kind, body, headers)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here: this request alone fails, and says so
+            logger.exception("pipeline request %s: asking stage %s failed", pending.id, stage)
+            pending.events.put_nowait((stage, {"event": "error", "status": 500, "message":
+                                               f"the pipeline endpoint failed to ask it: "
+                                               f"{type(exc).__name__}: {exc}"}))
+
+    async def _ask_entry(self, pending: _Request, kind: str, body: dict[str, Any],
+                         headers: dict[str, str]) -> None:
         stage = self.config.entry_stage
         forwarded = dict(body)
         params = dict(forwarded.get("kv_transfer_params") or {})
@@ -636,6 +659,36 @@ def _error_body(status: int, message: str, param: str | None = None) -> web.Resp
                                          "code": status, "param": param}}, status=status)
 
 
+def _as_vllm_reads(adapter: TypeAdapter, value: Any) -> Any:
+    """``value`` as vLLM's request model reads it; None when absent or unreadable (then the
+    first stage refuses it, or the endpoint does)."""
+    if value is None:
+        return None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def _refused(body: Mapping[str, Any], several_stages: bool) -> tuple[str, str] | None:
+    """(the parameter, why) where the endpoint refuses a request before any stage holds it;
+    None when it takes it. What the endpoint itself reads must read as vLLM reads it:
+    ``stream`` a boolean, ``kv_transfer_params`` an object (the endpoint adds the request's
+    origin to it). Then, in a pipeline of several stages, :func:`_refused_past_one_stage`."""
+    if body.get("stream") is not None and _as_vllm_reads(_BOOL, body["stream"]) is None:
+        return "stream", f"stream must be true or false, got {body['stream']!r}"
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        return "kv_transfer_params", ("kv_transfer_params must be a JSON object (or left out), "
+                                      f"got a JSON {_json_type(params)}")
+    return _refused_past_one_stage(body) if several_stages else None
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "boolean", str: "string", list: "array", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)
+
+
 def _refused_past_one_stage(body: Mapping[str, Any]) -> tuple[str, str] | None:
     """(the parameter, why) where a request's parameters cannot go past the first stage of a
     pipeline of several; None when they can. Refused here, before any stage holds it:
@@ -651,8 +704,8 @@ def _refused_past_one_stage(body: Mapping[str, Any]) -> tuple[str, str] | None:
                         "hands nothing to the next stage; use stop_token_ids, which end it "
                         "in the engine")
     for key in ("n", "best_of"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        value = _as_vllm_reads(_INT, body.get(key))
+        if value is not None and value > 1:
             return key, (f"{key}={value}: a pipeline request carries one output from stage to "
                          f"stage; send {value} requests instead")
     prompt = body.get("prompt")

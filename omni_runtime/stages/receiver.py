@@ -321,12 +321,16 @@ class ReceiverStage:
                 return self._send(HTTPStatus.OK, buf.getvalue(), "application/octet-stream", headers)
 
             def _send(self, status, body, content_type, headers=None):
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    for key, value in (headers or {}).items():
+                        self.send_header(key, value)
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the client went away
+                    logger.debug("http: the client of %s went away before its answer",
+                                 urlparse(self.path).path)
 
         return Handler

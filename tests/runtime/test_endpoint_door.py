@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
 from omni_runtime.pipeline.protocol import CLOSE_WRONG_TOKEN, LINK_TOKEN_HEADER, encode_event, link_url
 
 from stand_in_stage import endpoint_before, origin_of
@@ -138,3 +139,80 @@ def test_a_link_without_the_requests_token_is_refused_and_the_request_goes_on():
     assert closes == [CLOSE_WRONG_TOKEN, CLOSE_WRONG_TOKEN]
     assert status == 200, answer
     assert answer["choices"][0]["text"] == "hi" and answer["choices"][0]["token_ids"] == [7, 8]
+
+
+@pytest.mark.parametrize("chain", [("thinker", "talker"), ("thinker",)])
+@pytest.mark.parametrize("body, param", [
+    ({"kv_transfer_params": "abc"}, "kv_transfer_params"),
+    ({"kv_transfer_params": [1, 2]}, "kv_transfer_params"),
+    ({"kv_transfer_params": 5}, "kv_transfer_params"),
+    ({"stream": "maybe"}, "stream"),
+    ({"stream": 7}, "stream"),
+])
+def test_what_the_endpoint_itself_cannot_read_is_refused_naming_it(chain, body, param):
+    """A field the endpoint acts on must read as vLLM reads it, in a pipeline of any size: a
+    ``kv_transfer_params`` that is not an object (the endpoint adds the request's origin to
+    it) once left the request waiting, answered by nothing, until the request's timeout."""
+    sent = [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, **body}]
+    [(status, answer)] = asyncio.run(_through(sent, chain=chain))
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and param in answer["error"]["message"]
+    assert sent == [], "nothing reached the first stage"
+
+
+def test_fields_read_as_vllm_reads_them():
+    """vLLM's request model reads "false" as false and "2" as 2 (pydantic, lax): so does the
+    endpoint, or it would answer a stream the first stage was not asked for, or send a
+    request of two outputs past it."""
+    sent = [{"model": "m", "prompt": [1], "max_tokens": 2, "stream": "false"},
+            {"model": "m", "prompt": [1], "max_tokens": 2, "n": "2"},
+            {"model": "m", "prompt": [1], "max_tokens": 2, "kv_transfer_params": None}]
+    answers = asyncio.run(_through(sent))
+    assert answers[0][0] == 200 and answers[0][1]["choices"][0]["text"] == "hi", answers[0]
+    assert answers[1][0] == 400 and answers[1][1]["error"]["param"] == "n", answers[1]
+    assert answers[2][0] == 200, answers[2]
+    assert len(sent) == 2
+
+
+def test_a_failure_of_the_endpoint_itself_fails_that_request_at_once(monkeypatch):
+    """A bug in asking the first stage (here: the request's origin cannot be made) fails that
+    request with a 500 naming it, instead of leaving it to wait for its timeout; the next
+    request is served."""
+    import omni_runtime.pipeline.endpoint as endpoint_module
+
+    real = endpoint_module.origin
+    calls = []
+
+    def origin(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(endpoint_module, "origin", origin)
+    sent = [{"model": "m", "prompt": [1], "max_tokens": 2}] * 2
+    answers = asyncio.run(asyncio.wait_for(_through(sent), 30))
+    assert answers[0][0] == 500 and "RuntimeError: injected" in answers[0][1]["error"]["message"]
+    assert answers[1][0] == 200 and answers[1][1]["choices"][0]["text"] == "hi", answers[1]
+
+
+def test_connections_to_the_first_stage_are_not_kept_past_vllms_keep_alive():
+    """A connection the first stage's server is closing must not be re-used: a request sent
+    on it fails ("Server disconnected"; seen under load after an idle pause), and is not sent
+    twice. The endpoint lets its connections go before vLLM's server does."""
+    import vllm.envs
+
+    from omni_runtime.pipeline.endpoint import ENTRY_KEEPALIVE_S
+
+    async def session_keepalive():
+        front = PipelineEndpoint(parse_endpoint_config("p", "m", {
+            "entry": {"stage": "a", "url": "http://127.0.0.1:1"}, "sink": "a",
+            "advertise": "http://127.0.0.1:2"}))
+        await front._start(front.app)
+        try:
+            return front._session.connector._keepalive_timeout
+        finally:
+            await front._stop(front.app)
+
+    assert asyncio.run(session_keepalive()) == ENTRY_KEEPALIVE_S
+    assert ENTRY_KEEPALIVE_S < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE

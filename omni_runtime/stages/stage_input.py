@@ -139,11 +139,23 @@ def _streams(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 class Refused(Exception):
-    """An input this stage does not take: (code, reason) for the upstream's transfer."""
+    """An input this stage does not take: (code, reason) for the upstream's transfer;
+    ``status``: the HTTP status the pipeline's client gets (400: what the client asked
+    cannot be done, e.g. too many tokens for this stage; 502 otherwise)."""
 
-    def __init__(self, reason: str, code: str = "input_refused") -> None:
+    def __init__(self, reason: str, code: str = "input_refused", status: int = 502) -> None:
         super().__init__(reason)
-        self.code, self.reason = code, reason
+        self.code, self.reason, self.status = code, reason, status
+
+
+def _refused_by_vllm(exc: Exception) -> Refused:
+    """What the engine raised when it was given the request (its validation, say), with the
+    status vLLM's server gives it: 400 for what vLLM counts the request's fault (a prompt over
+    this stage's max-model-len), 502 for the rest."""
+    from vllm.exceptions import VLLMClientError
+
+    return Refused(f"{type(exc).__name__}: {exc}",
+                   status=400 if isinstance(exc, VLLMClientError) else 502)
 
 
 class StageInput:
@@ -329,8 +341,7 @@ class StageInput:
         except Exception as exc:
             if linking is not None:  # whatever refused the input is told at the endpoint
                 link = await _opened(linking)
-            refused = exc if isinstance(exc, Refused) else (
-                Refused(f"{type(exc).__name__}: {exc}"))  # vLLM's validation, say
+            refused = exc if isinstance(exc, Refused) else _refused_by_vllm(exc)
             await self._refuse(ticket, refused, link, path, request_id)
             return
         if linking is not None and linking.done() and linking.exception() is not None:
@@ -458,7 +469,8 @@ class StageInput:
         if isinstance(output, StreamFailed):
             self._forget_stream(pipeline_id)
             if link is not None:
-                await link.send("error", message=f"its streamed input failed: {output}")
+                await link.send("error", message=f"its streamed input failed: {output}",
+                                status=output.status)
                 await link.close()
             return
         completion = output.outputs[0]
@@ -602,7 +614,8 @@ class StageInput:
         self.receiver.settle(ticket, (refused.code, refused.reason[:512]))
         _remove(path)
         if link is not None:
-            await link.send("error", message=f"refused its input: {refused.reason}")
+            await link.send("error", message=f"refused its input: {refused.reason}",
+                            status=refused.status)
             await link.close()
 
     async def _follow(self, collector: Any, link: Any, path: str | None) -> None:

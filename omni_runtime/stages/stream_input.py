@@ -36,7 +36,13 @@ logger = logging.getLogger(__name__)
 
 class StreamFailed(Exception):
     """What ``on_output`` hears when a stream's request ends without finishing: the reason
-    (vLLM refused a chunk, the producer ended the stream, a deadline passed, an abort)."""
+    (vLLM refused a chunk, the producer ended the stream, a deadline passed, an abort), and
+    the HTTP status the pipeline's client gets (400: its request asked for more tokens than
+    this stage's request can hold)."""
+
+    def __init__(self, reason: str, status: int = 502) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,8 @@ class _Session:
         #: What one turn may say (its sampling parameters' max_tokens; None: up to the model's
         #: length).
         self.turn_tokens: int | None = None
+        #: The HTTP status of its failure, for the pipeline's client.
+        self.status = 502
 
     def length_with(self, tokens: int, max_len: int) -> int:
         """An upper bound on the request's length once ``tokens`` more are applied: a chunk
@@ -157,6 +165,7 @@ class StreamInputs:
                   f"{chunk.seq} is applied ({session.fed} fed in {session.turns} chunks, "
                   f"{said}) and chunk {chunk.seq} adds {len(chunk.token_ids)}")
         self.ledger.refused(session.stream, chunk.seq, reason, self._clock())
+        session.status = 400  # what the client asked for does not fit: its request's fault
         if session.task is not None and not session.task.done():
             session.task.cancel()
             await asyncio.gather(session.task, return_exceptions=True)
@@ -195,26 +204,28 @@ class StreamInputs:
         except asyncio.CancelledError:
             await self._engine.abort(stream.request_id)
             self._end(session, StreamOutcome.ABORTED, "the stream was aborted")
-            await self._failed(stream, "the stream was aborted")
+            await self._failed(session, "the stream was aborted")
             raise
         except Exception as exc:  # vLLM refused an input or failed the request
             reason = f"{type(exc).__name__}: {exc}"
             logger.warning("the stream of request %s from %s failed: %s", stream.request_id,
                            stream.peer, reason)
             self._end(session, StreamOutcome.CONSUMER_ERROR, reason)
-            await self._failed(stream, reason)
+            await self._failed(session, reason)
         else:
             self._end(session, None, "the request ended before the stream did")
             if not finished:
-                await self._failed(stream, stream.reason or "the request ended before the "
+                await self._failed(session, stream.reason or "the request ended before the "
                                    "stream did")
         finally:
             self._sessions.pop(stream.key, None)
 
-    async def _failed(self, stream: Stream, reason: str) -> None:
+    async def _failed(self, session: _Session, reason: str) -> None:
+        stream = session.stream
         if self._on_output is not None:
             try:
-                await self._on_output(stream.request_id, StreamFailed(stream.reason or reason))
+                await self._on_output(stream.request_id,
+                                      StreamFailed(stream.reason or reason, session.status))
             except Exception:  # telling must not break the session's end
                 logger.exception("reporting the end of the stream of request %s failed",
                                  stream.request_id)

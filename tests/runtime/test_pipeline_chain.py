@@ -188,8 +188,9 @@ def test_concurrent_requests_each_get_their_own_answer_and_every_transfer_resolv
 
 def test_a_thinker_answer_over_the_talkers_limit_comes_back_as_the_talkers_error(chain):
     """The talker refuses an input over its max-model-len (vLLM's own validation): the
-    client's error names the talker and why; the thinker's transfer fails with the reason
-    (input_refused) and gives its blocks back."""
+    client's error, a 400 as vLLM's server answers it (what the client asked for is more than
+    the talker can take), names the talker and why; the thinker's transfer fails with the
+    reason (input_refused) and gives its blocks back."""
     before = metric_value(chain["thinker"].metrics(), "omni_kv_transfers_resolved_total",
                           outcome="failed") or 0
     with pytest.raises(openai.APIStatusError) as err:
@@ -197,7 +198,7 @@ def test_a_thinker_answer_over_the_talkers_limit_comes_back_as_the_talkers_error
             model=MODEL, prompt=[45, 46], max_tokens=TALKER_MAX_MODEL_LEN + 10, temperature=0,
             extra_body={"ignore_eos": True})
     body = err.value.body
-    assert err.value.status_code == 502 and body["stage"] == "talker"
+    assert err.value.status_code == 400 and body["stage"] == "talker"
     assert "refused its input" in body["message"] and "maximum context length" in body["message"]
     wait_until(lambda: transfers_settled(chain["thinker"]), 20, "the thinker's transfers")
     after = metric_value(chain["thinker"].metrics(), "omni_kv_transfers_resolved_total",

@@ -15,7 +15,7 @@ import pytest
 from omni_contract.edges import StreamSettings
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 from omni_runtime.transfers.streams import ConsumerStreams, StreamOutcome
-from omni_runtime.stages.stream_input import ChunkIn, StreamInputs
+from omni_runtime.stages.stream_input import ChunkIn, StreamFailed, StreamInputs
 
 pytestmark = pytest.mark.engine
 
@@ -131,6 +131,10 @@ def test_a_chunk_the_engine_refuses_fails_its_request_alone(engine, loop):
         refused = await inputs.take(chunk("big", 1, list(range(100, 100 + MAX_MODEL_LEN))))
         assert refused and "big" in refused and str(MAX_MODEL_LEN) in refused
         await inputs.ended("big", "thinker")
+        # Its request's end, heard with the status its client gets: 400, it asked for more
+        # than this stage's request can hold.
+        failed = outputs.final("big")
+        assert isinstance(failed, StreamFailed) and failed.status == 400, failed
         # The other stream goes on in the same engine.
         assert await inputs.take(chunk("ok", 1, [9, 10], last=True)) is None
         await inputs.ended("ok", "thinker")

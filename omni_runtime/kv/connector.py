@@ -57,16 +57,6 @@ if TYPE_CHECKING:
     from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 
 
-def find_omni_connector(connector: Any) -> OmniKVConnector | None:
-    """Our connector in the scheduler's (possibly a MultiConnector's children)."""
-    if isinstance(connector, OmniKVConnector):
-        return connector
-    for child in getattr(connector, "_connectors", None) or ():
-        if isinstance(child, OmniKVConnector):
-            return child
-    return None
-
-
 class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     """See the module docstring. Its figures also go through vLLM's own connector-stats path
     (:class:`~omni_runtime.kv.stats.OmniKVStatsMixin`: a plain ``vllm serve`` logs them and

@@ -5,7 +5,8 @@ leading dashes, is the flag ``--kebab-case`` (``max-model-len``, ``max_model_len
 ``maxModelLen`` and ``--max-model-len`` are all ``--max-model-len``); in a key with a '.'
 (vLLM's ``--json-arg.field value``) only the part before the first '.' is the flag's name,
 the field after it is kept as written. The stage owns a few flags (:data:`RESERVED`): a user
-value would break the stage contract. ``additional-config`` is merged with the stage's own
+value would break the stage contract. A credential's flag (:data:`SECRET_FLAGS`) is refused:
+its value would sit in a ConfigMap. ``additional-config`` is merged with the stage's own
 (whose ``omni_kv_config`` key the stage owns), and a ``kv-transfer-config`` (a mapping, or its
 JSON text as vLLM's flag takes it) is composed with the omni KV connector when the stage sends
 KV (:mod:`omni_contract.kv_transfer`); neither may be given field by field with '.' keys (they
@@ -45,6 +46,15 @@ RESERVED: dict[str, str] = {
     "port": f"the stage's HTTP port is fixed at {HTTP_PORT} by the stage contract (ports.http in the stage config)",
     "scheduler-cls": "the stage runs the omni AR scheduler itself",
     "shutdown-timeout": "the stage sets it from its drain grace period (kvTransfer.timeoutSeconds)",
+}
+#: Flags whose values are credentials: engineArgs are written into the stage's ConfigMap
+#: (readable by whoever may read ConfigMaps, shown by kubectl describe), so a secret goes to a
+#: stage only from a Secret.
+SECRET_FLAGS: dict[str, str] = {
+    "hf-token": "a token in engineArgs would sit in plain text in the stage's ConfigMap; give it as "
+                "spec.model.hubTokenSecretRef (a Secret: the stages get HF_TOKEN from it)",
+    "api-key": "a key in engineArgs would sit in plain text in the stage's ConfigMap; give a stage a "
+               "secret only from a Secret (stages[].env with valueFrom.secretKeyRef, e.g. VLLM_API_KEY)",
 }
 ADDITIONAL_CONFIG = "additional-config"
 KV_TRANSFER_CONFIG = "kv-transfer-config"
@@ -161,6 +171,8 @@ def engine_args_report(engine_args: Any, *, sends_kv: bool, vllm_version: str | 
                                                      else "remove it")))
         elif flag in RESERVED:
             problems.append(EngineArgProblem(key, f"cannot be set: {RESERVED[flag]}; remove it"))
+        elif flag in SECRET_FLAGS:
+            problems.append(EngineArgProblem(key, f"cannot be set: {SECRET_FLAGS[flag]}"))
         elif flag == ADDITIONAL_CONFIG:
             problems += _additional_config(key, value)
         elif flag == KV_TRANSFER_CONFIG:

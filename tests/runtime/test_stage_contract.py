@@ -14,7 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni_contract.engine_args import RESERVED, engine_args_problems, flag_name
+from omni_contract.engine_args import RESERVED, SECRET_FLAGS, engine_args_problems, flag_name
 from omni_operator.check.admission import admit, problems_of
 from omni_runtime.stages.ar import vllm_command
 from omni_runtime.stages.config import StageConfigError, load_stage_config, parse_stage_config
@@ -65,6 +65,21 @@ def test_every_spelling_of_a_reserved_flag_is_refused_by_both(key):
     assert [p.field for p in problems] == [f"spec.stages[{_ar_index(PIPELINE)}].engineArgs.{key}"]
     # One source: the same words on both sides.
     assert stage_message == f"engineArgs.{key}: {problems[0].message}"
+
+
+@pytest.mark.parametrize("key", [k for flag in SECRET_FLAGS for k in spellings(flag)[:3]])
+def test_a_credential_in_engine_args_is_refused_by_both_naming_the_secret_to_use(key):
+    """engineArgs are written into the stage's ConfigMap: a token or key there would be
+    readable by whoever reads ConfigMaps (an outside review found --hf-token taken and
+    rendered in plain text)."""
+    body = with_engine_args({key: "hf_SECRET_value"})
+    problems = problems_of(body)
+    assert [p.field for p in problems] == [f"spec.stages[{_ar_index(PIPELINE)}].engineArgs.{key}"]
+    assert "ConfigMap" in problems[0].message and "Secret" in problems[0].message
+    with pytest.raises(StageConfigError) as err:
+        parse_stage_config(stage_config({key: "hf_SECRET_value"}))
+    assert str(err.value) == f"engineArgs.{key}: {problems[0].message}"
+    assert "hf_SECRET_value" not in str(err.value)
 
 
 # engineArgs as users write them, good and bad: values the stage contract decides on.

@@ -5,14 +5,17 @@
 ``make_arg_parser`` on ``FlexibleArgumentParser``), by ``tools/generate_vllm_args.py``; a test
 regenerates it and fails when it drifts from the installed vLLM. It holds every argument's
 option strings, whether it takes a value and of what type, its choices and default, and the
-cross-argument rules vLLM checks right after parsing (``validate_parsed_serve_args``). This
-module reads it with the standard library alone (the operator's image has no vLLM).
+cross-argument rules vLLM checks right after parsing (``validate_parsed_serve_args``), and the
+bounds its config classes declare on the fields the flags set (``gpu-memory-utilization`` in
+(0, 1]: vLLM refuses a value outside them only when it builds the engine's config, at the
+stage's start). This module reads it with the standard library alone (the operator's image has no vLLM).
 
 :func:`check` is what vLLM's parser would say of the flags the stage passes for ``engineArgs``
 (``true`` a bare flag, ``false`` and null left out, maps and lists as JSON, anything else as
 its text): an unknown flag (with the closest names), an ambiguous abbreviation, a value a flag
 does not take (outside its choices, of the wrong form: ``64Mi`` for an integer, ``85%`` for a
-float, a value for a flag that takes none), and a flag that needs another one. The table is
+float, a value for a flag that takes none, a number outside its config field's bounds), and a
+flag that needs another one. The table is
 one vLLM version's: a stage that runs another (:func:`applies`) gets the contract's spelling
 rules only, with a warning (``omni_contract.engine_args``).
 """
@@ -439,7 +442,7 @@ def _rules(t: Table, parsed: Mapping[str, tuple[str, Any]]) -> list[Finding]:
         a = t.by_dest(rule["dest"])
         b = t.by_dest(rule["other"]) if rule.get("other") else None
         a_name, b_name = (a.name if a else rule["dest"]), (b.name if b else rule.get("other"))
-        quoted = f"vLLM {t.version}: {rule['message']!r}"
+        quoted = f"vLLM {t.version}: {rule.get('message')!r}"
         if rule["rule"] == "requires" and value and not held(rule, rule["other"])[1]:
             example = f", e.g. {b_name}: {b.choices[0]}" if b and b.choices else ""
             found.append(Finding(key, f"needs {b_name} too ({quoted}); set {b_name}{example}, or remove {a_name}"))
@@ -451,7 +454,24 @@ def _rules(t: Table, parsed: Mapping[str, tuple[str, Any]]) -> list[Finding]:
               and value < rule["minimum"]):
             found.append(Finding(key, f"{_shown(value)} is below {rule['minimum']} ({quoted}); use "
                                       f"{rule['minimum']} or more"))
+        elif (rule["rule"] == "range" and rule["dest"] in parsed and isinstance(value, (int, float))
+              and not isinstance(value, bool) and not _within(value, rule)):
+            found.append(Finding(key, f"{_shown(value)} is out of range: vLLM {t.version} takes {a_name} "
+                                      f"{_range_text(rule)} ({rule['owner']}), its engine would not start "
+                                      "with this one"))
     return found
+
+
+_BOUNDS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b),
+           "lt": ("<", lambda v, b: v < b), "le": ("<=", lambda v, b: v <= b)}
+
+
+def _within(value: float, rule: Mapping[str, Any]) -> bool:
+    return all(holds(value, rule[name]) for name, (_, holds) in _BOUNDS.items() if name in rule)
+
+
+def _range_text(rule: Mapping[str, Any]) -> str:
+    return " and ".join(f"{sign} {_json(rule[name])}" for name, (sign, _) in _BOUNDS.items() if name in rule)
 
 
 def _listed(items: list[Any]) -> str:

@@ -16,7 +16,9 @@ them, and its default. Then the cross-argument rules of ``validate_parsed_serve_
 the server runs right after parsing): each ``if`` of the forms ``args.A and not args.B``
 (A needs B), ``getattr(args, A) and getattr(args, B)`` (A excludes B) and
 ``getattr(args, A, d) < N`` (A at least N) is read from its source and then confirmed by
-running vLLM's own check; its other checks are listed, not modelled.
+running vLLM's own check; its other checks are listed, not modelled. Then the bounds vLLM's
+config classes declare on their fields (``Field(gt=0, le=1)``), which vLLM enforces when it
+builds the engine's config at start-up, each confirmed on the field's validator.
 
 A type this script does not know stops it: a newer vLLM's new kind of argument is looked at,
 never guessed. tests/operator/test_vllm_args.py regenerates the table and fails when it
@@ -243,6 +245,68 @@ def _reads(node: ast.AST, module: Any, depth: int = 1) -> set[str]:
     return found
 
 
+# -- the bounds of vLLM's config fields ----------------------------------------------------------
+
+_BOUNDS = ("gt", "ge", "lt", "le")
+
+
+def range_rules(parser: argparse.ArgumentParser, arguments: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bounds vLLM's config classes declare on the fields its flags set (pydantic's
+    ``Field(gt=, ge=, lt=, le=)``): vLLM refuses a value outside them when it builds the
+    engine's config, at the stage's start, after its parser took it. A flag's config class is
+    its argument group's (vLLM's ``add_cli_args`` makes one group per class, titled with its
+    name). Each bound is confirmed on the field's own validator."""
+    import annotated_types
+    import vllm.config
+
+    kinds = {entry["dest"]: entry.get("type") for entry in arguments.values()}
+    rules = []
+    for group in parser._action_groups:
+        owner = getattr(vllm.config, group.title or "", None)
+        fields = getattr(owner, "__pydantic_fields__", None) or {}
+        for action in group._group_actions:
+            info = fields.get(action.dest)
+            if not action.option_strings or info is None or kinds.get(action.dest) not in _NUMERIC:
+                continue
+            bounds = {name: getattr(m, name) for m in info.metadata for name in _BOUNDS
+                      if isinstance(m, getattr(annotated_types, name.capitalize()))}
+            if bounds:
+                rule = {"rule": "range", "dest": action.dest, "owner": f"{group.title}.{action.dest}", **bounds}
+                _confirm_range(info, rule, kinds[action.dest])
+                rules.append(rule)
+    return sorted(rules, key=lambda r: r["dest"])
+
+
+#: The table's value types whose values a range bounds.
+_NUMERIC = ("int", "float", "human-int", "human-int-or-auto")
+
+
+def _confirm_range(info: Any, rule: dict[str, Any], kind: str) -> None:
+    """Each bound holds on the field's validator: the value on the wrong side of it is refused,
+    the nearest on the right side taken."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+
+    step = 0.01 if kind == "float" else 1
+    adapter = TypeAdapter(Annotated[float if kind == "float" else int, *info.metadata])
+
+    def takes(value: float) -> bool:
+        try:
+            adapter.validate_python(value)
+        except ValidationError:
+            return False
+        return True
+
+    for name in _BOUNDS:
+        if name not in rule:
+            continue
+        b = rule[name]
+        refused, taken = {"gt": (b, b + step), "ge": (b - step, b), "lt": (b, b - step), "le": (b + step, b)}[name]
+        if takes(refused) or not takes(taken):
+            raise SystemExit(f"generate_vllm_args.py: the bound {name} {b} of {rule['owner']} does not hold")
+
+
 def _flag_of(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
     return next(a for a in parser._actions if a.dest == dest and a.option_strings)
 
@@ -299,6 +363,7 @@ def build() -> dict[str, Any]:
         for dest in (rule["dest"], rule.get("other")):
             if dest is not None:
                 rule.setdefault("defaults", {})[dest] = _json_default(_flag_of(parser, dest).default)
+    rules += range_rules(parser, arguments)
     return {
         "vllm_version": vllm.__version__,
         "source": f"{SOURCE} on vllm.utils.argparse_utils.FlexibleArgumentParser",

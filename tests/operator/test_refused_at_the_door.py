@@ -195,6 +195,29 @@ REFUSED = [
      "spec.stages[0].engineArgs.kv-transfer-config", "non-empty list"),
     ("kv-transfer-config-a-list", stage(2, engineArgs={"kv-transfer-config": ["LMCacheConnectorV1"]}),
      "spec.stages[2].engineArgs.kv-transfer-config", "must be a mapping"),
+    ("gpu-memory-utilization-over-1", stage(0, engineArgs={"gpu-memory-utilization": 2.0}),
+     "spec.stages[0].engineArgs.gpu-memory-utilization", "> 0 and <= 1"),
+    ("max-num-seqs-negative", stage(1, engineArgs={"maxNumSeqs": -4}), "spec.stages[1].engineArgs.maxNumSeqs",
+     "SchedulerConfig.max_num_seqs"),
+    ("tensor-parallel-over-the-gpus", stage(0, gpus=2, engineArgs={"tensor-parallel-size": 3}),
+     "spec.stages[0].gpus", "set gpus: 3"),
+    ("data-x-tensor-parallel-over-the-gpus", stage(1, gpus=4, engineArgs={"tensorParallelSize": 4, "data-parallel-size": 2}),
+     "spec.stages[1].gpus", "8 GPUs"),
+    ("unknown-top-level-field", edit(lambda b: b.update(bogus=1)), "<root>", "'bogus' was unexpected"),
+    # -- secrets and the operator's environment (an outside review: a token in a ConfigMap, a
+    # plain HF_TOKEN replacing the Secret's) --------------------------------------------------
+    ("hf-token-in-engine-args", stage(0, engineArgs={"hf-token": "hf_SECRET"}),
+     "spec.stages[0].engineArgs.hf-token", "hubTokenSecretRef"),
+    ("api-key-in-engine-args", stage(1, engineArgs={"apiKey": "k"}), "spec.stages[1].engineArgs.apiKey",
+     "secretKeyRef"),
+    ("plain-hf-token-beside-the-secret", edit(lambda b: (
+        b["spec"]["model"].update(hubTokenSecretRef={"name": "hub"}),
+        b["spec"]["stages"][0].update(env=[{"name": "HF_TOKEN", "value": "plain"}]))),
+     "spec.stages[0].env[0].name", "Secret 'hub'"),
+    ("home-in-env", env({"name": "A", "value": "1"}, {"name": "HOME", "value": "/root"}),
+     "spec.stages[0].env[1].name", "set by the operator"),
+    ("env-name-twice", env({"name": "A", "value": "1"}, {"name": "B", "value": "2"}, {"name": "A", "value": "3"}),
+     "spec.stages[0].env[2].name", "set twice"),
 ]
 
 # Bodies the API server, the kubelet and the stage all accept: refusing them would be wrong.
@@ -236,6 +259,11 @@ ACCEPTED = [
                                                         b["spec"].update(observability=None, imagePullPolicy=None),
                                                         b["metadata"].update(labels=None, annotations=None)))),
     ("explicit-null-engine-arg", stage(0, engineArgs={"max-model-len": None})),
+    # Ranks on CPUs are processes; a stage may hold more GPUs than its ranks use.
+    ("tensor-parallel-on-cpus", stage(2, engineArgs={"tensor-parallel-size": 2})),
+    ("tensor-parallel-within-the-gpus", stage(0, gpus=4, engineArgs={"tensor_parallel_size": 2})),
+    # HF_TOKEN is the user's to set where the operator sets none (no hubTokenSecretRef).
+    ("hf-token-from-own-secret", env({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}})),
 ]
 
 

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from omni_contract import vllm_args
-from omni_contract.engine_args import RESERVED, engine_args_problems, engine_args_report, flag_name
+from omni_contract.engine_args import RESERVED, SECRET_FLAGS, engine_args_problems, engine_args_report, flag_name
 from omni_operator.local import cli
 from omnip_support import validate_text
 from omni_operator.check.admission import admit, problems_of
@@ -96,6 +96,32 @@ def _vllm_verdict(parser, argv: list[str]) -> str | None:
         return f"{type(exc).__name__}: {exc}"
     if args.model_tag is not None:  # a stray value became the positional model tag
         return f"a stray value taken as the model tag: {args.model_tag!r}"
+    return _config_bounds_verdict(parser, args)
+
+
+def _config_bounds_verdict(parser, args) -> str | None:
+    """What vLLM's config classes say of the parsed values when the engine's config is built
+    (at the stage's start): each flag's field, in the class its argument group is titled
+    with, validated by its own declared bounds (pydantic's Field(gt=, ge=, lt=, le=))."""
+    from typing import Annotated
+
+    import annotated_types
+    import vllm.config
+    from pydantic import TypeAdapter, ValidationError
+
+    bound_types = (annotated_types.Gt, annotated_types.Ge, annotated_types.Lt, annotated_types.Le)
+    for group in parser._action_groups:
+        fields = getattr(getattr(vllm.config, group.title or "", None), "__pydantic_fields__", None) or {}
+        for action in group._group_actions:
+            info = fields.get(action.dest)
+            value = getattr(args, action.dest, None)
+            bounds = [m for m in (info.metadata if info is not None else ()) if isinstance(m, bound_types)]
+            if not bounds or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            try:
+                TypeAdapter(Annotated[float, *bounds]).validate_python(value)
+            except ValidationError as exc:
+                return f"{group.title}.{action.dest}: {exc.errors()[0]['msg']}"
     return None
 
 
@@ -124,7 +150,7 @@ def _not_modelled_dests() -> set[str]:
 
 def test_the_contract_and_vllms_parser_agree(vllm_parser, monkeypatch):
     table = vllm_args.table()
-    owned = set(RESERVED) | {"additional-config", "kv-transfer-config"}
+    owned = set(RESERVED) | set(SECRET_FLAGS) | {"additional-config", "kv-transfer-config"}
     unmodelled = _not_modelled_dests()
     refused_taken, taken_refused, compared = [], [], 0
     for name, argument in table.arguments.items():
@@ -166,6 +192,11 @@ def test_the_contract_and_vllms_parser_agree(vllm_parser, monkeypatch):
     {"enable-lo": True},
     {"tensorParallelSize": 2},
     {"max_model_len": "1k"},
+    # The bounds of vLLM's config fields, enforced at the engine's start (an outside review:
+    # each passed validate, the stage then failed to start).
+    {"gpu-memory-utilization": 2.0}, {"gpu-memory-utilization": 1}, {"gpu-memory-utilization": -0.5},
+    {"max-model-len": -5}, {"max-model-len": -1}, {"max-num-seqs": -4}, {"max-num-seqs": 1},
+    {"tensor-parallel-size": -1}, {"tensor-parallel-size": 0},
 ])
 def test_the_contract_and_vllm_agree_on_combinations(vllm_parser, monkeypatch, engine_args):
     contract = engine_args_problems(engine_args, sends_kv=False)

@@ -43,7 +43,7 @@ from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod
 from omni_operator.pipeline.model import Pipeline, Stage, graph_report, pipeline_view, stream_problems
 from .objectmeta import metadata_problems
 from .pod_rules import stage_problems
-from omni_operator.pipeline.render import render_children
+from omni_operator.pipeline.render import operator_env, render_children
 from .schema_errors import shown
 from .validation import pipeline_view_problems, server_view
 
@@ -118,9 +118,14 @@ def _identity(body: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
+#: The top-level fields of an OmniPipeline the cache key stands for (any other is checked
+#: afresh: the key leaves it out, and the check refuses it as an unknown field).
+_ROOT_FIELDS = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
+
+
 def _cache_key(body: Mapping[str, Any]) -> str | None:
     meta = body.get("metadata")
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or not body.keys() <= _ROOT_FIELDS:
         return None
     try:
         kept = {k: meta[k] for k in _KEY_METADATA if k in meta}
@@ -155,6 +160,7 @@ def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None)
         return tuple(problems)
     for i, stage in enumerate(pipeline.stages):
         problems += _stage_pod_fields(f"spec.stages[{i}]", stage)
+        problems += _operator_env_names(f"spec.stages[{i}].env", pipeline, stage)
     if problems:
         return tuple(problems)
     children = tuple(with_last_applied(child) for child in render_children(
@@ -174,6 +180,35 @@ def _stage_pod_fields(where: str, stage: Stage) -> list[Problem]:
     found += check_value(RESOURCES, {k: dict(v) for k, v in stage.resources.items()}, f"{where}.resources")
     found += check_pod_spec_field("nodeSelector", dict(stage.node_selector), f"{where}.nodeSelector")
     return [Problem(field, message) for field, message in found] + stage_problems(where, stage)
+
+
+def _operator_env_names(where: str, pipeline: Pipeline, stage: Stage) -> list[Problem]:
+    """A stage's ``env`` may not set a name the operator sets for it (`render.operator_env`):
+    Kubernetes keeps a name's last entry, so the user's would silently replace the operator's
+    (a plain HF_TOKEN the Secret of spec.model.hubTokenSecretRef, say)."""
+    if not stage.env:
+        return []
+    ours = {item["name"]: item for item in operator_env(pipeline, stage)}
+    problems = []
+    for j, item in enumerate(stage.env):
+        mine = ours.get(item.get("name"))
+        if mine is not None:
+            problems.append(Problem(f"{where}[{j}].name", f"{item['name']} is set by the operator for this "
+                                                          f"stage ({_env_source(mine)}); remove it here, where it "
+                                                          "would replace the operator's value"))
+    return problems
+
+
+def _env_source(item: Mapping[str, Any]) -> str:
+    if "value" in item:
+        return f"to {item['value']!r}"
+    source = item.get("valueFrom") or {}
+    if "secretKeyRef" in source:
+        ref = source["secretKeyRef"]
+        return f"from key {ref.get('key')!r} of Secret {ref.get('name')!r}: spec.model.hubTokenSecretRef"
+    if "fieldRef" in source:
+        return f"from the pod's {source['fieldRef'].get('fieldPath')}"
+    return "from a reference"
 
 
 def _rendered_children(pipeline: Pipeline, children: tuple[dict[str, Any], ...]) -> list[Problem]:

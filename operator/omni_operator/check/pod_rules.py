@@ -93,7 +93,13 @@ def _resource_problems(where: str, resources: dict[str, dict[str, Any]]) -> list
 
 def _env_problems(where: str, env: tuple[dict[str, Any], ...]) -> list[Problem]:
     problems = []
+    first: dict[Any, int] = {}
     for i, item in enumerate(env):
+        name = item.get("name")
+        if name in first:
+            problems.append(Problem(f"{where}[{i}].name", f"{name} is set twice (also {where}[{first[name]}]): "
+                                                          "the container would get the last one only; keep one"))
+        first.setdefault(name, i)
         ref = (item.get("valueFrom") or {}).get("resourceFieldRef")
         if not ref or ref.get("divisor") in (None, ""):
             continue

@@ -370,12 +370,31 @@ def graph_report(pipeline: Pipeline) -> tuple[list[Problem], list[Problem]]:
                                                                           vllm_version=version)]
         warnings += [_engine_arg(where, p) for p in engine_args_warnings(stage.engine_args, sends_kv=stage.kv.send,
                                                                           vllm_version=version)]
+        problems += _gpus_for_parallelism(where, stage)
     problems += _stream_cadence_problems(pipeline)
     cycle = find_cycle({s.name: list(s.inputs) for s in pipeline.stages})
     if cycle:
         problems.append(Problem("spec.stages[].inputs", f"the stage graph has a cycle: {' -> '.join(cycle)}; "
                                                         "remove one of these inputs"))
     return problems, warnings
+
+
+def _gpus_for_parallelism(where: str, stage: Stage) -> list[Problem]:
+    """A stage on GPUs runs a worker on a GPU of its own for each of its data x tensor x
+    pipeline parallel ranks: more ranks than the pod's GPUs, and vLLM cannot start (on CPUs,
+    ``gpus: 0``, its ranks are processes)."""
+    if stage.gpus <= 0:
+        return []
+    sizes = {}
+    for dest in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
+        size = engine_arg_value(stage.engine_args, dest)
+        sizes[dest] = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+    needed = sizes["data_parallel_size"] * sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
+    if needed <= stage.gpus:
+        return []
+    asked = " x ".join(f"{dest.replace('_', '-')} {n}" for dest, n in sizes.items() if n > 1)
+    return [Problem(f"{where}.gpus", f"is {stage.gpus}, but its engineArgs ask for {asked}: {needed} GPUs, one per "
+                                     f"rank; set gpus: {needed}, or lower the parallelism")]
 
 
 def max_model_len(stage: Stage) -> int | None:

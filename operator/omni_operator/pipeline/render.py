@@ -260,6 +260,13 @@ def render_podmonitor(pipeline: Pipeline) -> dict[str, Any]:
 
 
 def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
+    return operator_env(pipeline, stage) + [dict(item) for item in stage.env]
+
+
+def operator_env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
+    """The environment the operator gives a stage's container, before the stage's own
+    ``env``: a name here is the operator's (the check refuses it in ``env``, where it would
+    replace this value: Kubernetes keeps a name's last entry)."""
     downstream = [naming.kv_endpoint(pipeline.name, s, pipeline.namespace, pipeline.revision)
                   for s in pipeline.downstream_of(stage.name)]
     env: list[dict[str, Any]] = [
@@ -291,7 +298,6 @@ def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
              "value": f"omni.pipeline={pipeline.name},omni.stage={stage.name},omni.revision={pipeline.revision},"
                       f"k8s.namespace.name={pipeline.namespace}"},
         ]
-    env += [dict(item) for item in stage.env]
     return env
 
 

@@ -30,22 +30,48 @@ from .validation import problems, to_jsonschema
 
 
 class CRDSet:
-    """The CRDs of a directory, by (group/version, kind) of every served version."""
+    """The CRDs of a directory (its YAML and JSON files) or of one file, by (group/version,
+    kind) of every served version; ``errors``: what could not be read, each naming its file."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, location: Path):
         self.schemas: dict[tuple[str, str], dict[str, Any]] = {}
         self.files: dict[tuple[str, str], str] = {}
+        self.errors: list[str] = []
         self._validators: dict[tuple[str, str], Any] = {}
-        for path in sorted(Path(directory).glob("*.y*ml")):
-            for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-                if not isinstance(doc, dict) or doc.get("kind") != "CustomResourceDefinition":
-                    continue
-                spec = doc["spec"]
-                for version in spec.get("versions") or []:
-                    if version.get("served", True) and (version.get("schema") or {}).get("openAPIV3Schema"):
-                        key = (f"{spec['group']}/{version['name']}", spec["names"]["kind"])
-                        self.schemas[key] = version["schema"]["openAPIV3Schema"]
-                        self.files[key] = path.name
+        if not location.exists():
+            self.errors.append(f"{location}: no such file or directory: name the directory of the CRDs (or one file)")
+            return
+        for path in iter_files([location]):
+            try:
+                documents = load_documents(read_text(path))
+            except DocumentError as exc:
+                self.errors.append(f"{path}: {exc}")
+                continue
+            for doc in documents:
+                if doc.error is not None:
+                    self.errors.append(f"{path}: {doc.label}: {doc.error}")
+                elif isinstance(doc.value, dict) and doc.value.get("kind") == "CustomResourceDefinition":
+                    missing = self._add(path, doc.value)
+                    if missing:
+                        self.errors.append(f"{path}: {doc.label}: a CustomResourceDefinition without {missing}")
+
+    def _add(self, path: Path, crd: dict[str, Any]) -> str | None:
+        """The CRD's served versions with a schema; what it lacks to be read, if anything."""
+        spec = crd.get("spec")
+        if not isinstance(spec, dict):
+            return "spec"
+        names = spec.get("names")
+        if not isinstance(spec.get("group"), str) or not isinstance(names, dict) or not isinstance(names.get("kind"), str):
+            return "spec.group and spec.names.kind"
+        if not isinstance(spec.get("versions"), list):
+            return "spec.versions"
+        for version in spec["versions"]:
+            schema = ((version.get("schema") or {}).get("openAPIV3Schema")) if isinstance(version, dict) else None
+            if isinstance(schema, dict) and version.get("served", True) and isinstance(version.get("name"), str):
+                key = (f"{spec['group']}/{version['name']}", names["kind"])
+                self.schemas[key] = schema
+                self.files[key] = path.name
+        return None
 
     def schema_for(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         return self.schemas.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
@@ -107,10 +133,17 @@ def objects_of(paths: Iterable[Path], out: TextIO) -> tuple[list[tuple[str, dict
 
 def run(crds: Path, paths: list[Path], out: TextIO) -> int:
     crd_set = CRDSet(crds)
+    for error in crd_set.errors:
+        print(error, file=out)
     if not crd_set.schemas:
-        print(f"{crds}: holds no CustomResourceDefinition with a schema", file=out)
+        if crds.exists():
+            print(f"{crds}: holds no CustomResourceDefinition with a schema", file=out)
         return 1
     objects, ok = objects_of(paths, out)
+    ok = ok and not crd_set.errors
+    if not objects:
+        print(f"nothing to check: {', '.join(map(str, paths))} hold(s) no object", file=out)
+        return 1
     unmatched: set[str] = set()
     for where, obj in objects:
         result = crd_set.check(obj)
@@ -131,7 +164,7 @@ def run(crds: Path, paths: list[Path], out: TextIO) -> int:
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("crd-check", help="check objects, and what OmniPipelines render, against a directory of CRDs")
-    parser.add_argument("--crds", type=Path, required=True, help="a directory of CustomResourceDefinition YAML files")
+    parser.add_argument("--crds", type=Path, required=True, help="a directory of CustomResourceDefinition YAML files (or one file)")
     parser.add_argument("paths", nargs="+", type=Path, help="YAML files or directories")
 
 

@@ -176,7 +176,7 @@ def _one_line(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omni-pipeline", description=__doc__.splitlines()[0].strip("`: "))
+    parser = argparse.ArgumentParser(prog="omni-pipeline", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check OmniPipeline files as the API server and the operator would")
     v.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a YAML file (any number of documents) or a directory")
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", help="the `up --workdir` of the pipeline (default: found by its name)")
     s.add_argument("--interval", type=_non_negative, default=5.0, metavar="SECONDS",
                    help="read twice, this far apart: failed and expired count over it (0: read once)")
-    s.add_argument("--failing-ratio", type=float, default=0.05, metavar="R",
+    s.add_argument("--failing-ratio", type=_ratio, default=0.05, metavar="R",
                    help="share of the interval's transfers that may fail or expire (the operator's default)")
     from omni_operator.check.crd_check import add_parser as add_crd_check
 
@@ -209,9 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError("must be at least 0")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds, at least 0")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a share between 0 and 1 (0.05: 5%)")
     return value
 
 

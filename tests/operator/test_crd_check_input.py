@@ -1,0 +1,75 @@
+"""`omni-pipeline crd-check` given what it cannot use: each problem named with its file, exit
+1, never a traceback (an outside review found a non-UTF-8 file, a YAML syntax error and a CRD
+without a spec each ending it with a Python traceback, and a missing directory reported as one
+"holding no CustomResourceDefinition")."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from omni_operator.check import crd_check
+
+REPO = Path(__file__).resolve().parents[2]
+OURS = REPO / "operator" / "omni_operator" / "crd"
+EXAMPLE = REPO / "examples" / "tiny-chain.yaml"
+
+
+def run(crds: Path, *paths: Path) -> tuple[int, list[str]]:
+    out = io.StringIO()
+    code = crd_check.run(crds, list(paths), out)
+    return code, out.getvalue().splitlines()
+
+
+def test_unreadable_crd_files_are_named_and_the_rest_is_used(tmp_path):
+    crds = tmp_path / "crds"
+    crds.mkdir()
+    (crds / "latin1.yaml").write_bytes(b"\xff\xfe kind: x")
+    (crds / "broken.yaml").write_text("a: [\n")
+    (crds / "nospec.yaml").write_text("apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\n"
+                                      "metadata: {name: x}\n")
+    (crds / "ours.yaml").write_text((OURS / "omnipipelines.omnipipeline.dev.yaml").read_text())
+    code, lines = run(crds, EXAMPLE)
+    assert code == 1, lines
+    assert any(line.startswith(f"{crds / 'latin1.yaml'}: is not UTF-8") for line in lines), lines
+    assert any(line.startswith(f"{crds / 'broken.yaml'}: document 1: not valid YAML") for line in lines), lines
+    assert any(line.endswith("a CustomResourceDefinition without spec") for line in lines), lines
+
+
+def test_a_missing_location_and_one_crd_file(tmp_path):
+    code, lines = run(tmp_path / "nowhere", EXAMPLE)
+    assert code == 1 and lines == [f"{tmp_path / 'nowhere'}: no such file or directory: name the directory of "
+                                   "the CRDs (or one file)"]
+    # One file serves as well as its directory.
+    code, lines = run(OURS / "omnipipelines.omnipipeline.dev.yaml", EXAMPLE)
+    assert code == 0 and lines[-1].startswith("not checked (no CRD in"), lines
+
+
+def test_nothing_to_check_is_said(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    code, lines = run(OURS, empty)
+    assert code == 1 and lines == [f"nothing to check: {empty} hold(s) no object"]
+
+
+def test_the_cli_says_what_an_argument_takes(capsys):
+    """Bad arguments are usage errors naming the argument and what it takes (an outside review
+    saw "invalid _non_negative value", and --failing-ratio 5 taken)."""
+    import pytest
+
+    from omni_operator.local import cli
+
+    for argv, words in ((["status", "x.yaml", "--interval", "abc"], "--interval: 'abc' is not a number of seconds"),
+                        (["status", "x.yaml", "--interval", "-1"], "at least 0"),
+                        (["status", "x.yaml", "--failing-ratio", "5"], "between 0 and 1")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert cli.build_parser().description == "omni-pipeline: check or run an OmniPipeline file without a cluster."
+
+
+def test_every_example_the_docs_name_exists():
+    import re
+
+    docs = [REPO / "README.md", REPO / "charts" / "omni-pipeline" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = {m for doc in docs for m in re.findall(r"examples/[A-Za-z0-9_.-]+\.ya?ml", doc.read_text())}
+    assert named and not [n for n in sorted(named) if not (REPO / n).is_file()]

@@ -397,3 +397,38 @@ def test_the_ingress_takes_class_annotations_hosts_and_tls_as_given():
 def test_an_ingress_without_its_pipeline_fails_to_render_naming_the_value(ingress, message):
     with pytest.raises(helm.HelmError, match=message):
         render({"ingress": ingress})
+
+
+@pytest.mark.parametrize("values", [
+    {"fullnameOverride": "o" * 70},
+    {"nameOverride": "n" * 40},
+], ids=["long-fullname", "long-name"])
+def test_names_stay_dns_labels_with_long_release_names(values):
+    """A Service's name is a 63-character DNS label: a long full name once rendered the
+    metrics Service 71 characters long, which the API server refuses (an outside review)."""
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name="r" * 53, namespace=NAMESPACE, is_install=True)
+    objects = [doc for path, text in manifests.items() if not path.endswith("NOTES.txt")
+               for doc in yaml.safe_load_all(text) if doc]
+    named = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert all(len(name) <= 63 for kind, name in named if kind in ("Service", "Deployment", "ServiceAccount")), named
+    service = one(objects, "Service")["metadata"]["name"]
+    assert service.endswith("-operator-metrics") and len(service) <= 63
+    assert one(objects, "Deployment")["metadata"]["name"].endswith("-operator")
+
+
+def test_pod_labels_may_not_replace_the_labels_the_deployment_selects_by():
+    with pytest.raises(helm.HelmError, match="podLabels.app.kubernetes.io/name: the chart sets this label"):
+        render({"podLabels": {"app.kubernetes.io/name": "other"}})
+    deployment = one(render({"podLabels": {"team": "ml"}}), "Deployment")
+    assert deployment["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"metrics": {"port": 8081}}, "metrics.port and liveness.port are both 8081"),
+    ({"podSecurityContext": {"runAsNonRoot": True, "runAsUser": 0}}, "podSecurityContext.runAsUser is 0"),
+    ({"securityContext": {"runAsNonRoot": True, "runAsUser": 0}}, "securityContext.runAsUser is 0"),
+])
+def test_values_that_could_never_run_fail_to_render_naming_them(values, message):
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)

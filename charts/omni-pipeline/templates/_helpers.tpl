@@ -17,9 +17,40 @@
 {{- end }}
 {{- end }}
 
-{{/* The operator's objects: <fullname>-operator. */}}
+{{/* The operator's objects: <fullname>-operator, the full name cut so that the suffix stays
+and the name is a 63-character DNS label. */}}
 {{- define "omni-pipeline.operatorName" -}}
-{{- printf "%s-operator" (include "omni-pipeline.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-operator" (include "omni-pipeline.fullname" . | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The operator's metrics Service: <fullname>-operator-metrics, the full name cut so that
+the name is within a Service name's 63 characters (a DNS-1035 label). */}}
+{{- define "omni-pipeline.metricsServiceName" -}}
+{{- printf "%s-operator-metrics" (include "omni-pipeline.fullname" . | trunc 46 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Values that render but could never run: refused here, naming them. */}}
+{{- define "omni-pipeline.checkValues" -}}
+{{- if eq (int .Values.metrics.port) (int .Values.liveness.port) }}
+{{- fail (printf "metrics.port and liveness.port are both %v: the operator listens on each; give them different ports" .Values.metrics.port) }}
+{{- end }}
+{{- range $where, $context := dict "podSecurityContext" .Values.podSecurityContext "securityContext" .Values.securityContext }}
+{{- if and $context $context.runAsNonRoot (hasKey $context "runAsUser") (eq (int $context.runAsUser) 0) }}
+{{- fail (printf "%s.runAsUser is 0 (root) and %s.runAsNonRoot is true: the kubelet would not start the operator; use a non-zero user id" $where $where) }}
+{{- end }}
+{{- end }}
+{{- include "omni-pipeline.checkPodLabels" . }}
+{{- end }}
+
+{{/* The labels the chart sets on the operator's pod itself (its Deployment selects the pod by
+some of them): podLabels may not set them. */}}
+{{- define "omni-pipeline.checkPodLabels" -}}
+{{- $own := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "app.kubernetes.io/part-of" "helm.sh/chart" }}
+{{- range $key, $_ := .Values.podLabels }}
+{{- if has $key $own }}
+{{- fail (printf "podLabels.%s: the chart sets this label on the operator's pod itself (its Deployment selects the pod by the app.kubernetes.io labels); use another key" $key) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "omni-pipeline.chart" -}}

@@ -25,9 +25,10 @@ import difflib
 import functools
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata, resources
 from typing import Any
 
@@ -79,6 +80,10 @@ class Table:
     options: Mapping[str, tuple[Argument, bool]]
     short: Mapping[str, Argument]
     rules: tuple[Mapping[str, Any], ...]
+    #: vllm.SamplingParams: its fields (name -> the JSON kinds it takes, None: unchecked) and
+    #: the bounds its _verify_args checks.
+    sampling_fields: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
+    sampling_bounds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def by_dest(self, dest: str) -> Argument | None:
         return next((a for a in self.arguments.values() if a.dest == dest), None)
@@ -101,7 +106,60 @@ def table() -> Table:
         options.update({flag: (argument, False) for flag in argument.flags})
         options.update({flag: (argument, True) for flag in argument.negations})
         short.update({flag: argument for flag in argument.short})
-    return Table(raw["vllm_version"], arguments, options, short, tuple(raw.get("rules") or ()))
+    sampling = raw.get("sampling_params") or {}
+    return Table(raw["vllm_version"], arguments, options, short, tuple(raw.get("rules") or ()),
+                 {name: tuple(kinds) if kinds is not None else None
+                  for name, kinds in (sampling.get("fields") or {}).items()},
+                 {b["field"]: b for b in sampling.get("bounds") or ()})
+
+
+def sampling_params_problems(params: Any) -> list[Finding]:
+    """What ``vllm.SamplingParams(**params)`` would refuse (a stage input's
+    ``samplingParams``; the stage builds them at its start, and stops on a refusal): a field
+    it does not have, a value of a JSON kind its annotation does not take, a number outside
+    the bounds its ``_verify_args`` checks. Findings keyed by the field."""
+    t = table()
+    if not isinstance(params, Mapping):
+        return [Finding("", "must be a map of vLLM SamplingParams fields to values (e.g. max_tokens: 16)")]
+    found = []
+    for key, value in params.items():
+        key = str(key)
+        if key not in t.sampling_fields:
+            close = difflib.get_close_matches(key, list(t.sampling_fields), n=1)
+            found.append(Finding(key, f"is not a field of vLLM {t.version}'s SamplingParams"
+                                      + (f"; did you mean {close[0]}?" if close else "")))
+            continue
+        kinds = t.sampling_fields[key]
+        if kinds is not None and _json_kind(value) not in kinds and not (
+                _json_kind(value) == "integer" and "number" in kinds):
+            found.append(Finding(key, f"must be {' or '.join(_KIND_WORDS[k] for k in kinds)}, got {_shown(value)}"))
+            continue
+        bound = t.sampling_bounds.get(key)
+        if bound is None or _json_kind(value) not in ("integer", "number"):
+            continue
+        if (bound.get("finite") and not math.isfinite(value)) or not _within(value, bound):
+            text = (_range_text(bound) or "any") + (" (a finite number)" if bound.get("finite") else "")
+            found.append(Finding(key, f"{_shown(value)} is out of range: vLLM {t.version}'s SamplingParams takes "
+                                      f"{key} {text}; the stage would not start with this one"))
+    return found
+
+
+_KIND_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
+               "array": "a list", "object": "a map", "null": "null"}
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, (list, tuple)) else "object" if isinstance(value, Mapping) else "other"
 
 
 # -- which vLLM a stage runs --------------------------------------------------------------------

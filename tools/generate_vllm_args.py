@@ -307,6 +307,126 @@ def _confirm_range(info: Any, rule: dict[str, Any], kind: str) -> None:
             raise SystemExit(f"generate_vllm_args.py: the bound {name} {b} of {rule['owner']} does not hold")
 
 
+# -- SamplingParams: a stage input's sampling parameters --------------------------------------
+
+#: JSON kinds of the Python types a SamplingParams field is annotated with (others: unchecked).
+_JSON_KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", list: "array", dict: "object",
+               type(None): "null"}
+
+
+def _json_kinds(annotation: Any) -> list[str] | None:
+    """The JSON kinds a field of this annotation takes; None when it is not plain JSON (an
+    enum, a struct of vLLM's, an array type): such a field is left to vLLM."""
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, __import__("types").UnionType):
+        kinds = [_json_kinds(a) for a in typing.get_args(annotation)]
+        return None if None in kinds else sorted({k for ks in kinds for k in ks})
+    base = origin or annotation
+    return [_JSON_KINDS[base]] if base in _JSON_KINDS else None
+
+
+def sampling_params() -> dict[str, Any]:
+    """What ``vllm.SamplingParams(**fields)`` takes: its public fields with the JSON kinds
+    their annotations allow, and the bounds ``_verify_args`` checks of the forms ``not A <=
+    self.X <= B``, ``self.X < N`` (with ``self.X is not None and`` before it) and ``not
+    math.isfinite(self.X)``, each confirmed by constructing SamplingParams on either side of
+    it; its other checks, and the validators ``__post_init__`` calls, are listed, not
+    modelled."""
+    import msgspec
+    from vllm import SamplingParams
+
+    fields = {f.name: _json_kinds(f.type) for f in msgspec.structs.fields(SamplingParams)
+              if not f.name.startswith("_")}
+    function = ast.parse(textwrap.dedent(inspect.getsource(SamplingParams._verify_args))).body[0]
+    bounds: dict[str, dict[str, Any]] = {}
+    others = []
+    for node in function.body:
+        found = _sampling_bound(node.test) if isinstance(node, ast.If) else None
+        if found is None:
+            others.append(" ".join(ast.unparse(node.test if isinstance(node, ast.If) else node).split())[:160])
+            continue
+        name, bound = found
+        bounds.setdefault(name, {}).update(bound)
+    # What __post_init__ hands to a validator of its own (thinking_token_budget's): listed.
+    post_init = ast.parse(textwrap.dedent(inspect.getsource(SamplingParams.__post_init__)))
+    for call in (n for n in ast.walk(post_init) if isinstance(n, ast.Call)):
+        name = ast.unparse(call.func)
+        if ("validate" in name or "verify" in name) and any(_self_field(a) for a in call.args):
+            others.append(" ".join(ast.unparse(call).split())[:160])
+    for name, bound in bounds.items():
+        _confirm_sampling_bound(SamplingParams, name, bound, fields.get(name))
+    return {"fields": dict(sorted(fields.items())),
+            "bounds": [{"field": name, **bound} for name, bound in sorted(bounds.items())],
+            "not_modelled": others}
+
+
+def _self_field(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _number(node: ast.AST) -> float | None:
+    """A numeric literal (``-2.0`` included), else None."""
+    try:
+        value = ast.literal_eval(node)
+    except ValueError:
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+_FLIP = {ast.Lt: "ge", ast.LtE: "gt", ast.Gt: "le", ast.GtE: "lt"}  # refused when X op N: the bound kept
+_KEEP = {ast.Lt: "lt", ast.LtE: "le"}  # in `not A op X op B`: the bound as written
+
+
+def _sampling_bound(test: ast.expr) -> tuple[str, dict[str, Any]] | None:
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) == 2:
+        first, second = test.values
+        if (isinstance(first, ast.Compare) and isinstance(first.ops[0], ast.IsNot)
+                and isinstance(first.comparators[0], ast.Constant) and first.comparators[0].value is None):
+            inner = _sampling_bound(second)
+            if inner is not None and inner[0] == _self_field(first.left):
+                return inner
+        return None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        operand = test.operand
+        if (isinstance(operand, ast.Call) and ast.unparse(operand.func) == "math.isfinite"
+                and len(operand.args) == 1 and _self_field(operand.args[0])):
+            return _self_field(operand.args[0]), {"finite": True}
+        if (isinstance(operand, ast.Compare) and len(operand.ops) == 2 and _self_field(operand.comparators[0])
+                and _number(operand.left) is not None and _number(operand.comparators[1]) is not None
+                and type(operand.ops[0]) in _KEEP and type(operand.ops[1]) in _KEEP):
+            low = {"lt": "gt", "le": "ge"}[_KEEP[type(operand.ops[0])]]
+            return _self_field(operand.comparators[0]), {low: _number(operand.left),
+                                                        _KEEP[type(operand.ops[1])]: _number(operand.comparators[1])}
+        return None
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and _self_field(test.left)
+            and type(test.ops[0]) in _FLIP and _number(test.comparators[0]) is not None):
+        return _self_field(test.left), {_FLIP[type(test.ops[0])]: _number(test.comparators[0])}
+    return None
+
+
+def _confirm_sampling_bound(params: Any, name: str, bound: dict[str, Any], kinds: list[str] | None) -> None:
+    """Each bound holds in vLLM: a value on its wrong side is refused, the nearest on its
+    right side taken (whole numbers for an integer field)."""
+    step = 1 if kinds and "number" not in kinds and "integer" in kinds else 0.01
+
+    def takes(value: Any) -> bool:
+        try:
+            params(**{name: value})
+        except Exception:  # noqa: BLE001 - vLLM raises its validation error (a ValueError)
+            return False
+        return True
+
+    for key, b in bound.items():
+        refused, taken = ((float("nan"), None) if key == "finite" else
+                          {"gt": (b, b + step), "ge": (b - step, b), "lt": (b, b - step), "le": (b + step, b)}[key])
+        if takes(refused) or (taken is not None and not takes(taken)):
+            raise SystemExit(f"generate_vllm_args.py: the bound {key} {b} of SamplingParams.{name} does not hold")
+
+
 def _flag_of(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
     return next(a for a in parser._actions if a.dest == dest and a.option_strings)
 
@@ -371,6 +491,7 @@ def build() -> dict[str, Any]:
         "arguments": dict(sorted(arguments.items())),
         "rules": rules,
         "not_modelled": others,
+        "sampling_params": sampling_params(),
     }
 
 

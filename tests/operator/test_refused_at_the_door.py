@@ -204,6 +204,14 @@ REFUSED = [
     ("data-x-tensor-parallel-over-the-gpus", stage(1, gpus=4, engineArgs={"tensorParallelSize": 4, "data-parallel-size": 2}),
      "spec.stages[1].gpus", "8 GPUs"),
     ("unknown-top-level-field", edit(lambda b: b.update(bogus=1)), "<root>", "'bogus' was unexpected"),
+    # -- a stage input's sampling parameters, as vLLM's SamplingParams takes them (the stage
+    # builds them at its start and stopped there) --------------------------------------------
+    ("sampling-max-tokens-negative", stage(1, input={"samplingParams": {"max_tokens": -1}}),
+     "spec.stages[1].input.samplingParams.max_tokens", ">= 1"),
+    ("sampling-temperature-a-word", stage(1, input={"samplingParams": {"temperature": "hot"}}),
+     "spec.stages[1].input.samplingParams.temperature", "must be a number"),
+    ("sampling-unknown-field", stage(1, input={"samplingParams": {"temperture": 0.5}}),
+     "spec.stages[1].input.samplingParams.temperture", "did you mean temperature"),
     # -- secrets and the operator's environment (an outside review: a token in a ConfigMap, a
     # plain HF_TOKEN replacing the Secret's) --------------------------------------------------
     ("hf-token-in-engine-args", stage(0, engineArgs={"hf-token": "hf_SECRET"}),
@@ -259,6 +267,8 @@ ACCEPTED = [
                                                         b["spec"].update(observability=None, imagePullPolicy=None),
                                                         b["metadata"].update(labels=None, annotations=None)))),
     ("explicit-null-engine-arg", stage(0, engineArgs={"max-model-len": None})),
+    ("sampling-params-vllm-takes", stage(1, input={"samplingParams": {"max_tokens": 16, "temperature": 0,
+                                                                      "stop_token_ids": [2], "seed": None}})),
     # Ranks on CPUs are processes; a stage may hold more GPUs than its ranks use.
     ("tensor-parallel-on-cpus", stage(2, engineArgs={"tensor-parallel-size": 2})),
     ("tensor-parallel-within-the-gpus", stage(0, gpus=4, engineArgs={"tensor_parallel_size": 2})),

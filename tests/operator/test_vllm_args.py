@@ -275,7 +275,8 @@ def test_a_good_set_of_flags_is_valid(tmp_path):
         "        max-model-len: 32k\n        gpu-memory-utilization: 0.9\n        dtype: bfloat16\n"
         "        enable-auto-tool-choice: true\n        tool-call-parser: hermes\n        enforce-eager: true\n"
         "        enable-prefix-caching: false\n        compilation-config: {mode: 3}\n"
-        "        kv-cache-memory-bytes: 64M\n        tensorParallelSize: 2\n        no-enable-log-requests: true\n"))
+        "        kv-cache-memory-bytes: 64M\n        tensorParallelSize: 2\n        no-enable-log-requests: true\n"
+    ).replace("      role: ar\n", "      role: ar\n      gpus: 2\n"))  # a GPU per tensor-parallel rank
     assert code == 0, out
 
 
@@ -432,3 +433,42 @@ def test_one_flags_value_is_read_in_any_spelling_as_vllm_converts_it():
     assert engine_arg_value({"max-model-len": True}, "max_model_len") is None
     assert engine_arg_value({"dtype": "float32"}, "max_model_len") is None
     assert engine_arg_value({"dtype": "float32"}, "no_such_argument") is None
+
+
+SAMPLING_VALUES = [None, True, 0, 1, -1, 2, 3, 0.5, 1.5, 2.5, -0.5, -2, -3, float("nan"), float("inf"), "x", [1],
+                   {"a": 1}]
+
+
+def test_the_contract_and_vllms_sampling_params_agree():
+    """Every SamplingParams field the table types, with each value: the contract refuses all
+    that vLLM's SamplingParams(**{field: value}) refuses (the checks the table lists as not
+    modelled aside), and beyond that only a value of a kind the field's annotation does not
+    take (vLLM's struct does not check kinds in its constructor: ignore_eos: 3 is taken)."""
+    from vllm import SamplingParams
+
+    table = vllm_args.table()
+    raw = json.loads((ROOT / "omni_contract" / "vllm_args.json").read_text(encoding="utf-8"))
+    unmodelled = {name for check in raw["sampling_params"]["not_modelled"] for name in table.sampling_fields
+                  if f"self.{name}" in check}
+    disagree, compared = [], 0
+    for name, kinds in table.sampling_fields.items():
+        if kinds is None or name in unmodelled:
+            continue
+        for value in SAMPLING_VALUES:
+            contract = vllm_args.sampling_params_problems({name: value})
+            try:
+                SamplingParams(**{name: value})
+                vllm = None
+            except Exception as exc:  # noqa: BLE001 - vLLM's validation error, or a TypeError on a wrong type
+                vllm = f"{type(exc).__name__}: {exc}"
+            compared += 1
+            if bool(contract) != (vllm is not None):
+                if contract and vllm is None and contract[0].message.startswith("must be "):
+                    continue  # a kind the annotation does not take
+                disagree.append(f"{name}={value!r}: contract {contract[0].message if contract else 'takes it'}; "
+                                f"vLLM {vllm or 'takes it'}")
+    assert compared > 300
+    assert disagree == [], "\n".join(disagree[:40])
+    assert [f.key for f in vllm_args.sampling_params_problems({"bogus_param": 1, "max_tokens": 8})] == ["bogus_param"]
+    with pytest.raises(TypeError):
+        SamplingParams(bogus_param=1)

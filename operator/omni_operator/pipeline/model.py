@@ -371,6 +371,9 @@ def graph_report(pipeline: Pipeline) -> tuple[list[Problem], list[Problem]]:
         warnings += [_engine_arg(where, p) for p in engine_args_warnings(stage.engine_args, sends_kv=stage.kv.send,
                                                                           vllm_version=version)]
         problems += _gpus_for_parallelism(where, stage)
+        if stage.input is not None and vllm_args.applies(version):
+            problems += [Problem(f"{where}.input.samplingParams" + (f".{f.key}" if f.key else ""), f.message)
+                         for f in vllm_args.sampling_params_problems(stage.input.sampling_params)]
     problems += _stream_cadence_problems(pipeline)
     cycle = find_cycle({s.name: list(s.inputs) for s in pipeline.stages})
     if cycle:

@@ -41,6 +41,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
+from omni_contract.edges import STREAM
 from omni_contract.ports import ENDPOINT_PORT
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
@@ -82,6 +83,7 @@ class Edge:
     source: str
     target: str
     timeout_s: float
+    streamed: bool = False  # fed as a stream (omni_contract.edges): what a message calls it
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointC
         if not isinstance(edge, Mapping):
             raise EndpointConfigError(f"endpoint.edges[{i}] must be a mapping")
         edges.append(Edge(text(edge, "from", where), text(edge, "to", where),
-                          seconds(edge.get("timeoutSeconds"), f"{where}timeoutSeconds")))
+                          seconds(edge.get("timeoutSeconds"), f"{where}timeoutSeconds"),
+                          streamed=edge.get("mode") == STREAM))
     timeout = seconds(raw.get("requestTimeoutSeconds", DEFAULT_REQUEST_TIMEOUT_S),
                       "endpoint.requestTimeoutSeconds")
     urls = {}
@@ -425,9 +428,10 @@ class PipelineEndpoint:
                                       f"within {config.request_timeout_s:g}s", 504) from None
                 for target, (due, edge) in list(pending.expected.items()):
                     if now >= due:
-                        raise StageFailed(target, f"did not take the hand-off of request "
+                        what = "stream" if edge.streamed else "hand-off"
+                        raise StageFailed(target, f"did not take the {what} of request "
                                           f"{pending.id} from stage {edge.source} within "
-                                          f"{edge.timeout_s:g}s (its transfer deadline)",
+                                          f"{edge.timeout_s:g}s (the edge's transfer deadline)",
                                           504) from None
                 continue
             kind = event["event"]

@@ -216,3 +216,13 @@ def test_connections_to_the_first_stage_are_not_kept_past_vllms_keep_alive():
 
     assert asyncio.run(session_keepalive()) == ENTRY_KEEPALIVE_S
     assert ENTRY_KEEPALIVE_S < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+
+
+def test_the_endpoint_knows_which_edges_stream():
+    """A missed take names what was not taken: a stream or a hand-off (a fault run saw a
+    streamed edge's reported as a hand-off)."""
+    config = parse_endpoint_config("p", "m", {
+        "entry": {"stage": "a", "url": "http://127.0.0.1:1"}, "sink": "c", "advertise": "http://127.0.0.1:2",
+        "edges": [{"from": "a", "to": "b", "timeoutSeconds": 10, "mode": "stream", "stream": {}},
+                  {"from": "b", "to": "c", "timeoutSeconds": 10}]})
+    assert [(e.target, e.streamed) for e in config.edges] == [("b", True), ("c", False)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from omni_operator.check.admission import admit, report_of
 from omni_operator.check.documents import Document, DocumentError, iter_files, load_documents, read_text
@@ -208,24 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds, at least 0")
-    return value
+def _number(low: float, high: float, what: str) -> Callable[[str], float]:
+    """An argument type: a number within [low, high], or a usage error saying what it takes."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+    return parse
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a share between 0 and 1 (0.05: 5%)")
-    return value
+_non_negative = _number(0, sys.float_info.max, "a number of seconds, at least 0")
+_ratio = _number(0, 1, "a share between 0 and 1 (0.05: 5%)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ The oldest wait is a unix timestamp, 0 when none waits: stalled is
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ from omni_runtime.transfers.streams import (
     _Streams,
 )
 
+logger = logging.getLogger(__name__)
+
 #: Seconds buckets of the chunk hop and gap: a chunk's hop is milliseconds, a gap a few
 #: decode steps; the deadlines' own values are added.
 HOP_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -70,23 +73,19 @@ class _Edge:
 class _Families:
     """The registered (unbound) stream families of one registry."""
 
-    def __init__(self, registry: CollectorRegistry | None, deadline: float | None) -> None:
-        self.registry, self.deadline = registry, deadline
+    def __init__(self, registry: CollectorRegistry | None, deadlines: tuple[float | None, float | None]
+                 ) -> None:
+        self.registry, self.deadlines = registry, deadlines
+        first_chunk, gap = deadlines
         self.streams = register(STREAMS, registry)
         self.oldest = register(STREAM_OLDEST_WAIT, registry)
         self.chunks = register(STREAM_CHUNKS, registry)
         self.resolved = register(STREAMS_RESOLVED, registry)
-        self.first = register(STREAM_FIRST_CHUNK, registry, duration_buckets(deadline))
-        buckets = tuple(sorted(set(HOP_BUCKETS) | ({float(deadline)} if deadline else set())))
+        self.first = register(STREAM_FIRST_CHUNK, registry, duration_buckets(first_chunk))
+        buckets = tuple(sorted(set(HOP_BUCKETS) | ({float(gap)} if gap else set())))
         self.hop = register(STREAM_CHUNK_HOP, registry, buckets)
         self.gap = register(STREAM_CHUNK_GAP, registry, buckets)
         self.credit = register(STREAM_CREDIT_EXHAUSTED, registry)
-
-    def unregister(self) -> None:
-        if self.registry is not None:
-            for collector in (self.streams, self.oldest, self.chunks, self.resolved,
-                              self.first, self.hop, self.gap, self.credit):
-                self.registry.unregister(collector)
 
 
 # Process-wide per registry, as the transfer families (metrics.py): a second stream ledger in
@@ -94,15 +93,20 @@ class _Families:
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
 
 
-def _families_for(registry: CollectorRegistry | None, deadline: float | None) -> _Families:
+def _families_for(registry: CollectorRegistry | None,
+                  deadlines: tuple[float | None, float | None]) -> _Families:
+    """The registry's families, registered with the buckets of the first deadlines asked for.
+    A later ledger with other deadlines (a stage that both consumes and produces streams, its
+    engine in-process) writes to the same families: re-registering them would leave the
+    earlier one's series writing nowhere; its deadlines then have no bucket of their own."""
     if registry is None:
-        return _Families(None, deadline)
+        return _Families(None, deadlines)
     families = _families.get(registry)
-    if families is not None and families.deadline != deadline:
-        families.unregister()  # another deadline: other histogram buckets
-        families = None
     if families is None:
-        families = _families[registry] = _Families(registry, deadline)
+        families = _families[registry] = _Families(registry, deadlines)
+    elif families.deadlines != deadlines:
+        logger.info("KV stream metrics keep the histogram buckets of deadlines %s (first chunk, "
+                    "gap); %s get none of their own", families.deadlines, deadlines)
     return families
 
 
@@ -115,8 +119,9 @@ class StreamMetrics(StreamObserver):
     def __init__(self, stage: str, model_name: str, registry: CollectorRegistry | None, *,
                  to_stages: Mapping[str, StreamSettings] = MappingProxyType({}),
                  from_stages: Mapping[str, StreamSettings] = MappingProxyType({})) -> None:
-        gaps = [s.gap_seconds for s in (*to_stages.values(), *from_stages.values())]
-        f = _families_for(registry, max(gaps, default=None))
+        edges = (*to_stages.values(), *from_stages.values())
+        f = _families_for(registry, (max((s.first_chunk_seconds for s in edges), default=None),
+                                     max((s.gap_seconds for s in edges), default=None)))
         self.streams, self.oldest, self.chunks, self.resolved = (
             f.streams, f.oldest, f.chunks, f.resolved)
         self.first, self.hop, self.gap, self.credit = f.first, f.hop, f.gap, f.credit
@@ -139,9 +144,10 @@ class StreamMetrics(StreamObserver):
         edge.chunks[outcome].inc()
         if outcome is not ChunkOutcome.ACKED:
             return
-        if chunk.seq == 0:
-            edge.first.observe(max(0.0, now - stream.opened_at))
-        if isinstance(end, ConsumerStreams):
+        if isinstance(end, ProducerStreams):
+            if chunk.seq == 0:  # the producer opened the stream at its request's start
+                edge.first.observe(max(0.0, now - stream.opened_at))
+        else:
             edge.hop.observe(max(0.0, time.time() - chunk.produced_at))
             if chunk.gap is not None:
                 edge.gap.observe(chunk.gap)

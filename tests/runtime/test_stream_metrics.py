@@ -75,6 +75,32 @@ def test_a_stage_between_two_streamed_edges_exports_both_ends_of_every_family():
     # Out of credit 0 -> 2.0 (chunk 1 behind chunk 0), then 2.0 -> 2.1 (the last behind 1).
     assert abs(value(samples, "omni_kv_stream_credit_exhausted_seconds_total", **down) - 2.1) < 1e-6
     assert value(samples, "omni_kv_stream_first_chunk_seconds_count", **down) == 1
+    # Measured where the stream opens with its request (the producer): a consumer's stream
+    # opens at its first chunk, and its ~0 s would drag the edge's quantiles down.
+    assert value(samples, "omni_kv_stream_first_chunk_seconds_count", **up) == 0
     for state in ("open", "held"):
         assert value(samples, "omni_kv_streams", **down, state=state) == 0
     assert value(samples, "omni_kv_stream_oldest_wait_start_timestamp_seconds", **up) == 0
+
+
+def test_two_ledgers_of_other_deadlines_in_one_registry_both_keep_their_series():
+    """A stage that consumes and produces streams, its engine in-process, makes two
+    StreamMetrics on one registry with other deadlines: the second once re-registered the
+    families, and the first's series then wrote nowhere (an outside review)."""
+    registry = CollectorRegistry()
+    producing = StreamMetrics("talker", "m", registry, to_stages={"code2wav": StreamSettings(gap_seconds=10)})
+    consuming = StreamMetrics("talker", "m", registry, from_stages={"thinker": StreamSettings(gap_seconds=20)})
+    producer, consumer = ProducerStreams(), ConsumerStreams()
+    producer.add_observer(producing)
+    consumer.add_observer(consuming)
+    t0 = time.monotonic()
+    out = producer.open("r", "code2wav", S, t0)
+    producer.cut(out, 6, False, t0, time.time())
+    producing.refresh(producer, now=t0 + 1.0)
+    consumer.arrive("r", "thinker", 0, False, time.time(), S, t0)
+    consuming.refresh(consumer, now=t0 + 1.0)
+    samples = scrape(registry)
+    down = dict(stage="talker", model_name="m", from_stage="talker", to_stage="code2wav")
+    up = dict(stage="talker", model_name="m", from_stage="thinker", to_stage="talker")
+    assert value(samples, "omni_kv_streams", **down, state="open") == 1
+    assert value(samples, "omni_kv_streams", **up, state="open") == 1

@@ -10,7 +10,7 @@ new format rolls out as a new revision whose senders only ever reach receivers o
 revision: both read the version here.
 
 ``REJECT_CODES`` is the receiver's answer to a transfer it refuses, and the ``reason`` label
-of its metrics (``omni_kv_receive_rejected_total``): a bounded enum, stated once.
+of its metrics (``omni_kv_receiver_rejected_total``): a bounded enum, stated once.
 """
 
 #: 3: the compatibility fields name the sender's pipeline revision (``Compat.revision``).

@@ -60,6 +60,12 @@ HOLD_DURATION = Family("omni_kv_hold_duration_seconds", "histogram", STAGE_LABEL
 TRANSFER_BYTES = Family("omni_kv_transfer_bytes", "histogram", STAGE_LABELS,
                         "Payload size of delivered KV transfers (observed by the omni KV "
                         "connector's worker side).")
+#: Measured only on vLLM's connector-stats path (omni_runtime/kv/stats.py), with vLLM's own
+#: labels (``model_name``, ``engine``) before the edge's and the outcome.
+HANDOFF_ANSWER_DURATION = Family("omni_kv_handoff_answer_duration_seconds", "histogram",
+                                 ("model_name", "engine", "stage", "to_stage", "outcome"),
+                                 "Time from handing a KV transfer to the omni KV connector to its "
+                                 "answer (ack or failure), as the connector measured it.")
 LEDGER_FAMILIES: tuple[Family, ...] = (TRANSFERS, HELD_BLOCKS, OLDEST_START, STARTED, RESOLVED,
                                        DURATION, HOLD_DURATION, TRANSFER_BYTES)
 
@@ -107,8 +113,9 @@ RECEIVER_BUFFERED_PAYLOADS = Family("omni_kv_receiver_buffered_payloads", "gauge
 RECEIVER_BUFFERED_BYTES = Family("omni_kv_receiver_buffered_bytes", "gauge", STAGE_LABELS,
                                  "Bytes of KV payloads stored in the inbox, not yet consumed.")
 RECEIVER_EVICTED = Family("omni_kv_receiver_evicted_total", "counter", STAGE_LABELS + ("reason",),
-                          "Stored KV payloads dropped unconsumed: expired (TTL) or replaced "
-                          "(same request).")
+                          "Stored KV payloads dropped unconsumed: expired (TTL), replaced "
+                          "(same request) or abandoned (a tensor-parallel attempt another of "
+                          "whose shards was refused).")
 RECEIVER_WAIT = Family("omni_kv_receiver_wait_seconds", "histogram", STAGE_LABELS + ("outcome",),
                        "Time a consumer waited in inbox.get(), by outcome (found, timeout).")
 RECEIVER_FAMILIES: tuple[Family, ...] = (RECEIVED, RECEIVER_REJECTED, RECEIVED_BYTES,

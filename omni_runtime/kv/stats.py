@@ -61,7 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from omni_contract.metrics import RESOLVED, STREAM_CHUNKS, STREAMS_RESOLVED, TRANSFER_BYTES
+from omni_contract.metrics import (HANDOFF_ANSWER_DURATION, RESOLVED, STREAM_CHUNKS, STREAMS_RESOLVED,
+                                   TRANSFER_BYTES)
 from omni_runtime.observability.metrics import BYTES_BUCKETS, OUTCOMES, duration_buckets
 from omni_runtime.observability.multiproc import MULTIPROC_ENV
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
@@ -89,7 +90,7 @@ RESOLVED_FAMILY = RESOLVED.name
 BYTES_FAMILY = TRANSFER_BYTES.name
 #: Only this path measures it: the contract's omni_kv_transfer_duration_seconds is marking to
 #: resolution (the scheduler's ledger); this is hand-off to the connector's answer.
-HANDOFF_FAMILY = "omni_kv_handoff_answer_duration_seconds"
+HANDOFF_FAMILY = HANDOFF_ANSWER_DURATION.name
 #: The labels this path adds to vLLM's (``model_name``, ``engine``).
 EXTRA_LABELS: tuple[str, ...] = ("stage", "to_stage", "outcome")
 #: The ``to_stage`` value of a destination the configuration does not name (bounded label).
@@ -434,10 +435,10 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
         base = list(labelnames) + ["stage", "to_stage"]
         handoff = self._histogram_cls(
             name=HANDOFF_FAMILY,
-            documentation="Time from handing a KV transfer to the omni KV connector to its "
-            "answer (ack or failure), as the connector measured it.",
+            documentation=HANDOFF_ANSWER_DURATION.help,
             buckets=list(duration_buckets(cfg.timeout_seconds)),
-            labelnames=base + ["outcome"],
+            # vLLM's own labels, then the contract's others (the edge's, the outcome).
+            labelnames=list(labelnames) + [n for n in HANDOFF_ANSWER_DURATION.labels if n not in labelnames],
         )
         created.append(handoff)
         resolved = transfer_bytes = None

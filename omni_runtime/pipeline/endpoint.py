@@ -171,11 +171,12 @@ def _expand(value: str, key: str) -> str:
 
 
 class StageFailed(Exception):
-    """The request failed at a stage: (stage, message, HTTP status for the client)."""
+    """The request failed at a stage: (stage, message, HTTP status for the client, the
+    request's parameter it names, when the stage named one)."""
 
-    def __init__(self, stage: str, message: str, status: int = 502) -> None:
+    def __init__(self, stage: str, message: str, status: int = 502, param: str | None = None) -> None:
         super().__init__(f"stage {stage}: {message}")
-        self.stage, self.message, self.status = stage, message, status
+        self.stage, self.message, self.status, self.param = stage, message, status, param
 
 
 @dataclass(eq=False)
@@ -295,30 +296,33 @@ class PipelineEndpoint:
 
     # ------------------------------------------------------------------ a request
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        given_id = request.headers.get("X-Request-Id")
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            return _error_body(400, "the request body must be a JSON object")
+            return _error_body(400, "the request body must be a JSON object", request_id=given_id)
         if not isinstance(body, dict):
-            return _error_body(400, "the request body must be a JSON object")
-        refused = _refused(body, several_stages=self.config.entry_stage != self.config.sink)
+            return _error_body(400, "the request body must be a JSON object", request_id=given_id)
+        refused = _refused(body, kind, several_stages=self.config.entry_stage != self.config.sink)
         if refused is not None:
-            return _error_body(400, refused[1], param=refused[0])
-        request_id = request.headers.get("X-Request-Id") or f"omni-{uuid.uuid4().hex}"
+            return _error_body(400, refused[1], param=refused[0], request_id=given_id)
+        request_id = given_id or f"omni-{uuid.uuid4().hex}"
         if request_id in self._requests:
-            return _error_body(409, f"a request with X-Request-Id {request_id} is in flight")
+            return _error_body(409, f"a request with X-Request-Id {request_id} is in flight",
+                               request_id=request_id)
         stream = bool(_as_vllm_reads(_BOOL, body.get("stream")))
+        options = body.get("stream_options")
+        include_usage = stream and isinstance(options, dict) and bool(
+            _as_vllm_reads(_BOOL, options.get("include_usage")))
         pending = self._requests[request_id] = _Request(request_id)
         pending.timings[self.config.entry_stage] = {"sent_at": time.time()}
         span, headers = self._start_span(request, request_id)
         writer = _Writer(request, kind, request_id, body.get("model") or self.config.model_name,
-                         stream)
+                         stream, include_usage)
         entry = asyncio.get_running_loop().create_task(
             self._call_entry(pending, kind, body, headers))
         ended = "the request ended at the pipeline endpoint"
         try:
-            if stream and self.config.entry_stage != self.config.sink:
-                await writer.start()  # the client's stream begins now, as vLLM's does
             await self._follow(pending, writer, entry)
         except StageFailed as failed:
             logger.warning("pipeline request %s failed: %s", request_id, failed)
@@ -393,8 +397,9 @@ class PipelineEndpoint:
                                           headers=headers) as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:2000]
+                    message, param = _error_of(text)
                     pending.events.put_nowait((stage, {"event": "error", "status": resp.status,
-                                                       "message": _error_message(text)}))
+                                                       "message": message, "param": param}))
                     return
                 if sink:  # a one-stage pipeline: its answer is the client's, as it comes
                     proxied = asyncio.Event()
@@ -436,8 +441,10 @@ class PipelineEndpoint:
                 continue
             kind = event["event"]
             if kind == "error":
+                param = event.get("param")
                 raise StageFailed(stage, str(event.get("message") or "failed"),
-                                  int(event.get("status") or 502))
+                                  int(event.get("status") or 502),
+                                  param if isinstance(param, str) else None)
             if kind == "lost":
                 raise StageFailed(stage, f"lost request {pending.id} (its link to the "
                                   "pipeline endpoint closed before it finished)")
@@ -445,6 +452,10 @@ class PipelineEndpoint:
             if kind == "taken":
                 pending.taken.add(stage)
                 pending.expected.pop(stage, None)
+                # A stage past the first holds the request: the pipeline took it, and a
+                # client's stream begins (what the first stage refuses before this is
+                # answered with its own status, as vLLM answers a request it refuses).
+                await writer.accepted()
             elif kind == "proxy":
                 try:
                     await writer.proxy(event["response"])
@@ -548,9 +559,13 @@ class _Writer:
     """The client's answer, OpenAI-shaped: one JSON object, or server-sent events."""
 
     def __init__(self, request: web.Request, kind: str, request_id: str, model: str,
-                 stream: bool) -> None:
+                 stream: bool, include_usage: bool = False) -> None:
         self._request = request
         self._chat = kind == "chat"
+        #: A stream's usage: only with stream_options.include_usage, in a last chunk of its
+        #: own with no choices (as vLLM and OpenAI send it); a whole answer always has it.
+        self._include_usage = include_usage
+        self._role_said = False
         self._id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
         self._request_id = request_id
         self._model = model
@@ -562,6 +577,11 @@ class _Writer:
 
     def _headers(self) -> dict[str, str]:
         return {"X-Request-Id": self._request_id}
+
+    async def accepted(self) -> None:
+        """The pipeline took the request: a stream begins now."""
+        if self._stream:
+            await self.start()
 
     async def start(self) -> None:
         """Begin the server-sent events (the response's headers)."""
@@ -579,8 +599,11 @@ class _Writer:
     def _choice(self, text: str, token_ids: list[int], finish: str | None,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
         if self._chat:
-            body = {"delta" if self._stream else "message": {"role": "assistant",
-                                                             "content": text}}
+            message = {"content": text}
+            if not (self._stream and self._role_said):  # a stream says the role once
+                message = {"role": "assistant", **message}
+                self._role_said = True
+            body = {"delta" if self._stream else "message": message}
         else:
             body = {"text": text, "logprobs": None}
         return {"index": 0, **body, "finish_reason": finish, "token_ids": token_ids,
@@ -609,7 +632,10 @@ class _Writer:
     async def done(self, finish_reason: str | None, usage: Any,
                    timings: dict[str, Any]) -> None:
         if self._stream:
-            await self._sse(self._object(self._choice("", [], finish_reason), usage, timings))
+            await self._sse(self._object(self._choice("", [], finish_reason), None, timings))
+            if self._include_usage and usage is not None:
+                await self._sse({**self._object(self._choice("", [], None)), "choices": [],
+                                 "usage": usage})
             await self._sse("[DONE]")
             await self.response.write_eof()
             return
@@ -641,7 +667,7 @@ class _Writer:
 
     async def error(self, failed: StageFailed) -> None:
         body = {"error": {"message": str(failed), "type": "omni_stage_error",
-                          "code": failed.status, "param": None, "stage": failed.stage}}
+                          "code": failed.status, "param": failed.param, "stage": failed.stage}}
         if self.response is not None and self.response.prepared:
             try:  # the events have begun: the error is the stream's last event
                 await self._sse(body)
@@ -658,9 +684,11 @@ def _error(failed: StageFailed) -> web.Response:
                                          "stage": failed.stage}}, status=failed.status)
 
 
-def _error_body(status: int, message: str, param: str | None = None) -> web.Response:
+def _error_body(status: int, message: str, param: str | None = None,
+                request_id: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error",
-                                         "code": status, "param": param}}, status=status)
+                                         "code": status, "param": param}}, status=status,
+                             headers={"X-Request-Id": request_id} if request_id else None)
 
 
 def _as_vllm_reads(adapter: TypeAdapter, value: Any) -> Any:
@@ -674,18 +702,22 @@ def _as_vllm_reads(adapter: TypeAdapter, value: Any) -> Any:
         return None
 
 
-def _refused(body: Mapping[str, Any], several_stages: bool) -> tuple[str, str] | None:
+def _refused(body: Mapping[str, Any], kind: str, several_stages: bool) -> tuple[str, str] | None:
     """(the parameter, why) where the endpoint refuses a request before any stage holds it;
     None when it takes it. What the endpoint itself reads must read as vLLM reads it:
-    ``stream`` a boolean, ``kv_transfer_params`` an object (the endpoint adds the request's
-    origin to it). Then, in a pipeline of several stages, :func:`_refused_past_one_stage`."""
+    ``stream`` a boolean, ``stream_options`` only with a stream (vLLM's rule: the endpoint
+    asks the first stage without one, so it checks it here), ``kv_transfer_params`` an object
+    (the endpoint adds the request's origin to it). Then, in a pipeline of several stages,
+    :func:`_refused_past_one_stage`."""
     if body.get("stream") is not None and _as_vllm_reads(_BOOL, body["stream"]) is None:
         return "stream", f"stream must be true or false, got {body['stream']!r}"
+    if body.get("stream_options") is not None and not _as_vllm_reads(_BOOL, body.get("stream")):
+        return "stream_options", "Stream options can only be defined when stream=True."
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         return "kv_transfer_params", ("kv_transfer_params must be a JSON object (or left out), "
                                       f"got a JSON {_json_type(params)}")
-    return _refused_past_one_stage(body) if several_stages else None
+    return _refused_past_one_stage(body, kind) if several_stages else None
 
 
 def _json_type(value: Any) -> str:
@@ -693,7 +725,15 @@ def _json_type(value: Any) -> str:
             float: "number"}.get(type(value), type(value).__name__)
 
 
-def _refused_past_one_stage(body: Mapping[str, Any]) -> tuple[str, str] | None:
+#: What a client may ask of the answer's tokens that only the stage sampling them gives,
+#: per kind of request: the pipeline's answer is its last stage's, sampled with that stage's
+#: own parameters (its input.samplingParams), and the request's go to the first stage only.
+_OF_THE_ANSWER = {"completion": ("logprobs", "echo", "prompt_logprobs"),
+                  "chat": ("logprobs", "top_logprobs", "prompt_logprobs", "echo")}
+
+
+def _refused_past_one_stage(body: Mapping[str, Any], kind: str = "completion"
+                            ) -> tuple[str, str] | None:
     """(the parameter, why) where a request's parameters cannot go past the first stage of a
     pipeline of several; None when they can. Refused here, before any stage holds it:
     - stop strings: vLLM's API server ends a request on one by aborting it in the engine, so
@@ -712,6 +752,13 @@ def _refused_past_one_stage(body: Mapping[str, Any]) -> tuple[str, str] | None:
         if value is not None and value > 1:
             return key, (f"{key}={value}: a pipeline request carries one output from stage to "
                          f"stage; send {value} requests instead")
+    for key in _OF_THE_ANSWER[kind]:
+        value = body.get(key)
+        if value is not None and value is not False:
+            return key, (f"{key}: a pipeline's answer is its last stage's output, sampled with that "
+                         "stage's own parameters (input.samplingParams); the request's reach its "
+                         "first stage only, so what it asks of the answer's tokens cannot be given; "
+                         "leave it out")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, (str, list)) for p in prompt):
@@ -720,16 +767,17 @@ def _refused_past_one_stage(body: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _error_message(text: str) -> str:
-    """An OpenAI-style error body's message, or the text."""
+def _error_of(text: str) -> tuple[str, str | None]:
+    """An OpenAI-style error body's (message, param), or (the text, None)."""
     try:
         body = json.loads(text)
-        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
-        if isinstance(message, str):
-            return message
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            param = error.get("param")
+            return error["message"], param if isinstance(param, str) else None
     except ValueError:
         pass
-    return text.strip() or "no answer"
+    return text.strip() or "no answer", None
 
 
 def run(config: EndpointConfig, host: str, port: int) -> int:

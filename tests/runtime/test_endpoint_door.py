@@ -14,6 +14,7 @@ with ``"stream": true`` was refused by the thinker, which the endpoint asks with
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -226,3 +227,71 @@ def test_the_endpoint_knows_which_edges_stream():
         "edges": [{"from": "a", "to": "b", "timeoutSeconds": 10, "mode": "stream", "stream": {}},
                   {"from": "b", "to": "c", "timeoutSeconds": 10}]})
     assert [(e.target, e.streamed) for e in config.edges] == [("b", True), ("c", False)]
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_what_only_the_answers_own_stage_could_give_is_refused_naming_it(kind, body, param):
+    """A pipeline's answer is its last stage's output, sampled with that stage's parameters:
+    logprobs or an echo asked of it went to the first stage only and came back silently
+    absent (an outside review with the openai client); stream_options without a stream is
+    vLLM's own 400, which the first stage, asked without a stream, never saw."""
+    request = {"model": "m", "max_tokens": 2, **body}
+    request.update({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": [1]})
+    sent = [request]
+    [(status, answer)] = asyncio.run(_through(sent, kind="chat" if kind == "chat" else "completions"))
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert sent == []
+
+
+def test_a_streamed_request_the_first_stage_refuses_is_its_plain_error():
+    """The client's stream begins once a stage past the first holds the request: a refusal
+    by the first stage is an HTTP error with its status (the openai client raises
+    BadRequestError), not a 200 whose one event is the error."""
+    async def refusing(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "max_tokens is too large", "type": "BadRequestError",
+                                            "param": "max_tokens", "code": 400}}, status=400)
+
+    async def go():
+        async with endpoint_before(refusing) as front_url, aiohttp.ClientSession() as session:
+            async with session.post(front_url + "/v1/completions", headers={"X-Request-Id": "r-1"}, json={
+                    "model": "m", "prompt": [1], "max_tokens": 10 ** 6, "stream": True}) as resp:
+                return resp.status, resp.content_type, await resp.json(), resp.headers.get("X-Request-Id")
+
+    status, content_type, answer, request_id = asyncio.run(go())
+    assert (status, content_type, request_id) == (400, "application/json", "r-1")
+    assert "max_tokens is too large" in answer["error"]["message"]
+    assert answer["error"]["param"] == "max_tokens"  # the stage's, kept
+
+
+def test_a_stream_has_usage_only_when_asked_in_a_last_chunk_and_says_the_role_once():
+    async def go(options):
+        sent = [{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                 "stream": True, **options}]
+        [(status, text)] = await _through(sent, kind="chat")
+        assert status == 200, text
+        return [json.loads(line[6:]) for line in text.splitlines()
+                if line.startswith("data: {")], text
+
+    plain, text = asyncio.run(go({}))
+    assert text.rstrip().endswith("data: [DONE]")
+    assert not any("usage" in c for c in plain)
+    assert [c["choices"][0]["delta"].get("role") for c in plain] == ["assistant"] + [None] * (len(plain) - 1)
+    asked, _ = asyncio.run(go({"stream_options": {"include_usage": True}}))
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"] == DONE["usage"]
+    assert not any("usage" in c for c in asked[:-1])
+
+
+def test_a_refusal_at_the_door_echoes_the_clients_request_id():
+    async def go():
+        async with endpoint_before(lambda r: None) as front_url, aiohttp.ClientSession() as session:
+            async with session.post(front_url + "/v1/completions", headers={"X-Request-Id": "mine-1"},
+                                    json={"model": "m", "prompt": [1], "n": 2}) as resp:
+                return resp.status, resp.headers.get("X-Request-Id")
+
+    assert asyncio.run(go()) == (400, "mine-1")

@@ -288,8 +288,11 @@ def test_a_stream_has_usage_only_when_asked_in_a_last_chunk_and_says_the_role_on
 
 
 def test_a_refusal_at_the_door_echoes_the_clients_request_id():
+    async def never_asked(request: web.Request) -> web.Response:
+        raise AssertionError("the first stage was asked")
+
     async def go():
-        async with endpoint_before(lambda r: None) as front_url, aiohttp.ClientSession() as session:
+        async with endpoint_before(never_asked) as front_url, aiohttp.ClientSession() as session:
             async with session.post(front_url + "/v1/completions", headers={"X-Request-Id": "mine-1"},
                                     json={"model": "m", "prompt": [1], "n": 2}) as resp:
                 return resp.status, resp.headers.get("X-Request-Id")

@@ -248,7 +248,7 @@ count by (namespace, pipeline) ({m.KV_TRANSFERS})
 
 def operator_rules(cfg: Config) -> list[dict[str, Any]]:
     expr = f"""
-sum by (namespace, pod) (increase({m.OPERATOR_RECONCILES}{{result=~"error|rejected"}}[{cfg.reconcile_error_window}]))
+sum by (namespace, pod) (increase({m.OPERATOR_RECONCILES}{{{m.FAILED_RECONCILES}}}[{cfg.reconcile_error_window}]))
   > 0
 """
     return [

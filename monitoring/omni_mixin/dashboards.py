@@ -24,12 +24,13 @@ def _variables(metric: str, matchers: str = "") -> list[dict[str, Any]]:
 
 
 def _quantiles(histogram: str, by: str, extra: str = "") -> list[tuple[str, str]]:
+    # By pipeline too, as every other panel: two pipelines' stages of one name stay apart.
     matchers = SEL + (", " + extra if extra else "")
     return [
         (
-            f"histogram_quantile({q}, sum by (le, {by}) "
+            f"histogram_quantile({q}, sum by (le, pipeline, {by}) "
             f"(rate({histogram}_bucket{{{matchers}}}[{RATE}])))",
-            f"p{int(q * 100)} {{{{{by}}}}}",
+            f"p{int(q * 100)} {{{{pipeline}}}}/{{{{{by}}}}}",
         )
         for q in (0.5, 0.95, 0.99)
     ]
@@ -450,11 +451,12 @@ def pipelines(cfg: Config = Config()) -> dict[str, Any]:
                 ),
                 Panel(
                     "Reconcile errors",
-                    "Reconciles per second that failed (API errors, retried) or whose child the "
-                    "API server refused (reported once per resync until the spec changes); "
+                    "Reconciles per second that failed (API errors, retried), whose child the "
+                    "API server refused, or whose child's name another object holds (reported "
+                    "once per resync until it changes); "
                     "OmniOperatorReconcileErrors fires when this stays above zero.",
                     [(
-                        f'sum by (namespace, pod) (rate({m.OPERATOR_RECONCILES}{{result=~"error|rejected"}}[{RATE}]))',
+                        f'sum by (namespace, pod) (rate({m.OPERATOR_RECONCILES}{{{m.FAILED_RECONCILES}}}[{RATE}]))',
                         "{{namespace}}/{{pod}}",
                     )],
                     unit="ops",

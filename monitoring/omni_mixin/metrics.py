@@ -45,6 +45,10 @@ KV_STREAM_CREDIT_EXHAUSTED = contract.STREAM_CREDIT_EXHAUSTED.name  # counter, s
 
 # Operator metrics.
 OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result
+#: The results of a reconcile that failed or left its pipeline unapplied (not "invalid": a
+#: spec the user must fix, reported in its status), as a PromQL regex.
+FAILED_RECONCILES = 'result=~"error|rejected|conflict"'
+
 
 # vLLM's own metrics on the same /metrics page.
 VLLM_REQUESTS_RUNNING = "vllm:num_requests_running"

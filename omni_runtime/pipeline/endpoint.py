@@ -243,7 +243,9 @@ class PipelineEndpoint:
                 return web.Response(body=await resp.read(), status=resp.status,
                                     content_type="application/json")
         except (aiohttp.ClientError, OSError) as exc:
-            return _error(StageFailed(self.config.entry_stage, f"unreachable: {exc}"))
+            logger.warning("GET /v1/models: stage %s unreachable: %s", self.config.entry_stage, exc)
+            return _error(StageFailed(self.config.entry_stage,
+                                      f"unreachable ({type(exc).__name__}; the endpoint's log has the cause)"))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completion")
@@ -377,8 +379,8 @@ class PipelineEndpoint:
         except Exception as exc:  # a bug here: this request alone fails, and says so
             logger.exception("pipeline request %s: asking stage %s failed", pending.id, stage)
             pending.events.put_nowait((stage, {"event": "error", "status": 500, "message":
-                                               f"the pipeline endpoint failed to ask it: "
-                                               f"{type(exc).__name__}: {exc}"}))
+                                               f"the pipeline endpoint failed to ask it "
+                                               f"({type(exc).__name__}; its log has the cause)"}))
 
     async def _ask_entry(self, pending: _Request, kind: str, body: dict[str, Any],
                          headers: dict[str, str]) -> None:
@@ -409,8 +411,12 @@ class PipelineEndpoint:
                     return
                 answer = await resp.json()
         except (aiohttp.ClientError, OSError, ValueError) as exc:
+            # The cause (which may name the stage's address) goes to the log, not the client.
+            logger.warning("pipeline request %s: stage %s unreachable or broken: %s", pending.id,
+                           stage, exc)
             pending.events.put_nowait((stage, {"event": "error", "message":
-                                               f"unreachable or broken: {exc}"}))
+                                               f"unreachable or broken ({type(exc).__name__}; the "
+                                               "endpoint's log has the cause)"}))
             return
         choice = (answer.get("choices") or [{}])[0]
         pending.events.put_nowait((stage, {"event": "finished",

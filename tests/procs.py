@@ -96,15 +96,18 @@ def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes, dict[str, str
         return err.code, err.read(), dict(err.headers)
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.2,
+def wait_until(predicate, timeout: float, what, interval: float = 0.2,
                proc: subprocess.Popen | None = None, log: Path | None = None):
     """Poll ``predicate`` until it returns a truthy value (returned) or time runs out; with
-    ``proc``, fail at once (with the end of ``log``) if that process exits meanwhile."""
+    ``proc``, fail at once (with the end of ``log``) if that process exits meanwhile.
+    ``what``: a string, or a callable made into one when the wait fails (a process's output
+    as it is then, not as it was when the wait began)."""
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace")[-4000:] if log else ""
+            what = what() if callable(what) else what
             raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}\n{tail}")
         try:
             value = predicate()
@@ -113,6 +116,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2,
         except Exception as exc:  # not up yet
             last_error = exc
         time.sleep(interval)  # polling interval between condition checks
+    what = what() if callable(what) else what
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 

@@ -243,6 +243,21 @@ def test_the_ports_up_picks_lie_below_the_kernels_ephemeral_range_and_are_free()
             s.bind(("127.0.0.1", port))  # free: the pick held nothing open
 
 
+def test_a_port_is_never_handed_out_twice(monkeypatch):
+    """Each pick is free when made and bound by its stage a moment later: the same pick twice
+    gave a stage's HTTP server and its KV receiver one port, and `up` waited for an HTTP
+    server that was a ZeroMQ socket (seen once under make test's load)."""
+    import random
+
+    from omni_operator.local import run
+
+    first, _ = run._ephemeral_ports()
+    draws = iter([first - 7, first - 7, first - 7, first - 9])
+    monkeypatch.setattr(random, "randrange", lambda low, high: next(draws))
+    monkeypatch.setattr(run, "_HANDED_OUT", type(run._HANDED_OUT)())
+    assert [run.free_port("127.0.0.1"), run.free_port("127.0.0.1")] == [first - 7, first - 9]
+
+
 # ---------------------------------------------------------------------------- up --streaming
 # (the processes: tests/runtime/test_local_up.py, the streamed example's test)
 

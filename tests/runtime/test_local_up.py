@@ -65,7 +65,7 @@ def test_up_runs_the_tiny_pipeline_and_ctrl_c_stops_every_stage(tmp_path):
     try:
         text = lambda: "".join(lines)  # noqa: E731
         wait_until(lambda: re.search(r"^ar\s+ar\s+yes\s+0/0/0\s+2\s+0", text(), re.M), 300,
-                   f"the table to show 2 deliveries; output so far:\n{text()}" )
+                   lambda: f"the table to show 2 deliveries; output so far:\n{text()}" )
         out = text()
         assert out.count("KV arrived at stage receiver") == 1
         assert len(re.findall(r"^  cmpl-\S+: seq_len=\d+ float32\[2, 2, 2, \d+, 32\]", out, re.M)) == 2
@@ -144,7 +144,7 @@ def test_up_runs_the_tiny_chain_behind_its_one_endpoint(tmp_path):
 
     with demo_up("tiny-chain.yaml", tmp_path) as (proc, text, marker):
         wait_until(lambda: re.search(r"^request 0: .* at stage vocoder, from talker$", text(), re.M),
-                   300, f"the demo request's answer; output so far:\n{text()}")
+                   300, lambda: f"the demo request's answer; output so far:\n{text()}")
         endpoint = re.search(r"the pipeline's endpoint \(OpenAI API\): (\S+) \(ready\)", text()).group(1)
         thinker = re.search(r"^thinker\s+ar\s+.*(http://\S+)/metrics", text(), re.M).group(1)
         prompt = [31, 32, 33, 34]
@@ -179,10 +179,10 @@ def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes
             proc, text, marker):
         wait_until(lambda: re.search(r"^request 0: .* in \d+ streamed chunks at stage vocoder, "
                                      r"from talker$", text(), re.M),
-                   300, f"the demo request's answer; output so far:\n{text()}")
+                   300, lambda: f"the demo request's answer; output so far:\n{text()}")
         # The comparison: the same request through the same pipeline fed whole.
         wait_until(lambda: "streamed, the first output came" in text(), 420,
-                   f"both modes' first output's times; output so far:\n{text()}")
+                   lambda: f"both modes' first output's times; output so far:\n{text()}")
         out = text()
         assert re.search(r"^whole: request 0: .* and their KV .* at stage vocoder, from talker$",
                          out, re.M), out

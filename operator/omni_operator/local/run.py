@@ -52,24 +52,44 @@ STARTUP_TIMEOUT_S = 600.0
 # ---------------------------------------------------------------------------- up
 
 
+#: The ports free_port handed out in this process, most recent last: none is handed out
+#: twice while it may not be bound yet (each is free when picked, and a stage binds it a
+#: moment later: two picks could be the same port, and a stage's HTTP server and its KV
+#: receiver once got one port, the HTTP server never reachable).
+_HANDED_OUT: collections.OrderedDict[int, None] = collections.OrderedDict()
+_HANDED_OUT_MAX = 4096
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port(host: str) -> int:
-    """A port free on ``host`` now, for a stage that binds it a moment later: one below the
-    kernel's ephemeral range, which the kernel never hands out by itself (a port 0 would come
-    from that range, where any outgoing connection's local end could take it before the stage
-    binds it: a new revision's receiver once failed so, "Address already in use")."""
+    """A port free on ``host`` now, for a stage that binds it a moment later, and not handed
+    out before by this process: one below the kernel's ephemeral range, which the kernel
+    never hands out by itself (a port 0 would come from that range, where any outgoing
+    connection's local end could take it before the stage binds it: a new revision's
+    receiver once failed so, "Address already in use")."""
     high = _ephemeral_ports()[0]
     low = max(1024, high // 3)
-    for _ in range(256):
-        port = random.randrange(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _PORTS_LOCK:
+        for _ in range(256):
+            port = random.randrange(low, high)
+            if port in _HANDED_OUT:
                 continue
-            return port
-    with socket.socket() as s:  # every try taken: what the kernel gives
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            return _hand_out(port)
+        with socket.socket() as s:  # every try taken: what the kernel gives
+            s.bind((host, 0))
+            return _hand_out(s.getsockname()[1])
+
+
+def _hand_out(port: int) -> int:
+    _HANDED_OUT[port] = None
+    while len(_HANDED_OUT) > _HANDED_OUT_MAX:
+        _HANDED_OUT.popitem(last=False)
+    return port
 
 
 def _ephemeral_ports() -> tuple[int, int]:

@@ -359,11 +359,13 @@ class PipelineEndpoint:
         from opentelemetry.trace import SpanKind, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        from omni_runtime.observability.tracing import ATTR_REQUEST_ID
+
         propagator = TraceContextTextMapPropagator()
         parent = propagator.extract(dict(request.headers))
         span = self._tracer.start_span(
             "omni.pipeline_request", context=parent, kind=SpanKind.SERVER,
-            attributes={"omni.pipeline": self.config.pipeline, "omni.request_id": request_id})
+            attributes={"omni.pipeline": self.config.pipeline, ATTR_REQUEST_ID: request_id})
         propagator.inject(headers, context=set_span_in_context(span, otel_context.get_current()))
         return span, headers
 

@@ -73,3 +73,22 @@ def test_every_example_the_docs_name_exists():
     docs = [REPO / "README.md", REPO / "charts" / "omni-pipeline" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     named = {m for doc in docs for m in re.findall(r"examples/[A-Za-z0-9_.-]+\.ya?ml", doc.read_text())}
     assert named and not [n for n in sorted(named) if not (REPO / n).is_file()]
+
+
+def test_validate_reads_the_standard_input_as_dash(monkeypatch, capsys):
+    """`omni-pipeline validate -` reads the standard input, as `kubectl apply -f -` does (it
+    said "cannot read it: No such file")."""
+    import io as _io
+    import sys as _sys
+
+    from omni_operator.local import cli
+
+    class Stdin:
+        buffer = _io.BytesIO(EXAMPLE.read_bytes())
+
+    monkeypatch.setattr(_sys, "stdin", Stdin)
+    assert cli.main(["validate", "-"]) == 0
+    assert capsys.readouterr().out.startswith("-: document 1 (tiny-chain): valid (3 stages)")
+    Stdin.buffer = _io.BytesIO(b"\x00binary")
+    assert cli.main(["validate", "-"]) == 1
+    assert "-: is not a YAML file" in capsys.readouterr().out

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -316,12 +317,22 @@ class Document:
         return f"document {self.index + 1}{shown}"
 
 
+#: The path that stands for the standard input (as ``kubectl apply -f -``).
+STDIN = Path("-")
+
+
 def read_text(path: Path) -> str:
+    """A file's text (``-``: the standard input's), as the API server would take it."""
     try:
-        size = path.stat().st_size
+        if path == STDIN:
+            data = sys.stdin.buffer.read(MAX_FILE_BYTES + 1)  # one byte more tells it is over
+            size = len(data)
+        else:
+            size = path.stat().st_size
+            data = path.read_bytes() if size <= MAX_FILE_BYTES else b""
         if size > MAX_FILE_BYTES:
-            raise DocumentError(f"is {size} bytes, over the API server's 3 MiB request limit; split it")
-        data = path.read_bytes()
+            shown = f"over {MAX_FILE_BYTES}" if path == STDIN else str(size)
+            raise DocumentError(f"is {shown} bytes, over the API server's 3 MiB request limit; split it")
     except IsADirectoryError:
         raise DocumentError("is a directory with no .yaml, .yml or .json file") from None
     except OSError as exc:

@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-pipeline", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check OmniPipeline files as the API server and the operator would")
-    v.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a YAML file (any number of documents) or a directory")
+    v.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                   help="a YAML file (any number of documents), a directory, or - for the standard input")
     u = sub.add_parser("up", help="run an OmniPipeline's stages as local processes")
     u.add_argument("file", type=Path)
     u.add_argument("--host", default="127.0.0.1")

@@ -129,13 +129,12 @@ def sampling_params_problems(params: Any) -> list[Finding]:
             found.append(Finding(key, f"is not a field of vLLM {t.version}'s SamplingParams"
                                       + (f"; did you mean {close[0]}?" if close else "")))
             continue
-        kinds = t.sampling_fields[key]
-        if kinds is not None and _json_kind(value) not in kinds and not (
-                _json_kind(value) == "integer" and "number" in kinds):
+        kinds, kind = t.sampling_fields[key], json_kind(value)
+        if kinds is not None and kind not in kinds and not (kind == "integer" and "number" in kinds):
             found.append(Finding(key, f"must be {' or '.join(_KIND_WORDS[k] for k in kinds)}, got {_shown(value)}"))
             continue
         bound = t.sampling_bounds.get(key)
-        if bound is None or _json_kind(value) not in ("integer", "number"):
+        if bound is None or kind not in ("integer", "number"):
             continue
         if (bound.get("finite") and not math.isfinite(value)) or not _within(value, bound):
             text = (_range_text(bound) or "any") + (" (a finite number)" if bound.get("finite") else "")
@@ -148,7 +147,9 @@ _KIND_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true o
                "array": "a list", "object": "a map", "null": "null"}
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """The JSON kind of a decoded JSON value: null, boolean, integer, number, string, array or
+    object ("other" for what JSON cannot hold)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -288,7 +288,6 @@ def _confirm_range(info: Any, rule: dict[str, Any], kind: str) -> None:
 
     from pydantic import TypeAdapter, ValidationError
 
-    step = 0.01 if kind == "float" else 1
     adapter = TypeAdapter(Annotated[float if kind == "float" else int, *info.metadata])
 
     def takes(value: float) -> bool:
@@ -298,13 +297,18 @@ def _confirm_range(info: Any, rule: dict[str, Any], kind: str) -> None:
             return False
         return True
 
-    for name in _BOUNDS:
-        if name not in rule:
-            continue
-        b = rule[name]
-        refused, taken = {"gt": (b, b + step), "ge": (b - step, b), "lt": (b, b - step), "le": (b + step, b)}[name]
-        if takes(refused) or not takes(taken):
-            raise SystemExit(f"generate_vllm_args.py: the bound {name} {b} of {rule['owner']} does not hold")
+    _confirm_bounds({k: v for k, v in rule.items() if k in _BOUNDS}, 0.01 if kind == "float" else 1, takes,
+                    rule["owner"])
+
+
+def _confirm_bounds(bounds: dict[str, Any], step: float, takes: Callable[[Any], bool], what: str) -> None:
+    """Each bound holds where ``takes`` says what vLLM takes: the value on its wrong side is
+    refused, the nearest (by ``step``) on its right side taken; ``finite``: NaN is refused."""
+    for key, b in bounds.items():
+        refused, taken = ((float("nan"), None) if key == "finite" else
+                          {"gt": (b, b + step), "ge": (b - step, b), "lt": (b, b - step), "le": (b + step, b)}[key])
+        if takes(refused) or (taken is not None and not takes(taken)):
+            raise SystemExit(f"generate_vllm_args.py: the bound {key} {b} of {what} does not hold")
 
 
 # -- SamplingParams: a stage input's sampling parameters --------------------------------------
@@ -317,10 +321,11 @@ _JSON_KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", 
 def _json_kinds(annotation: Any) -> list[str] | None:
     """The JSON kinds a field of this annotation takes; None when it is not plain JSON (an
     enum, a struct of vLLM's, an array type): such a field is left to vLLM."""
+    import types
     import typing
 
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, __import__("types").UnionType):
+    if origin in (typing.Union, types.UnionType):
         kinds = [_json_kinds(a) for a in typing.get_args(annotation)]
         return None if None in kinds else sorted({k for ks in kinds for k in ks})
     base = origin or annotation
@@ -411,8 +416,6 @@ def _sampling_bound(test: ast.expr) -> tuple[str, dict[str, Any]] | None:
 def _confirm_sampling_bound(params: Any, name: str, bound: dict[str, Any], kinds: list[str] | None) -> None:
     """Each bound holds in vLLM: a value on its wrong side is refused, the nearest on its
     right side taken (whole numbers for an integer field)."""
-    step = 1 if kinds and "number" not in kinds and "integer" in kinds else 0.01
-
     def takes(value: Any) -> bool:
         try:
             params(**{name: value})
@@ -420,11 +423,8 @@ def _confirm_sampling_bound(params: Any, name: str, bound: dict[str, Any], kinds
             return False
         return True
 
-    for key, b in bound.items():
-        refused, taken = ((float("nan"), None) if key == "finite" else
-                          {"gt": (b, b + step), "ge": (b - step, b), "lt": (b, b - step), "le": (b + step, b)}[key])
-        if takes(refused) or (taken is not None and not takes(taken)):
-            raise SystemExit(f"generate_vllm_args.py: the bound {key} {b} of SamplingParams.{name} does not hold")
+    _confirm_bounds(bound, 1 if kinds and "number" not in kinds and "integer" in kinds else 0.01, takes,
+                    f"SamplingParams.{name}")
 
 
 def _flag_of(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:

@@ -43,6 +43,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from omni_contract.edges import STREAM
 from omni_contract.ports import ENDPOINT_PORT
+from omni_contract.vllm_args import json_kind
 from omni_runtime.pipeline.protocol import (
     CLOSE_UNKNOWN_REQUEST,
     CLOSE_WRONG_TOKEN,
@@ -674,8 +675,7 @@ class _Writer:
         await self.response.write_eof()
 
     async def error(self, failed: StageFailed) -> None:
-        body = {"error": {"message": str(failed), "type": "omni_stage_error",
-                          "code": failed.status, "param": failed.param, "stage": failed.stage}}
+        body = _stage_error_body(failed)
         if self.response is not None and self.response.prepared:
             try:  # the events have begun: the error is the stream's last event
                 await self._sse(body)
@@ -686,10 +686,13 @@ class _Writer:
         self.response = web.json_response(body, status=failed.status, headers=self._headers())
 
 
+def _stage_error_body(failed: StageFailed) -> dict[str, Any]:
+    return {"error": {"message": str(failed), "type": "omni_stage_error", "code": failed.status,
+                      "param": failed.param, "stage": failed.stage}}
+
+
 def _error(failed: StageFailed) -> web.Response:
-    return web.json_response({"error": {"message": str(failed), "type": "omni_stage_error",
-                                         "code": failed.status, "param": None,
-                                         "stage": failed.stage}}, status=failed.status)
+    return web.json_response(_stage_error_body(failed), status=failed.status)
 
 
 def _error_body(status: int, message: str, param: str | None = None,
@@ -724,13 +727,8 @@ def _refused(body: Mapping[str, Any], kind: str, several_stages: bool) -> tuple[
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         return "kv_transfer_params", ("kv_transfer_params must be a JSON object (or left out), "
-                                      f"got a JSON {_json_type(params)}")
+                                      f"got a JSON {json_kind(params)}")
     return _refused_past_one_stage(body, kind) if several_stages else None
-
-
-def _json_type(value: Any) -> str:
-    return {bool: "boolean", str: "string", list: "array", int: "number",
-            float: "number"}.get(type(value), type(value).__name__)
 
 
 #: What a client may ask of the answer's tokens that only the stage sampling them gives,

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Iterable, TextIO
-
-import yaml
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from omni_operator import API_VERSION, KIND
 from .documents import DocumentError, iter_files, load_documents, read_text
@@ -41,19 +39,11 @@ class CRDSet:
         if not location.exists():
             self.errors.append(f"{location}: no such file or directory: name the directory of the CRDs (or one file)")
             return
-        for path in iter_files([location]):
-            try:
-                documents = load_documents(read_text(path))
-            except DocumentError as exc:
-                self.errors.append(f"{path}: {exc}")
-                continue
-            for doc in documents:
-                if doc.error is not None:
-                    self.errors.append(f"{path}: {doc.label}: {doc.error}")
-                elif isinstance(doc.value, dict) and doc.value.get("kind") == "CustomResourceDefinition":
-                    missing = self._add(path, doc.value)
-                    if missing:
-                        self.errors.append(f"{path}: {doc.label}: a CustomResourceDefinition without {missing}")
+        for path, doc in documents_of([location], self.errors.append):
+            if isinstance(doc.value, dict) and doc.value.get("kind") == "CustomResourceDefinition":
+                missing = self._add(path, doc.value)
+                if missing:
+                    self.errors.append(f"{path}: {doc.label}: a CustomResourceDefinition without {missing}")
 
     def _add(self, path: Path, crd: dict[str, Any]) -> str | None:
         """The CRD's served versions with a schema; what it lacks to be read, if anything."""
@@ -99,36 +89,45 @@ def rendered_children(body: dict[str, Any]) -> list[dict[str, Any]]:
     return list(admit(body).children)
 
 
-def objects_of(paths: Iterable[Path], out: TextIO) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
-    """(where, object) of every document, OmniPipelines replaced by their children; whether
-    every file could be read and every pipeline rendered."""
-    found, ok = [], True
+def documents_of(paths: Iterable[Path], report: Callable[[str], Any]) -> Iterator[tuple[Path, Any]]:
+    """(file, document) of every document that could be read from ``paths`` (a directory: its
+    YAML and JSON files); each file or document that could not is ``report``-ed, named."""
     for path in iter_files(list(paths)):
         try:
             documents = load_documents(read_text(path))
         except DocumentError as exc:
-            print(f"{path}: {exc}", file=out)
-            ok = False
+            report(f"{path}: {exc}")
             continue
         for doc in documents:
-            value = doc.value
             if doc.error is not None:
-                print(f"{path}: {doc.label}: {doc.error}", file=out)
-                ok = False
-                continue
-            if not isinstance(value, dict):
-                continue
-            if value.get("apiVersion") == API_VERSION and value.get("kind") == KIND:
-                try:
-                    children = rendered_children(value)
-                except SpecError as exc:
-                    print(f"{path}: {doc.label}: not a valid OmniPipeline: {exc}", file=out)
-                    ok = False
-                    continue
-                found += [(f"{path}: {doc.label}: renders {c['kind']} {c['metadata']['name']}", c) for c in children]
+                report(f"{path}: {doc.label}: {doc.error}")
             else:
-                found.append((f"{path}: {doc.label}", value))
-    return found, ok
+                yield path, doc
+
+
+def objects_of(paths: Iterable[Path], out: TextIO) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
+    """(where, object) of every document, OmniPipelines replaced by their children; whether
+    every file could be read and every pipeline rendered."""
+    found, failed = [], []
+
+    def report(line: str) -> None:
+        print(line, file=out)
+        failed.append(line)
+
+    for path, doc in documents_of(paths, report):
+        value = doc.value
+        if not isinstance(value, dict):
+            continue
+        if value.get("apiVersion") == API_VERSION and value.get("kind") == KIND:
+            try:
+                children = rendered_children(value)
+            except SpecError as exc:
+                report(f"{path}: {doc.label}: not a valid OmniPipeline: {exc}")
+                continue
+            found += [(f"{path}: {doc.label}: renders {c['kind']} {c['metadata']['name']}", c) for c in children]
+        else:
+            found.append((f"{path}: {doc.label}", value))
+    return found, not failed
 
 
 def run(crds: Path, paths: list[Path], out: TextIO) -> int:

@@ -99,14 +99,15 @@ def pipeline_body(name: str, model: str, args: argparse.Namespace, streamed: boo
 
 
 def ask(url: str, prompt: list[int], tokens: int) -> tuple[float | None, float, dict]:
-    """(seconds to the first event with tokens, seconds to the end, the last event) of one
-    streamed completion at a pipeline's endpoint."""
+    """(seconds to the first event with tokens, seconds to the end, the last event with
+    choices, its ``usage`` the stream's last chunk's) of one streamed completion at a
+    pipeline's endpoint."""
     body = {"model": "tiny-qwen2", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     began = time.perf_counter()
-    first, last = None, {}
+    first, last, usage = None, {}, None
     with urllib.request.urlopen(request, timeout=120) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -117,8 +118,11 @@ def ask(url: str, prompt: list[int], tokens: int) -> tuple[float | None, float, 
                 raise RuntimeError(event["error"])
             if first is None and any(c.get("token_ids") for c in event.get("choices", ())):
                 first = time.perf_counter() - began
-            last = event
-    return first, time.perf_counter() - began, last
+            if event.get("usage"):  # include_usage: a last chunk of no choices
+                usage = event["usage"]
+            if event.get("choices"):
+                last = event
+    return first, time.perf_counter() - began, {**last, "usage": usage}
 
 
 def histogram(page: str, name: str, labels: str) -> list[tuple[float, float]]:
@@ -239,13 +243,14 @@ def main() -> None:
         import threading
 
         def first_chunks() -> float:
-            """Streams whose first chunk the talker took (its histogram's count): one more
-            than before is this request's (the open-streams gauge, refreshed on a timer,
-            can still show the previous request's)."""
-            page = get(urls["streamed-talker"] + "/metrics") or ""
+            """Streams whose first chunk the talker acked (the thinker's time-to-first-chunk
+            histogram's count, observed at the producer): one more than before is this
+            request's (the open-streams gauge, refreshed on a timer, can still show the
+            previous request's)."""
+            page = get(urls["streamed-thinker"] + "/metrics") or ""
             return sum(float(line.rpartition(" ")[2]) for line in page.splitlines()
                        if line.startswith("omni_kv_stream_first_chunk_seconds_count{")
-                       and 'from_stage="thinker"' in line)
+                       and 'to_stage="talker"' in line)
 
         taken_before = first_chunks()
 

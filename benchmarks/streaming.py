@@ -21,7 +21,8 @@ then, for the other stage's whole run). At the end the streamed thinker is stopp
 every request (on this 2-core machine four engines share the cores, and a chunk has come
 more than a second late).
 
-Figures (the last line, one JSON object):
+Figures (the last line, one JSON object; a figure the run could not measure is listed in
+``not_measured`` and the exit status is 1):
 
 * ``first_output_ratio``: p50 time to the talker's first output, streamed / whole; target
   <= 0.25; beside it ``first_output_bound_s``, the streamed thinker's time to its first chunk
@@ -308,7 +309,15 @@ def main() -> None:
         "seconds": round(time.monotonic() - began, 1), "start_up_seconds": round(started, 1),
         "targets": TARGETS,
     }
+    # A figure the run could not measure is a broken benchmark, not a result: said, and the
+    # exit status fails (the JSON stays the last line).
+    missing = [key for key in TARGETS if result[key] is None or result[key] != result[key]]
+    missing += [f"talker_said_p50.{m}" for m, n in result["talker_said_p50"].items() if not n]
+    if missing:
+        result["not_measured"] = missing
     print(json.dumps(result))
+    if missing:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,13 @@ def test_someone_elses_object_is_never_taken_over(kube, reconciler):
     assert kube.get(CONFIGMAP, NAMESPACE, workload("talker"))["data"] == {"mine": "yes"}
     ready = next(c for c in kube.get_pipeline(NAMESPACE, "tiny")["status"]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "ChildConflict" and f"ConfigMap {workload('talker')}" in ready["message"]
+    # No workload starts for a pipeline whose children cannot all be applied (GPU pods of a
+    # pipeline reported Failed, without its disruption budget or stable Service, before).
+    assert names(kube, DEPLOYMENT) == []
+    assert "no workload of this pipeline is started" in ready["message"]
+    kube.delete(CONFIGMAP, NAMESPACE, workload("talker"))
+    assert reconciler.reconcile(NAMESPACE, "tiny").result == "applied"
+    assert len(names(kube, DEPLOYMENT)) == 3
 
 
 def test_status_follows_the_deployments(kube, reconciler):

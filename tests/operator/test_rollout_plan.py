@@ -102,20 +102,50 @@ def test_workloads_made_before_revisions_are_the_legacy_revision_with_the_spec_s
 
 
 def test_a_settled_rollout_no_step_moves_drains_the_old_senders_and_says_so():
+    """A CPU thinker (no maxUnavailable: it keeps its pod until a new one is ready) before
+    GPU receivers of one pod each (no surge): the new code2wav needs the old one's GPU, which
+    stays while the old talker sends, which stays while the old thinker sends, which waits
+    for a new thinker, which waits for new receivers. Nothing moves: the thinker drains."""
+    body = pipeline_body()
+    for s, gpus in zip(body["spec"]["stages"], (0, 1, 1)):
+        s.update(gpus=gpus, replicas=1)
+    p = pipeline(body)
+    ws = [ready(OLD, "thinker", 1, sends=True), ready(OLD, "talker", 1, ("thinker",), True),
+          ready(OLD, "code2wav", 1, ("talker",)), ready(p.revision, "thinker", 0), ready(p.revision, "talker", 0),
+          ready(p.revision, "code2wav", 0)]
+    step = plan(p, TARGETS, ws, [], now=NOW)
+    assert step.replicas[(OLD, "thinker")] == 0
+    assert any("thinker drains below its floor" in w for w in step.waiting)
+    # Not while anything still moves (a pod terminating).
+    moving = plan(p, TARGETS, ws, [draining("thinker", "t")], now=NOW)
+    assert moving.replicas[(OLD, "thinker")] == 1
+
+
+def test_an_old_receiver_whose_senders_still_send_keeps_one_ready_pod_and_its_floor_not_all():
+    """Every stage on GPUs, two pods each (no surge, one unavailable): the old code2wav, whose
+    talker still sends, gives one of its two GPUs to the new code2wav at once (a stopping
+    replica refuses new hand-offs and its senders offer them to the other), instead of
+    holding both until the old senders drain below their floor; and never its last pod."""
     body = pipeline_body()
     for s in body["spec"]["stages"]:
         s.update(gpus=1, replicas=2)
     p = pipeline(body)
     targets = {"thinker": 2, "talker": 2, "code2wav": 2}
-    ws = [ready(OLD, "thinker", 1, sends=True), ready(OLD, "talker", 2, ("thinker",), True),
-          ready(OLD, "code2wav", 2, ("talker",)), ready(p.revision, "thinker", 0), ready(p.revision, "talker", 0),
-          ready(p.revision, "code2wav", 0)]
+    ws = [ready(OLD, "thinker", 2, sends=True), ready(OLD, "talker", 2, ("thinker",), True),
+          ready(OLD, "code2wav", 2, ("talker",))]
     step = plan(p, targets, ws, [], now=NOW)
-    assert step.replicas[(OLD, "thinker")] == 0
-    assert any("thinker drains below its floor" in w for w in step.waiting)
-    # Not while anything still moves (a pod terminating).
-    moving = plan(p, targets, ws, [draining("thinker", "t")], now=NOW)
-    assert moving.replicas[(OLD, "thinker")] == 1
+    assert step.replicas[(OLD, "code2wav")] == 1 and step.replicas[(OLD, "talker")] == 1
+    assert step.replicas[(OLD, "thinker")] == 1  # its floor: no new thinker is ready yet
+    assert not any("below its floor" in w for w in step.waiting)
+    # The new code2wav ready: the old one keeps its last pod while its senders send.
+    ws = [ready(OLD, "thinker", 1, sends=True), ready(OLD, "talker", 1, ("thinker",), True),
+          ready(OLD, "code2wav", 1, ("talker",)), ready(p.revision, "code2wav", 1, ("talker",), replicas=2)]
+    step = plan(p, targets, ws, [], now=NOW)
+    assert step.replicas[(OLD, "code2wav")] == 1 and step.replicas[(OLD, "talker")] == 1
+    # Not ready pods are not counted on: an old receiver none of whose pods is ready keeps them.
+    ws = [ready(OLD, "thinker", 2, sends=True), ready(OLD, "talker", 2, ("thinker",), True),
+          Workload(OLD, "code2wav", "x", replicas=2, ready=0, pods=2, inputs=("talker",))]
+    assert plan(p, targets, ws, [], now=NOW).replicas[(OLD, "code2wav")] == 2
 
 
 def test_an_old_stream_producer_drains_its_open_streams_too_and_names_those_it_abandons():

@@ -106,7 +106,9 @@ def _refusals(verb: str, kind: str, name: str) -> Iterator[None]:
 # Services, disruption budgets and network policy, the scale targets), then the Deployments
 # (their pods mount the configs), then the autoscalers (they target the scalers). Every kind
 # not named is in wave 0. The writes of a wave go out together, APPLY_CONCURRENCY at a time:
-# a 3-stage pipeline's 15 creates (12, then 3) take four round trips, not 15.
+# a 3-stage pipeline's 15 creates (12, then 3) take four round trips, not 15. A wave that
+# finds a name taken by an object not this pipeline's ends the apply there: no workload
+# (wave 1) starts for a pipeline whose children cannot all be applied.
 _WAVE_OF_KIND = {DEPLOYMENT.kind: 1, HPA.kind: 2, SCALEDOBJECT.kind: 2}
 APPLY_CONCURRENCY = 4
 
@@ -325,6 +327,8 @@ class Reconciler:
         self._desired[(namespace, name)] = {(c["kind"], c["metadata"]["name"]): c for c in desired}
         outcome = Outcome("unchanged")
         current, conflicts = self._apply_children(pipeline, desired, live, targets, outcome)
+        if conflicts:  # the new children are not all there: the old revision's steps wait too
+            return self._conflict(body, pipeline, conflicts, outcome)
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
         # An old revision's workload the rollout keeps (its Deployment, ConfigMap, KV Service).
         kept = {key for key, obj in live.items() if key not in wanted
@@ -361,13 +365,6 @@ class Reconciler:
         for event in step.events:
             if self._post_event(body, "Warning", event.reason, event.message, name=f"{name}.{event.key}"):
                 outcome.writes += 1
-        if conflicts:
-            refused = self._refuse(body, "ChildConflict",
-                                   "objects with the children's names exist and are not owned by this OmniPipeline: "
-                                   f"{', '.join(conflicts)}; delete or rename them", pipeline.generation)
-            refused.writes += outcome.writes
-            refused.changed = outcome.changed + refused.changed
-            return refused
         outcome.writes += self._scaler_status(pipeline, current)
         deployments = {stage.name: current.get((DEPLOYMENT.kind,
                                                 naming.revision_name(pipeline.name, stage.name, pipeline.revision)))
@@ -382,6 +379,17 @@ class Reconciler:
             outcome.writes += 1
             outcome.writes += self._transfer_events(body, status)
         return outcome
+
+    def _conflict(self, body: dict[str, Any], pipeline: Pipeline, conflicts: list[str], outcome: Outcome) -> Outcome:
+        if outcome.changed:
+            log.info("%s/%s: %s", pipeline.namespace, pipeline.name, ", ".join(outcome.changed))
+        refused = self._refuse(body, "ChildConflict",
+                               "objects with the children's names exist and are not owned by this OmniPipeline: "
+                               f"{', '.join(conflicts)}; delete or rename them (no workload of this "
+                               "pipeline is started or changed until then)", pipeline.generation)
+        refused.writes += len(outcome.changed)
+        refused.changed = outcome.changed + refused.changed
+        return refused
 
     # -- the rollout ---------------------------------------------------------------------------
     def _targets(self, pipeline: Pipeline, live: Mapping[tuple[str, str], dict[str, Any]],
@@ -537,9 +545,10 @@ class Reconciler:
                         live: Mapping[tuple[str, str], dict[str, Any]], targets: Mapping[str, int],
                         outcome: Outcome) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str]]:
         """Create or patch each desired child that is missing or differs, wave by wave (`_waves`),
-        the writes of a wave at once; (the children as they are now, the names of those that
-        exist and are not this pipeline's). A refused write fails the reconcile once every
-        write of its wave has been answered, so nothing is left in flight behind the lock."""
+        the writes of a wave at once, no further wave once one found a name taken; (the
+        children as they are now, the names of those that exist and are not this pipeline's).
+        A refused write fails the reconcile once every write of its wave has been answered,
+        so nothing is left in flight behind the lock."""
         current: dict[tuple[str, str], dict[str, Any]] = {}
         conflicts: list[str] = []
         for wave in _waves(desired):
@@ -562,6 +571,8 @@ class Reconciler:
                     conflicts.append(f"{key[0]} {key[1]}")
                 else:
                     current[key] = obj
+            if conflicts:
+                break
         return current, conflicts
 
     def _all_answered(self, calls: list[Callable[[], Any]]) -> list[Any]:

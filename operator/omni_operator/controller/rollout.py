@@ -26,19 +26,26 @@ The steps, as :func:`plan` takes them:
 2. **Within each stage's limits.** A stage's pods, all revisions together, never exceed its
    target plus ``maxSurge``; the new revision grows into that room. An old revision's pods
    go only while the stage keeps ``target - maxUnavailable`` ready pods (the new ones count).
-3. **Draining by transfers and streams.** An old revision's stage that receives KV keeps its
-   pods until every stage of that revision sending to it has drained: no pods any more, or
+3. **Draining by transfers and streams.** An old revision's stage that receives KV keeps a
+   ready pod (and, beyond it, what its floor asks, as in 2) until every stage of that
+   revision sending to it has drained: its other pods may go meanwhile, since a receiver that
+   is stopping refuses new hand-offs and streams (`stopping`), its senders offer them to
+   another replica, and it finishes the streams it holds (docs/operator.md, "Which replica a
+   transfer or a stream goes to").
+   Drained means: no pods any more, or
    each pod terminating (it stopped taking requests, the runtime's SIGTERM drain) and its last
    reading, taken after it began terminating, shows no request running, no transfer pending,
    active or held, and no stream it produces open or held; or the pod's drain deadline (its
    deletionTimestamp: the grace period, the transfer timeout, or a stream producer's longest
    streamSeconds, plus the stop margins) has passed, in which case the transfers and streams
    it still reported are abandoned and a Warning event says how many.
-4. **No order left.** Where a receiving stage has no surge (a GPU stage's default), its new
-   pods need what its old pods hold, which stay while the old senders send, which keep their
-   floor until new senders are ready, which wait for new receivers. When everything has
-   settled and no step moves, the old senders nothing blocks drain below their floor (the
-   Progressing message says so): availability gives way where no order keeps it.
+4. **No order left.** Where a receiving stage of one pod has no surge (a GPU stage's
+   default), its new pod needs what its old pod holds, which stays while the old senders
+   send, which keep their floor (a stage with no ``maxUnavailable``, a CPU stage's default)
+   until new senders are ready, which wait for new receivers. When everything has settled
+   and no step moves, the old senders nothing blocks drain below their floor (the
+   Progressing message says so): availability gives way where no order keeps it. (With two
+   pods or more, 3 leaves the new revision room: an old receiver keeps one pod, not all.)
 5. **Cleanup.** An old revision's stage with no pod left loses its Deployment, ConfigMap and
    KV Service.
 """
@@ -286,9 +293,14 @@ def plan(pipeline: Pipeline, targets: Mapping[str, int], workloads: Iterable[Wor
                 if not drained(revision, u)[0]:
                     blocked.append(u)
             if blocked:
-                result.replicas[(revision, stage)] = w.replicas
-                ready_now += w.ready
-                result.waiting.append(f"revision {revision} {stage} stays until its senders "
+                # Its senders still send: a ready pod stays for them, and beyond it what the
+                # stage's floor asks, as for any old revision; its other pods may go (3 above).
+                keep_ready = max(1, floor - ready_now)
+                want = min(w.replicas, keep_ready if keep_ready <= w.ready else w.replicas)
+                result.replicas[(revision, stage)] = want
+                ready_now += min(w.ready, want)
+                result.waiting.append(f"revision {revision} {stage}: {want} "
+                                      f"pod{'s' if want != 1 else ''} stay until its senders "
                                       f"{', '.join(blocked)} have drained their KV transfers")
                 continue
             free.append(w)

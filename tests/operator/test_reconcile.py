@@ -165,6 +165,27 @@ def test_invalid_spec_applies_nothing_and_warns_once(kube, reconciler):
     assert len(kube.request("list", "Event", "GET", f"/api/v1/namespaces/{NAMESPACE}/events")["items"]) == 1
 
 
+def test_while_the_spec_is_invalid_the_status_follows_the_stages_that_run(kube, reconciler):
+    """An invalid update applies nothing, but the stages of the revision that runs are still
+    observed: a stage losing its pods shows in stagesReady and its counts (they stayed at
+    what the last valid reconcile saw: kubectl get omnip said 3/3 ready while one stage had
+    no pod ready)."""
+    create_pipeline(kube, pipeline_body())
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
+    assert kube.get_pipeline(NAMESPACE, "tiny")["status"]["stagesReady"] == "3/3"
+    stages = pipeline_body()["spec"]["stages"]
+    stages[0]["inputs"] = ["code2wav"]  # a cycle
+    patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
+    assert reconciler.reconcile(NAMESPACE, "tiny").result == "invalid"
+    kube.request("patch", "Deployment", "PATCH", DEPLOYMENT.object_path(NAMESPACE, workload("code2wav")) + "/status",
+                 body={"status": {"readyReplicas": 0}}, content_type="application/merge-patch+json")
+    assert reconciler.reconcile(NAMESPACE, "tiny").result == "invalid"
+    status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
+    assert status["phase"] == "Failed" and status["stagesReady"] == "2/3"
+    assert {s["name"]: s["readyReplicas"] for s in status["stages"]} == {"thinker": 1, "talker": 1, "code2wav": 0}
+    assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0  # nothing new: nothing written
+
+
 def test_fixing_an_invalid_spec_applies_it(kube, reconciler):
     body = pipeline_body()
     body["spec"]["stages"][1]["inputs"] = ["nobody"]

@@ -682,9 +682,28 @@ class Reconciler:
             log.warning("%s/%s: %s: %s", meta.get("namespace"), meta["name"], reason, message)
             self._post_event(body, "Warning", reason, message)
             outcome.writes += 1
-        if self._write_status(body, invalid_status(gen, message, previous, self.clock(), reason)):
+        status = invalid_status(gen, message, previous, self.clock(), reason, self._running_stages(body, previous))
+        if self._write_status(body, status):
             outcome.writes += 1
         return outcome
+
+    def _running_stages(self, body: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The Deployments of the stages the previous status reports, at its revision, by stage
+        (what runs while the spec cannot be applied); None when it reports none."""
+        stages = [entry.get("name") for entry in previous.get("stages") or []]
+        if not stages:
+            return None
+        meta = body["metadata"]
+        namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid") or ""
+        cached = self.children.children(namespace, name) if self.children is not None else None
+        if cached is not None:
+            found = [obj for (kind, _), obj in cached.items() if kind == DEPLOYMENT.kind]
+        else:
+            found = self.kube.list(DEPLOYMENT, namespace, child_selector(name))
+        revision = previous.get("revision")
+        by_name = {obj["metadata"]["name"]: obj for obj in found if is_owned_by(obj, uid)}
+        return {stage: by_name.get(naming.revision_name(name, stage, revision) if revision
+                                   else naming.stage_name(name, stage)) for stage in stages}
 
     def _warn(self, body: dict[str, Any], admitted: Admitted) -> None:
         """What admission warns of (the stages would run, but the user should know): logged,

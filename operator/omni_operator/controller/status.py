@@ -205,9 +205,20 @@ NOT_PROGRESSING = {
 
 
 def invalid_status(generation: int, message: str, previous: Mapping[str, Any] | None, now: str,
-                   reason: str = "InvalidSpec") -> dict[str, Any]:
-    """Status of a resource that cannot be applied: Ready=False with the reason; nothing changed."""
+                   reason: str = "InvalidSpec",
+                   deployments: Mapping[str, Mapping[str, Any] | None] | None = None) -> dict[str, Any]:
+    """Status of a resource that cannot be applied: Ready=False with the reason; nothing
+    changed. The stages that run (the previous status's, at its revision) are as observed:
+    ``deployments``, their Deployments by stage name (None: not read, kept as they were)."""
     previous = previous or {}
+    stages = [dict(entry) for entry in previous.get("stages") or []]
+    ready = previous.get("stagesReady", "0/0")
+    if deployments is not None and stages:
+        for entry in stages:
+            desired = int(entry.get("replicas") or 0)
+            counts, _, _ = stage_state(desired, deployments.get(entry.get("name")))
+            entry.update(counts)
+        ready = f"{sum(1 for e in stages if e['readyReplicas'] >= e['replicas'])}/{len(stages)}"
     conditions = [
         _condition(READY, False, reason, message, generation),
         _condition(PROGRESSING, False, reason, NOT_PROGRESSING.get(reason, "nothing is applied until the spec is fixed"),
@@ -221,8 +232,8 @@ def invalid_status(generation: int, message: str, previous: Mapping[str, Any] | 
     status = {
         "observedGeneration": generation,
         "phase": "Failed",
-        "stagesReady": previous.get("stagesReady", "0/0"),
-        "stages": list(previous.get("stages") or []),
+        "stagesReady": ready,
+        "stages": stages,
         "conditions": with_transition_times(conditions, previous.get("conditions"), now),
     }
     if "transfersHealth" in previous:

@@ -80,10 +80,11 @@ class Table:
     options: Mapping[str, tuple[Argument, bool]]
     short: Mapping[str, Argument]
     rules: tuple[Mapping[str, Any], ...]
-    #: vllm.SamplingParams: its fields (name -> the JSON kinds it takes, None: unchecked) and
-    #: the bounds its _verify_args checks.
+    #: vllm.SamplingParams: its fields (name -> the JSON kinds it takes, None: unchecked),
+    #: the bounds its _verify_args checks, and a list field's items' kinds.
     sampling_fields: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
     sampling_bounds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    sampling_items: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def by_dest(self, dest: str) -> Argument | None:
         return next((a for a in self.arguments.values() if a.dest == dest), None)
@@ -110,7 +111,8 @@ def table() -> Table:
     return Table(raw["vllm_version"], arguments, options, short, tuple(raw.get("rules") or ()),
                  {name: tuple(kinds) if kinds is not None else None
                   for name, kinds in (sampling.get("fields") or {}).items()},
-                 {b["field"]: b for b in sampling.get("bounds") or ()})
+                 {b["field"]: b for b in sampling.get("bounds") or ()},
+                 {name: tuple(kinds) for name, kinds in (sampling.get("items") or {}).items()})
 
 
 def sampling_params_problems(params: Any) -> list[Finding]:
@@ -130,9 +132,16 @@ def sampling_params_problems(params: Any) -> list[Finding]:
                                       + (f"; did you mean {close[0]}?" if close else "")))
             continue
         kinds, kind = t.sampling_fields[key], json_kind(value)
-        if kinds is not None and kind not in kinds and not (kind == "integer" and "number" in kinds):
+        if kinds is not None and not _of_kind(kind, kinds):
             found.append(Finding(key, f"must be {' or '.join(_KIND_WORDS[k] for k in kinds)}, got {_shown(value)}"))
             continue
+        items = t.sampling_items.get(key)
+        if kind == "array" and items is not None:
+            wrong = next((item for item in value if not _of_kind(json_kind(item), items)), _NONE)
+            if wrong is not _NONE:
+                found.append(Finding(key, f"must be a list of {' or '.join(_PLURAL_WORDS[k] for k in items)}, "
+                                          f"got {_shown(wrong)} in it"))
+                continue
         bound = t.sampling_bounds.get(key)
         if bound is None or kind not in ("integer", "number"):
             continue
@@ -143,6 +152,16 @@ def sampling_params_problems(params: Any) -> list[Finding]:
     return found
 
 
+_NONE = object()
+
+
+def _of_kind(kind: str, kinds: tuple[str, ...]) -> bool:
+    """Whether a value of JSON kind ``kind`` is one of ``kinds`` (an integer is a number)."""
+    return kind in kinds or (kind == "integer" and "number" in kinds)
+
+
+_PLURAL_WORDS = {"integer": "integers", "number": "numbers", "boolean": "booleans", "string": "strings",
+                 "array": "lists", "object": "maps", "null": "nulls"}
 _KIND_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
                "array": "a list", "object": "a map", "null": "null"}
 

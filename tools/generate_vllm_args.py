@@ -332,9 +332,25 @@ def _json_kinds(annotation: Any) -> list[str] | None:
     return [_JSON_KINDS[base]] if base in _JSON_KINDS else None
 
 
+def _item_kinds(annotation: Any) -> list[str] | None:
+    """The JSON kinds of the items of a list field (``list[int] | None``: integer); None when
+    the annotation holds no list of plain JSON items (or lists of two item types)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        found = [k for a in typing.get_args(annotation) for k in [_item_kinds(a)] if k is not None]
+        return found[0] if len(found) == 1 else None
+    if origin is list:
+        args = typing.get_args(annotation)
+        return _json_kinds(args[0]) if len(args) == 1 else None
+    return None
+
+
 def sampling_params() -> dict[str, Any]:
     """What ``vllm.SamplingParams(**fields)`` takes: its public fields with the JSON kinds
-    their annotations allow, and the bounds ``_verify_args`` checks of the forms ``not A <=
+    their annotations allow (and a list field's items' kinds), and the bounds ``_verify_args`` checks of the forms ``not A <=
     self.X <= B``, ``self.X < N`` (with ``self.X is not None and`` before it) and ``not
     math.isfinite(self.X)``, each confirmed by constructing SamplingParams on either side of
     it; its other checks, and the validators ``__post_init__`` calls, are listed, not
@@ -342,8 +358,9 @@ def sampling_params() -> dict[str, Any]:
     import msgspec
     from vllm import SamplingParams
 
-    fields = {f.name: _json_kinds(f.type) for f in msgspec.structs.fields(SamplingParams)
-              if not f.name.startswith("_")}
+    public = [f for f in msgspec.structs.fields(SamplingParams) if not f.name.startswith("_")]
+    fields = {f.name: _json_kinds(f.type) for f in public}
+    items = {f.name: kinds for f in public for kinds in [_item_kinds(f.type)] if kinds is not None}
     function = ast.parse(textwrap.dedent(inspect.getsource(SamplingParams._verify_args))).body[0]
     bounds: dict[str, dict[str, Any]] = {}
     others = []
@@ -362,7 +379,7 @@ def sampling_params() -> dict[str, Any]:
             others.append(" ".join(ast.unparse(call).split())[:160])
     for name, bound in bounds.items():
         _confirm_sampling_bound(SamplingParams, name, bound, fields.get(name))
-    return {"fields": dict(sorted(fields.items())),
+    return {"fields": dict(sorted(fields.items())), "items": dict(sorted(items.items())),
             "bounds": [{"field": name, **bound} for name, bound in sorted(bounds.items())],
             "not_modelled": others}
 

@@ -436,7 +436,7 @@ def test_one_flags_value_is_read_in_any_spelling_as_vllm_converts_it():
 
 
 SAMPLING_VALUES = [None, True, 0, 1, -1, 2, 3, 0.5, 1.5, 2.5, -0.5, -2, -3, float("nan"), float("inf"), "x", [1],
-                   {"a": 1}]
+                   ["x"], [1, "x"], [], {"a": 1}]
 
 
 def test_the_contract_and_vllms_sampling_params_agree():
@@ -470,5 +470,10 @@ def test_the_contract_and_vllms_sampling_params_agree():
     assert compared > 300
     assert disagree == [], "\n".join(disagree[:40])
     assert [f.key for f in vllm_args.sampling_params_problems({"bogus_param": 1, "max_tokens": 8})] == ["bogus_param"]
+    # A list's items (an outside review: stop: [1, 2] was taken, and the stage stopped at its start).
+    (stop,) = vllm_args.sampling_params_problems({"stop": [1, 2], "stop_token_ids": [7], "bad_words": ["x"]})
+    assert (stop.key, stop.message) == ("stop", "must be a list of strings, got 1 in it")
+    (ids,) = vllm_args.sampling_params_problems({"stop_token_ids": [1, "a"]})
+    assert ids.message == "must be a list of integers, got 'a' in it"
     with pytest.raises(TypeError):
         SamplingParams(bogus_param=1)

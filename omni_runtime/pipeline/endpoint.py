@@ -56,6 +56,7 @@ from omni_runtime.pipeline.protocol import (
     encode_event,
     origin,
     parse_event,
+    request_id_problem,
 )
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ class PipelineEndpoint:
         self._requests: dict[str, _Request] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tracer = None
-        self.app = web.Application(client_max_size=16 << 20)
+        self.app = web.Application(client_max_size=16 << 20, middlewares=[_errors_as_json])
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_post("/v1/chat/completions", self._chat_completions)
         self.app.router.add_get("/v1/models", self._models)
@@ -300,6 +301,13 @@ class PipelineEndpoint:
     # ------------------------------------------------------------------ a request
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         given_id = request.headers.get("X-Request-Id")
+        if given_id is not None:
+            problem = request_id_problem(given_id)
+            if problem is not None:  # not echoed: it cannot be (a header of text)
+                return _error_body(400, problem, param="X-Request-Id")
+        if request.content_type != "application/json":  # vLLM's validate_json_request
+            return _error_body(400, "Unsupported Media Type: Only 'application/json' is allowed",
+                               request_id=given_id)
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -695,6 +703,24 @@ def _error(failed: StageFailed) -> web.Response:
     return web.json_response(_stage_error_body(failed), status=failed.status)
 
 
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (a body over the size limit, an unknown path, a method a path
+    does not take) as OpenAI-shaped JSON errors with the client's X-Request-Id, as every
+    other answer of the endpoint (they were plain text)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        given = request.headers.get("X-Request-Id")
+        response = _error_body(exc.status, exc.text or exc.reason,
+                               request_id=given if given is not None and request_id_problem(given) is None else None)
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return response
+
+
 def _error_body(status: int, message: str, param: str | None = None,
                 request_id: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error",
@@ -722,8 +748,14 @@ def _refused(body: Mapping[str, Any], kind: str, several_stages: bool) -> tuple[
     :func:`_refused_past_one_stage`."""
     if body.get("stream") is not None and _as_vllm_reads(_BOOL, body["stream"]) is None:
         return "stream", f"stream must be true or false, got {body['stream']!r}"
-    if body.get("stream_options") is not None and not _as_vllm_reads(_BOOL, body.get("stream")):
+    options = body.get("stream_options")
+    if options is not None and not _as_vllm_reads(_BOOL, body.get("stream")):
         return "stream_options", "Stream options can only be defined when stream=True."
+    if options is not None and not isinstance(options, dict):
+        return "stream_options", f"stream_options must be a JSON object, got a JSON {json_kind(options)}"
+    for key in ("include_usage", "continuous_usage_stats"):
+        if (options or {}).get(key) is not None and _as_vllm_reads(_BOOL, options[key]) is None:
+            return f"stream_options.{key}", f"stream_options.{key} must be true or false, got {options[key]!r}"
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         return "kv_transfer_params", ("kv_transfer_params must be a JSON object (or left out), "
@@ -734,8 +766,13 @@ def _refused(body: Mapping[str, Any], kind: str, several_stages: bool) -> tuple[
 #: What a client may ask of the answer's tokens that only the stage sampling them gives,
 #: per kind of request: the pipeline's answer is its last stage's, sampled with that stage's
 #: own parameters (its input.samplingParams), and the request's go to the first stage only.
-_OF_THE_ANSWER = {"completion": ("logprobs", "echo", "prompt_logprobs"),
-                  "chat": ("logprobs", "top_logprobs", "prompt_logprobs", "echo")}
+#: Each field as vLLM's request model reads it, and the values of it that ask nothing (a
+#: completion's ``logprobs: 0`` asks for the sampled token's; a chat's ``top_logprobs: 0``
+#: is its default).
+_OF_THE_ANSWER = {"completion": (("logprobs", _INT, (None,)), ("echo", _BOOL, (None, False)),
+                                 ("prompt_logprobs", _INT, (None,))),
+                  "chat": (("logprobs", _BOOL, (None, False)), ("top_logprobs", _INT, (None, 0)),
+                           ("prompt_logprobs", _INT, (None,)), ("echo", _BOOL, (None, False)))}
 
 
 def _refused_past_one_stage(body: Mapping[str, Any], kind: str = "completion"
@@ -758,9 +795,8 @@ def _refused_past_one_stage(body: Mapping[str, Any], kind: str = "completion"
         if value is not None and value > 1:
             return key, (f"{key}={value}: a pipeline request carries one output from stage to "
                          f"stage; send {value} requests instead")
-    for key in _OF_THE_ANSWER[kind]:
-        value = body.get(key)
-        if value is not None and value is not False:
+    for key, adapter, asks_nothing in _OF_THE_ANSWER[kind]:
+        if _as_vllm_reads(adapter, body.get(key)) not in asks_nothing:
             return key, (f"{key}: a pipeline's answer is its last stage's output, sampled with that "
                          "stage's own parameters (input.samplingParams); the request's reach its "
                          "first stage only, so what it asks of the answer's tokens cannot be given; "

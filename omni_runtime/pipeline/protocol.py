@@ -64,6 +64,25 @@ class ProtocolError(ValueError):
     """A malformed origin or event, with the reason."""
 
 
+#: The longest request id a pipeline request carries from stage to stage (its origin).
+MAX_REQUEST_ID_CHARS = 1024
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why a pipeline request cannot carry ``request_id`` (a client's X-Request-Id) to every
+    stage; None when it can: UTF-8 text of 1 to MAX_REQUEST_ID_CHARS characters, not ``.`` or
+    ``..`` (a path segment of the stages' links)."""
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return "X-Request-Id must be UTF-8 text"
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+    if request_id in (".", ".."):
+        return f"X-Request-Id may not be {request_id!r} (a path segment of the stages' links to the endpoint)"
+    return None
+
+
 def origin(request_id: str, endpoint: str, token: str | None = None) -> dict[str, str]:
     found = {ORIGIN_REQUEST_ID: request_id, ORIGIN_ENDPOINT: endpoint}
     if token:
@@ -90,8 +109,9 @@ def parse_origin(raw: Any) -> tuple[str, str] | None:
     if not isinstance(raw, Mapping):
         raise ProtocolError("the origin must be a mapping")
     request_id, endpoint = raw.get(ORIGIN_REQUEST_ID), raw.get(ORIGIN_ENDPOINT)
-    if not (isinstance(request_id, str) and request_id and len(request_id) <= 1024):
-        raise ProtocolError("the origin's request_id must be a string of 1 to 1024 characters")
+    if not (isinstance(request_id, str) and request_id and len(request_id) <= MAX_REQUEST_ID_CHARS):
+        raise ProtocolError(f"the origin's request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} "
+                            "characters")
     if not (isinstance(endpoint, str) and endpoint.startswith(("http://", "https://"))
             and len(endpoint) <= 2048):
         raise ProtocolError("the origin's endpoint must be an http(s) URL")

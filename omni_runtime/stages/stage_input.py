@@ -34,6 +34,7 @@ import glob
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,6 +193,10 @@ class StageInput:
         #: (producer's request id, upstream stage) -> the pipeline request's id and link.
         self._stream_requests: dict[tuple[str, str], str] = {}
         self._stream_links: dict[str, Any] = {}
+        #: The streams (producer's request id, upstream stage) that ended here, each until its
+        #: streamSeconds pass: a late chunk of one is refused, never taken as the first chunk
+        #: of a new stream of its pipeline request (whose id a client may use again).
+        self._ended_streams: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -399,8 +404,20 @@ class StageInput:
                 raise Refused(f"stage {self.settings.stage} takes {chunk.from_stage}'s output "
                               "whole, not streamed: both ends must read the same edge")
             tokens = chunk.token_ids
+            opened = False
+            if self._ended(key):
+                raise Refused(f"chunk {chunk.seq} of the stream of request {chunk.request_id} from "
+                              f"{chunk.from_stage} cannot be taken: its stream ended here")
             if chunk.seq == 0 and key not in self._stream_requests:
                 pipeline_id, endpoint, token = self._origin(chunk)
+                if self.streams.ledger.get(pipeline_id, chunk.from_stage) is not None:
+                    raise Refused(f"a stream of pipeline request {pipeline_id} from stage {chunk.from_stage} "
+                                  "is still open here: a second request of that id (X-Request-Id) cannot "
+                                  "be taken until it ends")
+                # A new producer request: a stream of an earlier pipeline request of the same
+                # id that ended here (a client's X-Request-Id used again) is not this one.
+                self.streams.ledger.reopen(pipeline_id, chunk.from_stage)
+                opened = True
                 made = self._request(_ChunkUpstream(chunk), pipeline_id)
                 tokens = tuple(made.prompt.get("prompt_token_ids") or ())
                 self._stream_requests[key] = pipeline_id
@@ -422,6 +439,22 @@ class StageInput:
                                               chunk.last, tuple(tokens), chunk.produced_at,
                                               settings, chunk.trace_context))
         self.receiver.settle(ticket, None if why is None else ("input_refused", why[:512]))
+        if why is not None and opened and pipeline_id in self._stream_links:
+            # Its first chunk refused, no request began: the link already said "taken", so
+            # the endpoint hears why now (not at its request timeout).
+            from omni_runtime.stages.stream_input import StreamFailed
+
+            await self._stream_output(pipeline_id, StreamFailed(why))
+
+    def _ended(self, key: tuple[str, str]) -> bool:
+        """Whether the stream ``key`` ended here within its streamSeconds (forgotten after)."""
+        now, ended = time.monotonic(), self._ended_streams
+        while ended:
+            first, until = next(iter(ended.items()))
+            if until > now:
+                break
+            del ended[first]
+        return ended.get(key, 0.0) > now
 
     async def _open_stream_link(self, endpoint: str, pipeline_id: str, from_stage: str,
                                 offered_at: float, token: str | None) -> Any:
@@ -497,10 +530,19 @@ class StageInput:
             await self.streams.end(pipeline_id, from_stage, StreamOutcome.ABORTED,
                                    f"aborted at the endpoint: {link.abort_reason}")
 
+    #: Ended streams remembered at most (each for its streamSeconds).
+    MAX_ENDED_STREAMS = 65536
+
     def _forget_stream(self, pipeline_id: str) -> None:
         self._stream_links.pop(pipeline_id, None)
+        now = time.monotonic()
         for key in [k for k, v in self._stream_requests.items() if v == pipeline_id]:
             del self._stream_requests[key]
+            settings = self.settings.streams.get(key[1])
+            self._ended_streams[key] = now + (settings.stream_seconds if settings is not None else 0.0)
+            self._ended_streams.move_to_end(key)
+        while len(self._ended_streams) > self.MAX_ENDED_STREAMS:
+            self._ended_streams.popitem(last=False)
 
     async def _expire_streams(self) -> None:
         """The consumer's stream deadlines (a chunk that never comes), on a timer; the gauges

@@ -542,6 +542,11 @@ class ConsumerStreams(_Streams):
         if len(self._gone) > self.MAX_REMEMBERED:
             self._gone.popitem(last=False)
 
+    def reopen(self, request_id: str, from_stage: str) -> None:
+        """A new stream of ``request_id`` from ``from_stage`` begins (its producer's request is
+        a new one): the one of that key resolved here before is no longer remembered."""
+        self._gone.pop((request_id, from_stage), None)
+
     def expire_due(self, now: float) -> list[Stream]:
         gone = self._gone
         while gone:

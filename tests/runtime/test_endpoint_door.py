@@ -149,6 +149,10 @@ def test_a_link_without_the_requests_token_is_refused_and_the_request_goes_on():
     ({"kv_transfer_params": 5}, "kv_transfer_params"),
     ({"stream": "maybe"}, "stream"),
     ({"stream": 7}, "stream"),
+    # vLLM refuses these too; the endpoint asks the first stage without them.
+    ({"stream": True, "stream_options": "x"}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 3}}, "stream_options.continuous_usage_stats"),
 ])
 def test_what_the_endpoint_itself_cannot_read_is_refused_naming_it(chain, body, param):
     """A field the endpoint acts on must read as vLLM reads it, in a pipeline of any size: a
@@ -232,7 +236,10 @@ def test_the_endpoint_knows_which_edges_stream():
 
 @pytest.mark.parametrize("kind, body, param", [
     ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"logprobs": 0}, "logprobs"),  # the sampled token's
+    ("completions", {"logprobs": False}, "logprobs"),  # vLLM reads it as 0
     ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": "yes"}, "echo"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
@@ -248,6 +255,21 @@ def test_what_only_the_answers_own_stage_could_give_is_refused_naming_it(kind, b
     [(status, answer)] = asyncio.run(_through(sent, kind="chat" if kind == "chat" else "completions"))
     assert status == 400 and answer["error"]["param"] == param, answer
     assert sent == []
+
+
+@pytest.mark.parametrize("kind, body", [
+    ("completions", {"echo": 0}), ("completions", {"echo": "false"}), ("completions", {"logprobs": None}),
+    ("chat", {"logprobs": 0}), ("chat", {"top_logprobs": 0}), ("chat", {"echo": False}),
+])
+def test_what_asks_nothing_of_the_answer_goes_on(kind, body):
+    """As vLLM's request model reads them, these ask nothing of the answer's tokens (``echo:
+    0`` was refused)."""
+    request = {"model": "m", "max_tokens": 2, **body}
+    request.update({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": [1]})
+    sent = [request]
+    [(status, answer)] = asyncio.run(_through(sent, kind="chat" if kind == "chat" else "completions"))
+    assert status == 200, answer
+    assert len(sent) == 1  # it reached the first stage
 
 
 def test_a_streamed_request_the_first_stage_refuses_is_its_plain_error():
@@ -299,3 +321,68 @@ def test_a_refusal_at_the_door_echoes_the_clients_request_id():
                 return resp.status, resp.headers.get("X-Request-Id")
 
     assert asyncio.run(go()) == (400, "mine-1")
+
+
+@pytest.mark.parametrize("request_id, why", [
+    ("x" * 1025, "1 to 1024 characters"),
+    (".", "may not be '.'"),
+    ("..", "may not be '..'"),
+    ("caf\xe9", "UTF-8"),
+])
+def test_an_x_request_id_no_stage_can_carry_is_refused_at_the_door(request_id, why):
+    """An outside review: an id over the origin's bound, or ``.`` or ``..`` (a link path
+    segment the link's URL loses), failed at the edge's deadline as a 504 naming no cause;
+    one not UTF-8 failed as a 500. Each is now a 400 naming X-Request-Id, and no stage is asked."""
+    async def never_asked(request: web.Request) -> web.Response:
+        raise AssertionError("the first stage was asked")
+
+    async def go():
+        async with endpoint_before(never_asked) as front_url:
+            host, port = front_url.split("//")[1].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = b'{"model": "m", "prompt": [1], "max_tokens": 2}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + b"X-Request-Id: " + request_id.encode("latin-1") + b"\r\nConnection: close\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+            raw = await reader.read()
+            writer.close()
+            return raw
+
+    raw = asyncio.run(go())
+    head, _, answer = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), raw[:300]
+    error = json.loads(answer)["error"]
+    assert error["param"] == "X-Request-Id" and why in error["message"], error
+
+
+def test_what_is_no_json_request_is_refused_as_vllm_refuses_it_in_json():
+    """A body that is not JSON, a Content-Type other than JSON (vLLM's 400), a body over the
+    endpoint's size limit, a path or method it does not serve: each an OpenAI-shaped JSON
+    error carrying the client's X-Request-Id (aiohttp's own were plain text), no stage asked."""
+    async def never_asked(request: web.Request) -> web.Response:
+        raise AssertionError("the first stage was asked")
+
+    async def go():
+        answers = []
+        headers = {"X-Request-Id": "door-1"}
+        async with endpoint_before(never_asked) as front_url, aiohttp.ClientSession() as session:
+            for method, path, kwargs in [
+                    ("POST", "/v1/completions", {"data": b"{not json", "headers": {"Content-Type": "application/json"}}),
+                    ("POST", "/v1/completions", {"data": b'{"model": "m", "prompt": [1]}',
+                                                 "headers": {"Content-Type": "text/plain"}}),
+                    ("POST", "/v1/completions", {"data": b"x" * ((16 << 20) + 1),
+                                                 "headers": {"Content-Type": "application/json"}}),
+                    ("GET", "/v1/completions", {}),
+                    ("POST", "/v1/nothing", {"json": {}})]:
+                kwargs["headers"] = {**headers, **kwargs.get("headers", {})}
+                async with session.request(method, front_url + path, **kwargs) as resp:
+                    answers.append((resp.status, resp.content_type, resp.headers.get("X-Request-Id"),
+                                    (await resp.json())["error"]["message"]))
+        return answers
+
+    answers = asyncio.run(go())
+    assert [a[0] for a in answers] == [400, 400, 413, 405, 404], answers
+    assert all(kind == "application/json" and rid == "door-1" for _, kind, rid, _ in answers), answers
+    assert "must be a JSON object" in answers[0][3]
+    assert answers[1][3] == "Unsupported Media Type: Only 'application/json' is allowed"

@@ -4,6 +4,8 @@ the pipeline's one endpoint."""
 
 from __future__ import annotations
 
+import functools
+
 import os
 import signal
 from pathlib import Path
@@ -160,6 +162,18 @@ def test_the_talker_takes_the_thinkers_output_chunk_by_chunk_and_answers_early(s
     assert metric_value(thinker, "omni_kv_transfers_started_total") == 0
     wait_until(lambda: metric_value(streamed["thinker"].metrics(), "omni_kv_streams",
                                     state="open", **edge) == 0, 10, "the thinker's streams")
+
+
+def test_a_client_that_uses_its_x_request_id_again_gets_its_answer_again(streamed):
+    """A retry with the same X-Request-Id once the first request has ended (an outside
+    review: the talker remembered the first one's stream by that id for its streamSeconds,
+    refused the new stream's first chunk, and the client waited until its own timeout)."""
+    ask = functools.partial(client(streamed["endpoint"]).with_options(timeout=60).completions.create,
+                            model=MODEL, prompt=[41, 42, 43], max_tokens=8, temperature=0,
+                            extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "again-1"})
+    first, second = ask(), ask()
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage == first.usage
 
 
 def test_a_chunk_over_the_talkers_limit_fails_that_request_naming_the_talker(streamed):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_contract.edges import StreamSettings
+from omni_runtime.pipeline.protocol import ORIGIN_REQUEST_ID
 from omni_runtime.transfers.streams import ConsumerStreams, Stream, StreamOutcome
 
 #: Finished streams kept for readers (the oldest goes first), and for how long.
@@ -225,13 +226,17 @@ class StreamInbox:
 
     def get(self, request_id: str, wait: float = 0.0) -> StreamRecord | None:
         """The stream of ``request_id`` (from any stage) once it ended, waiting up to
-        ``wait`` seconds; None if it did not. A nan ``wait`` is refused (it would never end)."""
+        ``wait`` seconds; None if it did not. ``request_id``: the producer's request id, or
+        the pipeline request's (a client's X-Request-Id: the newest stream of it). A nan
+        ``wait`` is refused (it would never end)."""
         if wait != wait:
             raise ValueError("wait must be a number of seconds, not nan")
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
-                found = next((r for k, r in self._finished.items() if k[0] == request_id), None)
+                found = next((r for k, r in self._finished.items() if k[0] == request_id), None) or next(
+                    (r for r in reversed(self._finished.values())
+                     if (r.origin or {}).get(ORIGIN_REQUEST_ID) == request_id), None)
                 left = deadline - time.monotonic()
                 if found is not None or left <= 0:
                     return found

@@ -43,6 +43,9 @@ def test_chunks_are_read_in_order_and_each_answered_once(inbox):
     assert record.outcome == "finished" and record.token_ids == [1, 2, 3, 4, 5, 6, 7]
     assert record.prompt_len == 2 and record.chunks == 3
     assert box.get("r").summary()["streamed"] is True
+    # Also by the id its client knows: the pipeline request's (an outside review: only the
+    # producer's internal id, which no client knows in advance, found it).
+    assert box.get("pipe-r") is record and box.get("pipe-nobody") is None
     box.arrive(chunk("r", 0, [1]), "late")                        # a resolved stream's chunk
     assert settled[-1][0] == "late" and "cannot be taken" in settled[-1][1][1]
 

@@ -503,7 +503,7 @@ class StageInput:
             self._forget_stream(pipeline_id)
             if link is not None:
                 await link.send("error", message=f"its streamed input failed: {output}",
-                                status=output.status)
+                                status=output.status, param=output.param)
                 await link.close()
             return
         completion = output.outputs[0]

@@ -40,9 +40,10 @@ class StreamFailed(Exception):
     the HTTP status the pipeline's client gets (400: its request asked for more tokens than
     this stage's request can hold)."""
 
-    def __init__(self, reason: str, status: int = 502) -> None:
+    def __init__(self, reason: str, status: int = 502, param: str | None = None) -> None:
         super().__init__(reason)
-        self.status = status
+        #: ``param``: the client's request parameter it names (OpenAI's error ``param``).
+        self.status, self.param = status, param
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +79,10 @@ class _Session:
         #: What one turn may say (its sampling parameters' max_tokens; None: up to the model's
         #: length).
         self.turn_tokens: int | None = None
-        #: The HTTP status of its failure, for the pipeline's client.
+        #: The HTTP status of its failure, and the client's parameter it names, for the
+        #: pipeline's client.
         self.status = 502
+        self.param: str | None = None
 
     def length_with(self, tokens: int, max_len: int) -> int:
         """An upper bound on the request's length once ``tokens`` more are applied: a chunk
@@ -165,7 +168,9 @@ class StreamInputs:
                   f"{chunk.seq} is applied ({session.fed} fed in {session.turns} chunks, "
                   f"{said}) and chunk {chunk.seq} adds {len(chunk.token_ids)}")
         self.ledger.refused(session.stream, chunk.seq, reason, self._clock())
-        session.status = 400  # what the client asked for does not fit: its request's fault
+        # What the client asked for does not fit: its request's fault, its max_tokens (the
+        # producer's output, which the chunks carry, follows from it).
+        session.status, session.param = 400, "max_tokens"
         if session.task is not None and not session.task.done():
             session.task.cancel()
             await asyncio.gather(session.task, return_exceptions=True)
@@ -225,7 +230,7 @@ class StreamInputs:
         if self._on_output is not None:
             try:
                 await self._on_output(stream.request_id,
-                                      StreamFailed(stream.reason or reason, session.status))
+                                      StreamFailed(stream.reason or reason, session.status, session.param))
             except Exception:  # telling must not break the session's end
                 logger.exception("reporting the end of the stream of request %s failed",
                                  stream.request_id)

@@ -183,6 +183,7 @@ def test_a_chunk_over_the_talkers_limit_fails_that_request_naming_the_talker(str
             extra_body={"ignore_eos": True})
     assert err.value.body["stage"] == "talker", err.value.body
     assert err.value.status_code == 400  # the client asked for more than the talker can hold
+    assert err.value.body["param"] == "max_tokens", err.value.body
     assert "its streamed input failed" in err.value.body["message"]
     assert str(TALKER_MAX_MODEL_LEN) in err.value.body["message"]
     # The engine lives: the next request is answered.

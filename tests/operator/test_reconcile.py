@@ -216,6 +216,36 @@ def test_someone_elses_object_is_never_taken_over(kube, reconciler):
     assert len(names(kube, DEPLOYMENT)) == 3
 
 
+def test_its_orphaned_children_are_adopted_and_anothers_are_not(kube, reconciler):
+    """Children of a pipeline of this name that no controller owns any more (the pipeline
+    deleted with --cascade=orphan and applied again, or a reference removed) are adopted, as
+    Kubernetes' controllers adopt their orphans (an outside review: they were ChildConflict
+    for good); one that another pipeline owns, or that carries no pipeline label, is not."""
+    create_pipeline(kube, pipeline_body())
+    reconciler.reconcile(NAMESPACE, "tiny")
+    name = workload("talker")
+    orphaned = {"metadata": {"ownerReferences": None}}
+    kube.patch(CONFIGMAP, NAMESPACE, name, orphaned)
+    kube.patch(PDB, NAMESPACE, "tiny-talker", orphaned)
+    # Applied again: a new pipeline object (a new uid) of the same name.
+    kube.request("delete", "OmniPipeline", "DELETE", f"/apis/omnipipeline.dev/v1alpha1/namespaces/{NAMESPACE}/omnipipelines/tiny")
+    reconciler.forget(NAMESPACE, "tiny")
+    create_pipeline(kube, pipeline_body())
+    uid = kube.get_pipeline(NAMESPACE, "tiny")["metadata"]["uid"]
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert {f"patch ConfigMap/{name}", "patch PodDisruptionBudget/tiny-talker"} <= set(outcome.changed)
+    for kind, child in ((CONFIGMAP, name), (PDB, "tiny-talker")):
+        refs = kube.get(kind, NAMESPACE, child)["metadata"]["ownerReferences"]
+        assert [(r["uid"], r["controller"]) for r in refs] == [(uid, True)], (kind, refs)
+    # The others are still the old pipeline's (the emulator has no garbage collector): not
+    # taken, named.
+    assert outcome.result == "conflict"
+    ready = next(c for c in kube.get_pipeline(NAMESPACE, "tiny")["status"]["conditions"] if c["type"] == "Ready")
+    assert f"ConfigMap {workload('thinker')}" in ready["message"] and f"ConfigMap {name}" not in ready["message"]
+    other = kube.get(CONFIGMAP, NAMESPACE, workload("thinker"))
+    assert uid not in [r["uid"] for r in other["metadata"]["ownerReferences"]]
+
+
 def test_status_follows_the_deployments(kube, reconciler):
     create_pipeline(kube, pipeline_body())
     reconciler.reconcile(NAMESPACE, "tiny")

@@ -132,6 +132,16 @@ def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
+def is_orphan_of(obj: Mapping[str, Any], pipeline_name: str) -> bool:
+    """A child this operator made for a pipeline of this name that no controller owns any
+    more (``kubectl delete --cascade=orphan`` of the pipeline, or its reference removed): the
+    pipeline of that name adopts it, as Kubernetes' own controllers adopt their orphans."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    return (labels.get(naming.MANAGED_BY_LABEL) == naming.MANAGER and labels.get(naming.PIPELINE_LABEL) == pipeline_name
+            and not any(r.get("controller") for r in meta.get("ownerReferences") or []))
+
+
 def child_selector(pipeline_name: str) -> str:
     return f"{naming.PIPELINE_LABEL}={pipeline_name},{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
 
@@ -639,9 +649,14 @@ class Reconciler:
             live = self.kube.get(kind, pipeline.namespace, name)
             if live is not None and self.children is not None:
                 self.children.saw(live, kind.kind)
-            if live is None or not is_owned_by(live, pipeline.uid):
+            adopting = live is not None and is_orphan_of(live, pipeline.name)
+            if live is None or not (adopting or is_owned_by(live, pipeline.uid)):
                 return None, None
             patch = self._patch_for(kind, pipeline, desired, live)
+            if adopting:
+                # As the Deployment controller adopts a ReplicaSet: its other references kept.
+                refs = [r for r in (live.get("metadata") or {}).get("ownerReferences") or []]
+                patch.setdefault("metadata", {})["ownerReferences"] = refs + desired["metadata"]["ownerReferences"]
             if not patch:
                 return live, None
         with _refusals("patch", kind.kind, name):

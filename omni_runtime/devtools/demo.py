@@ -1,16 +1,17 @@
 """``make demo``: the omni AR scheduler in a real vLLM engine on the tiny CPU model.
 
 Generates for a few prompts with ``prefill_finished`` KV transfers on, and prints every
-transfer's life as the ledger sees it, then per-request tokens and outcomes. No worker
-extracts the KV yet and no next stage receives it, so every transfer stays active until its
-deadline and expires, and the held blocks go back to the pool: the behaviour that keeps a
-stage healthy when its receiver is gone.
+transfer's life as the ledger sees it, then per-request tokens and outcomes. The next stage
+it sends to is an address where nothing listens (a stage that is gone), so every transfer
+fails or expires at its deadline, and the held blocks go back to the pool: the behaviour
+that keeps a stage healthy when its receiver is gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = ensure_tiny_model()
     print(f"tiny model: {model}")
+    with socket.socket() as probe:  # a port nothing listens on: the next stage is gone
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"
+    print(f"the next stage (nothing listens there): {gone}")
     llm = omni_llm(
         str(model),
         {
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_transfer_criteria": {"type": "prefill_finished"},
             "timeout_seconds": args.timeout_seconds,
         },
+        endpoints={"next": gone},
         kv_cache_memory_bytes=64 << 20,
         max_model_len=512,
         dtype="float32",

@@ -27,8 +27,8 @@ def omni_llm(
     **engine_args: Any,
 ):
     """An ``LLM`` whose scheduler is :class:`~omni_runtime.sched.OmniARScheduler`; with
-    transfers on, the omni KV connector ships to ``endpoints`` ({stage: zmq address}; none:
-    every transfer fails with that reason), composed through vLLM's MultiConnector with the
+    transfers on, the omni KV connector ships to ``endpoints`` ({stage: address}; the
+    connector refuses a set-up that sends with none, unless it ``loads``), composed through vLLM's MultiConnector with the
     connector config ``compose_with`` when given (as ``omni-stage`` does with one in
     ``engineArgs``); ``io_cpus``: the transport threads' CPUs (the connector's ``io_cpus``
     setting); ``loads``: the connector also loads the KV prefixes the requests name in

@@ -3,8 +3,11 @@ by tests/runtime/test_local_up.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -352,3 +355,109 @@ def test_a_model_hub_id_or_a_model_here_is_left_to_the_stages(tmp_path):
         assert model_not_here(parse_pipeline(body), cwd=tmp_path) is None, path
     body["spec"]["model"]["path"] = "./models/gone"
     assert "./models/gone is not on this machine" in model_not_here(parse_pipeline(body), cwd=tmp_path)
+
+
+def _local_file(tmp_path: Path, name: str) -> Path:
+    """examples/tiny-pipeline.yaml named ``name``, its model a directory that exists here (the
+    checks below come before any stage would read it)."""
+    body = yaml.safe_load((ROOT / "examples" / "tiny-pipeline.yaml").read_text())
+    body["metadata"]["name"] = name
+    (tmp_path / "model").mkdir(exist_ok=True)
+    body["spec"]["model"]["path"] = str(tmp_path / "model")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_up_says_in_one_line_what_it_cannot_begin_with(tmp_path):
+    """A host that does not resolve, a port taken or out of range, a work directory under a
+    file, --port without --watch, a negative count: one line each, exit 2, nothing left behind
+    (an outside review as a new user: tracebacks, and the temporary directory left)."""
+    import socket
+
+    spec = str(_local_file(tmp_path, "door"))
+    before = set(Path(tempfile.gettempdir()).glob("omni-door-*"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [(("--host", "no.such.host.invalid"), "cannot begin"),
+                 (("--workdir", str(Path(spec) / "x")), "Not a directory"),
+                 (("--watch", "--port", port), "Address already in use"),
+                 (("--port", "5000"), "--port is the port of the front that --watch runs"),
+                 (("--port", "70000"), "must be a port from 0 to 65535"),
+                 (("--demo", "-1"), "must be a number of requests"),
+                 (("--exit-after", "-3"), "must be a number of seconds")]
+        for args, said in cases:
+            proc = run_cli("up", spec, *args)
+            text = proc.stdout + proc.stderr
+            assert proc.returncode == 2, (args, text)
+            assert said in text and "Traceback" not in text, (args, text)
+    assert set(Path(tempfile.gettempdir()).glob("omni-door-*")) == before, "a temporary directory was left"
+
+
+def test_a_pipeline_up_already_is_not_started_twice_and_a_stopped_one_is_not_running(tmp_path):
+    """A second `up` of a pipeline that is up (by its name, or its --workdir) is refused: it
+    overwrote the first's records and configs, and took over its pointer (an outside review);
+    `status` of one whose `up` has exited says it is not running (exit 2), not "unknown"."""
+    from omni_operator.local.status import pointer_path, record_endpoints
+
+    spec = _local_file(tmp_path, "twice-up")
+    pipeline = parse_pipeline(yaml.safe_load(spec.read_text()))
+    workdir = tmp_path / "first"
+    workdir.mkdir()
+    pointer = record_endpoints(pipeline, workdir, {"ar": "http://127.0.0.1:9"})  # this process: alive
+    try:
+        for args in ((), ("--workdir", str(workdir))):
+            proc = run_cli("up", str(spec), *args)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert f"pipeline default/twice-up is up already (omni-pipeline up, pid {os.getpid()}" in proc.stdout
+        assert pointer.exists() and pointer_path(pipeline) == pointer
+        # The `up` that wrote the records is gone (a pid no process has).
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+        for path in (pointer, workdir / "endpoints.json"):
+            record = json.loads(path.read_text())
+            path.write_text(json.dumps({**record, "pid": int(gone.stdout)}))
+        proc = run_cli("status", str(spec), "--workdir", str(workdir), "--interval", "0")
+        assert proc.returncode == 2 and "the `up` that wrote it has exited" in proc.stdout, proc.stdout
+    finally:
+        pointer.unlink(missing_ok=True)
+
+
+def test_a_stage_that_exits_while_a_later_one_starts_stops_the_start(tmp_path, monkeypatch):
+    """The receiver up and ready, then gone while the AR stage above it is still starting:
+    the start ends (the pipeline stops, exit 1) instead of waiting out the AR's start-up
+    (an outside review: the table said `exited` for good, and Ctrl-C then exited 0). Stand-in
+    processes (no engine): the receiver a sleeper that is killed, the AR one never ready."""
+    import threading
+    import time
+
+    from omni_operator.local.run import LocalPipeline
+
+    pipeline = parse_pipeline(yaml.safe_load(_local_file(tmp_path, "dies-early").read_text()))
+    local = LocalPipeline(pipeline, tmp_path)
+
+    def start(stage, env):
+        stage.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    first, second = local.stages[local.order[0]], local.stages[local.order[1]]
+
+    def poll(stage):
+        stage.ready = stage is first  # the first one started (downstream) is ready
+        if second.proc is not None and first.alive():  # the next is starting: the first dies
+            first.proc.kill()
+            first.proc.wait()
+
+    monkeypatch.setattr(LocalStage, "start", start)
+    monkeypatch.setattr(LocalStage, "poll", poll)
+    began = time.monotonic()
+    try:
+        assert local.start({}, threading.Event()) is False
+        assert time.monotonic() - began < 30
+        assert not first.alive() and second.alive()
+    finally:
+        for stage in local.stages.values():
+            if stage.proc is not None:
+                stage.proc.kill()
+                stage.proc.wait()

@@ -93,6 +93,11 @@ def cmd_up(args: argparse.Namespace, out: TextIO) -> int:
     if (problem := model_not_here(pipeline)) is not None:  # before any stage starts
         print(f"{args.file}: {problem}", file=out)
         return 2
+    if args.port and not args.watch:
+        print("omni-pipeline up: --port is the port of the front that --watch runs (the pipeline's one "
+              "address across revisions); without --watch the endpoint's address is printed once it "
+              "is up", file=out)
+        return 2
 
     def reload(path: Path):
         changed = _load_one(path, out)
@@ -183,15 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML file (any number of documents), a directory, or - for the standard input")
     u = sub.add_parser("up", help="run an OmniPipeline's stages as local processes")
     u.add_argument("file", type=Path)
-    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--host", default="127.0.0.1",
+                   help="the address every stage, the endpoint and the front listen on (default: 127.0.0.1)")
     u.add_argument("--workdir", help="where stage configs and logs go (default: a temporary directory)")
-    u.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    u.add_argument("--demo", type=int, default=0, metavar="N", help="send N requests to the AR stage once all stages are ready")
-    u.add_argument("--exit-after", type=float, metavar="SECONDS", help="stop the pipeline after this long (unattended runs)")
+    u.add_argument("--keep", action="store_true", help="keep the temporary directory (its configs and logs) at exit")
+    u.add_argument("--demo", type=_count, default=0, metavar="N",
+                   help="send N requests to the AR stage once all stages are ready")
+    u.add_argument("--exit-after", type=_non_negative, metavar="SECONDS",
+                   help="stop the pipeline after this long (unattended runs)")
     u.add_argument("--watch", action="store_true",
                    help="read the file again every second; a new revision rolls out (receivers first, the old one "
                         "drained by its transfers) behind one stable address, the pipeline's front")
-    u.add_argument("--port", type=int, default=0, help="the front's port with --watch (default: a free one)")
+    u.add_argument("--port", type=_port, default=0, help="the front's port with --watch (default: a free one)")
     u.add_argument("--streaming", action="store_true",
                    help="with --demo N: after the demo's requests (streamed, as the file's edges say), start the "
                         "same pipeline with every edge whole, send it the same requests, stop it, and print both "
@@ -224,6 +232,23 @@ def _number(low: float, high: float, what: str) -> Callable[[str], float]:
 
 _non_negative = _number(0, sys.float_info.max, "a number of seconds, at least 0")
 _ratio = _number(0, 1, "a share between 0 and 1 (0.05: 5%)")
+
+
+def _whole(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argument type: a whole number within [low, high], or a usage error saying what it takes."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+    return parse
+
+
+_count = _whole(0, 10_000, "a number of requests from 0 to 10000")
+_port = _whole(0, 65535, "a port from 0 to 65535 (0: a free one)")
 
 
 def main(argv: list[str] | None = None) -> int:

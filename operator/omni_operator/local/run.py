@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 from omni_contract.metrics import RECEIVED, RESOLVED, STREAMS_RESOLVED, TRANSFERS
 
-from .status import forget_endpoints, record_endpoints
+from .status import forget_endpoints, record_endpoints, running_record
 from omni_operator.pipeline.model import Pipeline, find_cycle
 from omni_operator.pipeline.stage_config import dump_stage_config, render_endpoint_config, render_stage_config
 
@@ -329,13 +329,17 @@ class LocalPipeline:
 
     def start(self, env: dict[str, str], stop: threading.Event, on_poll=None) -> bool:
         """Start every stage, downstream first, each once the ones below it are ready.
-        False if a stage exits or ``stop`` is set first."""
+        False if a stage exits (one started before as well as the one starting) or ``stop``
+        is set first."""
+        started: list[LocalStage] = []
         for name in self.order:
             stage = self.stages[name]
             stage.start(env)
+            started.append(stage)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             while not stage.ready:
-                if not stage.alive() or stop.is_set() or time.monotonic() > deadline:
+                if (any(not s.alive() for s in started) or stop.is_set()
+                        or time.monotonic() > deadline):
                     return False
                 stop.wait(0.5)
                 self.poll()
@@ -641,11 +645,28 @@ class UpOptions:
 
 
 def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
-    """Run every stage until Ctrl-C (or exit_after); 0 on a clean stop, 1 if a stage failed."""
+    """Run every stage until Ctrl-C (or exit_after); 0 on a clean stop, 1 if a stage failed,
+    2 if it could not begin (the pipeline up already, a host, port or directory it cannot
+    use: said in one line)."""
+    running = running_record(pipeline, Path(args.workdir) if args.workdir else None) or running_record(pipeline)
+    if running is not None:
+        print(f"pipeline {pipeline.namespace}/{pipeline.name} is up already (omni-pipeline up, pid "
+              f"{running.get('pid')}, its files in {running.get('workdir')}): stop it first (Ctrl-C "
+              "there), or run this one under another metadata.name", file=out)
+        return 2
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"omni-{pipeline.name}-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    local = LocalPipeline(pipeline, workdir, args.host)
-    front = Front(args.host, args.port) if args.reload is not None else None
+    front = None
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        local = LocalPipeline(pipeline, workdir, args.host)
+        front = Front(args.host, args.port) if args.reload is not None else None
+    except (OSError, OverflowError) as exc:  # a host that does not resolve, a port taken, a file in the way
+        print(f"omni-pipeline up: cannot begin: {' '.join(str(exc).split())} (--host {args.host}"
+              + (f", --port {args.port}" if args.reload is not None else "")
+              + (f", --workdir {args.workdir}" if args.workdir else "") + ")", file=out)
+        if not args.workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return 2
     # Where `omni-pipeline status FILE` finds the stages (removed at exit).
     record_endpoints(pipeline, workdir, local.stage_urls(), front=front.url if front is not None else local.endpoint_url)
     stop = threading.Event()

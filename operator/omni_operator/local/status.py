@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 from omni_operator.health.reader import METRICS_QUERY, fetch_page
 from omni_operator.pipeline.model import Pipeline
@@ -58,12 +58,37 @@ def forget_endpoints(pipeline: Pipeline, workdir: Path) -> None:
         pass
 
 
-def find_endpoints(pipeline: Pipeline, workdir: Path | None = None) -> dict[str, str] | None:
-    """{stage: base URL} of the running pipeline, from ``workdir`` or from ``up``'s pointer."""
+def running_record(pipeline: Pipeline, workdir: Path | None = None) -> dict[str, Any] | None:
+    """The record of the ``up`` that runs the pipeline, from ``workdir`` or from ``up``'s
+    pointer; None when there is none, or its process is gone (a record an ``up`` killed
+    with -9 left behind)."""
     path = workdir / ENDPOINTS_FILE if workdir is not None else pointer_path(pipeline)
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not _alive(record.get("pid")):
+        return None
+    return record
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def find_endpoints(pipeline: Pipeline, workdir: Path | None = None) -> dict[str, str] | None:
+    """{stage: base URL} of the running pipeline, from ``workdir`` or from ``up``'s pointer
+    (None: not running: no record, or the ``up`` that wrote it is gone)."""
+    record = running_record(pipeline, workdir)
+    if record is None:
         return None
     stages = record.get("stages")
     return {str(k): str(v) for k, v in stages.items()} if isinstance(stages, dict) else None
@@ -92,7 +117,8 @@ def show_status(pipeline: Pipeline, out: TextIO, *, workdir: Path | None = None,
     endpoints = find_endpoints(pipeline, workdir)
     if endpoints is None:
         where = workdir / ENDPOINTS_FILE if workdir is not None else pointer_path(pipeline)
-        print(f"pipeline {pipeline.namespace}/{pipeline.name} is not running here ({where} not found); "
+        why = "the `up` that wrote it has exited" if where.exists() else "not found"
+        print(f"pipeline {pipeline.namespace}/{pipeline.name} is not running here ({where}: {why}); "
               "start it with `omni-pipeline up FILE`", file=out)
         return NOT_RUNNING
     reading, samples = read_stages(endpoints, None, timeout=timeout)

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,6 +216,8 @@ class ARStage:
         self.grace_seconds = grace_seconds
         self._stop = threading.Event()
         self._child: subprocess.Popen | None = None
+        #: prometheus_client's multiprocess directory of this run (removed at its end).
+        self._metrics_dir: str | None = None
 
     def _environment(self) -> dict[str, str]:
         from omni_runtime.observability.multiproc import MULTIPROC_ENV, prepare_prometheus_multiproc_dir
@@ -226,6 +229,7 @@ class ARStage:
         metrics_dir = (os.path.join(base, f"omni-stage-{os.getpid()}") if base
                        else tempfile.mkdtemp(prefix="omni-metrics-"))
         prepare_prometheus_multiproc_dir(metrics_dir)  # emptied: a previous run's files go
+        self._metrics_dir = metrics_dir
         env = dict(os.environ)
         env[MULTIPROC_ENV] = metrics_dir
         env["OMNI_STAGE_NAME"] = self.config.stage
@@ -261,11 +265,14 @@ class ARStage:
             self._drain_streamed_inputs(deadline)
             return self._stop_child(deadline)
         finally:
-            # Whatever is left of vLLM's group (its engine-core process) goes with us.
+            # Whatever is left of vLLM's group (its engine-core process) goes with us, and so
+            # does this run's metrics directory (one per run: they piled up in /tmp).
             try:
                 os.killpg(self._child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            if self._metrics_dir is not None:
+                shutil.rmtree(self._metrics_dir, ignore_errors=True)
 
     def _deprioritize_engine(self) -> None:
         """Renice every thread of vLLM's engine-core processes (the API server's descendants)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -334,3 +335,28 @@ def test_the_pipeline_revision_reaches_the_senders_hello_and_the_receivers_expec
         finally:
             stage._http.server_close()
             stage.receiver.close()
+
+
+def test_an_ar_stage_leaves_no_metrics_directory_behind(tmp_path, monkeypatch):
+    """Each run of an AR stage has prometheus_client's multiprocess directory of its own; it
+    goes when the run ends (an outside review: one per run piled up in /tmp, hundreds). The
+    stand-in for vLLM (no engine) exits at once, which ends the run."""
+    import signal
+    import sys
+
+    from omni_runtime.stages import ar
+
+    monkeypatch.setattr(ar, "vllm_command", lambda *a, **k: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the test process keeps its handlers
+    base = tmp_path / "multiproc"
+    base.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(base))
+    stage = ar.ARStage(parse_stage_config(BASE), host="127.0.0.1", grace_seconds=1)
+    stage.run()
+    assert list(base.iterdir()) == []
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    made = []
+    real_mkdtemp = ar.tempfile.mkdtemp
+    monkeypatch.setattr(ar.tempfile, "mkdtemp", lambda **k: made.append(real_mkdtemp(dir=tmp_path, **k)) or made[-1])
+    ar.ARStage(parse_stage_config(BASE), host="127.0.0.1", grace_seconds=1).run()
+    assert made and not any(Path(m).exists() for m in made)

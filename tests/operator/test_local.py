@@ -461,3 +461,17 @@ def test_a_stage_that_exits_while_a_later_one_starts_stops_the_start(tmp_path, m
             if stage.proc is not None:
                 stage.proc.kill()
                 stage.proc.wait()
+
+
+def test_validate_says_a_duplicate_stage_name_once_and_no_wrong_index(tmp_path):
+    """A stage renamed to another's name (it lists that one in its inputs): the duplicate is
+    the problem; the self-input rule said `spec.stages[0].inputs[0]` of a stage with no inputs
+    (it found the stage by its name, the first of the two)."""
+    body = yaml.safe_load((ROOT / "examples" / "tiny-pipeline.yaml").read_text())
+    first = body["spec"]["stages"][0]["name"]
+    body["spec"]["stages"][1]["name"] = first
+    path = tmp_path / "duplicate.yaml"
+    path.write_text(yaml.safe_dump(body))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 1
+    assert "must be unique" in proc.stdout and "cannot list itself" not in proc.stdout, proc.stdout

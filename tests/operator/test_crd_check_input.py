@@ -49,6 +49,14 @@ def test_nothing_to_check_is_said(tmp_path):
     empty.write_text("")
     code, lines = run(OURS, empty)
     assert code == 1 and lines == [f"nothing to check: {empty} hold(s) no object"]
+    # A pipeline refused is said as such, not as no object (an outside review), and a valid
+    # one is said to be valid before its rendered objects are checked.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("role: ar", "role: nope", 1))
+    code, lines = run(OURS, bad)
+    assert code == 1 and len(lines) == 1 and "not a valid OmniPipeline: spec.stages[0].role" in lines[0], lines
+    code, lines = run(OURS, EXAMPLE)
+    assert code == 0 and "a valid OmniPipeline; the" in lines[0], lines
 
 
 def test_the_cli_says_what_an_argument_takes(capsys):

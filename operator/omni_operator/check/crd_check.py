@@ -124,6 +124,8 @@ def objects_of(paths: Iterable[Path], out: TextIO) -> tuple[list[tuple[str, dict
             except SpecError as exc:
                 report(f"{path}: {doc.label}: not a valid OmniPipeline: {exc}")
                 continue
+            print(f"{path}: {doc.label}: a valid OmniPipeline; the {len(children)} objects it renders are "
+                  "checked below where the CRDs hold their kinds", file=out)
             found += [(f"{path}: {doc.label}: renders {c['kind']} {c['metadata']['name']}", c) for c in children]
         else:
             found.append((f"{path}: {doc.label}", value))
@@ -141,7 +143,8 @@ def run(crds: Path, paths: list[Path], out: TextIO) -> int:
     objects, ok = objects_of(paths, out)
     ok = ok and not crd_set.errors
     if not objects:
-        print(f"nothing to check: {', '.join(map(str, paths))} hold(s) no object", file=out)
+        if ok:  # (a file that could not be read, a pipeline refused: said above)
+            print(f"nothing to check: {', '.join(map(str, paths))} hold(s) no object", file=out)
         return 1
     unmatched: set[str] = set()
     for where, obj in objects:

@@ -475,3 +475,47 @@ def test_validate_says_a_duplicate_stage_name_once_and_no_wrong_index(tmp_path):
     proc = run_cli("validate", str(path))
     assert proc.returncode == 1
     assert "must be unique" in proc.stdout and "cannot list itself" not in proc.stdout, proc.stdout
+
+
+def test_the_demo_shows_the_streams_a_streamed_receiver_took(tmp_path):
+    """`make demo DEMO_ARGS=--streaming`: the vocoder's inputs are streams, not KV payloads;
+    it printed an empty `KV arrived` section (an outside review). A stand-in for the
+    vocoder's HTTP API serves its /v1/streams."""
+    import io
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from omni_operator.local.run import LocalPipeline, show_arrivals
+
+    body = yaml.safe_load((ROOT / "examples" / "tiny-omni-streaming.yaml").read_text())
+    local = LocalPipeline(parse_pipeline(body), tmp_path)
+    [vocoder] = [s for s in local.table_order() if s.role == "generation"]
+    streams = {"stage": vocoder.name, "streams": [
+        {"request_id": "r-1", "from_stage": "talker", "token_ids": [1, 2, 3], "prompt_len": 0, "chunks": 2,
+         "streamed": True, "outcome": "finished", "reason": None}]}
+
+    class Vocoder(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            data = json.dumps(streams if self.path == "/v1/streams" else {"payloads": []}).encode()
+            self.send_response(200 if self.path == "/v1/streams" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", vocoder.http_port), Vocoder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out = io.StringIO()
+        show_arrivals(local, 1, threading.Event(), out)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert out.getvalue().splitlines() == [
+        f"streams taken at stage {vocoder.name} ({vocoder.url}/v1/streams):",
+        "  r-1: 3 tokens in 2 chunks from talker, finished"]

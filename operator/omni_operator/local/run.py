@@ -507,7 +507,8 @@ def send_demo_requests(stage: LocalStage, model: str, count: int, out: TextIO, *
         else:
             what = (f"in {payload['chunks']} streamed chunks" if payload.get("streamed")
                     else f"and their KV {payload['dtype']}{payload['shape']}")
-            text = (f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} in, the rest "
+            said = len(payload['token_ids']) - payload['prompt_len']
+            text = (f"{len(payload['token_ids'])} tokens ({payload['prompt_len']} of its prompt, {said} "
                     f"generated) {what} at stage {payload['stage']}, from {payload['from_stage']}")
         print(f"{label}request {i}: {prompts[i % len(prompts)]!r} -> {text}", file=out, flush=True)
     return firsts
@@ -609,23 +610,33 @@ def first_output_summary(pipeline: Pipeline, streamed: list[float | None],
 
 
 def show_arrivals(local: LocalPipeline, expected: int, stop: threading.Event, out: TextIO) -> None:
-    """Print what reached the receiving stages (their /v1/kv), once ``expected`` arrived or
-    after 30 s."""
-    receivers = [s for s in local.table_order() if s.role not in ("ar", "endpoint")]
+    """Print what reached the receiving stages, once ``expected`` arrived or after 30 s: the
+    KV payloads of their whole inputs (/v1/kv) and the streams of their streamed ones
+    (/v1/streams)."""
+    streamed = {consumer for _, consumer, _ in local.pipeline.streamed_edges()}
+    receivers = [(s, "/v1/streams" if s.name in streamed else "/v1/kv")
+                 for s in local.table_order() if s.role not in ("ar", "endpoint")]
     deadline = time.monotonic() + 30
     listings: dict[str, list[dict]] = {}
     while not stop.is_set():
-        for st in receivers:
-            page = _get(st.url + "/v1/kv", timeout=2)
-            listings[st.name] = json.loads(page)["payloads"] if page else []
+        for st, path in receivers:
+            page = _get(st.url + path, timeout=2)
+            found = json.loads(page) if page else {}
+            listings[st.name] = found.get("streams" if path == "/v1/streams" else "payloads") or []
         if all(len(v) >= expected for v in listings.values()) or time.monotonic() > deadline:
             break
         stop.wait(0.2)
-    for name, payloads in listings.items():
-        print(f"KV arrived at stage {name} ({local.stages[name].url}/v1/kv):", file=out)
-        for p in payloads:
-            print(f"  {p['request_id']}: seq_len={p['seq_len']} {p['dtype']}{list(p['shape'])} "
-                  f"{p['bytes']} bytes from {p['from_stage']}", file=out)
+    lines = []
+    for st, path in receivers:
+        if path == "/v1/streams":
+            lines.append(f"streams taken at stage {st.name} ({st.url}{path}):")
+            lines += [f"  {s['request_id']}: {len(s['token_ids'])} tokens in {s['chunks']} chunks from "
+                      f"{s['from_stage']}, {s['outcome'] or 'open'}" for s in listings[st.name]]
+        else:
+            lines.append(f"KV arrived at stage {st.name} ({st.url}{path}):")
+            lines += [f"  {p['request_id']}: seq_len={p['seq_len']} {p['dtype']}{list(p['shape'])} "
+                      f"{p['bytes']} bytes from {p['from_stage']}" for p in listings[st.name]]
+    print("\n".join(lines), file=out, flush=True)  # one write: the table's thread writes too
 
 
 @dataclass(frozen=True)

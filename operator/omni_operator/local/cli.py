@@ -217,11 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _number(low: float, high: float, what: str) -> Callable[[str], float]:
-    """An argument type: a number within [low, high], or a usage error saying what it takes."""
+def _number(low: float, high: float, what: str, kind: Callable[[str], float] = float) -> Callable[[str], float]:
+    """An argument type: a number (of ``kind``: float, or int for a whole one) within [low,
+    high], or a usage error saying what it takes."""
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not low <= value <= high:
@@ -232,23 +233,8 @@ def _number(low: float, high: float, what: str) -> Callable[[str], float]:
 
 _non_negative = _number(0, sys.float_info.max, "a number of seconds, at least 0")
 _ratio = _number(0, 1, "a share between 0 and 1 (0.05: 5%)")
-
-
-def _whole(low: int, high: int, what: str) -> Callable[[str], int]:
-    """An argument type: a whole number within [low, high], or a usage error saying what it takes."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
-        return value
-    return parse
-
-
-_count = _whole(0, 10_000, "a number of requests from 0 to 10000")
-_port = _whole(0, 65535, "a port from 0 to 65535 (0: a free one)")
+_count = _number(0, 10_000, "a number of requests from 0 to 10000", int)
+_port = _number(0, 65535, "a port from 0 to 65535 (0: a free one)", int)
 
 
 def main(argv: list[str] | None = None) -> int:

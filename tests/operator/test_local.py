@@ -261,6 +261,35 @@ def test_a_port_is_never_handed_out_twice(monkeypatch):
     assert [run.free_port("127.0.0.1"), run.free_port("127.0.0.1")] == [first - 7, first - 9]
 
 
+def test_a_port_another_process_reserved_is_not_handed_out(monkeypatch, tmp_path):
+    """Two `up`s (or an `up` and a test) pick ports at once: each port is free when picked and
+    bound by its stage up to a minute later, so another process found it free meanwhile (two
+    `up`s once shared an endpoint port, and one's client got the other pipeline's answer). A
+    port a live process reserved is skipped; one whose process is gone is taken over, and
+    this process's reservations go at its exit."""
+    import random
+
+    from omni_operator.local import run
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    ports = tmp_path / f"omni-pipeline-{os.getuid()}" / "ports"
+    ports.mkdir(parents=True)
+    first, _ = run._ephemeral_ports()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (ports / str(first - 7)).write_text(str(os.getppid()))  # a live process's
+    (ports / str(first - 9)).write_text(gone)  # a process that is gone
+    draws = iter([first - 7, first - 9])
+    monkeypatch.setattr(random, "randrange", lambda low, high: next(draws))
+    monkeypatch.setattr(run, "_HANDED_OUT", type(run._HANDED_OUT)())
+    monkeypatch.setattr(run, "_RESERVED", [])
+    assert run.free_port("127.0.0.1") == first - 9
+    assert (ports / str(first - 9)).read_text() == str(os.getpid())
+    assert (ports / str(first - 7)).read_text() == str(os.getppid())
+    run._release_reservations()
+    assert sorted(p.name for p in ports.iterdir()) == [str(first - 7)]
+
+
 # ---------------------------------------------------------------------------- up --streaming
 # (the processes: tests/runtime/test_local_up.py, the streamed example's test)
 

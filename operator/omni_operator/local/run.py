@@ -20,6 +20,7 @@ receivers only once their senders have exited (what reached them is saved first)
 
 from __future__ import annotations
 
+import atexit
 import collections
 import hashlib
 import json
@@ -42,7 +43,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 from omni_contract.metrics import RECEIVED, RESOLVED, STREAMS_RESOLVED, TRANSFERS
 
-from .status import forget_endpoints, record_endpoints, running_record
+from .status import forget_endpoints, pid_alive, record_endpoints, running_record, state_dir
 from omni_operator.pipeline.model import Pipeline, find_cycle
 from omni_operator.pipeline.stage_config import dump_stage_config, render_endpoint_config, render_stage_config
 
@@ -79,10 +80,60 @@ def free_port(host: str) -> int:
                     s.bind((host, port))
                 except OSError:
                     continue
+            if not _reserve(port):
+                continue
             return _hand_out(port)
         with socket.socket() as s:  # every try taken: what the kernel gives
             s.bind((host, 0))
             return _hand_out(s.getsockname()[1])
+
+
+#: This process's port reservations (files), removed at its exit.
+_RESERVED: list[Path] = []
+
+
+def _reserve(port: int) -> bool:
+    """Reserve ``port`` against every other process of this user that picks ports so (another
+    `omni-pipeline up`, a test): a file named for it under the state directory, holding the
+    reserving process's id. A port is free when picked but bound only when its stage starts,
+    a minute later for the last ones, and another process checking it meanwhile finds it free
+    (two `up`s once shared an endpoint port: one's client got the other pipeline's answer).
+    A reservation whose process is gone is taken over; where the directory cannot be used,
+    this process's own record (_HANDED_OUT) is all there is."""
+    directory = state_dir() / "ports"
+    path = directory / str(port)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            try:
+                holder = int(path.read_text() or 0)
+            except ValueError:
+                holder = 0
+            if pid_alive(holder):
+                return False
+            stale = directory / f".{port}.{os.getpid()}"
+            stale.write_text(str(os.getpid()))
+            os.replace(stale, path)  # the process that held it is gone: taken over
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+    except OSError:
+        return True
+    if not _RESERVED:
+        atexit.register(_release_reservations)
+    _RESERVED.append(path)
+    return True
+
+
+def _release_reservations() -> None:
+    for path in _RESERVED:
+        try:
+            if path.read_text() == str(os.getpid()):
+                path.unlink()
+        except (OSError, ValueError):
+            pass
 
 
 def _hand_out(port: int) -> int:

@@ -67,12 +67,13 @@ def running_record(pipeline: Pipeline, workdir: Path | None = None) -> dict[str,
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or not _alive(record.get("pid")):
+    if not isinstance(record, dict) or not pid_alive(record.get("pid")):
         return None
     return record
 
 
-def _alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether a process of this id exists (a record's or a reservation's writer)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

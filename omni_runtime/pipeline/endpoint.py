@@ -51,6 +51,7 @@ from omni_runtime.pipeline.protocol import (
     HEARTBEAT_S,
     KV_PARAMS_KEY,
     LINK_TOKEN_HEADER,
+    MalformedEvent,
     MAX_EVENT_BYTES,
     ProtocolError,
     encode_event,
@@ -263,7 +264,9 @@ class PipelineEndpoint:
         if pending is None:
             await ws.close(code=CLOSE_UNKNOWN_REQUEST, message=b"no such request")
             return ws
-        if not hmac.compare_digest(request.headers.get(LINK_TOKEN_HEADER, "").encode(),
+        # surrogateescape: a header that is not UTF-8 (aiohttp keeps its bytes so) is a wrong
+        # token, not an error of the handler.
+        if not hmac.compare_digest(request.headers.get(LINK_TOKEN_HEADER, "").encode("utf-8", "surrogateescape"),
                                    pending.token.encode()):
             logger.warning("a link for request %s as stage %s without the request's token: "
                            "refused", pending.id, stage)
@@ -277,6 +280,9 @@ class PipelineEndpoint:
                     continue
                 try:
                     event = parse_event(message.data)
+                except MalformedEvent as exc:  # the stage's bug: its request fails, naming it
+                    logger.warning("link of stage %s for request %s: %s", stage, pending.id, exc)
+                    event = {"event": "error", "message": f"sent a malformed event: {exc}"}
                 except ProtocolError as exc:
                     logger.warning("link of stage %s for request %s: %s", stage, pending.id,
                                    exc)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import quote
 
 #: The key of a request's ``kv_transfer_params`` that holds its origin.
@@ -64,20 +64,31 @@ class ProtocolError(ValueError):
     """A malformed origin or event, with the reason."""
 
 
+class MalformedEvent(ProtocolError):
+    """An event of a known kind whose fields are not what they must be (a stage's bug)."""
+
+
 #: The longest request id a pipeline request carries from stage to stage (its origin).
 MAX_REQUEST_ID_CHARS = 1024
 
 
+#: The longest X-Request-Id a client may send: vLLM makes a stage's request id of it with up
+#: to 20 characters more (``chatcmpl-ID-0-1a2b3c4d``; 4 more kept spare), and the KV wire
+#: bounds a request id as the origin does.
+MAX_CLIENT_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS - 24
+
+
 def request_id_problem(request_id: str) -> str | None:
     """Why a pipeline request cannot carry ``request_id`` (a client's X-Request-Id) to every
-    stage; None when it can: UTF-8 text of 1 to MAX_REQUEST_ID_CHARS characters, not ``.`` or
-    ``..`` (a path segment of the stages' links)."""
+    stage; None when it can: UTF-8 text of 1 to MAX_CLIENT_REQUEST_ID_CHARS characters, not
+    ``.`` or ``..`` (a path segment of the stages' links)."""
     try:
         request_id.encode("utf-8")
     except UnicodeEncodeError:
         return "X-Request-Id must be UTF-8 text"
-    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-        return f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+    if not 0 < len(request_id) <= MAX_CLIENT_REQUEST_ID_CHARS:
+        return (f"X-Request-Id must be 1 to {MAX_CLIENT_REQUEST_ID_CHARS} characters (a stage's request "
+                f"id adds vLLM's prefix and suffix to it), got {len(request_id)}")
     if request_id in (".", ".."):
         return f"X-Request-Id may not be {request_id!r} (a path segment of the stages' links to the endpoint)"
     return None
@@ -144,4 +155,28 @@ def parse_event(text: str | bytes) -> dict[str, Any]:
         raise ProtocolError(f"an event must be JSON: {exc}") from None
     if not isinstance(body, dict) or body.get("event") not in EVENTS:
         raise ProtocolError(f"an event must be an object whose event is one of {EVENTS}")
+    for key, (accepts, what) in _EVENT_FIELDS.items():
+        if key in body and body[key] is not None and not accepts(body[key]):
+            raise MalformedEvent(f"a {body['event']} event's {key} must be {what}, got {body[key]!r:.80}")
     return body
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: The fields an event may carry and what each must be (absent or null: not said): a stage's
+#: bug must fail its request as a stage error, not break the endpoint's answer (a status of
+#: "abc" was a 500, one of 1000 an HTTP status line the client could not read).
+_EVENT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "status": (lambda v: _whole(v) and 400 <= v <= 599, "an HTTP error status (400 to 599)"),
+    "message": (lambda v: isinstance(v, str), "a string"),
+    "param": (lambda v: isinstance(v, str), "a string"),
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "token_ids": (lambda v: isinstance(v, list) and all(_whole(t) for t in v), "a list of integers"),
+    "payload": (lambda v: isinstance(v, dict), "an object"),
+    "finish_reason": (lambda v: isinstance(v, str), "a string"),
+    "usage": (lambda v: isinstance(v, dict), "an object"),
+    "offered_at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "taken_at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+}

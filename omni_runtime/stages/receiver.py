@@ -35,7 +35,7 @@ import signal
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, quote, unquote, urlparse
 
 from omni_runtime.pipeline.link import LinkReporter
 from omni_runtime.pipeline.protocol import ProtocolError, origin_token, parse_origin
@@ -60,6 +60,15 @@ def wait_seconds(query: dict[str, list[str]]) -> float | None:
     if math.isnan(wait) or wait < 0:
         return None
     return min(wait, MAX_WAIT_S)
+def header_value(text: str) -> str:
+    """``text`` as a response header's value: as it is when it is printable ASCII, else
+    percent-encoded (UTF-8), so that no value (a request id a client chose, with a line break
+    or a character outside Latin-1) can end the header or break the response."""
+    if text.isascii() and text.isprintable():
+        return text
+    return quote(text, safe=" !\"#$&'()*+,/:;<=>?@[\\]^`{|}~")
+
+
 #: After a stop's drain, how long the streams' senders get to read the last acks before the
 #: KV receiver closes its connections.
 LAST_ANSWERS_S = 1.0
@@ -326,7 +335,7 @@ class ReceiverStage:
                     self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(body)))
                     for key, value in (headers or {}).items():
-                        self.send_header(key, value)
+                        self.send_header(key, header_value(value))
                     self.end_headers()
                     self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):  # the client went away

@@ -324,7 +324,8 @@ def test_a_refusal_at_the_door_echoes_the_clients_request_id():
 
 
 @pytest.mark.parametrize("request_id, why", [
-    ("x" * 1025, "1 to 1024 characters"),
+    ("x" * 1025, "1 to 1000 characters"),
+    ("x" * 1001, "1 to 1000 characters"),  # vLLM's id of it would pass the wire's 1,024
     (".", "may not be '.'"),
     ("..", "may not be '..'"),
     ("caf\xe9", "UTF-8"),
@@ -386,3 +387,73 @@ def test_what_is_no_json_request_is_refused_as_vllm_refuses_it_in_json():
     assert all(kind == "application/json" and rid == "door-1" for _, kind, rid, _ in answers), answers
     assert "must be a JSON object" in answers[0][3]
     assert answers[1][3] == "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+@pytest.mark.parametrize("bad", [
+    {"event": "error", "status": "abc"}, {"event": "error", "status": 1000}, {"event": "error", "status": 200},
+    {"event": "error", "status": True}, {"event": "payload", "payload": [1, 2]},
+    {"event": "output", "text": 5}, {"event": "output", "token_ids": 5},
+])
+def test_a_malformed_event_of_a_stage_fails_its_request_naming_the_stage(bad):
+    """A stage's link event of a known kind with fields of the wrong type (a stage's bug) was
+    a 500 with a traceback, or an HTTP status line the client could not read (an outside
+    review): the request now fails as that stage's error, a 502."""
+    session_box = {}
+
+    async def thinker(request: web.Request) -> web.Response:
+        body = await request.json()
+        request_id, endpoint, token = origin_of(body)
+        async with session_box["s"].ws_connect(link_url(endpoint, request_id, "talker"),
+                                               headers={LINK_TOKEN_HEADER: token}) as link:
+            await link.send_str(encode_event("taken"))
+            await link.send_str(json.dumps(bad))
+        return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            session_box["s"] = session
+            async with endpoint_before(thinker) as front_url:
+                async with session.post(front_url + "/v1/completions",
+                                        json={"model": "m", "prompt": [1], "max_tokens": 2}) as resp:
+                    return resp.status, await resp.json()
+
+    status, answer = asyncio.run(go())
+    assert status == 502, answer
+    assert answer["error"]["stage"] == "talker" and "malformed event" in answer["error"]["message"], answer
+
+
+def test_a_link_token_that_is_not_utf8_is_a_wrong_token():
+    """A link whose token header is not UTF-8 broke the link handler (a traceback, no close
+    code): it is refused as any wrong token is (4403), and the request goes on."""
+    async def thinker(request: web.Request) -> web.Response:
+        body = await request.json()
+        request_id, endpoint, token = origin_of(body)
+        host, port = endpoint.split("//")[1].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET " + link_url(endpoint, request_id, "talker").split(port, 1)[1].encode()
+                     + b" HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                     + LINK_TOKEN_HEADER.encode() + b": \xff\xfe\r\n\r\n")
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        frame = await reader.read(2)  # a close frame: opcode 8
+        rest = await reader.read(2)
+        writer.close()
+        request.app["seen"] = (head.split(b"\r\n")[0], frame[0] & 0x0F, int.from_bytes(rest, "big"))
+        return web.json_response({"error": {"message": "done", "param": None}}, status=400)
+
+    async def go():
+        apps = {}
+
+        async def first(request):
+            apps["app"] = request.app
+            return await thinker(request)
+
+        async with endpoint_before(first) as front_url, aiohttp.ClientSession() as session:
+            async with session.post(front_url + "/v1/completions",
+                                    json={"model": "m", "prompt": [1], "max_tokens": 2}) as resp:
+                await resp.read()
+        return apps["app"]["seen"]
+
+    status_line, opcode, code = asyncio.run(go())
+    assert status_line.startswith(b"HTTP/1.1 101") and opcode == 8 and code == 4403, (status_line, opcode, code)

@@ -360,3 +360,16 @@ def test_an_ar_stage_leaves_no_metrics_directory_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(ar.tempfile, "mkdtemp", lambda **k: made.append(real_mkdtemp(dir=tmp_path, **k)) or made[-1])
     ar.ARStage(parse_stage_config(BASE), host="127.0.0.1", grace_seconds=1).run()
     assert made and not any(Path(m).exists() for m in made)
+
+
+def test_a_request_id_never_breaks_a_response_header():
+    """A receiving stage answers GET /v1/kv/<id> with the payload's request id in a header:
+    an id a client chose with a line break split the response (a header injected), one
+    outside Latin-1 crashed the handler (an outside review). Such a value is percent-encoded."""
+    from omni_runtime.stages.receiver import header_value
+
+    assert header_value("cmpl-abc-0") == "cmpl-abc-0"
+    assert header_value("inj\r\nX-Injected: yes") == "inj%0D%0AX-Injected: yes"
+    assert header_value("日本語") == "%E6%97%A5%E6%9C%AC%E8%AA%9E"
+    for value in ("a\nb", "é", "\x00", "x\ty"):
+        assert header_value(value).isascii() and header_value(value).isprintable()

@@ -284,7 +284,7 @@ def load_stage_config(path: str | Path) -> StageConfig:
         raise StageConfigError(f"cannot read the stage config {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise StageConfigError(f"{path} is not UTF-8 text") from None
-    except (yaml.YAMLError, RecursionError) as exc:
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:  # ValueError: an integer of over 4,300 digits
         raise StageConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     try:
         return parse_stage_config(raw)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="address to serve on (default 0.0.0.0)")
     parser.add_argument(
         "--grace-seconds",
-        type=float,
+        type=_grace_seconds,
         default=None,
         help="on SIGTERM, how long in-flight requests, KV transfers and open streams get to "
         "finish before the stage exits (an AR stage passes it to vLLM as --shutdown-timeout; "
@@ -95,6 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     from omni_runtime.stages.receiver import ReceiverStage
 
     return ReceiverStage(config, host=args.host, grace_seconds=grace).run()
+
+
+def _grace_seconds(text: str) -> float:
+    """--grace-seconds: a number of seconds above 0, at most a day (nan, inf and 1e400 ended
+    in tracebacks; 0 and -1 silently became 1)."""
+    from omni_contract.edges import MAX_DEADLINE_SECONDS
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= MAX_DEADLINE_SECONDS:  # nan fails both
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds above 0, at most "
+                                         f"{MAX_DEADLINE_SECONDS:g}")
+    return value
 
 
 def default_grace_seconds(config) -> float:

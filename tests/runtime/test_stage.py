@@ -373,3 +373,24 @@ def test_a_request_id_never_breaks_a_response_header():
     assert header_value("日本語") == "%E6%97%A5%E6%9C%AC%E8%AA%9E"
     for value in ("a\nb", "é", "\x00", "x\ty"):
         assert header_value(value).isascii() and header_value(value).isprintable()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--grace-seconds", "nan"], "must be a number of seconds above 0"),
+    (["--grace-seconds", "1e400"], "must be a number of seconds above 0"),
+    (["--grace-seconds", "0"], "must be a number of seconds above 0"),
+])
+def test_omni_stage_refuses_a_grace_period_it_cannot_keep(tmp_path, args, said):
+    """nan, inf and 1e400 ended in tracebacks; 0 and -1 silently became 1 (an outside review)."""
+    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config", str(tmp_path / "x.yaml"),
+                           *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_omni_stage_says_a_number_yaml_cannot_convert_in_one_line(tmp_path):
+    """A YAML integer of over 4,300 digits (Python's conversion limit) ended in a traceback."""
+    bad = tmp_path / "huge.yaml"
+    bad.write_text("ports: {http: " + "1" * 5001 + "}\n")
+    proc = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "is not valid YAML" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from omni_contract.edges import (Edge, EdgeError, StreamSettings, parse_input, parse_inputs,
+from omni_contract.edges import (MAX_DEADLINE_SECONDS, Edge, EdgeError, StreamSettings, parse_input, parse_inputs,
                                  stream_config)
 from omni_contract.engine_args import engine_args_problems
 from omni_contract.ports import HTTP_PORT as DEFAULT_HTTP_PORT
@@ -171,8 +171,9 @@ def parse_stage_config(raw: Any) -> StageConfig:
     timeout = kv.get("timeoutSeconds")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
         raise StageConfigError(f"kvTransfer.timeoutSeconds must be a number, got {timeout!r}")
-    if timeout is not None and not 0 < timeout < float("inf"):
-        raise StageConfigError(f"kvTransfer.timeoutSeconds must be a positive number of seconds, got {timeout!r}")
+    if timeout is not None and not 0 < timeout <= MAX_DEADLINE_SECONDS:
+        raise StageConfigError(f"kvTransfer.timeoutSeconds must be a positive number of seconds, at most "
+                               f"{MAX_DEADLINE_SECONDS:g} (the KV wire's bound of a deadline), got {timeout!r}")
     criteria = kv.get("criteria")
     if criteria is not None and not isinstance(criteria, Mapping):
         raise StageConfigError("kvTransfer.criteria must be a mapping with a type")

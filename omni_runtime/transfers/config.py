@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_contract.edges import EdgeError, StreamSettings, parse_stream
+from omni_contract.edges import MAX_DEADLINE_SECONDS, EdgeError, StreamSettings, parse_stream
 from omni_runtime.transfers.ledger import DEFAULT_TIMEOUT_SECONDS, Trigger
 
 #: How often, at most, the transfer metrics and spans are written while transfers are in
@@ -94,10 +94,11 @@ def parse_omni_kv_config(raw: Any, *, vocab_size: int | None = None) -> OmniKVCo
         raise OmniKVConfigError(
             f"{CONFIG_KEY}.timeout_seconds must be a number of seconds, got {timeout!r}"
         )
-    if not math.isfinite(timeout) or timeout <= 0:
+    if not math.isfinite(timeout) or not 0 < timeout <= MAX_DEADLINE_SECONDS:
         raise OmniKVConfigError(
-            f"{CONFIG_KEY}.timeout_seconds must be a positive number of seconds, got "
-            f"{timeout!r}; it bounds how long a transfer may hold KV blocks "
+            f"{CONFIG_KEY}.timeout_seconds must be a positive number of seconds, at most "
+            f"{MAX_DEADLINE_SECONDS:g} (a transfer's deadline travels on the KV wire, which "
+            f"bounds it so), got {timeout!r}; it bounds how long a transfer may hold KV blocks "
             f"(default {DEFAULT_TIMEOUT_SECONDS:g})"
         )
 

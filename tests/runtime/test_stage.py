@@ -394,3 +394,17 @@ def test_omni_stage_says_a_number_yaml_cannot_convert_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "omni_runtime.stages.main", "--config", str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not valid YAML" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_transfer_deadline_the_kv_wire_cannot_carry_is_refused():
+    """kvTransfer.timeoutSeconds 1e30 was taken, and every transfer then failed as malformed
+    at the receiver (the wire bounds a deadline at a day); refused at the stage's start now,
+    and in omni_kv_config too."""
+    from omni_runtime.transfers.config import OmniKVConfigError, parse_omni_kv_config
+
+    for timeout in (1e30, 86401):
+        with pytest.raises(StageConfigError, match="at most 86400"):
+            parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "timeoutSeconds": timeout}})
+        with pytest.raises(OmniKVConfigError, match="at most 86400"):
+            parse_omni_kv_config({"need_send_cache": True, "timeout_seconds": timeout})
+    assert parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "timeoutSeconds": 86400}})

@@ -40,6 +40,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omni_contract.edges import MAX_DEADLINE_SECONDS
 from omni_contract.kv_wire import KV_WIRE_VERSION as WIRE_VERSION
 from omni_contract.kv_wire import REJECT_CODES
 from omni_runtime.kv.transport.payload import DTYPES, MAX_SHARDS
@@ -624,7 +625,7 @@ def parse_read(body: dict[str, Any], rest: list) -> ReadRequest:
             request_id=f.str("request_id", empty=False, max_chars=1024),
             external_request_id=f.str("external_request_id", default="", max_chars=1024),
             attempt=f.int("attempt", 0, 1 << 62), seq_len=f.int("seq_len", 1, MAX_TOKENS),
-            runs=tuple(runs), deadline_in_s=f.number("deadline_in_s", 0.0, 86400.0),
+            runs=tuple(runs), deadline_in_s=f.number("deadline_in_s", 0.0, MAX_DEADLINE_SECONDS),
             trace_context=trace or None, pipeline=f.str("pipeline"),
             from_stage=f.str("from_stage"), to_stage=f.str("to_stage"),
             shard=f.int("shard", 0, num_shards - 1, default=0), num_shards=num_shards,
@@ -680,7 +681,7 @@ def parse_chunk(body: dict[str, Any], rest: list) -> StreamChunk:
             pipeline=f.str("pipeline"), from_stage=f.str("from_stage", empty=False),
             to_stage=f.str("to_stage"), seq=seq, last=f.bool("last"),
             token_ids=tuple(token_ids), prompt_len=prompt_len,
-            deadline_in_s=f.number("deadline_in_s", 0.0, 86400.0),
+            deadline_in_s=f.number("deadline_in_s", 0.0, MAX_DEADLINE_SECONDS),
             produced_at=f.number("produced_at", 0.0, 1e11),
             sent_at=f.number("sent_at", 0.0, 1e11), trace_context=trace, origin=origin)
     except Rejected as r:

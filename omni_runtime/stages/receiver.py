@@ -275,6 +275,17 @@ class ReceiverStage:
             def log_message(self, fmt, *args):  # request ids are in paths: keep them at debug
                 logger.debug("http: " + fmt, *args)
 
+            def _not_allowed(self):
+                """Every other method: 405 naming what the stage's API takes (it was the
+                standard library's HTML 501)."""
+                self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"this stage's HTTP API takes GET only",
+                           "text/plain", {"Allow": "GET"})
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
+            def do_HEAD(self):
+                self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"", "text/plain", {"Allow": "GET"})
+
             def do_GET(self):
                 url = urlparse(self.path)
                 if url.path == "/health":

@@ -5,6 +5,8 @@ its own /metrics and stops the stage (so Kubernetes restarts it)."""
 from __future__ import annotations
 
 import threading
+import urllib.error
+import urllib.request
 
 import pytest
 from procs import free_port, http_get, metric_value, wait_until
@@ -148,6 +150,12 @@ def test_a_wait_that_is_not_a_number_of_seconds_is_refused_not_waited_on():
                 status, body, _ = http_get(f"{url}{path}?wait={wait}", timeout=10)
                 assert status == 400 and b"wait must be a number of seconds" in body, (path, wait)
             assert http_get(f"{url}{path}?wait=0.1", timeout=10)[0] == 404
+        # Another method: 405 naming GET (it was the standard library's HTML 501).
+        for method in ("POST", "PUT", "DELETE", "HEAD"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(url + "/omni/drain", method=method,
+                                                              data=b"" if method != "HEAD" else None), timeout=10)
+            assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET", method
     finally:
         stage._http.shutdown()
         stage._http.server_close()

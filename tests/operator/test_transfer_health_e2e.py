@@ -140,6 +140,8 @@ def test_stuck_transfer_is_seen_reported_once_and_recovers(stages, prometheus, k
     # The request has finished: its blocks are held, for the one edge that has not answered.
     assert ar_status["transfers"]["held"] == edge["held"] == 1
     assert ar_status["transfers"]["heldBlocks"] == edge["heldBlocks"] > 0
+    # The event is posted after the status it reports is written: wait for it, not assume it.
+    wait_for(lambda: events(kube, "TransferStuck"), 30, "the TransferStuck event")
     (warning,) = events(kube, "TransferStuck")
     assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == PIPELINE
     # Several resync rounds later, still one event.
@@ -177,6 +179,7 @@ def test_stuck_transfer_is_seen_reported_once_and_recovers(stages, prometheus, k
     set_pod_status(kube, f"{PIPELINE}-receiver-0", ready=True)
     wait_for(lambda: printer_column(kube, "Transfers") == "ok", 60, "the Transfers column back to ok")
     assert transfers_condition(kube)["status"] == "True"
+    wait_for(lambda: events(kube, "TransfersRecovered"), 30, "the TransfersRecovered event")
     (recovered,) = events(kube, "TransfersRecovered")
     assert recovered["type"] == "Normal" and "was TransferStuck" in recovered["message"]
     assert status(kube)["stages"][0]["transfers"]["active"] == 0

@@ -165,6 +165,10 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 #: The fields an event may carry and what each must be (absent or null: not said): a stage's
 #: bug must fail its request as a stage error, not break the endpoint's answer (a status of
 #: "abc" was a 500, one of 1000 an HTTP status line the client could not read).
@@ -177,6 +181,6 @@ _EVENT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "payload": (lambda v: isinstance(v, dict), "an object"),
     "finish_reason": (lambda v: isinstance(v, str), "a string"),
     "usage": (lambda v: isinstance(v, dict), "an object"),
-    "offered_at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "taken_at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "offered_at": (_number, "a number"),
+    "taken_at": (_number, "a number"),
 }

@@ -34,7 +34,6 @@ import glob
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, payload_into_file
 from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, origin_token, parse_origin
 from omni_runtime.stages.inputs import InputHookError, Upstream, load_hook, request_of
-from omni_runtime.transfers.streams import check_interval
+from omni_runtime.transfers.streams import EndedStreams, check_interval
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +195,7 @@ class StageInput:
         #: The streams (producer's request id, upstream stage) that ended here, each until its
         #: streamSeconds pass: a late chunk of one is refused, never taken as the first chunk
         #: of a new stream of its pipeline request (whose id a client may use again).
-        self._ended_streams: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._ended_streams = EndedStreams(self.MAX_ENDED_STREAMS)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -448,13 +447,9 @@ class StageInput:
 
     def _ended(self, key: tuple[str, str]) -> bool:
         """Whether the stream ``key`` ended here within its streamSeconds (forgotten after)."""
-        now, ended = time.monotonic(), self._ended_streams
-        while ended:
-            first, until = next(iter(ended.items()))
-            if until > now:
-                break
-            del ended[first]
-        return ended.get(key, 0.0) > now
+        now = time.monotonic()
+        self._ended_streams.forget_due(now)
+        return self._ended_streams.remembers(key, now)
 
     async def _open_stream_link(self, endpoint: str, pipeline_id: str, from_stage: str,
                                 offered_at: float, token: str | None) -> Any:
@@ -539,10 +534,7 @@ class StageInput:
         for key in [k for k, v in self._stream_requests.items() if v == pipeline_id]:
             del self._stream_requests[key]
             settings = self.settings.streams.get(key[1])
-            self._ended_streams[key] = now + (settings.stream_seconds if settings is not None else 0.0)
-            self._ended_streams.move_to_end(key)
-        while len(self._ended_streams) > self.MAX_ENDED_STREAMS:
-            self._ended_streams.popitem(last=False)
+            self._ended_streams.add(key, now + (settings.stream_seconds if settings is not None else 0.0))
 
     async def _expire_streams(self) -> None:
         """The consumer's stream deadlines (a chunk that never comes), on a timer; the gauges

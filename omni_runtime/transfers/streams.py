@@ -61,6 +61,40 @@ def check_interval(settings: Iterable[StreamSettings]) -> float:
     return min(0.5, min(s.gap_seconds for s in settings) / 4)
 
 
+class EndedStreams:
+    """Streams that ended, each remembered until its own moment passes and at most ``limit``
+    of them (the oldest forgotten first): a late or repeated chunk of one is refused rather
+    than opening it again."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._until: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def add(self, key: tuple[str, str], until: float) -> None:
+        self._until[key] = until
+        self._until.move_to_end(key)
+        if len(self._until) > self.limit:
+            self._until.popitem(last=False)
+
+    def discard(self, key: tuple[str, str]) -> None:
+        self._until.pop(key, None)
+
+    def forget_due(self, now: float) -> None:
+        """Forget those whose moment has passed (from the oldest, up to the first still due)."""
+        until = self._until
+        while until:
+            key, moment = next(iter(until.items()))
+            if moment > now:
+                break
+            del until[key]
+
+    def remembers(self, key: tuple[str, str], now: float) -> bool:
+        return self._until.get(key, now) > now
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
 class StreamOutcome(str, enum.Enum):
     FINISHED = "finished"
     PRODUCER_ERROR = "producer_error"
@@ -534,26 +568,18 @@ class ConsumerStreams(_Streams):
 
     def __init__(self) -> None:
         super().__init__()
-        self._gone: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._gone = EndedStreams(self.MAX_REMEMBERED)
 
     def _released(self, stream: Stream, now: float) -> None:
-        self._gone[stream.key] = now + stream.settings.stream_seconds
-        self._gone.move_to_end(stream.key)
-        if len(self._gone) > self.MAX_REMEMBERED:
-            self._gone.popitem(last=False)
+        self._gone.add(stream.key, now + stream.settings.stream_seconds)
 
     def reopen(self, request_id: str, from_stage: str) -> None:
         """A new stream of ``request_id`` from ``from_stage`` begins (its producer's request is
         a new one): the one of that key resolved here before is no longer remembered."""
-        self._gone.pop((request_id, from_stage), None)
+        self._gone.discard((request_id, from_stage))
 
     def expire_due(self, now: float) -> list[Stream]:
-        gone = self._gone
-        while gone:
-            key, until = next(iter(gone.items()))
-            if until > now:
-                break
-            del gone[key]
+        self._gone.forget_due(now)
         return super().expire_due(now)
 
     def remembered(self) -> int:
@@ -570,7 +596,7 @@ class ConsumerStreams(_Streams):
         stream resolved here (never opened again)."""
         stream = self._streams.get((request_id, from_stage))
         if stream is None:
-            if (request_id, from_stage) in self._gone:
+            if self._gone.remembers((request_id, from_stage), now):
                 return "refused", []
             if seq != 0 and not 0 < seq < settings.chunks_in_flight:
                 return "refused", []

@@ -428,7 +428,7 @@ class LocalPipeline:
             stage = self.stages[name]
             if stage.role == "endpoint":
                 stage.stop(self.stop_timeout)
-                print(f"  stopped the endpoint (its requests had ended)", file=out)
+                print("  stopped the endpoint (its requests had ended)", file=out)
                 continue
             if stage.role != "ar":
                 page = _get(stage.url + "/v1/kv", timeout=5)
@@ -710,7 +710,9 @@ def run_pipeline(pipeline: Pipeline, args: UpOptions, out: TextIO) -> int:
     """Run every stage until Ctrl-C (or exit_after); 0 on a clean stop, 1 if a stage failed,
     2 if it could not begin (the pipeline up already, a host, port or directory it cannot
     use: said in one line)."""
-    running = running_record(pipeline, Path(args.workdir) if args.workdir else None) or running_record(pipeline)
+    running = running_record(pipeline)  # the pointer: an up of this pipeline from any directory
+    if running is None and args.workdir:
+        running = running_record(pipeline, Path(args.workdir))
     if running is not None:
         print(f"pipeline {pipeline.namespace}/{pipeline.name} is up already (omni-pipeline up, pid "
               f"{running.get('pid')}, its files in {running.get('workdir')}): stop it first (Ctrl-C "

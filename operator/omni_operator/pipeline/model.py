@@ -24,8 +24,7 @@ from typing import Any, Mapping
 
 from omni_contract import vllm_args
 from omni_contract.edges import STREAM, Edge, EdgeError, parse_stream
-from omni_contract.engine_args import (engine_arg_value, engine_args_problems,
-                                       engine_args_warnings, flag_name)
+from omni_contract.engine_args import engine_arg_value, engine_args_problems, engine_args_warnings
 from omni_contract.cpu_list import parse_cpu_list
 from omni_contract.kv_wire import KV_WIRE_VERSION
 

@@ -120,6 +120,36 @@ def wait_until(predicate, timeout: float, what, interval: float = 0.2,
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 
+def wait_all_healthy(stages: list[StageProcess], timeout: float) -> None:
+    """Every stage healthy within ``timeout``, waited for side by side: the first that exits
+    fails the wait at once, naming it, with the end of its log (a stage waited for later would
+    otherwise hide it until the earlier one's whole timeout passed)."""
+    pending = list(stages)
+
+    def all_healthy() -> bool:
+        for stage in list(pending):
+            if stage.proc.poll() is not None:
+                raise StageExited(f"stage {stage.name} exited ({stage.proc.returncode}) while the stages "
+                                  f"started; the end of its log:\n{stage.log_tail()}")
+            try:
+                if stage.healthy():
+                    pending.remove(stage)
+            except OSError:  # not listening yet
+                pass
+        return not pending
+
+    deadline = time.monotonic() + timeout
+    while not all_healthy():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for stages "
+                               f"{', '.join(s.name for s in pending)} to be healthy")
+        time.sleep(0.2)  # polling interval between health checks
+
+
+class StageExited(AssertionError):
+    """A stage process exited while it was waited for."""
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux /proc)."""
     found, todo = [], [pid]
@@ -270,17 +300,17 @@ class StageProcess:
         return self
 
     def wait_healthy(self, timeout: float = 180.0) -> StageProcess:
-        def healthy():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"stage {self.name} exited: {self.log_tail()}")
-            return http_get(self.url + "/health", timeout=2)[0] == 200
-
+        """Healthy within ``timeout``; a stage that exits meanwhile fails the wait at once."""
         try:
-            wait_until(healthy, timeout, f"stage {self.name} to be healthy")
+            wait_until(self.healthy, timeout, f"stage {self.name} to be healthy", proc=self.proc,
+                       log=self.log_path)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def healthy(self) -> bool:
+        return http_get(self.url + "/health", timeout=2)[0] == 200
 
     def signal_tree(self, sig: int) -> None:
         """``sig`` to the stage and every process under it, vLLM's included, which an AR

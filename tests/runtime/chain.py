@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from procs import StageProcess, free_port, stop_groups
+from procs import StageProcess, free_port, stop_groups, wait_all_healthy
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
@@ -90,8 +90,7 @@ def running(configs: dict[str, dict[str, Any]], workdir: Path,
     try:
         for name in order:
             procs[name].launch()
-        for name in order:
-            procs[name].wait_healthy(timeout=240)
+        wait_all_healthy([procs[name] for name in order], timeout=240)
         yield procs
     finally:
         stop_groups([procs[n].proc for n in reversed(order) if procs[n].proc is not None], 60)

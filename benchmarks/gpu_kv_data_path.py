@@ -9,7 +9,8 @@ shape (28 layers, 4 KV heads, head size 128), in a process of its own; the recei
 
     python benchmarks/gpu_kv_data_path.py [--requests 4] [--prompt-tokens 1024] [--dtype float32]
 
-Last line, one JSON object (times in seconds for ``--requests`` transfers of
+Last line, one JSON object (without a CUDA device: ``not_measured``, the figures below, and
+the exit status 1; otherwise times in seconds for ``--requests`` transfers of
 ``--prompt-tokens`` tokens, best of ``--repeats``):
   * ``torch_copy_s``: one ``copy_`` per transfer of the same bytes, device to device, one
     process (the floor);
@@ -37,6 +38,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE_7B = dict(layers=28, heads=4, head_size=128)
+#: The figures of the last line (times, ratios and rates; see above).
+FIGURES = ("torch_copy_s", "nixl_read_s", "data_plane_s", "data_plane_assemble_s", "host_copy_s",
+           "nixl_read_vs_torch_copy", "data_plane_vs_host_copy", "data_plane_vs_nixl_read",
+           "nixl_read_gb_s", "data_plane_gb_s")
 BLOCK = 16
 
 
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_kv_data_path.py needs a CUDA device; none here (not run)", file=sys.stderr)
+        # The last line is still the one JSON object: what was not measured, and why.
+        print(json.dumps({"not_measured": list(FIGURES), "reason": "needs a CUDA device; none here"}))
         sys.exit(1)
     from omni_runtime.kv.transport import KVInbox, KVReceiver
     from omni_runtime.kv.transport.nixl_agent import DONE, ERROR, KVAgent

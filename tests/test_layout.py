@@ -258,6 +258,7 @@ _DOC_FILES = [
     ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
     *sorted((ROOT / "examples").glob("*.yaml")),
     *sorted((ROOT / "charts").rglob("*.md")), *sorted((ROOT / "charts").rglob("*.yaml")),
+    *sorted((ROOT / "charts").rglob("*.txt")),
     *sorted(ROOT.rglob("Dockerfile*")), ROOT / "Makefile",
     *sorted(OPERATOR.rglob("*.py")),
 ]
@@ -313,13 +314,14 @@ def test_the_public_class_paths_and_console_scripts_resolve():
         assert callable(getattr(importlib.import_module(module), func)), target
 
 
-_FILE = re.compile(r"(?<![\w/.-])(?:omni_contract|omni_runtime|operator/omni_operator|benchmarks|monitoring)/[\w./-]*[\w/]")
+_FILE = re.compile(r"(?<![\w/.-])(?:omni_contract|omni_runtime|operator/omni_operator|benchmarks|monitoring|examples)"
+                   r"/[\w./-]*[\w/]")
 
 
 def test_every_documented_file_path_exists():
     missing = []
     for f in _DOC_FILES:
-        if f.is_file() and f.suffix in {".md", ""}:
+        if f.is_file() and f.suffix in {".md", ".txt", ""}:
             for m in _FILE.finditer(f.read_text(errors="replace")):
                 if not (ROOT / m.group(0)).exists():
                     missing.append(f"{f.relative_to(ROOT)}: {m.group(0)}")

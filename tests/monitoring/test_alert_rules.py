@@ -128,3 +128,12 @@ def test_alerts_query_only_the_contract_state_and_outcome_values():
                 assert set(value.split("|")) <= outcomes, (rule["alert"], value)
     stuck = next(r for r in ALERTS if r["alert"] == "OmniKVTransferStuck")["expr"]
     assert 'state="active"' in stuck and "> 0" in stuck
+
+
+def test_the_runbooks_select_a_stage_within_its_pipeline():
+    """A stage's name is unique within its pipeline only: a selector of a stage alone lists
+    the same-named stages of every pipeline in the namespace (an outside review)."""
+    text = (ROOT / "docs" / "runbooks.md").read_text()
+    selectors = re.findall(r"-l\s+([^\s`]+)", text.replace("\n", " "))
+    stage_alone = [s for s in selectors if "omnipipeline.dev/stage=" in s and "omnipipeline.dev/pipeline=" not in s]
+    assert selectors and not stage_alone, stage_alone

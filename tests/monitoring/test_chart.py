@@ -155,6 +155,24 @@ def test_operator_arguments_parse_with_the_operators_own_cli():
     assert container["image"] == "registry.example/omni-operator@sha256:" + "a" * 64
 
 
+def test_podmonitor_labels_reach_the_operator_and_the_operators_own_are_refused():
+    """kube-prometheus-stack's Prometheus takes only the PodMonitors labelled with its release:
+    without a way to label them, no stage pod was scraped there (an outside review)."""
+    from omni_operator.controller.main import parse_args
+    from omni_operator.pipeline import naming
+
+    _, container = _container(render({"podMonitors": {"additionalLabels": {"release": "kps", "team": "ml"}}}))
+    assert "--podmonitor-labels=release=kps,team=ml" in container["args"]
+    assert parse_args(container["args"]).cluster.podmonitor_labels == (("release", "kps"), ("team", "ml"))
+    _, container = _container(render())
+    assert not any(a.startswith("--podmonitor-labels") for a in container["args"])
+    for key in naming.common_labels("p"):  # the chart's list and the operator's own labels agree
+        with pytest.raises(helm.HelmError, match=f"podMonitors.additionalLabels.{key}: the operator sets"):
+            render({"podMonitors": {"additionalLabels": {key: "x"}}})
+        with pytest.raises(SystemExit):
+            parse_args([f"--podmonitor-labels={key}=x"])
+
+
 def test_transfer_health_values_reach_the_operator_and_its_rbac():
     """Pod reads (the default) and rollouts (which pods of an old revision remain) need
     `list pods`, whichever way transfer health is read, or not at all."""
@@ -314,6 +332,14 @@ def test_rbac_check_is_not_vacuous():
     {"ingress": {"hosts": [{"host": "omni.example.com", "paths": []}]}},
     {"ingress": {"tls": [{"secretName": "Bad_Name"}]}},
     {"ingress": {"tls": [{"secretName": "ok", "host": "omni.example.com"}]}},
+    # A ratio of 1 would leave the alert it sets never firing (the rule is "> ratio").
+    {"prometheusRule": {"failureRatio": 1}},
+    {"prometheusRule": {"streamDeadlineRatio": 1}},
+    {"prometheusRule": {"streamFailureRatio": 1}},
+    # A user id as a string once rendered as root (0) and failed naming the wrong cause.
+    {"securityContext": {"runAsUser": "abc"}},
+    {"podSecurityContext": {"runAsUser": -1}},
+    {"podSecurityContext": {"runAsNonRoot": "yes"}},
 ])
 def test_values_schema_rejects_bad_values(bad):
     with helm.Chart.load(CHART) as chart:
@@ -417,6 +443,26 @@ def test_names_stay_dns_labels_with_long_release_names(values):
     assert one(objects, "Deployment")["metadata"]["name"].endswith("-operator")
 
 
+def test_a_timeout_within_the_interval_and_other_extra_args_render():
+    monitor = one(render({"serviceMonitor": {"enabled": True, "interval": "1m30s", "scrapeTimeout": "90s"}}),
+                  "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["scrapeTimeout"] == "90s"
+    args = one(render({"extraArgs": ["--resync-seconds=30"]}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-1] == "--resync-seconds=30"
+
+
+def test_dashboards_keep_names_of_their_own_with_a_long_release_name():
+    """The release's name is shortened, never the dashboard's: two dashboards cut to one name
+    once failed the install (an outside review)."""
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render({"fullnameOverride": "f" * 63, "dashboards": {"enabled": True}},
+                                 name=RELEASE, namespace=NAMESPACE, is_install=True)
+    names = [doc["metadata"]["name"] for path, text in manifests.items() if "dashboards" in path
+             for doc in yaml.safe_load_all(text) if doc]
+    assert len(names) == len(set(names)) >= 2 and all(len(n) <= 63 for n in names), names
+    assert all(n.startswith("f") and not n.startswith("f" * 63) for n in names), names
+
+
 def test_pod_labels_may_not_replace_the_labels_the_deployment_selects_by():
     with pytest.raises(helm.HelmError, match="podLabels.app.kubernetes.io/name: the chart sets this label"):
         render({"podLabels": {"app.kubernetes.io/name": "other"}})
@@ -428,6 +474,11 @@ def test_pod_labels_may_not_replace_the_labels_the_deployment_selects_by():
     ({"metrics": {"port": 8081}}, "metrics.port and liveness.port are both 8081"),
     ({"podSecurityContext": {"runAsNonRoot": True, "runAsUser": 0}}, "podSecurityContext.runAsUser is 0"),
     ({"securityContext": {"runAsNonRoot": True, "runAsUser": 0}}, "securityContext.runAsUser is 0"),
+    # Beside the chart's own --all-namespaces (argparse: mutually exclusive): a crash loop.
+    ({"extraArgs": ["--namespace=x"]}, "extraArgs sets --namespace, which the chart sets from the value watch.namespaces"),
+    ({"extraArgs": ["--metrics-port", "9000"]}, "extraArgs sets --metrics-port, .* metrics.port"),
+    ({"serviceMonitor": {"enabled": True, "interval": "1m30s", "scrapeTimeout": "2m"}},
+     r"serviceMonitor.scrapeTimeout \(2m\) is longer than serviceMonitor.interval \(1m30s\)"),
 ])
 def test_values_that_could_never_run_fail_to_render_naming_them(values, message):
     with pytest.raises(helm.HelmError, match=message):

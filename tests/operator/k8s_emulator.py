@@ -114,6 +114,7 @@ class ApiCall:
     namespace: str | None = None
     path: str = ""
     allowed: bool = True  # False: refused with 403 by the emulator's `authorize` hook
+    label_selector: str | None = None  # a list's or watch's labelSelector, as sent
 
 
 def api_call(method: str, path: str, params: Mapping[str, str], authorization: str | None) -> ApiCall:
@@ -137,7 +138,8 @@ def api_call(method: str, path: str, params: Mapping[str, str], authorization: s
     verb = {"GET": "watch" if watch else ("get" if name else "list"), "HEAD": "get" if name else "list",
             "POST": "create", "PUT": "update", "PATCH": "patch",
             "DELETE": "delete" if name else "deletecollection"}[method.upper()]
-    return ApiCall(user, verb, group, f"{resource}/{sub}" if sub else resource, namespace, path)
+    return ApiCall(user, verb, group, f"{resource}/{sub}" if sub else resource, namespace, path,
+                   label_selector=params.get("labelSelector"))
 
 
 class ResourceVersionedEmulator(kmock.KubernetesEmulator):

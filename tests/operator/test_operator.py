@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import urllib.request
 
-from omnip_support import (NAMESPACE, complete_all, create_pipeline, make_kube, patch_pipeline, pipeline_body, workload,
-                           status, wait_for)
-from omni_operator.pipeline.kinds import CONFIGMAP, DEPLOYMENT, PDB, SERVICE
+from omnip_support import (NAMESPACE, OPERATOR_TOKEN, complete_all, create_pipeline, make_kube, patch_pipeline,
+                           pipeline_body, workload, status, wait_for)
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import CHILD_KINDS, CONFIGMAP, DEPLOYMENT, PDB, SERVICE
 from omni_operator.controller.reconcile import Reconciler
 from omni_operator.controller.resync import Resync
 
@@ -121,6 +122,25 @@ def test_restart_makes_no_duplicates_and_no_writes(kube, start_operator, emulato
     assert versions(kube) == before
     assert second.kube.writes == 0
     assert len(children(kube, DEPLOYMENT)) == 3
+
+
+def test_the_operator_lists_and_watches_its_children_alone(kube, start_operator, emulator):
+    """All namespaces (the chart's default): the children's lists and watches carry the
+    children's label selector, so the API server sends the operator no other ConfigMap,
+    Service or Deployment of the cluster (kopf's handler filters are applied client-side)."""
+    kube.request("create", "Namespace", "POST", "/api/v1/namespaces",
+                 body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "monitoring"}})
+    kube.create(CONFIGMAP, "monitoring", {"apiVersion": "v1", "kind": "ConfigMap",
+                                          "metadata": {"name": "a-dashboard"}, "data": {"x": "y"}})
+    start_operator(namespaces=[])
+    create_pipeline(kube, pipeline_body())
+    wait_for(lambda: status(kube).get("stagesReady") == "0/3", what="the first status")
+    plurals = {kind.plural for kind in CHILD_KINDS}
+    reads = [c for c in emulator.calls(OPERATOR_TOKEN) if c.verb in ("list", "watch") and c.resource in plurals]
+    assert {c.resource for c in reads if c.verb == "watch"} >= {"configmaps", "services", "deployments"}
+    unfiltered = [c.path for c in reads if naming.CHILDREN_SELECTOR.split(",")[0] not in (c.label_selector or "")
+                  or naming.PIPELINE_LABEL not in (c.label_selector or "")]
+    assert not unfiltered
 
 
 def test_deleted_pipeline_is_not_resurrected(kube, start_operator):

@@ -14,7 +14,7 @@ from omnip_support import pipeline_body
 from omni_operator.pipeline import naming
 from omni_operator.check.kube_schema import MIN_KUBERNETES, check_object
 from omni_operator.pipeline.model import parse_pipeline
-from omni_operator.pipeline.render import render_children
+from omni_operator.pipeline.render import ClusterSettings, render_children
 from omni_operator.pipeline.stage_config import dump_stage_config, render_stage_config
 
 K8S_VERSION = MIN_KUBERNETES  # the CRD's minimum server version
@@ -127,6 +127,19 @@ def test_podmonitor_gives_each_series_namespace_pod_pipeline_and_stage():
         assert relabel(meta, endpoint["relabelings"]) == {
             "namespace": "team-a", "pod": f"tiny-{stage}-7d9f-x2", "pipeline": "tiny", "stage": stage,
             "revision": revision}
+
+
+def test_podmonitor_carries_the_labels_the_operator_is_told_and_its_own():
+    from omni_operator.check.admission import admit
+
+    cluster = ClusterSettings(podmonitor_labels=(("release", "kube-prometheus-stack"),))
+    rendered = render_children(parse(pipeline_body()), podmonitor_available=True, cluster=cluster)
+    (monitor,) = [c for c in rendered if c["kind"] == "PodMonitor"]
+    assert monitor["metadata"]["labels"] == {"release": "kube-prometheus-stack", **naming.common_labels("tiny")}
+    (admitted,) = [c for c in admit(pipeline_body(), cluster=cluster).children if c["kind"] == "PodMonitor"]
+    assert admitted["metadata"]["labels"] == monitor["metadata"]["labels"]
+    (plain,) = [c for c in admit(pipeline_body()).children if c["kind"] == "PodMonitor"]
+    assert "release" not in plain["metadata"]["labels"]
 
 
 def test_podmonitor_label_check_has_teeth():

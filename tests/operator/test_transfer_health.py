@@ -14,6 +14,7 @@ import pytest
 from metrics_pages import PageServer, ar_page, create_pod
 from omni_operator.health.reader import PodMetricsSource, TransferHealth
 from omni_operator.pipeline.kinds import EVENT, NETWORKPOLICY
+from omni_operator.pipeline.render import ClusterSettings
 from omni_operator.controller.reconcile import Reconciler
 from omni_operator.controller.resync import Resync
 from omnip_support import NAMESPACE, complete_rollout, create_pipeline, make_kube, pipeline_body, status
@@ -209,7 +210,9 @@ def test_the_network_policy_lets_the_operator_reach_the_http_port_only(kube, emu
                                                    "app.kubernetes.io/component": "operator"}}
     client = make_kube(emulator.url)
     try:
-        Reconciler(client, operator_peer=peer).reconcile(NAMESPACE, "tiny")
+        Reconciler(client, cluster=ClusterSettings(operator_namespace=peer["namespace"],
+                                                    operator_pod_labels=tuple(peer["labels"].items()))
+                   ).reconcile(NAMESPACE, "tiny")
     finally:
         client.close()
     rules = kube.get(NETWORKPOLICY, NAMESPACE, "tiny")["spec"]["ingress"]

@@ -39,7 +39,38 @@ the name is within a Service name's 63 characters (a DNS-1035 label). */}}
 {{- fail (printf "%s.runAsUser is 0 (root) and %s.runAsNonRoot is true: the kubelet would not start the operator; use a non-zero user id" $where $where) }}
 {{- end }}
 {{- end }}
+{{- $chartFlags := dict "--namespace" "watch.namespaces" "--all-namespaces" "watch.namespaces (empty: all)" "--liveness-port" "liveness.port" "--metrics-port" "metrics.port" "--prometheus-url" "transferHealth.prometheusUrl" "--transfers-failing-ratio" "transferHealth.failingRatio" "--metrics-timeout-seconds" "transferHealth.timeoutSeconds" "--metrics-concurrency" "transferHealth.concurrency" "--no-transfer-health" "transferHealth.enabled" "--transfer-health" "transferHealth.enabled" "--operator-pod-labels" "podLabels" "--debug" "logLevel" "--verbose" "logLevel" }}
+{{- range .Values.extraArgs }}
+{{- $flag := regexReplaceAll "=.*" (toString .) "" }}
+{{- if hasKey $chartFlags $flag }}
+{{- fail (printf "extraArgs sets %s, which the chart sets from the value %s: set that value instead" $flag (get $chartFlags $flag)) }}
+{{- end }}
+{{- end }}
+{{- with .Values.serviceMonitor }}
+{{- if and .enabled .interval .scrapeTimeout }}
+{{- if gt (int64 (include "omni-pipeline.milliseconds" .scrapeTimeout)) (int64 (include "omni-pipeline.milliseconds" .interval)) }}
+{{- fail (printf "serviceMonitor.scrapeTimeout (%s) is longer than serviceMonitor.interval (%s): the Prometheus Operator drops such a ServiceMonitor; make the timeout at most the interval" .scrapeTimeout .interval) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- include "omni-pipeline.checkPodLabels" . }}
+{{- $operators := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/part-of" "app.kubernetes.io/managed-by" "omnipipeline.dev/pipeline" }}
+{{- range $key, $_ := .Values.podMonitors.additionalLabels }}
+{{- if has $key $operators }}
+{{- fail (printf "podMonitors.additionalLabels.%s: the operator sets this label on each PodMonitor itself; use another key" $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A Prometheus duration ("1m30s") in milliseconds. */}}
+{{- define "omni-pipeline.milliseconds" -}}
+{{- $unit := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 "d" 86400000 "w" 604800000 "y" 31536000000 }}
+{{- $total := 0 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h|d|w|y)" (toString .) -1 }}
+{{- $n := regexFind "^[0-9]+" . }}
+{{- $total = add $total (mul (int64 $n) (get $unit (trimPrefix $n .))) }}
+{{- end }}
+{{- $total }}
 {{- end }}
 
 {{/* The labels the chart sets on the operator's pod itself (its Deployment selects the pod by

@@ -43,7 +43,7 @@ from .kube_schema import ENV_VAR, RESOURCES, TOLERATION, check_object, check_pod
 from omni_operator.pipeline.model import Pipeline, Stage, graph_report, pipeline_view, stream_problems
 from .objectmeta import metadata_problems
 from .pod_rules import stage_problems
-from omni_operator.pipeline.render import operator_env, render_children
+from omni_operator.pipeline.render import ClusterSettings, operator_env, render_children
 from .schema_errors import shown
 from .validation import pipeline_view_problems, server_view
 
@@ -76,12 +76,12 @@ class Admitted:
         return [c for c in self.children if c["kind"] not in skip]
 
 
-def admit(body: Any, *, operator_peer: Mapping[str, Any] | None = None) -> Admitted:
+def admit(body: Any, *, cluster: ClusterSettings = ClusterSettings()) -> Admitted:
     """The pipeline, typed and checked, and its rendered children; SpecError listing every
-    problem otherwise. ``operator_peer``: where the operator's own pods are
-    (``{"namespace", "labels"}``), which the NetworkPolicy names (`render.render_networkpolicy`):
-    a setting of the operator, not of the pipeline, checked here with the policy it shapes."""
-    result = _admission(body, operator_peer)
+    problem otherwise. ``cluster``: what the operator is told about its cluster (where its
+    own pods are, the PodMonitors' labels: `render.ClusterSettings`), settings of the
+    operator, not of the pipeline, checked here with the children they shape."""
+    result = _admission(body, cluster)
     if isinstance(result, Admitted):
         return result
     raise SpecError(list(result))
@@ -94,19 +94,18 @@ def problems_of(body: Any) -> list[Problem]:
 
 def report_of(body: Any) -> tuple[list[Problem], list[Problem]]:
     """(every problem, the warnings of a pipeline admitted). Never raises on any JSON value."""
-    result = _admission(body, None)
+    result = _admission(body, ClusterSettings())
     return ([], list(result.warnings)) if isinstance(result, Admitted) else (list(result), [])
 
 
-def _admission(body: Any, operator_peer: Mapping[str, Any] | None) -> Admitted | tuple[Problem, ...]:
+def _admission(body: Any, cluster: ClusterSettings) -> Admitted | tuple[Problem, ...]:
     if not isinstance(body, dict):
         return (Problem("<root>", "must be an OmniPipeline object (apiVersion, kind, metadata, spec)"),)
     identity = _identity(body)
     if identity:
         return tuple(identity)
     key = _cache_key(body)
-    peer = json.dumps(operator_peer, sort_keys=True) if operator_peer else None
-    return _cached(key, peer) if key is not None else _check(body, operator_peer)
+    return _cached(key, cluster) if key is not None else _check(body, cluster)
 
 
 def _identity(body: Mapping[str, Any]) -> list[Problem]:
@@ -138,15 +137,15 @@ def _cache_key(body: Mapping[str, Any]) -> str | None:
 
 
 @functools.lru_cache(maxsize=512)
-def _cached(key: str, peer: str | None) -> Admitted | tuple[Problem, ...]:
+def _cached(key: str, cluster: ClusterSettings) -> Admitted | tuple[Problem, ...]:
     parts = json.loads(key)
     body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": parts["metadata"]}
     if parts["spec"] is not None:
         body["spec"] = parts["spec"]
-    return _check(body, json.loads(peer) if peer else None)
+    return _check(body, cluster)
 
 
-def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None) -> Admitted | tuple[Problem, ...]:
+def _check(body: dict[str, Any], cluster: ClusterSettings) -> Admitted | tuple[Problem, ...]:
     view = server_view(body)
     found = pipeline_view_problems(view)
     if found:
@@ -164,7 +163,7 @@ def _check(body: dict[str, Any], operator_peer: Mapping[str, Any] | None = None)
     if problems:
         return tuple(problems)
     children = tuple(with_last_applied(child) for child in render_children(
-        pipeline, podmonitor_available=True, operator_peer=operator_peer))
+        pipeline, podmonitor_available=True, cluster=cluster))
     problems = _rendered_children(pipeline, children)
     if problems:
         return tuple(problems)

@@ -47,8 +47,7 @@ def build_registry() -> kopf.OperatorRegistry:
             memo.reconciler.forget(namespace, name)
 
     for kind in CHILD_KINDS:
-        group, _, version = kind.api_version.rpartition("/")
-        register_child_watch(registry, group, version or kind.api_version, kind.plural, kind.kind)
+        register_child_watch(registry, kind.group, kind.version, kind.plural, kind.kind)
 
     return registry
 

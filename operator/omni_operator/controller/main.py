@@ -19,6 +19,9 @@ from prometheus_client import start_http_server
 
 from omni_operator.check.gopattern import matches
 from .handlers import build_registry
+from omni_operator.pipeline import naming
+from omni_operator.pipeline.kinds import CHILD_KINDS
+from omni_operator.pipeline.render import ClusterSettings
 from omni_operator.health.reader import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, PodMetricsSource, PrometheusSource, TransferHealth
 from .kube import Kube
 from .metrics import OperatorMetrics
@@ -42,6 +45,17 @@ def _label_pair(text: str) -> bool:
     return bool(equals) and not is_qualified_name(key) and not is_valid_label_value(value)
 
 
+def _labels(parser: argparse.ArgumentParser, flag: str, text: str | None) -> dict[str, str] | None:
+    """KEY=VALUE,... as labels (None: the flag not given); a parser error naming ``flag``."""
+    if not text:
+        return None
+    pairs = [p for p in text.split(",") if p]
+    bad = [p for p in pairs if not _label_pair(p)]
+    if bad or not pairs:
+        parser.error(f"{flag}: not KEY=VALUE label pairs: {', '.join(bad) or text}")
+    return dict(p.split("=", 1) for p in pairs)
+
+
 @dataclass
 class Options:
     namespaces: list[str]  # empty: cluster-wide
@@ -60,12 +74,16 @@ class Options:
     # Where the operator's own pods are, for the pipelines' NetworkPolicy (both or neither).
     operator_namespace: str | None = None
     operator_pod_labels: dict[str, str] | None = None
+    # Labels every pipeline's PodMonitor carries besides the operator's own.
+    podmonitor_labels: dict[str, str] | None = None
 
     @property
-    def operator_peer(self) -> dict | None:
-        if self.operator_namespace and self.operator_pod_labels:
-            return {"namespace": self.operator_namespace, "labels": dict(self.operator_pod_labels)}
-        return None
+    def cluster(self) -> ClusterSettings:
+        """What the rendering follows besides the spec (the operator's peer: both or neither)."""
+        peer = bool(self.operator_namespace and self.operator_pod_labels)
+        return ClusterSettings(operator_namespace=self.operator_namespace if peer else None,
+                               operator_pod_labels=tuple((self.operator_pod_labels or {}).items()) if peer else (),
+                               podmonitor_labels=tuple((self.podmonitor_labels or {}).items()))
 
     @property
     def clusterwide(self) -> bool:
@@ -100,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
                         help="namespace of the operator's pods (default: $POD_NAMESPACE); with "
                              "--operator-pod-labels, each pipeline's NetworkPolicy lets them reach the http port")
     health.add_argument("--operator-pod-labels", metavar="K=V,...", help="labels selecting the operator's pods")
+    parser.add_argument("--podmonitor-labels", metavar="K=V,...",
+                        help="labels every pipeline's PodMonitor carries besides the operator's own, for a "
+                             "Prometheus that selects PodMonitors by label (kube-prometheus-stack: release=NAME)")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -121,20 +142,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         parser.error(f"--prometheus-url {args.prometheus_url!r}: not an http(s) URL")
     if args.operator_namespace and not _namespace_name(args.operator_namespace):
         parser.error(f"--operator-namespace {args.operator_namespace!r}: not a namespace name")
-    labels = None
-    if args.operator_pod_labels:
-        pairs = [p for p in args.operator_pod_labels.split(",") if p]
-        bad = [p for p in pairs if not _label_pair(p)]
-        if bad or not pairs:
-            parser.error(f"--operator-pod-labels: not KEY=VALUE label pairs: {', '.join(bad) or args.operator_pod_labels}")
-        labels = dict(p.split("=", 1) for p in pairs)
+    labels = _labels(parser, "--operator-pod-labels", args.operator_pod_labels)
+    podmonitor_labels = _labels(parser, "--podmonitor-labels", args.podmonitor_labels)
+    ours = sorted(set(podmonitor_labels or ()) & set(naming.common_labels("pipeline")))
+    if ours:
+        parser.error(f"--podmonitor-labels: {', '.join(ours)}: the operator sets this label itself; choose another")
     return Options(namespaces=list(dict.fromkeys(args.namespace)), metrics_host=args.metrics_host,
                    metrics_port=args.metrics_port, liveness_host=args.liveness_host,
                    liveness_port=args.liveness_port, resync_seconds=args.resync_seconds,
                    verbose=args.verbose, debug=args.debug, transfer_health=args.transfer_health,
                    prometheus_url=args.prometheus_url, metrics_timeout=args.metrics_timeout_seconds,
                    metrics_concurrency=args.metrics_concurrency, failing_ratio=args.transfers_failing_ratio,
-                   operator_namespace=args.operator_namespace, operator_pod_labels=labels)
+                   operator_namespace=args.operator_namespace, operator_pod_labels=labels,
+                   podmonitor_labels=podmonitor_labels)
 
 
 def build_health(options: Options, kube: Kube) -> TransferHealth | None:
@@ -150,6 +170,10 @@ def build_health(options: Options, kube: Kube) -> TransferHealth | None:
     return TransferHealth(source, failing_ratio=options.failing_ratio)
 
 
+#: Objects per page of a watch's first list.
+LIST_PAGE_SIZE = 500
+
+
 def operator_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Only warnings become Kubernetes events; routine handler logs stay in the pod log.
@@ -157,6 +181,13 @@ def operator_settings() -> kopf.OperatorSettings:
     # Reconnect watches now and then, so a silently dropped connection does not go unnoticed.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # The children's watches ask the server for the operator's children alone: kopf applies a
+    # handler's label filter on the client, so without this every ConfigMap, Service and
+    # Deployment of the cluster would be listed and streamed to the operator. First lists
+    # come in pages, so that a large namespace never arrives as one response.
+    for kind in CHILD_KINDS:
+        settings.watching.label_selectors[kind.api_version, kind.plural] = naming.CHILDREN_SELECTOR
+    settings.watching.chunk_size = LIST_PAGE_SIZE
     return settings
 
 
@@ -168,7 +199,7 @@ def run(options: Options, *, kube: Kube | None = None, metrics: OperatorMetrics 
     metrics = metrics or OperatorMetrics()
     kube = kube or Kube.from_environment(on_call=metrics.api_call)
     health = build_health(options, kube)
-    reconciler = Reconciler(kube, metrics, health=health, operator_peer=options.operator_peer,
+    reconciler = Reconciler(kube, metrics, health=health, cluster=options.cluster,
                             children=children if children is not None else ChildCache())
     resync = Resync(reconciler, options.namespaces or None, options.resync_seconds)
     server = None

@@ -40,6 +40,7 @@ from .children import ChildCache
 from .kube import ApiException, Kube
 from .metrics import OperatorMetrics
 from omni_operator.pipeline.model import Pipeline
+from omni_operator.pipeline.render import ClusterSettings
 from .rollout import LEGACY, Plan, PodLoad, plan, pod_of, workload_of
 from .status import compute_status, invalid_status, status_patch
 from omni_operator.health.transfers import STALLED, TRANSFERS_HEALTHY
@@ -159,7 +160,7 @@ class ResyncRound:
 class Reconciler:
     def __init__(self, kube: Kube, metrics: OperatorMetrics | None = None,
                  clock: Callable[[], str] = utc_now, addon_cache_seconds: float = 300.0,
-                 health: TransferHealth | None = None, operator_peer: Mapping[str, Any] | None = None,
+                 health: TransferHealth | None = None, cluster: ClusterSettings = ClusterSettings(),
                  now: Callable[[], float] = time.time, apply_concurrency: int = APPLY_CONCURRENCY,
                  children: ChildCache | None = None):
         self.kube = kube
@@ -179,9 +180,9 @@ class Reconciler:
         # The last reading of the stages' transfer metrics (refreshed by the resync timer);
         # None: the status carries no transfer health.
         self.health = health
-        # Where the operator's own pods are ({"namespace", "labels"}): the pipelines'
-        # NetworkPolicy lets them reach the stages' http port (render.render_networkpolicy).
-        self.operator_peer = operator_peer
+        # What the operator is told about its cluster, which the children follow (where its
+        # own pods are, for the NetworkPolicy; the PodMonitors' labels).
+        self.cluster = cluster
         self.addon_cache_seconds = addon_cache_seconds
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
@@ -296,7 +297,7 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
         try:
-            admitted = admit(body, operator_peer=self.operator_peer)
+            admitted = admit(body, cluster=self.cluster)
         except SpecError as exc:
             return self._refuse(body, "InvalidSpec", str(exc))
         pipeline = admitted.pipeline
@@ -518,8 +519,7 @@ class Reconciler:
                 if pipeline.namespace not in fresh.listed:
                     # Every pipeline's children in the namespace, a LIST per kind: the
                     # namespace's entries in the cache become what they found.
-                    found = self._list_children(pipeline.namespace, kinds,
-                                                f"{naming.MANAGED_BY_LABEL}={naming.MANAGER}")
+                    found = self._list_children(pipeline.namespace, kinds, naming.CHILDREN_SELECTOR)
                     self.children.replace(pipeline.namespace, [kind.kind for kind in kinds], found)
                     fresh.listed.add(pipeline.namespace)
                 fresh = False

@@ -15,6 +15,15 @@ class Kind:
     create_only: tuple[tuple[str, ...], ...] = ()
 
     @property
+    def group(self) -> str:
+        """The API group ("" for the core group)."""
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+    @property
     def base_path(self) -> str:
         return "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
 

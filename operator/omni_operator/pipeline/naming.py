@@ -99,6 +99,11 @@ def selector_labels(pipeline: str, stage: str | None = None, revision: str | Non
     return labels
 
 
+#: Every child of every pipeline (whatever its pipeline): what the children's watches and the
+#: resync's lists ask the API server for, so that no other object of the cluster is listed.
+CHILDREN_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGER},{PIPELINE_LABEL}"
+
+
 def common_labels(pipeline: str, stage: str | None = None, revision: str | None = None) -> dict[str, str]:
     """The standard app.kubernetes.io labels plus the selector labels."""
     labels = {

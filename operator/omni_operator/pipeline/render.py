@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from omni_contract import edges
@@ -60,13 +61,27 @@ def _metadata(pipeline: Pipeline, name: str, stage: str | None, revision: str | 
     }
 
 
+@dataclass(frozen=True)
+class ClusterSettings:
+    """What the operator is told about its cluster, which the rendering follows besides the
+    spec (hashable: admission memoises on it)."""
+
+    #: Where the operator's own pods are (both or neither): the pipelines' NetworkPolicy lets
+    #: them reach the stages' http port, whose /metrics transfer health reads.
+    operator_namespace: str | None = None
+    operator_pod_labels: tuple[tuple[str, str], ...] = ()
+    #: Labels every PodMonitor carries besides the operator's own, for a Prometheus that
+    #: selects PodMonitors by label (kube-prometheus-stack's: ``release: <its release>``).
+    podmonitor_labels: tuple[tuple[str, str], ...] = ()
+
+
 def render_children(pipeline: Pipeline, *, podmonitor_available: bool,
-                    operator_peer: Mapping[str, Any] | None = None,
+                    cluster: ClusterSettings = ClusterSettings(),
                     keda_available: bool | None = None) -> list[dict[str, Any]]:
-    """Every child the pipeline should have, in apply order. ``operator_peer``: where the
-    operator's own pods are (``{"namespace": ..., "labels": {...}}``), for the NetworkPolicy.
-    ``keda_available``: which autoscaler an autoscaled stage gets (None: both, as admission
-    checks them; the reconcile keeps the one the cluster serves)."""
+    """Every child the pipeline should have, in apply order. ``cluster``: what the operator
+    is told about its cluster (ClusterSettings). ``keda_available``: which autoscaler an
+    autoscaled stage gets (None: both, as admission checks them; the reconcile keeps the one
+    the cluster serves)."""
     children: list[dict[str, Any]] = []
     shape = pipeline.endpoint_stages
     entry = shape[0].name if shape is not None else None
@@ -86,9 +101,9 @@ def render_children(pipeline: Pipeline, *, podmonitor_available: bool,
         text_hash = config_hash(config_text + (endpoint_text or ""))
         children.append(render_deployment(pipeline, stage, text_hash))
         children.append(render_pdb(pipeline, stage))
-    children.append(render_networkpolicy(pipeline, operator_peer))
+    children.append(render_networkpolicy(pipeline, cluster))
     if podmonitor_available and pipeline.observability.metrics:
-        children.append(render_podmonitor(pipeline))
+        children.append(render_podmonitor(pipeline, cluster))
     for stage in pipeline.stages:
         if stage.autoscaling is not None:
             children.append(render_stage_scaler(pipeline, stage))
@@ -173,7 +188,7 @@ def render_pdb(pipeline: Pipeline, stage: Stage) -> dict[str, Any]:
     }
 
 
-def render_networkpolicy(pipeline: Pipeline, operator_peer: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def render_networkpolicy(pipeline: Pipeline, cluster: ClusterSettings = ClusterSettings()) -> dict[str, Any]:
     pods = {"matchLabels": naming.selector_labels(pipeline.name)}
     ingress: list[dict[str, Any]] = [
         # KV caches are only accepted from the pipeline's own stages.
@@ -189,14 +204,14 @@ def render_networkpolicy(pipeline: Pipeline, operator_peer: Mapping[str, Any] | 
         {"ports": [{"protocol": "TCP", "port": naming.HTTP_PORT},
                    {"protocol": "TCP", "port": naming.ENDPOINT_PORT}]},
     ]
-    if operator_peer:
+    if cluster.operator_namespace and cluster.operator_pod_labels:
         # The operator reads each stage pod's /metrics on the http port (transfer health):
         # stated on its own, so that it still holds where the rule above is narrowed, and
         # no other port (the kv port stays the stages' alone).
         ingress.append({
             "from": [{
-                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_peer["namespace"]}},
-                "podSelector": {"matchLabels": dict(operator_peer["labels"])},
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cluster.operator_namespace}},
+                "podSelector": {"matchLabels": dict(cluster.operator_pod_labels)},
             }],
             "ports": [{"protocol": "TCP", "port": naming.HTTP_PORT}],
         })
@@ -235,7 +250,7 @@ PODMONITOR_TARGET_LABELS = {
 }
 
 
-def render_podmonitor(pipeline: Pipeline) -> dict[str, Any]:
+def render_podmonitor(pipeline: Pipeline, cluster: ClusterSettings = ClusterSettings()) -> dict[str, Any]:
     endpoint = {
         "port": "http",
         "path": "/metrics",
@@ -251,13 +266,20 @@ def render_podmonitor(pipeline: Pipeline) -> dict[str, Any]:
     return {
         "apiVersion": PODMONITOR.api_version,
         "kind": PODMONITOR.kind,
-        "metadata": _metadata(pipeline, pipeline.name, None),
+        "metadata": _podmonitor_metadata(pipeline, cluster),
         "spec": {
             "selector": {"matchLabels": naming.selector_labels(pipeline.name)},
             "podMetricsEndpoints": [endpoint],
         },
     }
 
+
+
+def _podmonitor_metadata(pipeline: Pipeline, cluster: ClusterSettings) -> dict[str, Any]:
+    metadata = _metadata(pipeline, pipeline.name, None)
+    if cluster.podmonitor_labels:  # the operator's own labels are never replaced (refused at its start)
+        metadata["labels"] = dict(cluster.podmonitor_labels) | metadata["labels"]
+    return metadata
 
 def _env(pipeline: Pipeline, stage: Stage) -> list[dict[str, Any]]:
     return operator_env(pipeline, stage) + [dict(item) for item in stage.env]

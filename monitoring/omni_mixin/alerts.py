@@ -201,13 +201,22 @@ or
 
 
 def stage_rules(cfg: Config) -> list[dict[str, Any]]:
-    # Stage targets are the ones the scrape labels with their pipeline.
-    down_expr = 'up{pipeline!=""} == 0'
+    # Stage targets are the ones the scrape labels with their pipeline; down, one that
+    # answered before and no longer does (vLLM listens before it has loaded its model, and a
+    # target that never answered yet is a pod still loading, or one the kubelet reports).
+    down_expr = f"""
+up{{pipeline!=""}} == 0
+and on (namespace, pod)
+max_over_time(up{{pipeline!=""}}[{cfg.stage_was_up_window}]) == 1
+"""
     # Every pipeline has a sending stage, whose runtime exports omni_kv_transfers even when
-    # idle. A pipeline whose stages answer scrapes but export none of it runs without the
-    # omni scheduler or without its multiprocess metrics: its transfers are invisible.
+    # idle. A pipeline whose stages all answer scrapes but export none of it runs without the
+    # omni scheduler or without its multiprocess metrics: its transfers are invisible. (One
+    # that does not answer yet, a sending stage still loading say, is not that.)
     absent_expr = f"""
 count by (namespace, pipeline) (up{{pipeline!=""}} == 1)
+unless on (namespace, pipeline)
+count by (namespace, pipeline) (up{{pipeline!=""}} == 0)
 unless on (namespace, pipeline)
 count by (namespace, pipeline) ({m.KV_TRANSFERS})
 """
@@ -218,9 +227,9 @@ count by (namespace, pipeline) ({m.KV_TRANSFERS})
             down_expr,
             cfg.stage_down_for,
             "critical",
-            "A pipeline stage cannot be scraped.",
-            f"Prometheus cannot scrape {WHERE} (pod {{{{ $labels.pod }}}}, "
-            "instance {{ $labels.instance }}).",
+            "A pipeline stage cannot be scraped any more.",
+            f"Prometheus scraped {WHERE} (pod {{{{ $labels.pod }}}}, "
+            "instance {{ $labels.instance }}) before and cannot now.",
         ),
         _alert(
             cfg,
@@ -240,7 +249,7 @@ count by (namespace, pipeline) ({m.KV_TRANSFERS})
             "warning",
             "A pipeline exports no KV-transfer metrics.",
             "No stage of pipeline {{ $labels.namespace }}/{{ $labels.pipeline }} exports "
-            f"{m.KV_TRANSFERS} although its stages are scraped: stuck transfers would go "
+            f"{m.KV_TRANSFERS} although all its stages are scraped: stuck transfers would go "
             "unnoticed.",
         ),
     ]

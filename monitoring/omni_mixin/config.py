@@ -32,6 +32,10 @@ class Config:
     # with the same thresholds.
     edge_stuck_for: str = "1m"
     stage_down_for: str = "5m"
+    # A stage target counts as down only where it was up within this window: a pod still
+    # loading its model (up to the startup probe's 30 minutes) has never answered, and its
+    # readiness is the kubelet's to report, not a page.
+    stage_was_up_window: str = "1h"
     # A KV transport thread that ended: a stage stopping on purpose exits within seconds of
     # it (its series then disappears), so one still at 0 after this long died.
     transport_thread_down_for: str = "1m"

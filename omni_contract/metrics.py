@@ -153,3 +153,13 @@ STREAM_CREDIT_EXHAUSTED = Family("omni_kv_stream_credit_exhausted_seconds_total"
 STREAM_FAMILIES: tuple[Family, ...] = (STREAMS, STREAM_OLDEST_WAIT, STREAM_CHUNKS,
                                        STREAMS_RESOLVED, STREAM_FIRST_CHUNK, STREAM_CHUNK_HOP,
                                        STREAM_CHUNK_GAP, STREAM_CREDIT_EXHAUSTED)
+
+# The operator's own families (its --metrics-port), which the monitoring mixin alerts on.
+#: A pipeline's phase as the operator reports it (status.phase).
+PIPELINE_PHASES: tuple[str, ...] = ("Progressing", "Ready", "Degraded", "Failed")
+#: The phases of a pipeline whose stages have run (their pods were ready).
+RUNNING_PHASES: tuple[str, ...] = ("Ready", "Degraded")
+OPERATOR_RECONCILES = Family("omni_operator_reconciles_total", "counter", ("result",),
+                             "OmniPipeline reconciles, by result.")
+OPERATOR_PIPELINES = Family("omni_operator_pipelines", "gauge", ("phase",),
+                            "OmniPipelines known to the operator, by phase.")

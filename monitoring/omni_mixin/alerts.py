@@ -256,6 +256,14 @@ count by (namespace, pipeline) ({m.KV_TRANSFERS})
 
 
 def operator_rules(cfg: Config) -> list[dict[str, Any]]:
+    # The stage alerts need stage targets: where none exists at all while pipelines run, the
+    # PodMonitors the operator creates are not selected by this Prometheus (a Prometheus that
+    # selects PodMonitors by label, kube-prometheus-stack's), and nothing else would say so.
+    unscraped_expr = f"""
+sum by (namespace, pod) ({m.OPERATOR_PIPELINES}{{{m.RUNNING_PHASES}}}) > 0
+unless on ()
+count(up{{pipeline!=""}}) > 0
+"""
     expr = f"""
 sum by (namespace, pod) (increase({m.OPERATOR_RECONCILES}{{{m.FAILED_RECONCILES}}}[{cfg.reconcile_error_window}]))
   > 0
@@ -271,6 +279,17 @@ sum by (namespace, pod) (increase({m.OPERATOR_RECONCILES}{{{m.FAILED_RECONCILES}
             "The operator {{ $labels.namespace }}/{{ $labels.pod }} has failed "
             "{{ $value | humanize }} reconciles in the last "
             f"{cfg.reconcile_error_window}.",
+        ),
+        _alert(
+            cfg,
+            "OmniStagesNotScraped",
+            unscraped_expr,
+            cfg.unscraped_for,
+            "warning",
+            "Pipelines run, and Prometheus scrapes no stage of any.",
+            "{{ $value }} pipelines of the operator {{ $labels.namespace }}/{{ $labels.pod }} "
+            "have run, and no stage pod of any pipeline is scraped: every stage alert, dashboard "
+            "and autoscaling trigger is without data.",
         ),
     ]
 

@@ -53,4 +53,7 @@ class Config:
     stream_failure_ratio: float | str = 0.05
     reconcile_error_window: str = "10m"
     reconcile_error_for: str = "15m"
+    # Pipelines running while Prometheus scrapes no stage of any: the PodMonitors are not
+    # selected. Longer than a rollout's first scrape takes.
+    unscraped_for: str = "15m"
     runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL

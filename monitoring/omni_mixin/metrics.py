@@ -44,7 +44,10 @@ KV_STREAM_CHUNK_GAP = contract.STREAM_CHUNK_GAP.name  # histogram (consumer)
 KV_STREAM_CREDIT_EXHAUSTED = contract.STREAM_CREDIT_EXHAUSTED.name  # counter, seconds
 
 # Operator metrics.
-OPERATOR_RECONCILES = "omni_operator_reconciles_total"  # counter, label result
+OPERATOR_RECONCILES = contract.OPERATOR_RECONCILES.name  # counter, label result
+OPERATOR_PIPELINES = contract.OPERATOR_PIPELINES.name  # gauge, label phase
+#: The phases of a pipeline whose stages have run (their pods were ready), as a PromQL regex.
+RUNNING_PHASES = f'phase=~"{"|".join(contract.RUNNING_PHASES)}"'
 #: The results of a reconcile that failed or left its pipeline unapplied (not "invalid": a
 #: spec the user must fix, reported in its status), as a PromQL regex.
 FAILED_RECONCILES = 'result=~"error|rejected|conflict"'

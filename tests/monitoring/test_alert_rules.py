@@ -25,6 +25,7 @@ EXPECTED = {
     "OmniKVMetricsAbsent",
     "OmniKVTransportThreadDown",
     "OmniOperatorReconcileErrors",
+    "OmniStagesNotScraped",
     "OmniStreamStalled",
     "OmniStreamDeadlineRate",
     "OmniStreamSendFailures",
@@ -116,7 +117,7 @@ def test_alerts_query_only_the_contract_state_and_outcome_values():
     for rule in ALERTS:
         for name, _labels in selectors(rule["expr"]):
             assert name in {
-                "up", m.KV_TRANSFERS, m.KV_OLDEST_START, m.KV_RESOLVED, m.OPERATOR_RECONCILES,
+                "up", m.KV_TRANSFERS, m.KV_OLDEST_START, m.KV_RESOLVED, m.OPERATOR_RECONCILES, m.OPERATOR_PIPELINES,
                 m.KV_TRANSPORT_THREAD_UP, m.KV_EDGE_OLDEST_START, m.KV_EDGE_RESOLVED,
                 m.KV_STREAM_OLDEST_WAIT, m.KV_STREAMS_RESOLVED, m.KV_STREAM_CHUNKS,
             }, (rule["alert"], name)

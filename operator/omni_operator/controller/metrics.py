@@ -5,21 +5,21 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-PHASES = ("Progressing", "Ready", "Degraded", "Failed")
+from omni_contract.metrics import OPERATOR_PIPELINES, OPERATOR_RECONCILES, PIPELINE_PHASES as PHASES
 
 
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.reconciles = Counter(
-            "omni_operator_reconciles_total", "OmniPipeline reconciles, by result.",
-            ["result"], registry=self.registry)
+            OPERATOR_RECONCILES.registered_name, OPERATOR_RECONCILES.help,
+            list(OPERATOR_RECONCILES.labels), registry=self.registry)
         self.duration = Histogram(
             "omni_operator_reconcile_duration_seconds", "Time to reconcile one OmniPipeline.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
         self.pipelines = Gauge(
-            "omni_operator_pipelines", "OmniPipelines known to the operator, by phase.",
-            ["phase"], registry=self.registry)
+            OPERATOR_PIPELINES.registered_name, OPERATOR_PIPELINES.help,
+            list(OPERATOR_PIPELINES.labels), registry=self.registry)
         self.api_calls = Counter(
             "omni_operator_api_requests_total", "Kubernetes API requests made, by verb and kind.",
             ["verb", "kind"], registry=self.registry)

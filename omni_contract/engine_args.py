@@ -46,6 +46,11 @@ RESERVED: dict[str, str] = {
     "port": f"the stage's HTTP port is fixed at {HTTP_PORT} by the stage contract (ports.http in the stage config)",
     "scheduler-cls": "the stage runs the omni AR scheduler itself",
     "shutdown-timeout": "the stage sets it from its drain grace period (kvTransfer.timeoutSeconds)",
+    # Set last by the user, these would silently replace the stage's own value.
+    "download-dir": "the stage downloads the model into its model cache (spec.model.cache.mountPath, "
+                    "model.cacheDir in the stage config); set that instead",
+    "otlp-traces-endpoint": "the stage exports its traces to spec.observability.tracing.otlpEndpoint "
+                            "(observability.tracing.otlpEndpoint in the stage config); set that instead",
 }
 #: Flags whose values are credentials: engineArgs are written into the stage's ConfigMap
 #: (readable by whoever may read ConfigMaps, shown by kubectl describe), so a secret goes to a

@@ -35,7 +35,7 @@ from typing import Any
 from omni_contract import vllm_args
 #: How one entry becomes vLLM's command-line words (omni-stage's conversion).
 from omni_contract.vllm_args import argv_of
-from omni_contract.kv_transfer import ConnectorConfigError, user_connectors
+from omni_contract.kv_transfer import ROLES, ConnectorConfigError, user_connectors
 from omni_contract.ports import HTTP_PORT
 
 #: Flags the stage sets itself, and why a user value cannot be taken.
@@ -156,6 +156,7 @@ def engine_args_report(engine_args: Any, *, sends_kv: bool, vllm_version: str | 
     problems: list[EngineArgProblem] = []
     flags: list[tuple[str, str, Any]] = []
     seen: dict[str, str] = {}
+    version = _vllm_version(vllm_version)
     for key, value in engine_args.items():
         key = str(key)
         if not _KEY.fullmatch(key):
@@ -181,12 +182,11 @@ def engine_args_report(engine_args: Any, *, sends_kv: bool, vllm_version: str | 
         elif flag == ADDITIONAL_CONFIG:
             problems += _additional_config(key, value)
         elif flag == KV_TRANSFER_CONFIG:
-            problems += _kv_transfer_config(key, value, sends_kv)
+            problems += _kv_transfer_config(key, value, sends_kv, vllm_args.applies(version))
         else:
             flags.append((key, flag, value))
     if not flags:
         return problems, []
-    version = _vllm_version(vllm_version)
     if not vllm_args.applies(version):
         table = vllm_args.table().version
         runs = "a vLLM whose version its image does not tell" if version == "unknown" else f"vLLM {version}"
@@ -261,7 +261,7 @@ def _parsed_kv_transfer_config(key: str, value: Any) -> tuple[dict[str, Any], En
     return dict(value), None
 
 
-def _kv_transfer_config(key: str, value: Any, sends_kv: bool) -> list[EngineArgProblem]:
+def _kv_transfer_config(key: str, value: Any, sends_kv: bool, table_applies: bool) -> list[EngineArgProblem]:
     if value is None:
         return []
     config, problem = _parsed_kv_transfer_config(key, value)
@@ -269,9 +269,19 @@ def _kv_transfer_config(key: str, value: Any, sends_kv: bool) -> list[EngineArgP
         return [problem]
     if sends_kv:  # composed with the omni KV connector; passed on as it is otherwise
         try:
-            user_connectors(config)
+            _, _, connectors = user_connectors(config)
         except ConnectorConfigError as exc:
             return [EngineArgProblem(key, str(exc))]
+    else:
+        connectors = [config]
+        if config.get("kv_role") not in ROLES:
+            given = f"has kv_role {config['kv_role']!r}, not" if "kv_role" in config else "needs a kv_role,"
+            return [EngineArgProblem(key, f"{given} one of {', '.join(ROLES)} (vLLM's KVTransferConfig)")]
+    # Each connector's config becomes a vLLM KVTransferConfig, which takes its own fields only.
+    for connector in [config, *connectors] if table_applies else []:
+        unknown = vllm_args.config_field_problem(KV_TRANSFER_CONFIG, list(connector))
+        if unknown:
+            return [EngineArgProblem(key, unknown)]
     return []
 
 

@@ -60,9 +60,10 @@ def user_connectors(other: Any) -> tuple[dict[str, Any], dict[str, Any], list[di
             if top.setdefault("engine_id", engine_id) != engine_id:
                 raise ConnectorConfigError("the composed connectors name different engine_ids")
         if child.get("kv_role") not in ROLES:
+            given = f"has kv_role {child['kv_role']!r}, not" if "kv_role" in child else "needs a kv_role,"
             raise ConnectorConfigError(
-                f"connector {i} ({child['kv_connector']}) of kv_transfer_config needs a "
-                f"kv_role, one of {', '.join(ROLES)}")
+                f"connector {i} ({child['kv_connector']}) of kv_transfer_config {given} one of "
+                f"{', '.join(ROLES)}")
         resolved.append(child)
     return top, extra, resolved
 

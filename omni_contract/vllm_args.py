@@ -70,6 +70,8 @@ class Argument:
     action: str | None = None
     deprecated: bool = False
     suffixes: tuple[str, ...] = ()  # a file argument's (--config: .yaml, .yml)
+    #: A config argument's fields, where its class refuses any other key (None: unchecked).
+    fields: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ def table() -> Table:
             choices=tuple(entry["choices"]) if entry.get("choices") is not None else None,
             default=entry.get("default"), negations=tuple(entry.get("negations") or ()),
             short=tuple(entry.get("short") or ()), action=entry.get("action"),
-            deprecated=bool(entry.get("deprecated")), suffixes=tuple(entry.get("suffixes") or ()))
+            deprecated=bool(entry.get("deprecated")), suffixes=tuple(entry.get("suffixes") or ()),
+            fields=frozenset(entry["fields"]) if entry.get("fields") is not None else None)
         arguments[name] = argument
         options.update({flag: (argument, False) for flag in argument.flags})
         options.update({flag: (argument, True) for flag in argument.negations})
@@ -346,6 +349,9 @@ def _dotted(t: Table, argument: Argument, option: str, rest: str, value: Any) ->
                 "field of a JSON argument; give the flag its value instead"]
     if not rest or any(not part for part in rest.rstrip("+").split(".")):
         return [f"names no field of --{option}: write {option}.FIELD (e.g. {option}.name)"]
+    unknown = _unknown_fields(t, argument, option, [rest.rstrip("+").split(".")[0]])
+    if unknown:
+        return [unknown]
     if isinstance(value, bool):
         return [f"{_shown(value)} would be passed as a bare --{option}.{rest} (true) or left out (false), and "
                 f"vLLM reads such a key's value from the next argument: write it as the string \"{_json(value)}\""]
@@ -394,12 +400,37 @@ def _value(t: Table, argument: Argument, negated: bool, option: str, value: Any)
         listed = (" (the stage passes a list as one JSON argument, which --" + option + " reads as one value)"
                   if isinstance(value, list) and argument.nargs in ("+", "*") else "")
         return f"{_shown(value)} is not {_what(t, argument, option, value)}{detail}{listed}", None
+    if isinstance(converted, Mapping):
+        unknown = _unknown_fields(t, argument, option, list(converted))
+        if unknown:
+            return unknown, None
     if argument.choices is not None and converted not in argument.choices:
         close = difflib.get_close_matches(str(converted), [str(c) for c in argument.choices if c is not None], n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         return (f"{_shown(value)} is not one of vLLM {t.version}'s choices for --{option}: "
                 f"{_listed([c for c in argument.choices if c is not None])}{hint}", None)
     return None, converted
+
+
+def config_field_problem(flag: str, keys: list[Any]) -> str | None:
+    """What vLLM's parser says of ``keys`` given to the config argument ``flag`` (no dashes)
+    that are no field of its class; None when each is one, or the table does not know."""
+    t = table()
+    argument = t.arguments.get(flag)
+    return None if argument is None else _unknown_fields(t, argument, flag, keys)
+
+
+def _unknown_fields(t: Table, argument: Argument, option: str, keys: list[Any]) -> str | None:
+    """The message for keys that are no field of a config argument's class (vLLM's parser
+    refuses them: "Unexpected keyword argument"); None when every key is one."""
+    if argument.fields is None:
+        return None
+    unknown = [str(k) for k in keys if k not in argument.fields]
+    if not unknown:
+        return None
+    close = difflib.get_close_matches(unknown[0], sorted(argument.fields), n=1)
+    hint = f"; did you mean {close[0]}?" if close else f" (its fields: {_listed(sorted(argument.fields))})"
+    return f"--{option} of vLLM {t.version} has no field {_listed(unknown)}{hint}"
 
 
 def convert(argument: Argument, token: str) -> Any:

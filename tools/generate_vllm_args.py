@@ -153,12 +153,38 @@ def _argument(action: argparse.Action, deprecated: bool) -> dict[str, Any]:
         entry["nargs"] = action.nargs
     if action.choices is not None:
         entry["choices"] = [c for c in action.choices]
+    if value_type == "config":
+        fields = _config_fields(action)
+        if fields is not None:
+            entry["fields"] = fields
     if kind not in ("_StoreAction",):
         entry["action"] = {"_AppendAction": "append"}.get(kind, kind)
     if deprecated:
         entry["deprecated"] = True
     entry["default"] = _json_default(action.default)
     return entry
+
+
+def _config_fields(action: argparse.Action) -> list[str] | None:
+    """The fields of a config argument's class (vLLM's parse_dataclass validates the JSON into
+    it), when the class refuses any other key (confirmed on vLLM's own converter); None when
+    it takes others."""
+    import dataclasses
+
+    converter = action.type
+    while getattr(converter, "__qualname__", "") in ("optional_type.<locals>._optional_type",
+                                                     "parse_type.<locals>._parse_type"):
+        converter = _closure(converter, "return_type")
+    cls = (converter.__defaults__ or (None,))[0]
+    if cls is None or not dataclasses.is_dataclass(cls):
+        raise SystemExit(f"generate_vllm_args.py: --{action.dest}'s config converter names no dataclass: "
+                         "teach this script where its fields are")
+    fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+    try:
+        converter('{"omni_no_such_field": 1}')
+    except argparse.ArgumentTypeError:
+        return fields
+    return None
 
 
 # -- the cross-argument rules of validate_parsed_serve_args ------------------------------------

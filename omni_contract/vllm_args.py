@@ -72,6 +72,8 @@ class Argument:
     suffixes: tuple[str, ...] = ()  # a file argument's (--config: .yaml, .yml)
     #: A config argument's fields, where its class refuses any other key (None: unchecked).
     fields: frozenset[str] | None = None
+    #: The values vLLM's registry for the flag holds, which a plugin may add to (None: none).
+    known: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ def table() -> Table:
             default=entry.get("default"), negations=tuple(entry.get("negations") or ()),
             short=tuple(entry.get("short") or ()), action=entry.get("action"),
             deprecated=bool(entry.get("deprecated")), suffixes=tuple(entry.get("suffixes") or ()),
-            fields=frozenset(entry["fields"]) if entry.get("fields") is not None else None)
+            fields=frozenset(entry["fields"]) if entry.get("fields") is not None else None,
+            known=tuple(entry["known"]) if entry.get("known") is not None else None)
         arguments[name] = argument
         options.update({flag: (argument, False) for flag in argument.flags})
         options.update({flag: (argument, True) for flag in argument.negations})
@@ -309,6 +312,12 @@ def check(flags: list[tuple[str, str, Any]], owned: Mapping[str, str] | None = N
             continue
         parsed[argument.dest] = (key, holds)
         whole[argument.dest] = key
+        if argument.known is not None and holds is not None and holds not in argument.known:
+            close = difflib.get_close_matches(str(holds), list(argument.known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(Finding(key, f"{_shown(value)} is not one of vLLM {t.version}'s --{option} values "
+                                         f"({_listed(list(argument.known))}): unless a plugin in the stage's image "
+                                         f"registers it, vLLM refuses it when the stage starts{hint}"))
     for dest, key in dotted.items():
         if dest in whole:
             problems.append(Finding(key, f"sets a field of a JSON argument that engineArgs.{whole[dest]} gives whole: "

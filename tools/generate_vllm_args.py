@@ -187,6 +187,24 @@ def _config_fields(action: argparse.Action) -> list[str] | None:
     return None
 
 
+#: Flags whose value vLLM looks up in a registry when it builds the engine (not argparse
+#: choices, and a plugin in the image may register more): dest -> (module, the registry).
+_REGISTRIES = {
+    "quantization": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS"),
+    "load_format": ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER"),
+}
+
+
+def _known_values(dest: str) -> list[str] | None:
+    """The values vLLM's registry for ``dest`` holds (None: no registry)."""
+    if dest not in _REGISTRIES:
+        return None
+    import importlib
+
+    module, name = _REGISTRIES[dest]
+    return sorted(getattr(importlib.import_module(module), name))
+
+
 # -- the cross-argument rules of validate_parsed_serve_args ------------------------------------
 
 def _arg_name(node: ast.AST) -> str | None:
@@ -521,6 +539,10 @@ def build() -> dict[str, Any]:
     if suffixes is not None and "config" in arguments:
         # Read by the parser itself, before parsing: a YAML file of more flags.
         arguments["config"].update(type="config-file", suffixes=suffixes)
+    for name, entry in arguments.items():
+        known = _known_values(entry["dest"])
+        if known is not None:
+            entry["known"] = known
     rules, others = serve_rules(parser)
     for rule in rules:
         for dest in (rule["dest"], rule.get("other")):

@@ -496,3 +496,26 @@ def test_the_contract_and_vllms_sampling_params_agree():
     assert ids.message == "must be a list of integers, got 'a' in it"
     with pytest.raises(TypeError):
         SamplingParams(bogus_param=1)
+
+
+@pytest.mark.parametrize("engine_args, warned", [
+    ({"quantization": "fp9"}, "did you mean fp8?"), ({"quantization": "fp8"}, None),
+    ({"load-format": "bogus"}, "unless a plugin in the stage's image registers it"), ({"load-format": "safetensors"}, None),
+])
+def test_a_value_no_registry_of_vllm_holds_is_a_warning(engine_args, warned):
+    """vLLM looks a quantization method or a load format up in a registry when it builds the
+    engine (an outside review: `quantization: fp9` passed, the stage crash-looped); a plugin in
+    the image may register more, so it is a warning that names the registry's values."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    problems, warnings = engine_args_report(engine_args, sends_kv=False)
+    assert problems == []
+    if warned is None:
+        assert warnings == []
+    else:
+        (warning,) = warnings
+        assert warned in warning.message and "is not one of vLLM 0.32.0's" in warning.message
+    (value,) = engine_args.values()
+    registry = QUANTIZATION_METHODS if "quantization" in engine_args else _LOAD_FORMAT_TO_MODEL_LOADER
+    assert (value in registry) == (warned is None)

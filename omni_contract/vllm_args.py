@@ -312,7 +312,9 @@ def check(flags: list[tuple[str, str, Any]], owned: Mapping[str, str] | None = N
             continue
         parsed[argument.dest] = (key, holds)
         whole[argument.dest] = key
-        if argument.known is not None and holds is not None and holds not in argument.known:
+        # (vLLM lower-cases a quantization method before the lookup; a load format is exact.)
+        if argument.known is not None and holds is not None and holds not in argument.known \
+                and not (argument.dest == "quantization" and str(holds).lower() in argument.known):
             close = difflib.get_close_matches(str(holds), list(argument.known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             warnings.append(Finding(key, f"{_shown(value)} is not one of vLLM {t.version}'s --{option} values "

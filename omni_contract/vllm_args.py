@@ -72,8 +72,10 @@ class Argument:
     suffixes: tuple[str, ...] = ()  # a file argument's (--config: .yaml, .yml)
     #: A config argument's fields, where its class refuses any other key (None: unchecked).
     fields: frozenset[str] | None = None
-    #: The values vLLM's registry for the flag holds, which a plugin may add to (None: none).
+    #: The values vLLM's registry for the flag holds, which a plugin may add to (None: none),
+    #: and whether vLLM lower-cases a value before looking it up.
     known: tuple[str, ...] | None = None
+    known_lower: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,8 @@ def table() -> Table:
             short=tuple(entry.get("short") or ()), action=entry.get("action"),
             deprecated=bool(entry.get("deprecated")), suffixes=tuple(entry.get("suffixes") or ()),
             fields=frozenset(entry["fields"]) if entry.get("fields") is not None else None,
-            known=tuple(entry["known"]) if entry.get("known") is not None else None)
+            known=tuple(entry["known"]["values"]) if entry.get("known") is not None else None,
+            known_lower=bool((entry.get("known") or {}).get("lower")))
         arguments[name] = argument
         options.update({flag: (argument, False) for flag in argument.flags})
         options.update({flag: (argument, True) for flag in argument.negations})
@@ -312,9 +315,8 @@ def check(flags: list[tuple[str, str, Any]], owned: Mapping[str, str] | None = N
             continue
         parsed[argument.dest] = (key, holds)
         whole[argument.dest] = key
-        # (vLLM lower-cases a quantization method before the lookup; a load format is exact.)
-        if argument.known is not None and holds is not None and holds not in argument.known \
-                and not (argument.dest == "quantization" and str(holds).lower() in argument.known):
+        looked_up = str(holds).lower() if argument.known_lower else holds
+        if argument.known is not None and holds is not None and looked_up not in argument.known:
             close = difflib.get_close_matches(str(holds), list(argument.known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             warnings.append(Finding(key, f"{_shown(value)} is not one of vLLM {t.version}'s --{option} values "

@@ -188,21 +188,23 @@ def _config_fields(action: argparse.Action) -> list[str] | None:
 
 
 #: Flags whose value vLLM looks up in a registry when it builds the engine (not argparse
-#: choices, and a plugin in the image may register more): dest -> (module, the registry).
+#: choices, and a plugin in the image may register more): dest -> (module, the registry,
+#: whether vLLM lower-cases the value before the lookup: ModelConfig's quantization validator).
 _REGISTRIES = {
-    "quantization": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS"),
-    "load_format": ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER"),
+    "quantization": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS", True),
+    "load_format": ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER", False),
 }
 
 
-def _known_values(dest: str) -> list[str] | None:
-    """The values vLLM's registry for ``dest`` holds (None: no registry)."""
+def _known_values(dest: str) -> dict[str, Any] | None:
+    """The values vLLM's registry for ``dest`` holds, and whether a value is lower-cased
+    before the lookup (None: no registry)."""
     if dest not in _REGISTRIES:
         return None
     import importlib
 
-    module, name = _REGISTRIES[dest]
-    return sorted(getattr(importlib.import_module(module), name))
+    module, name, lower = _REGISTRIES[dest]
+    return {"values": sorted(getattr(importlib.import_module(module), name)), "lower": lower}
 
 
 # -- the cross-argument rules of validate_parsed_serve_args ------------------------------------

@@ -393,8 +393,9 @@ def _value(t: Table, argument: Argument, negated: bool, option: str, value: Any)
     if argument.takes == "none":
         if len(words) == 1:
             return None, not negated
-        return (f"{_shown(value)}: --{option} takes no value; write true to pass it (false or null leaves it out)",
-                None)
+        quoted = " (the YAML boolean, not a string)" if isinstance(value, str) else ""
+        return (f"{_shown(value)}: --{option} takes no value; write true{quoted} to pass it (false or null leaves "
+                "it out)", None)
     if len(words) == 1:
         if argument.takes == "optional":
             return None, True
@@ -548,7 +549,8 @@ def _what(t: Table, argument: Argument, option: str, value: Any = None) -> str:
         return (f"a file name ending in {' or '.join(argument.suffixes)}: vLLM's parser reads --{option}, a YAML file "
                 "of more flags, in the pod")
     if kind == "config":
-        return f"a JSON object, which --{option} takes (a map in YAML, e.g. {{{argument.name.split('-')[0]}: ...}})"
+        example = sorted(argument.fields)[0] if argument.fields else "FIELD"
+        return f"a JSON object, which --{option} takes (a map in YAML of its fields, e.g. {{{example}: ...}})"
     return f"a value --{option} takes"
 
 

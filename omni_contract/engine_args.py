@@ -35,7 +35,7 @@ from typing import Any
 from omni_contract import vllm_args
 #: How one entry becomes vLLM's command-line words (omni-stage's conversion).
 from omni_contract.vllm_args import argv_of
-from omni_contract.kv_transfer import ROLES, ConnectorConfigError, user_connectors
+from omni_contract.kv_transfer import ConnectorConfigError, role_problem, user_connectors
 from omni_contract.ports import HTTP_PORT
 
 #: Flags the stage sets itself, and why a user value cannot be taken.
@@ -274,9 +274,9 @@ def _kv_transfer_config(key: str, value: Any, sends_kv: bool, table_applies: boo
             return [EngineArgProblem(key, str(exc))]
     else:
         connectors = [config]
-        if config.get("kv_role") not in ROLES:
-            given = f"has kv_role {config['kv_role']!r}, not" if "kv_role" in config else "needs a kv_role,"
-            return [EngineArgProblem(key, f"{given} one of {', '.join(ROLES)} (vLLM's KVTransferConfig)")]
+        role = role_problem(config)
+        if role is not None:
+            return [EngineArgProblem(key, f"{role} (vLLM's KVTransferConfig)")]
     # Each connector's config becomes a vLLM KVTransferConfig, which takes its own fields only.
     for connector in [config, *connectors] if table_applies else []:
         unknown = vllm_args.config_field_problem(KV_TRANSFER_CONFIG, list(connector))

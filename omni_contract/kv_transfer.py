@@ -21,6 +21,15 @@ class ConnectorConfigError(ValueError):
     """A user's ``kv_transfer_config`` that cannot be composed with the omni connector."""
 
 
+def role_problem(connector: Mapping[str, Any]) -> str | None:
+    """What is wrong with a connector config's kv_role (vLLM's KVTransferConfig takes one of
+    :data:`ROLES`); None when nothing is."""
+    if connector.get("kv_role") in ROLES:
+        return None
+    given = f"has kv_role {connector['kv_role']!r}, not" if "kv_role" in connector else "needs a kv_role,"
+    return f"{given} one of {', '.join(ROLES)}"
+
+
 def user_connectors(other: Any) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
     """The parts of a user's connector config the composition is made of: (the top-level
     keys kept, the MultiConnector's extra config, the user's connectors); ConnectorConfigError
@@ -59,11 +68,9 @@ def user_connectors(other: Any) -> tuple[dict[str, Any], dict[str, Any], list[di
             engine_id = child.pop("engine_id")
             if top.setdefault("engine_id", engine_id) != engine_id:
                 raise ConnectorConfigError("the composed connectors name different engine_ids")
-        if child.get("kv_role") not in ROLES:
-            given = f"has kv_role {child['kv_role']!r}, not" if "kv_role" in child else "needs a kv_role,"
-            raise ConnectorConfigError(
-                f"connector {i} ({child['kv_connector']}) of kv_transfer_config {given} one of "
-                f"{', '.join(ROLES)}")
+        role = role_problem(child)
+        if role is not None:
+            raise ConnectorConfigError(f"connector {i} ({child['kv_connector']}) of kv_transfer_config {role}")
         resolved.append(child)
     return top, extra, resolved
 

@@ -195,6 +195,14 @@ REFUSED = [
      "spec.stages[0].engineArgs.kv-transfer-config", "non-empty list"),
     ("kv-transfer-config-a-list", stage(2, engineArgs={"kv-transfer-config": ["LMCacheConnectorV1"]}),
      "spec.stages[2].engineArgs.kv-transfer-config", "must be a mapping"),
+    # vLLM's KVTransferConfig refuses a connector without a role (it was taken on a stage that
+    # sends no KV, where the config passes to vLLM as it is: an outside review).
+    ("kv-transfer-config-without-role-on-a-stage-that-does-not-send",
+     stage(2, engineArgs={"kv-transfer-config": {"kv_connector": "SomeConsumer"}}),
+     "spec.stages[2].engineArgs.kv-transfer-config", "needs a kv_role"),
+    ("kv-transfer-config-unknown-key", stage(2, engineArgs={"kv-transfer-config": {
+        "kv_connector": "SomeConsumer", "kv_role": "kv_consumer", "kv_buffer_size": 1}}),
+     "spec.stages[2].engineArgs.kv-transfer-config", "has no field kv_buffer_size"),
     ("gpu-memory-utilization-over-1", stage(0, engineArgs={"gpu-memory-utilization": 2.0}),
      "spec.stages[0].engineArgs.gpu-memory-utilization", "> 0 and <= 1"),
     ("max-num-seqs-negative", stage(1, engineArgs={"maxNumSeqs": -4}), "spec.stages[1].engineArgs.maxNumSeqs",
@@ -261,7 +269,7 @@ ACCEPTED = [
         "kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}})),
     ("kv-transfer-config-json-text", stage(0, engineArgs={"kv_transfer_config": '{"kv_connector": "X", "kv_role": "kv_both"}'})),
     ("kv-transfer-config-on-a-stage-that-does-not-send", stage(2, engineArgs={"kv-transfer-config": {
-        "kv_connector": "SomeConsumer"}})),
+        "kv_connector": "SomeConsumer", "kv_role": "kv_consumer"}})),
     ("explicit-nulls-the-server-drops", edit(lambda b: (b["spec"]["stages"][0].update(replicas=None, gpus=None,
                                                                                       shmSize=None, kvTransfer=None),
                                                         b["spec"].update(observability=None, imagePullPolicy=None),

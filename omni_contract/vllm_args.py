@@ -578,12 +578,31 @@ def _rules(t: Table, parsed: Mapping[str, tuple[str, Any]]) -> list[Finding]:
               and value < rule["minimum"]):
             found.append(Finding(key, f"{_shown(value)} is below {rule['minimum']} ({quoted}); use "
                                       f"{rule['minimum']} or more"))
+        elif rule["rule"] == "at_least":
+            found += _at_least(t, rule, parsed)
         elif (rule["rule"] == "range" and rule["dest"] in parsed and isinstance(value, (int, float))
               and not isinstance(value, bool) and not _within(value, rule)):
             found.append(Finding(key, f"{_shown(value)} is out of range: vLLM {t.version} takes {a_name} "
                                       f"{_range_text(rule)} ({rule['owner']}), its engine would not start "
                                       "with this one"))
     return found
+
+
+def _at_least(t: Table, rule: Mapping[str, Any], parsed: Mapping[str, tuple[str, Any]]) -> list[Finding]:
+    """vLLM's scheduler refuses A below B (unless C is on), where engineArgs sets each of
+    them (its defaults depend on the platform and the model)."""
+    names = [rule["dest"], rule["other"]] + ([rule["unless"]] if "unless" in rule else [])
+    if not all(name in parsed for name in names):
+        return []
+    (key, a), (_, b) = parsed[rule["dest"]], parsed[rule["other"]]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b)) or a >= b or b == -1:
+        return []
+    if "unless" in rule and parsed[rule["unless"]][1]:
+        return []
+    flag = {dest: (t.by_dest(dest).name if t.by_dest(dest) else dest) for dest in names}
+    unless = f" while {flag[rule['unless']]} is off" if "unless" in rule else ""
+    return [Finding(key, f"{_shown(a)} is below {flag[rule['other']]} ({_shown(b)}){unless}: vLLM {t.version} "
+                         f"refuses it when it builds the engine ({rule['owner']}); raise it to {b} or more")]
 
 
 _BOUNDS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b),

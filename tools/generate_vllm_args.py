@@ -357,6 +357,62 @@ def _confirm_bounds(bounds: dict[str, Any], step: float, takes: Callable[[Any], 
             raise SystemExit(f"generate_vllm_args.py: the bound {key} {b} of {what} does not hold")
 
 
+# -- the scheduler's own pair rules --------------------------------------------------------------
+
+def pair_rules() -> list[dict[str, Any]]:
+    """The checks of ``SchedulerConfig.verify_max_model_len`` between two of its flags, which
+    vLLM runs when it builds the engine's config: each ``if`` of the forms ``self.A < self.B``
+    and ``self.A < max_model_len and not self.C`` (A at least B, unless C), read from its source
+    and confirmed on SchedulerConfig itself. The table applies one only where engineArgs sets
+    every flag it names (vLLM's defaults depend on the platform and the model)."""
+    from vllm.config import SchedulerConfig
+
+    function = ast.parse(textwrap.dedent(inspect.getsource(SchedulerConfig.verify_max_model_len))).body[0]
+
+    def field(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return node.attr
+        if isinstance(node, ast.Name) and node.id == "max_model_len":
+            return "max_model_len"
+        return None
+
+    rules = []
+    for node in function.body:
+        if not isinstance(node, ast.If):
+            continue
+        test, unless = node.test, None
+        if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) == 2:
+            second = test.values[1]
+            if isinstance(second, ast.UnaryOp) and isinstance(second.op, ast.Not) and field(second.operand):
+                test, unless = test.values[0], field(second.operand)
+        if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Lt)
+                and field(test.left) and field(test.comparators[0])):
+            rule = {"rule": "at_least", "dest": field(test.left), "other": field(test.comparators[0]),
+                    "owner": "SchedulerConfig.verify_max_model_len"}
+            if unless:
+                rule["unless"] = unless
+            _confirm_pair(SchedulerConfig, rule)
+            rules.append(rule)
+    return rules
+
+
+def _confirm_pair(cls: Any, rule: dict[str, Any]) -> None:
+    """The rule holds on ``cls``: A one below B refused, A equal to B taken (C off)."""
+    def takes(a: int, b: int) -> bool:
+        values = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 4096, "is_encoder_decoder": False}
+        values.update({rule["dest"]: a, rule["other"]: b})
+        if "unless" in rule:
+            values[rule["unless"]] = False
+        try:
+            cls(**values)
+        except Exception:  # noqa: BLE001 - any refusal is the rule refusing
+            return False
+        return True
+
+    if takes(255, 256) or not takes(256, 256):
+        raise SystemExit(f"generate_vllm_args.py: the rule {rule} does not hold on {cls.__name__}")
+
+
 # -- SamplingParams: a stage input's sampling parameters --------------------------------------
 
 #: JSON kinds of the Python types a SamplingParams field is annotated with (others: unchecked).
@@ -551,6 +607,7 @@ def build() -> dict[str, Any]:
             if dest is not None:
                 rule.setdefault("defaults", {})[dest] = _json_default(_flag_of(parser, dest).default)
     rules += range_rules(parser, arguments)
+    rules += pair_rules()
     return {
         "vllm_version": vllm.__version__,
         "source": f"{SOURCE} on vllm.utils.argparse_utils.FlexibleArgumentParser",

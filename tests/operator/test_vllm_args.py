@@ -519,3 +519,38 @@ def test_a_value_no_registry_of_vllm_holds_is_a_warning(engine_args, warned):
     (value,) = engine_args.values()
     registry = QUANTIZATION_METHODS if "quantization" in engine_args else _LOAD_FORMAT_TO_MODEL_LOADER
     assert (value.lower() in registry if "quantization" in engine_args else value in registry) == (warned is None)
+
+
+@pytest.mark.parametrize("engine_args, refused", [
+    ({"max-num-batched-tokens": 1, "max-num-seqs": 4}, "is below max-num-seqs (4)"),
+    ({"max-num-batched-tokens": 4, "max-num-seqs": 4}, None),
+    ({"no-enable-chunked-prefill": True, "max-num-batched-tokens": 100, "max-model-len": 256},
+     "is below max-model-len (256) while enable-chunked-prefill is off"),
+    ({"max-num-batched-tokens": 100, "max-model-len": 256}, None),  # chunked prefill on (vLLM's default)
+    ({"no-enable-chunked-prefill": True, "max-num-batched-tokens": "1k", "max-model-len": 256}, None),
+    ({"max-num-batched-tokens": 1}, None),  # vLLM's max-num-seqs default depends on the platform
+])
+def test_the_schedulers_pair_rules_are_the_contracts(engine_args, refused):
+    """vLLM's SchedulerConfig refuses max-num-batched-tokens below max-num-seqs, or below
+    max-model-len without chunked prefill, when it builds the engine (an outside review: the
+    check passed, the stage crash-looped); the contract says so where engineArgs sets both."""
+    from vllm.config import SchedulerConfig
+
+    problems = engine_args_problems(engine_args, sends_kv=False)
+    if refused is None:
+        assert problems == []
+    else:
+        (problem,) = problems
+        assert problem.key == "max-num-batched-tokens" and refused in problem.message
+    named = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
+    given = {k.replace("-", "_"): v for k, v in engine_args.items() if k.replace("-", "_") in named}
+    if len(given) == 2:  # vLLM's own verdict, on both values set
+        values = {"max_model_len": 256, "max_num_seqs": 4, "is_encoder_decoder": False,
+                  "enable_chunked_prefill": "no-enable-chunked-prefill" not in engine_args,
+                  **{k: (1000 if v == "1k" else v) for k, v in given.items()}}
+        try:
+            SchedulerConfig(**values)
+            taken = True
+        except Exception:  # noqa: BLE001 - vLLM's refusal
+            taken = False
+        assert taken == (refused is None), values

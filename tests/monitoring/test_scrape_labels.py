@@ -77,9 +77,16 @@ def test_the_service_monitor_names_the_operator_by_namespace_and_pod_only():
 
 @pytest.mark.parametrize("expr", [q for q in queries() if is_operator_query(q)])
 def test_operator_queries_use_only_labels_the_service_monitor_and_operator_provide(expr):
+    """Each selector against its own target: an operator query may also ask whether any stage
+    target exists (OmniStagesNotScraped), with the stage's labels there."""
     (endpoint,) = one(render({"serviceMonitor": {"enabled": True}}), "ServiceMonitor")["spec"]["endpoints"]
     operator_labels = set().union(*registries.operator().values())
-    assert used_labels(expr) <= target_labels(endpoint) | PROMETHEUS_TARGET_LABELS | operator_labels, expr
+    (stage_endpoint,) = podmonitor()["spec"]["podMetricsEndpoints"]
+    ours = target_labels(endpoint) | PROMETHEUS_TARGET_LABELS | operator_labels
+    stages = target_labels(stage_endpoint) | PROMETHEUS_TARGET_LABELS | OWN_LABELS
+    for name, labels in selectors(expr):
+        assert set(labels) <= (ours if name.startswith("omni_operator_") else stages), (name, expr)
+    assert grouping_labels(expr) <= ours, expr
 
 
 def test_label_checks_have_teeth():

@@ -316,7 +316,7 @@ def check(flags: list[tuple[str, str, Any]], owned: Mapping[str, str] | None = N
         parsed[argument.dest] = (key, holds)
         whole[argument.dest] = key
         looked_up = str(holds).lower() if argument.known_lower else holds
-        if argument.known is not None and holds is not None and looked_up not in argument.known:
+        if argument.known is not None and holds not in (None, "") and looked_up not in argument.known:
             close = difflib.get_close_matches(str(holds), list(argument.known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             warnings.append(Finding(key, f"{_shown(value)} is not one of vLLM {t.version}'s --{option} values "

@@ -193,6 +193,9 @@ def _config_fields(action: argparse.Action) -> list[str] | None:
 _REGISTRIES = {
     "quantization": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS", True),
     "load_format": ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER", False),
+    # (--tool-parser-plugin and --reasoning-parser-plugin register more in the server itself.)
+    "tool_call_parser": ("vllm.tool_parsers", "ToolParserManager.list_registered", False),
+    "reasoning_parser": ("vllm.reasoning", "ReasoningParserManager.list_registered", False),
 }
 
 
@@ -204,7 +207,10 @@ def _known_values(dest: str) -> dict[str, Any] | None:
     import importlib
 
     module, name, lower = _REGISTRIES[dest]
-    return {"values": sorted(getattr(importlib.import_module(module), name)), "lower": lower}
+    registry: Any = importlib.import_module(module)
+    for part in name.split("."):
+        registry = getattr(registry, part)
+    return {"values": sorted(registry() if callable(registry) else registry), "lower": lower}
 
 
 # -- the cross-argument rules of validate_parsed_serve_args ------------------------------------

@@ -501,13 +501,19 @@ def test_the_contract_and_vllms_sampling_params_agree():
 @pytest.mark.parametrize("engine_args, warned", [
     ({"quantization": "fp9"}, "did you mean fp8?"), ({"quantization": "fp8"}, None), ({"quantization": "FP8"}, None),
     ({"load-format": "bogus"}, "unless a plugin in the stage's image registers it"), ({"load-format": "safetensors"}, None),
+    ({"enable-auto-tool-choice": True, "tool-call-parser": "hermez"}, "did you mean hermes?"),
+    ({"enable-auto-tool-choice": True, "tool-call-parser": "hermes"}, None),
+    ({"reasoning-parser": "deepseek_r2"}, "did you mean deepseek_r1?"), ({"reasoning-parser": "deepseek_r1"}, None),
 ])
 def test_a_value_no_registry_of_vllm_holds_is_a_warning(engine_args, warned):
     """vLLM looks a quantization method or a load format up in a registry when it builds the
-    engine (an outside review: `quantization: fp9` passed, the stage crash-looped); a plugin in
-    the image may register more, so it is a warning that names the registry's values."""
+    engine, a tool-call or reasoning parser when its server starts (an outside review:
+    `quantization: fp9` passed, the stage crash-looped); a plugin may register more, so it is a
+    warning that names the registry's values."""
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
 
     problems, warnings = engine_args_report(engine_args, sends_kv=False)
     assert problems == []
@@ -516,9 +522,11 @@ def test_a_value_no_registry_of_vllm_holds_is_a_warning(engine_args, warned):
     else:
         (warning,) = warnings
         assert warned in warning.message and "is not one of vLLM 0.32.0's" in warning.message
-    (value,) = engine_args.values()
-    registry = QUANTIZATION_METHODS if "quantization" in engine_args else _LOAD_FORMAT_TO_MODEL_LOADER
-    assert (value.lower() in registry if "quantization" in engine_args else value in registry) == (warned is None)
+    flag, value = list(engine_args.items())[-1]
+    registry = {"quantization": QUANTIZATION_METHODS, "load-format": _LOAD_FORMAT_TO_MODEL_LOADER,
+                "tool-call-parser": ToolParserManager.list_registered(),
+                "reasoning-parser": ReasoningParserManager.list_registered()}[flag]
+    assert (value.lower() in registry if flag == "quantization" else value in registry) == (warned is None)
 
 
 @pytest.mark.parametrize("engine_args, refused", [

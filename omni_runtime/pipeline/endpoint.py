@@ -348,9 +348,14 @@ class PipelineEndpoint:
 
                 span.set_status(Status(StatusCode.ERROR, str(failed)))
             await writer.error(failed)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             ended = "the client went away"
             raise
+        except ConnectionResetError:
+            # The client closed the connection while its answer was written: its request
+            # ends here (the finally below aborts it at every stage), as routine as a cancel.
+            ended = "the client went away"
+            logger.info("pipeline request %s: the client went away while its answer was written", request_id)
         finally:
             entry.cancel()
             self._requests.pop(request_id, None)

@@ -457,3 +457,58 @@ def test_a_link_token_that_is_not_utf8_is_a_wrong_token():
 
     status_line, opcode, code = asyncio.run(go())
     assert status_line.startswith(b"HTTP/1.1 101") and opcode == 8 and code == 4403, (status_line, opcode, code)
+
+
+def test_a_client_that_goes_away_mid_stream_ends_its_request_with_no_error_logged(caplog):
+    """The client closes its connection after the first chunk while the stage still sends: the
+    endpoint's next write finds the connection gone, the request is aborted at its stage, and
+    nothing is logged as an error (it was aiohttp's "Error handling request" with a traceback,
+    at ERROR: an outside review under real clients)."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+
+    async def go():
+        session = aiohttp.ClientSession()
+        client_gone, aborted = asyncio.Event(), asyncio.Event()
+        said: list[str] = []
+
+        async def thinker(request: web.Request) -> web.Response:
+            request_id, endpoint, token = origin_of(await request.json())
+            async with session.ws_connect(link_url(endpoint, request_id, "talker"),
+                                          headers={LINK_TOKEN_HEADER: token}) as link:
+                await link.send_str(encode_event("taken"))
+                await link.send_str(encode_event("output", token_ids=[7], text="a"))
+                await client_gone.wait()
+                # Output keeps coming until the endpoint aborts the request here.
+                while not link.closed:
+                    await link.send_str(encode_event("output", token_ids=[8], text="b"))
+                    try:  # between two outputs: has the endpoint said anything?
+                        message = await link.receive(timeout=0.05)
+                    except asyncio.TimeoutError:
+                        continue
+                    if message.type == aiohttp.WSMsgType.TEXT:
+                        said.append(json.loads(message.data)["event"])
+                        break
+                aborted.set()
+            return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+        try:
+            async with endpoint_before(thinker) as front_url:
+                client = aiohttp.ClientSession()
+                resp = await client.post(front_url + "/v1/completions",
+                                         json={"model": "m", "prompt": "hi", "max_tokens": 99, "stream": True})
+                while not (await resp.content.readline()).startswith(b"data: {"):
+                    pass
+                resp.close()
+                await client.close()
+                client_gone.set()
+                await asyncio.wait_for(aborted.wait(), 30)
+        finally:
+            await session.close()
+        return said
+
+    said = asyncio.run(go())
+    assert said == ["abort"]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

@@ -107,6 +107,14 @@ class EndpointConfig:
     def downstream(self, stage: str) -> list[Edge]:
         return [e for e in self.edges if e.source == stage]
 
+    @property
+    def link_heartbeat_s(self) -> float:
+        """The ping interval of the stages' links here. A link that answers no ping is lost
+        after about one and a half intervals, with every request it holds: that is at most
+        the longest edge deadline, so a stage that stalls for less than its deadlines keeps
+        its requests (at the fixed interval a 7.5 s pause failed them all)."""
+        return max(HEARTBEAT_S, max((e.timeout_s for e in self.edges), default=0.0) * 2 / 3)
+
 
 def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointConfig:
     """The stage config's ``endpoint`` mapping; EndpointConfigError naming the key."""
@@ -257,7 +265,7 @@ class PipelineEndpoint:
         return await self._serve(request, "chat")
 
     async def _link(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_EVENT_BYTES)
+        ws = web.WebSocketResponse(heartbeat=self.config.link_heartbeat_s, max_msg_size=MAX_EVENT_BYTES)
         await ws.prepare(request)
         stage = request.match_info["stage"]
         pending = self._requests.get(request.match_info["request_id"])
@@ -294,7 +302,9 @@ class PipelineEndpoint:
         finally:
             self._unlink(pending, stage, ws)
             if not final:
-                pending.events.put_nowait((stage, {"event": "lost"}))
+                # No close frame: the stage's process ended, or it answered no ping.
+                dropped = ws.close_code == aiohttp.WSCloseCode.ABNORMAL_CLOSURE
+                pending.events.put_nowait((stage, {"event": "lost", "dropped": dropped}))
         return ws
 
     @staticmethod
@@ -474,8 +484,10 @@ class PipelineEndpoint:
                                   int(event.get("status") or 502),
                                   param if isinstance(param, str) else None)
             if kind == "lost":
-                raise StageFailed(stage, f"lost request {pending.id} (its link to the "
-                                  "pipeline endpoint closed before it finished)")
+                why = ("its link to the pipeline endpoint dropped before it finished: the stage exited, or "
+                       f"answered no heartbeat for {1.5 * config.link_heartbeat_s:g}s" if event.get("dropped")
+                       else "its link to the pipeline endpoint closed before it finished")
+                raise StageFailed(stage, f"lost request {pending.id} ({why})")
             _note_time(pending, stage, event)
             if kind == "taken":
                 pending.taken.add(stage)

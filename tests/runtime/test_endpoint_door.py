@@ -512,3 +512,48 @@ def test_a_client_that_goes_away_mid_stream_ends_its_request_with_no_error_logge
     assert said == ["abort"]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_a_stage_link_that_answers_no_heartbeat_is_lost_after_about_the_edges_deadline(monkeypatch):
+    """The links' ping interval follows the edges' deadlines (two thirds of the longest, at
+    least HEARTBEAT_S): a stage frozen for 9 s with 30 s deadlines lost every request at the
+    fixed 5 s interval (an outside review). A link that answers no ping is still lost, the
+    client told why."""
+    from omni_runtime.pipeline.endpoint import Edge
+    from omni_runtime.pipeline.protocol import HEARTBEAT_S
+
+    config = parse_endpoint_config("p", "m", {
+        "entry": {"stage": "thinker", "url": "http://127.0.0.1:1"}, "sink": "talker",
+        "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 30}], "advertise": "http://127.0.0.1:2"})
+    assert config.link_heartbeat_s == 20
+    short = parse_endpoint_config("p", "m", {
+        "entry": {"stage": "thinker", "url": "http://127.0.0.1:1"}, "sink": "talker",
+        "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 1}], "advertise": "http://127.0.0.1:2"})
+    assert short.link_heartbeat_s == HEARTBEAT_S and isinstance(short.edges[0], Edge)
+
+    async def go():
+        session = aiohttp.ClientSession()
+
+        async def thinker(request: web.Request) -> web.Response:
+            request_id, endpoint, token = origin_of(await request.json())
+            # A stage that stops answering pings (frozen): its link is open, and silent.
+            link = await session.ws_connect(link_url(endpoint, request_id, "talker"),
+                                            headers={LINK_TOKEN_HEADER: token}, autoping=False)
+            await link.send_str(encode_event("taken"))
+            await link.receive()  # what the endpoint sends (its pings go unanswered)
+            return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+        try:
+            async with endpoint_before(thinker) as front_url:
+                async with session.post(front_url + "/v1/completions",
+                                        json={"model": "m", "prompt": "hi", "max_tokens": 2}) as resp:
+                    return resp.status, await resp.json()
+        finally:
+            await session.close()
+
+    from omni_runtime.pipeline.endpoint import EndpointConfig
+
+    monkeypatch.setattr(EndpointConfig, "link_heartbeat_s", property(lambda self: 0.2))  # not 20 s in a test
+    status, body = asyncio.run(go())
+    assert status == 502, body
+    assert "the stage exited, or answered no heartbeat for 0.3s" in body["error"]["message"], body

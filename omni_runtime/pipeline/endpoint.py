@@ -108,6 +108,11 @@ class EndpointConfig:
         return [e for e in self.edges if e.source == stage]
 
     @property
+    def stages(self) -> frozenset[str]:
+        return frozenset({self.entry_stage, self.sink} | {e.source for e in self.edges}
+                         | {e.target for e in self.edges})
+
+    @property
     def link_heartbeat_s(self) -> float:
         """The ping interval of the stages' links here. A link that answers no ping is lost
         after about one and a half intervals, with every request it holds: that is at most
@@ -480,8 +485,11 @@ class PipelineEndpoint:
             kind = event["event"]
             if kind == "error":
                 param = event.get("param")
-                raise StageFailed(stage, str(event.get("message") or "failed"),
-                                  int(event.get("status") or 502),
+                message = str(event.get("message") or "failed")
+                at_fault = event.get("stage")
+                if at_fault in config.stages and at_fault != stage:  # its producer's doing
+                    message, stage = f"{message} (reported by stage {stage})", at_fault
+                raise StageFailed(stage, message, int(event.get("status") or 502),
                                   param if isinstance(param, str) else None)
             if kind == "lost":
                 why = ("its link to the pipeline endpoint dropped before it finished: the stage exited, or "

@@ -176,6 +176,8 @@ _EVENT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "status": (lambda v: _whole(v) and 400 <= v <= 599, "an HTTP error status (400 to 599)"),
     "message": (lambda v: isinstance(v, str), "a string"),
     "param": (lambda v: isinstance(v, str), "a string"),
+    # An error's stage at fault, where not the reporting one (a consumer whose producer stopped).
+    "stage": (lambda v: isinstance(v, str), "a string"),
     "text": (lambda v: isinstance(v, str), "a string"),
     "token_ids": (lambda v: isinstance(v, list) and all(_whole(t) for t in v), "a list of integers"),
     "payload": (lambda v: isinstance(v, dict), "an object"),

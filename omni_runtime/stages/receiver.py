@@ -41,7 +41,7 @@ from omni_runtime.pipeline.link import LinkReporter
 from omni_runtime.pipeline.protocol import ProtocolError, origin_token, parse_origin
 from omni_runtime.stages.config import DEFAULT_GRACE_SECONDS, StageConfig
 from omni_runtime.stages.heap import freeze_startup_heap
-from omni_runtime.transfers.streams import check_interval
+from omni_runtime.transfers.streams import PRODUCERS_DOING, check_interval
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +194,10 @@ class ReceiverStage:
                 ("taken", {"offered_at": record.offered_at or record.started_at,
                            "taken_at": record.started_at}),
                 ("payload", {"payload": record.summary()})], token)
+        elif record.outcome in {o.value for o in PRODUCERS_DOING}:  # the producer is the one named
+            self._links.report(endpoint, request_id, [
+                ("error", {"message": f"its stream to stage {self.config.stage} ended {record.outcome}: "
+                                      f"{record.reason}", "stage": record.from_stage})], token)
         else:
             self._links.report(endpoint, request_id, [
                 ("error", {"message": f"its stream from {record.from_stage} ended "

@@ -497,8 +497,12 @@ class StageInput:
         if isinstance(output, StreamFailed):
             self._forget_stream(pipeline_id)
             if link is not None:
-                await link.send("error", message=f"its streamed input failed: {output}",
-                                status=output.status, param=output.param)
+                if output.producer is not None:  # the producer's doing: it is the one named
+                    await link.send("error", message=f"its stream to stage {self.settings.stage} failed: {output}",
+                                    status=output.status, param=output.param, stage=output.producer)
+                else:
+                    await link.send("error", message=f"its streamed input failed: {output}",
+                                    status=output.status, param=output.param)
                 await link.close()
             return
         completion = output.outputs[0]

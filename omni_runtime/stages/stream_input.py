@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_contract.edges import StreamSettings
-from omni_runtime.transfers.streams import ConsumerStreams, Stream, StreamOutcome
+from omni_runtime.transfers.streams import PRODUCERS_DOING, ConsumerStreams, Stream, StreamOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,13 @@ class StreamFailed(Exception):
     the HTTP status the pipeline's client gets (400: its request asked for more tokens than
     this stage's request can hold)."""
 
-    def __init__(self, reason: str, status: int = 502, param: str | None = None) -> None:
+    def __init__(self, reason: str, status: int = 502, param: str | None = None,
+                 producer: str | None = None) -> None:
         super().__init__(reason)
-        #: ``param``: the client's request parameter it names (OpenAI's error ``param``).
-        self.status, self.param = status, param
+        #: ``param``: the client's request parameter it names (OpenAI's error ``param``);
+        #: ``producer``: the upstream stage at fault, where the producer stopped sending or
+        #: failed (the consumer only reports it).
+        self.status, self.param, self.producer = status, param, producer
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +232,9 @@ class StreamInputs:
         stream = session.stream
         if self._on_output is not None:
             try:
+                producer = stream.peer if stream.outcome in PRODUCERS_DOING else None
                 await self._on_output(stream.request_id,
-                                      StreamFailed(stream.reason or reason, session.status, session.param))
+                                      StreamFailed(stream.reason or reason, session.status, session.param, producer))
             except Exception:  # telling must not break the session's end
                 logger.exception("reporting the end of the stream of request %s failed",
                                  stream.request_id)

@@ -103,6 +103,12 @@ class StreamOutcome(str, enum.Enum):
     ABORTED = "aborted"
 
 
+#: The outcomes of a stream at its consumer that are its producer's doing: it stopped sending
+#: (a deadline passed waiting for its next chunk) or said it failed. A failure a consumer
+#: reports with one of these names the producer's stage as the one at fault.
+PRODUCERS_DOING = frozenset({StreamOutcome.EXPIRED, StreamOutcome.PRODUCER_ERROR})
+
+
 class ChunkOutcome(str, enum.Enum):
     ACKED = "acked"
     FAILED = "failed"

@@ -557,3 +557,36 @@ def test_a_stage_link_that_answers_no_heartbeat_is_lost_after_about_the_edges_de
     status, body = asyncio.run(go())
     assert status == 502, body
     assert "the stage exited, or answered no heartbeat for 0.3s" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("at_fault, named", [("thinker", "thinker"), ("nowhere", "talker"), (None, "talker")])
+def test_a_stage_reporting_its_producers_failure_names_the_producer(at_fault, named):
+    """A consumer whose producer stopped sending reports the failure, naming the producer as
+    the stage at fault: the client's error names the stage that stalled, not the one waiting
+    for it (an outside review: a stalled talker was reported as the vocoder's fault). A stage
+    the pipeline does not have is not taken from a report."""
+    async def go():
+        session = aiohttp.ClientSession()
+
+        async def thinker(request: web.Request) -> web.Response:
+            request_id, endpoint, token = origin_of(await request.json())
+            async with session.ws_connect(link_url(endpoint, request_id, "talker"),
+                                          headers={LINK_TOKEN_HEADER: token}) as link:
+                await link.send_str(encode_event("taken"))
+                fields = {"stage": at_fault} if at_fault else {}
+                await link.send_str(encode_event("error", message="its stream to stage talker failed: expired",
+                                                 **fields))
+            return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+        try:
+            async with endpoint_before(thinker) as front_url:
+                async with session.post(front_url + "/v1/completions",
+                                        json={"model": "m", "prompt": "hi", "max_tokens": 2}) as resp:
+                    return resp.status, await resp.json()
+        finally:
+            await session.close()
+
+    status, body = asyncio.run(go())
+    assert status == 502 and body["error"]["stage"] == named, body
+    assert body["error"]["message"].startswith(f"stage {named}: its stream to stage talker failed"), body
+    assert ("(reported by stage talker)" in body["error"]["message"]) == (named != "talker"), body

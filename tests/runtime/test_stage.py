@@ -408,3 +408,32 @@ def test_a_transfer_deadline_the_kv_wire_cannot_carry_is_refused():
         with pytest.raises(OmniKVConfigError, match="at most 86400"):
             parse_omni_kv_config({"need_send_cache": True, "timeout_seconds": timeout})
     assert parse_stage_config({**BASE, "kvTransfer": {**BASE["kvTransfer"], "timeoutSeconds": 86400}})
+
+
+@pytest.mark.parametrize("outcome, named", [("expired", "talker"), ("producer_error", "talker"),
+                                            ("consumer_error", None), ("aborted", None)])
+def test_a_receiving_stage_names_its_producer_where_a_stream_ended_by_its_doing(outcome, named):
+    """A receiving stage reports a stream that did not finish to the request's endpoint; where
+    the producer stopped sending or failed, the report names the producer as the stage at
+    fault (the endpoint then names it to the client: a stalled talker was reported as the
+    vocoder's fault, an outside review)."""
+    from procs import free_port
+
+    from omni_runtime.pipeline.protocol import origin
+    from omni_runtime.stages.receiver import ReceiverStage
+    from omni_runtime.stages.stream_inbox import StreamRecord
+
+    raw = {**BASE, "stage": "vocoder", "role": "generation", "kvTransfer": {"send": False},
+           "ports": {"http": free_port(), "kv": free_port()}}
+    stage = ReceiverStage(parse_stage_config(raw), host="127.0.0.1")
+    reports = []
+    stage._links.report = lambda endpoint, request_id, events, token: reports.append(events)
+    try:
+        stage._stream_ended(StreamRecord("r1", "talker", origin("p-1", "http://127.0.0.1:1", "t"),
+                                         outcome=outcome, reason="waited over its 5 s gap deadline"))
+    finally:
+        stage._http.server_close()
+        stage.receiver.close()
+    [[(kind, fields)]] = reports
+    assert kind == "error" and fields.get("stage") == named, fields
+    assert ("its stream to stage vocoder" in fields["message"]) == (named is not None), fields

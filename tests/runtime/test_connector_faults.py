@@ -444,3 +444,25 @@ def test_a_newer_request_with_the_same_client_id_takes_the_alias(receiver, ar, m
     receiver.inbox.get("x-0-aaaaaaaa")  # consuming the older one leaves the alias alone
     assert receiver.inbox.get("x-0").request_id == "x-0-bbbbbbbb"
     assert len(receiver.inbox) == 0
+
+
+def test_a_receiver_paused_for_seconds_keeps_its_senders_connection(processes, ar, make_sender):
+    """A receiving stage stopped (SIGSTOP: a long GC pause, a frozen cgroup) for 5 s keeps
+    its sender's connection, so a stream mid-way goes on (a stream goes on only on the
+    connection its first chunk took). ZeroMQ's heartbeat declared the peer dead after 3 s, and
+    a 4.5 s pause ended every stream to it though each edge's deadlines were far longer (an
+    outside review). What is mocked: the pause itself."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    stopped = processes.receiver(endpoint)
+    sender = make_sender(ar, {STAGE: endpoint})
+    sender.submit(ar.offer("before", [1, 2], 7))
+    assert collect(sender, 1) == (["before"], {})
+    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(5.0)  # the fault itself: how long the receiver stays stopped
+    finally:
+        os.kill(stopped.proc.pid, signal.SIGCONT)
+    sender.submit(ar.offer("after", [3, 4], 7), timeout_s=30)
+    assert collect(sender, 1) == (["after"], {})
+    (ep,) = sender._eps
+    assert ep.connections == 1, "the connection was dropped and made again"

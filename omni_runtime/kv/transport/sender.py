@@ -88,9 +88,12 @@ DEFAULT_SEND_TIMEOUT_S = 10.0
 DEFAULT_MAX_IN_FLIGHT = 64
 RECONNECT_IVL_MS = 100
 # Detects a peer that vanished without closing its connection (a node lost), so its queued
-# sends stop waiting for it: ZMTP heartbeats every second, dead after three missed.
+# sends stop waiting for it: ZMTP heartbeats every second, dead after ten missed. A peer that
+# only pauses (a long GC pause, a frozen cgroup) for less keeps its connection, and so its
+# streams, which go on only on the connection their first chunk took; its transfers'
+# deadlines, not this, bound how long a send waits for it.
 HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
+HEARTBEAT_TIMEOUT_MS = 10_000
 #: While anything is in flight, the I/O thread polls the agent for the receivers' answers this
 #: often (which also progresses an agent without a thread of its own: UCX's TCP transport
 #: serves reads of this rank's memory only then). Each poll costs the AR's CPU and a longer

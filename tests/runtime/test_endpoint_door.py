@@ -62,6 +62,19 @@ async def _through(bodies: list[dict], chain: tuple[str, ...] = ("thinker", "tal
     return answers
 
 
+async def _one_request(first_stage) -> tuple[int, dict]:
+    """One completion through an endpoint whose first stage is ``first_stage(session)`` (the
+    client session its links use): (the status, the answer's JSON)."""
+    session = aiohttp.ClientSession()
+    try:
+        async with endpoint_before(first_stage(session)) as front_url:
+            async with session.post(front_url + "/v1/completions",
+                                    json={"model": "m", "prompt": "hi", "max_tokens": 2}) as resp:
+                return resp.status, await resp.json()
+    finally:
+        await session.close()
+
+
 @pytest.mark.parametrize("body, param", [
     ({"stop": ["a", "e"]}, "stop"),
     ({"stop": "\n"}, "stop"),
@@ -531,10 +544,8 @@ def test_a_stage_link_that_answers_no_heartbeat_is_lost_after_about_the_edges_de
         "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 1}], "advertise": "http://127.0.0.1:2"})
     assert short.link_heartbeat_s == HEARTBEAT_S and isinstance(short.edges[0], Edge)
 
-    async def go():
-        session = aiohttp.ClientSession()
-
-        async def thinker(request: web.Request) -> web.Response:
+    def thinker(session: aiohttp.ClientSession):
+        async def handler(request: web.Request) -> web.Response:
             request_id, endpoint, token = origin_of(await request.json())
             # A stage that stops answering pings (frozen): its link is open, and silent.
             link = await session.ws_connect(link_url(endpoint, request_id, "talker"),
@@ -542,19 +553,12 @@ def test_a_stage_link_that_answers_no_heartbeat_is_lost_after_about_the_edges_de
             await link.send_str(encode_event("taken"))
             await link.receive()  # what the endpoint sends (its pings go unanswered)
             return web.json_response({"choices": [{"finish_reason": "length"}]})
-
-        try:
-            async with endpoint_before(thinker) as front_url:
-                async with session.post(front_url + "/v1/completions",
-                                        json={"model": "m", "prompt": "hi", "max_tokens": 2}) as resp:
-                    return resp.status, await resp.json()
-        finally:
-            await session.close()
+        return handler
 
     from omni_runtime.pipeline.endpoint import EndpointConfig
 
     monkeypatch.setattr(EndpointConfig, "link_heartbeat_s", property(lambda self: 0.2))  # not 20 s in a test
-    status, body = asyncio.run(go())
+    status, body = asyncio.run(_one_request(thinker))
     assert status == 502, body
     assert "the stage exited, or answered no heartbeat for 0.3s" in body["error"]["message"], body
 
@@ -565,10 +569,8 @@ def test_a_stage_reporting_its_producers_failure_names_the_producer(at_fault, na
     the stage at fault: the client's error names the stage that stalled, not the one waiting
     for it (an outside review: a stalled talker was reported as the vocoder's fault). A stage
     the pipeline does not have is not taken from a report."""
-    async def go():
-        session = aiohttp.ClientSession()
-
-        async def thinker(request: web.Request) -> web.Response:
+    def thinker(session: aiohttp.ClientSession):
+        async def handler(request: web.Request) -> web.Response:
             request_id, endpoint, token = origin_of(await request.json())
             async with session.ws_connect(link_url(endpoint, request_id, "talker"),
                                           headers={LINK_TOKEN_HEADER: token}) as link:
@@ -577,16 +579,9 @@ def test_a_stage_reporting_its_producers_failure_names_the_producer(at_fault, na
                 await link.send_str(encode_event("error", message="its stream to stage talker failed: expired",
                                                  **fields))
             return web.json_response({"choices": [{"finish_reason": "length"}]})
+        return handler
 
-        try:
-            async with endpoint_before(thinker) as front_url:
-                async with session.post(front_url + "/v1/completions",
-                                        json={"model": "m", "prompt": "hi", "max_tokens": 2}) as resp:
-                    return resp.status, await resp.json()
-        finally:
-            await session.close()
-
-    status, body = asyncio.run(go())
+    status, body = asyncio.run(_one_request(thinker))
     assert status == 502 and body["error"]["stage"] == named, body
     assert body["error"]["message"].startswith(f"stage {named}: its stream to stage talker failed"), body
     assert ("(reported by stage talker)" in body["error"]["message"]) == (named != "talker"), body

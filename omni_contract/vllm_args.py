@@ -72,10 +72,12 @@ class Argument:
     suffixes: tuple[str, ...] = ()  # a file argument's (--config: .yaml, .yml)
     #: A config argument's fields, where its class refuses any other key (None: unchecked).
     fields: frozenset[str] | None = None
-    #: The values vLLM's registry for the flag holds, which a plugin may add to (None: none),
-    #: and whether vLLM lower-cases a value before looking it up.
+    #: The values vLLM's registry for the flag holds (None: none), how vLLM folds a value's
+    #: case before looking it up ("lower", "upper"), and whether the registry is closed (a
+    #: value outside it refused; else a plugin may add to it: a warning).
     known: tuple[str, ...] | None = None
-    known_lower: bool = False
+    known_case: str | None = None
+    known_closed: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ def table() -> Table:
             deprecated=bool(entry.get("deprecated")), suffixes=tuple(entry.get("suffixes") or ()),
             fields=frozenset(entry["fields"]) if entry.get("fields") is not None else None,
             known=tuple(entry["known"]["values"]) if entry.get("known") is not None else None,
-            known_lower=bool((entry.get("known") or {}).get("lower")))
+            known_case=(entry.get("known") or {}).get("case"),
+            known_closed=bool((entry.get("known") or {}).get("closed")))
         arguments[name] = argument
         options.update({flag: (argument, False) for flag in argument.flags})
         options.update({flag: (argument, True) for flag in argument.negations})
@@ -315,13 +318,16 @@ def check(flags: list[tuple[str, str, Any]], owned: Mapping[str, str] | None = N
             continue
         parsed[argument.dest] = (key, holds)
         whole[argument.dest] = key
-        looked_up = str(holds).lower() if argument.known_lower else holds
+        looked_up = {"lower": str.lower, "upper": str.upper}.get(argument.known_case or "", str)(str(holds))
         if argument.known is not None and holds not in (None, "") and looked_up not in argument.known:
-            close = difflib.get_close_matches(str(holds), list(argument.known), n=1)
+            close = difflib.get_close_matches(looked_up, list(argument.known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            warnings.append(Finding(key, f"{_shown(value)} is not one of vLLM {t.version}'s --{option} values "
-                                         f"({_listed(list(argument.known))}): unless a plugin in the stage's image "
-                                         f"registers it, vLLM refuses it when the stage starts{hint}"))
+            listed = f"{_shown(value)} is not one of vLLM {t.version}'s --{option} values ({_listed(list(argument.known))})"
+            if argument.known_closed:
+                problems.append(Finding(key, f"{listed}{hint}"))
+            else:
+                warnings.append(Finding(key, f"{listed}: unless a plugin in the stage's image registers it, vLLM "
+                                             f"refuses it when the stage starts{hint}"))
     for dest, key in dotted.items():
         if dest in whole:
             problems.append(Finding(key, f"sets a field of a JSON argument that engineArgs.{whole[dest]} gives whole: "

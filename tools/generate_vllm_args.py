@@ -188,29 +188,55 @@ def _config_fields(action: argparse.Action) -> list[str] | None:
 
 
 #: Flags whose value vLLM looks up in a registry when it builds the engine (not argparse
-#: choices, and a plugin in the image may register more): dest -> (module, the registry,
-#: whether vLLM lower-cases the value before the lookup: ModelConfig's quantization validator).
+#: choices): dest -> (module, the registry, how vLLM folds a value's case before the lookup
+#: (ModelConfig's quantization validator lower-cases, AttentionConfig's upper-cases), whether
+#: the registry is closed). A plugin in the image may register more in an open one.
 _REGISTRIES = {
-    "quantization": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS", True),
-    "load_format": ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER", False),
+    "quantization": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS", "lower", False),
+    "load_format": ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER", None, False),
     # (--tool-parser-plugin and --reasoning-parser-plugin register more in the server itself.)
-    "tool_call_parser": ("vllm.tool_parsers", "ToolParserManager.list_registered", False),
-    "reasoning_parser": ("vllm.reasoning", "ReasoningParserManager.list_registered", False),
+    "tool_call_parser": ("vllm.tool_parsers", "ToolParserManager.list_registered", None, False),
+    "reasoning_parser": ("vllm.reasoning", "ReasoningParserManager.list_registered", None, False),
+    # An enum: its members, and "auto" (no backend chosen).
+    "attention_backend": ("vllm.v1.attention.backends.registry", "AttentionBackendEnum.__members__", "upper", True),
 }
+#: A closed registry's values besides its members, and the config class that confirms them.
+_CLOSED_EXTRA = {"attention_backend": (["AUTO"], "vllm.config.attention.AttentionConfig", "backend")}
 
 
 def _known_values(dest: str) -> dict[str, Any] | None:
-    """The values vLLM's registry for ``dest`` holds, and whether a value is lower-cased
-    before the lookup (None: no registry)."""
+    """The values vLLM's registry for ``dest`` holds, how a value's case is folded before the
+    lookup, and whether the registry is closed (None: no registry). A closed one is confirmed
+    on its config class: a value outside it refused, each inside taken."""
     if dest not in _REGISTRIES:
         return None
     import importlib
 
-    module, name, lower = _REGISTRIES[dest]
+    module, name, case, closed = _REGISTRIES[dest]
     registry: Any = importlib.import_module(module)
     for part in name.split("."):
         registry = getattr(registry, part)
-    return {"values": sorted(registry() if callable(registry) else registry), "lower": lower}
+    values = sorted(registry() if callable(registry) else registry)
+    entry: dict[str, Any] = {"values": values}
+    if case:
+        entry["case"] = case
+    if closed:
+        extra, owner, field = _CLOSED_EXTRA[dest]
+        entry["values"] = values = sorted(values + extra)
+        owner_module, _, owner_name = owner.rpartition(".")
+        cls = getattr(importlib.import_module(owner_module), owner_name)
+
+        def takes(value: str) -> bool:
+            try:
+                cls(**{field: value})
+            except Exception:  # noqa: BLE001 - any refusal is the registry's
+                return False
+            return True
+
+        if takes("omni_no_such_value") or not all(takes(v) and takes(v.lower()) for v in values):
+            raise SystemExit(f"generate_vllm_args.py: --{dest}'s registry does not hold on {owner}")
+        entry["closed"] = True
+    return entry
 
 
 # -- the cross-argument rules of validate_parsed_serve_args ------------------------------------

@@ -96,7 +96,21 @@ def _vllm_verdict(parser, argv: list[str]) -> str | None:
         return f"{type(exc).__name__}: {exc}"
     if args.model_tag is not None:  # a stray value became the positional model tag
         return f"a stray value taken as the model tag: {args.model_tag!r}"
-    return _config_bounds_verdict(parser, args)
+    return _config_bounds_verdict(parser, args) or _attention_backend_verdict(args)
+
+
+def _attention_backend_verdict(args) -> str | None:
+    """What vLLM's AttentionConfig says of --attention-backend when the engine's config is
+    built (a closed registry: the table refuses what it refuses)."""
+    from vllm.config.attention import AttentionConfig
+
+    if args.attention_backend is None:
+        return None
+    try:
+        AttentionConfig(backend=args.attention_backend)
+    except Exception as exc:  # noqa: BLE001 - its validator's refusal
+        return f"AttentionConfig.backend: {exc}"
+    return None
 
 
 def _config_bounds_verdict(parser, args) -> str | None:
@@ -562,3 +576,22 @@ def test_the_schedulers_pair_rules_are_the_contracts(engine_args, refused):
         except Exception:  # noqa: BLE001 - vLLM's refusal
             taken = False
         assert taken == (refused is None), values
+
+
+@pytest.mark.parametrize("value", ["BOGUS", "flash_attn", "FLASH_ATTN", "auto", "cpu_attn", "flash-attn"])
+def test_an_attention_backend_is_one_of_vllms_as_its_config_reads_it(value):
+    """vLLM's AttentionConfig takes "auto" or a backend's name in any case, and refuses any
+    other when it builds the engine (an outside review: `attention-backend: BOGUS` passed, the
+    stage crash-looped). Its registry is closed (an enum): a refusal, not a warning."""
+    from vllm.config.attention import AttentionConfig
+
+    try:
+        AttentionConfig(backend=value)
+        taken = True
+    except Exception:  # noqa: BLE001 - vLLM's refusal
+        taken = False
+    problems, warnings = engine_args_report({"attention-backend": value}, sends_kv=False)
+    assert warnings == []
+    assert (problems == []) == taken, (value, problems)
+    if not taken:
+        assert "is not one of vLLM 0.32.0's --attention-backend values" in problems[0].message

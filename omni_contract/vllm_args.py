@@ -78,6 +78,8 @@ class Argument:
     known: tuple[str, ...] | None = None
     known_case: str | None = None
     known_closed: bool = False
+    #: A JSON flag whose value vLLM takes as a map only (its parser takes any JSON).
+    object: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ def table() -> Table:
             fields=frozenset(entry["fields"]) if entry.get("fields") is not None else None,
             known=tuple(entry["known"]["values"]) if entry.get("known") is not None else None,
             known_case=(entry.get("known") or {}).get("case"),
-            known_closed=bool((entry.get("known") or {}).get("closed")))
+            known_closed=bool((entry.get("known") or {}).get("closed")),
+            object=bool(entry.get("object")))
         arguments[name] = argument
         options.update({flag: (argument, False) for flag in argument.flags})
         options.update({flag: (argument, True) for flag in argument.negations})
@@ -424,6 +427,9 @@ def _value(t: Table, argument: Argument, negated: bool, option: str, value: Any)
         unknown = _unknown_fields(t, argument, option, list(converted))
         if unknown:
             return unknown, None
+    elif argument.object:
+        return (f"{_shown(value)} is not a map: vLLM {t.version} takes --{option} as a JSON object (a map in "
+                "YAML), and refuses any other value when it builds the engine", None)
     if argument.choices is not None and converted not in argument.choices:
         close = difflib.get_close_matches(str(converted), [str(c) for c in argument.choices if c is not None], n=1)
         hint = f"; did you mean {close[0]}?" if close else ""

@@ -239,6 +239,32 @@ def _known_values(dest: str) -> dict[str, Any] | None:
     return entry
 
 
+def _takes_objects_only(dest: str) -> bool:
+    """Whether the engine argument ``dest`` (a JSON flag: its parser takes any JSON) is a map
+    to vLLM, which refuses any other JSON value when it builds the engine: its EngineArgs
+    field's annotation, confirmed (a list refused, a map taken)."""
+    import dataclasses
+
+    from pydantic import TypeAdapter, ValidationError
+    from vllm.engine.arg_utils import EngineArgs
+
+    field = {f.name: f for f in dataclasses.fields(EngineArgs)}.get(dest)
+    if field is None or isinstance(field.type, str):
+        return False
+    try:
+        adapter = TypeAdapter(field.type)
+        adapter.validate_python({})
+    except Exception:  # noqa: BLE001 - an annotation pydantic cannot take, or not a map
+        return False
+    for other in ([1], "x", 1):
+        try:
+            adapter.validate_python(other)
+            return False
+        except ValidationError:
+            continue
+    return True
+
+
 # -- the cross-argument rules of validate_parsed_serve_args ------------------------------------
 
 def _arg_name(node: ast.AST) -> str | None:
@@ -633,6 +659,8 @@ def build() -> dict[str, Any]:
         known = _known_values(entry["dest"])
         if known is not None:
             entry["known"] = known
+        if entry.get("type") in ("json", "json-object-or-str") and _takes_objects_only(entry["dest"]):
+            entry["object"] = True
     rules, others = serve_rules(parser)
     for rule in rules:
         for dest in (rule["dest"], rule.get("other")):

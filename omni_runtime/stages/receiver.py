@@ -194,14 +194,13 @@ class ReceiverStage:
                 ("taken", {"offered_at": record.offered_at or record.started_at,
                            "taken_at": record.started_at}),
                 ("payload", {"payload": record.summary()})], token)
-        elif record.outcome in {o.value for o in PRODUCERS_DOING}:  # the producer is the one named
-            self._links.report(endpoint, request_id, [
-                ("error", {"message": f"its stream to stage {self.config.stage} ended {record.outcome}: "
-                                      f"{record.reason}", "stage": record.from_stage})], token)
-        else:
-            self._links.report(endpoint, request_id, [
-                ("error", {"message": f"its stream from {record.from_stage} ended "
-                                      f"{record.outcome}: {record.reason}"})], token)
+        else:  # an error: the producer is the stage at fault where the end was its doing
+            producers = record.outcome in {o.value for o in PRODUCERS_DOING}
+            which = f"to stage {self.config.stage}" if producers else f"from {record.from_stage}"
+            error = {"message": f"its stream {which} ended {record.outcome}: {record.reason}"}
+            if producers:
+                error["stage"] = record.from_stage
+            self._links.report(endpoint, request_id, [("error", error)], token)
 
     def _origin_of(self, record):
         """((request id, endpoint), token) of a stream's origin; None without one."""

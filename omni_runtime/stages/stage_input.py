@@ -497,12 +497,11 @@ class StageInput:
         if isinstance(output, StreamFailed):
             self._forget_stream(pipeline_id)
             if link is not None:
-                if output.producer is not None:  # the producer's doing: it is the one named
-                    await link.send("error", message=f"its stream to stage {self.settings.stage} failed: {output}",
-                                    status=output.status, param=output.param, stage=output.producer)
-                else:
-                    await link.send("error", message=f"its streamed input failed: {output}",
-                                    status=output.status, param=output.param)
+                # The producer's doing: it is the stage named (else this one, the endpoint's default).
+                named = {} if output.producer is None else {"stage": output.producer}
+                which = f"its stream to stage {self.settings.stage}" if named else "its streamed input"
+                await link.send("error", message=f"{which} failed: {output}", status=output.status,
+                                param=output.param, **named)
                 await link.close()
             return
         completion = output.outputs[0]

@@ -139,8 +139,12 @@ def test_metrics_page_shows_vllm_and_omni_families_with_active_and_held_transfer
     high = sum(math.ceil((u["prompt_tokens"] + u["completion_tokens"]) / BLOCK_SIZE) for u in usages)
 
     def ready():
+        # A scrape is not one atomic read of every family (the engine core writes them one by
+        # one as the page is read): wait for both the gauge and the counter to show all n.
         samples = parse(scrape(stage))
-        if sample(samples, "omni_kv_transfers", state="held") == n:
+        started = sum(value for (name, _), value in samples.items()
+                      if name == "omni_kv_transfers_started_total")
+        if sample(samples, "omni_kv_transfers", state="held") == n and started >= n:
             return samples
         return None
 

@@ -234,9 +234,12 @@ class OmniKVTransferMixin:
             observers.append(StreamTracing(tracer, stage=cfg.stage_name,
                                            model_name=model_config.served_model_name
                                            or model_config.model))
+        # A step appends a request's sampled token and the draft tokens it accepted.
+        drafts = getattr(self.vllm_config.speculative_config, "num_speculative_tokens", None) or 0
         return StreamProducer(cfg.streams, self._omni.send_chunks, observers=observers,
                               refresh=metrics.refresh,
-                              refresh_interval=cfg.telemetry_interval_seconds)
+                              refresh_interval=cfg.telemetry_interval_seconds,
+                              max_tokens_per_step=1 + drafts)
 
     # ------------------------------------------------------------------ requests
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kw: Any) -> None:

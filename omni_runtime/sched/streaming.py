@@ -43,7 +43,8 @@ class _Producing:
     much of the current list was seen); any other request's output list only grows, and
     is read where it is (it stays with the request after vLLM frees it)."""
 
-    __slots__ = ("request", "streams", "prompt", "origin", "session", "output", "seen", "due")
+    __slots__ = ("request", "streams", "prompt", "origin", "session", "output", "seen", "due",
+                 "wake_at")
 
     def __init__(self, request: Any, streams: list[Stream]) -> None:
         self.request = request
@@ -57,6 +58,8 @@ class _Producing:
         self.seen = 0
         #: The committed output at which one of its streams has a chunk to cut.
         self.due: float = 0
+        #: The step at which its committed output is looked at next (StreamProducer._wake).
+        self.wake_at = 0
 
     def committed(self) -> int:
         current = self.request.output_token_ids
@@ -77,14 +80,17 @@ class _Producing:
 
 class StreamProducer:
     """``edges``: the streamed edges (consumer stage -> settings); ``send``: takes each
-    step's chunks (the connector's ``send_chunks``)."""
+    step's chunks (the connector's ``send_chunks``); ``max_tokens_per_step``: the most
+    output one step can append to a request (1, or 1 + the speculative tokens)."""
 
     def __init__(self, edges: Mapping[str, StreamSettings],
                  send: Callable[[list[ChunkOut]], None],
                  observers: Iterable[StreamObserver] = (),
                  clock: Callable[[], float] = time.monotonic,
                  refresh: Callable[[ProducerStreams], None] | None = None,
-                 refresh_interval: float = 0.1) -> None:
+                 refresh_interval: float = 0.1, max_tokens_per_step: int = 1) -> None:
+        if max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be at least 1, not {max_tokens_per_step}")
         self.edges = dict(edges)
         self.ledger = ProducerStreams()
         for observer in observers:
@@ -95,8 +101,20 @@ class StreamProducer:
         self._refreshed = float("-inf")
         self._send = send
         self._clock = clock
+        self._max_tokens_per_step = max_tokens_per_step
         #: The requests whose streams are open, by id.
         self._open: dict[str, _Producing] = {}
+        #: Steps stepped so far.
+        self._step = 0
+        #: Step -> the open requests whose committed output is looked at then. Invariant: a
+        #: request (not a session) cannot complete a chunk before its ``wake_at`` step, since
+        #: a step appends at most ``max_tokens_per_step`` tokens to its output; so a step
+        #: looks at the few requests due (about one in ``chunk_tokens``), not at its batch.
+        self._wake: dict[int, list[str]] = {}
+        #: The open requests that are streaming-input sessions: looked at in every step that
+        #: schedules them (their output list starts over at each turn: its tokens are kept as
+        #: they appear).
+        self._sessions: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.ledger)
@@ -114,7 +132,11 @@ class StreamProducer:
             headers = getattr(request, "trace_headers", None)
             streams = [self.ledger.open(rid, stage, settings, now, headers)
                        for stage, settings in self.edges.items()]
-            self._open[rid] = _Producing(request, streams)
+            entry = self._open[rid] = _Producing(request, streams)
+            if entry.session:
+                self._sessions.add(rid)
+            else:
+                self._wake_later(rid, entry, entry.committed(), self._step + 1)
 
     def stepped(self, scheduled: Mapping[str, int]) -> None:
         """After a step's outputs (``scheduled``: the step's requests, vLLM's
@@ -123,24 +145,47 @@ class StreamProducer:
         if self._refresh is not None and now - self._refreshed >= self._refresh_interval:
             self._refreshed = now
             self._refresh(self.ledger)
+        self._step += 1
+        due = self._wake.pop(self._step, None)
         open_ = self._open
-        if not open_:
+        if not open_ or (due is None and not self._sessions):
             return
         wall = time.time()
         chunks: list[ChunkOut] = []
-        # The batch's requests with open streams, intersected in C (a batch of hundreds, few
-        # of them streaming, costs no Python loop over the batch).
-        for rid in scheduled.keys() & open_.keys():
-            entry = open_[rid]
+        step = self._step
+        for rid in due or ():
+            entry = open_.get(rid)
+            if entry is None or entry.wake_at != step:
+                continue  # resolved since, or looked at again by a later schedule
             committed = entry.committed()
-            if committed < entry.due:
-                continue  # most steps: no chunk is complete yet
-            next_cut = self.ledger.next_cut
-            for stream in entry.streams:
-                sent = self.ledger.cut(stream, committed, False, now, wall)
-                chunks += self._out(entry, stream, sent)
-            entry.due = min(map(next_cut, entry.streams))
+            if committed >= entry.due:
+                chunks += self._cut(entry, committed, now, wall)
+            self._wake_later(rid, entry, committed, step + 1)
+        if self._sessions:
+            for rid in self._sessions & scheduled.keys():
+                entry = open_[rid]
+                committed = entry.committed()
+                if committed >= entry.due:
+                    chunks += self._cut(entry, committed, now, wall)
         self._flush(chunks)
+
+    def _cut(self, entry: _Producing, committed: int, now: float, wall: float) -> list[ChunkOut]:
+        """The chunks ``committed`` output (at least ``due``) completes."""
+        chunks: list[ChunkOut] = []
+        for stream in entry.streams:
+            chunks += self._out(entry, stream, self.ledger.cut(stream, committed, False, now, wall))
+        entry.due = min(map(self.ledger.next_cut, entry.streams))
+        return chunks
+
+    def _wake_later(self, rid: str, entry: _Producing, committed: int, earliest: int) -> None:
+        """Schedule the next look at a request (not a session) at the first step its output
+        could reach ``due``; none once nothing more is cut before its end."""
+        if entry.due == float("inf"):
+            return
+        behind = int(entry.due) - committed
+        steps = max(1, -(-behind // self._max_tokens_per_step))
+        entry.wake_at = earliest + steps - 1
+        self._wake.setdefault(entry.wake_at, []).append(rid)
 
     def finished(self, request: Any, completed: bool, reason: str = "") -> None:
         """The request finished: completed, its last chunks; else its streams end (the
@@ -205,6 +250,8 @@ class StreamProducer:
                 self.ledger.resolve(stream.request_id, StreamOutcome.ABORTED, reason, now,
                                     peer=stream.peer)
         self._open.clear()
+        self._sessions.clear()
+        self._wake.clear()
         self._flush([])
 
     # ------------------------------------------------------------------ helpers
@@ -214,6 +261,7 @@ class StreamProducer:
         entry = self._open.get(request_id)
         if entry is not None and all(s.resolved for s in entry.streams):
             del self._open[request_id]
+            self._sessions.discard(request_id)
 
     def _request_of(self, request_id: str) -> _Producing | None:
         return self._open.get(request_id)

@@ -176,3 +176,39 @@ def test_a_held_stream_goes_out_when_a_slot_frees_whatever_freed_it():
         ("a", 1, "aborted"), ("b", 0, None), ("b", 1, None)]
     assert list(sent[-2].token_ids) == [1, 2, 8, 9] and list(sent[-1].token_ids) == [10]
     assert sent[-1].last
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_each_chunk_is_cut_in_the_step_whose_output_completes_it(per_step):
+    """The producer looks at a request only from the first step at which its output could
+    complete a chunk (a step appends at most ``max_tokens_per_step`` tokens: 1, or 1 + the
+    speculative tokens); still, each chunk is cut in the very step whose output completes it,
+    whatever each step appended (none, some, the most), and the chunks are the output."""
+    import random
+    from types import SimpleNamespace
+
+    from omni_runtime.sched.streaming import StreamProducer
+
+    rng = random.Random(per_step)
+    sent = []
+    producer = StreamProducer({"talker": StreamSettings(first_chunk_tokens=4, chunk_tokens=5,
+                                                        chunks_in_flight=1000)},
+                              sent.extend, max_tokens_per_step=per_step)
+    requests = [SimpleNamespace(request_id=f"r{i}", prompt_token_ids=[1], output_token_ids=[],
+                                kv_transfer_params=None, resumable=False) for i in range(24)]
+    producer.started(requests)
+    for _ in range(80):
+        for r in requests:
+            if rng.random() < 0.7:  # some steps do not schedule a request
+                r.output_token_ids += [rng.randrange(2, 999) for _ in range(rng.randint(0, per_step))]
+        producer.stepped({r.request_id: 1 for r in requests})
+        cut = by_request(sent)
+        for r in requests:
+            n = len(r.output_token_ids)
+            complete = 0 if n < 4 else 1 + (n - 4) // 5
+            chunks = cut.get(r.request_id, [])
+            assert [c.seq for c in chunks] == list(range(complete)), (r.request_id, n)
+            tokens = [t for c in chunks for t in c.token_ids[c.prompt_len:]]
+            assert tokens == r.output_token_ids[:len(tokens)]
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        StreamProducer({}, sent.extend, max_tokens_per_step=0)

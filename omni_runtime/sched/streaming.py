@@ -196,6 +196,7 @@ class StreamProducer:
         now, wall = self._clock(), time.time()
         chunks: list[ChunkOut] = []
         committed = entry.committed()
+        entry.due = float("inf")  # nothing more is cut: a wake still scheduled finds nothing
         for stream in entry.streams:
             if stream.resolved:
                 continue

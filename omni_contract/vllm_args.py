@@ -622,11 +622,13 @@ _BOUNDS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b),
 
 
 def _within(value: float, rule: Mapping[str, Any]) -> bool:
-    return all(holds(value, rule[name]) for name, (_, holds) in _BOUNDS.items() if name in rule)
+    return value in rule.get("except", ()) or all(
+        holds(value, rule[name]) for name, (_, holds) in _BOUNDS.items() if name in rule)
 
 
 def _range_text(rule: Mapping[str, Any]) -> str:
-    return " and ".join(f"{sign} {_json(rule[name])}" for name, (sign, _) in _BOUNDS.items() if name in rule)
+    text = " and ".join(f"{sign} {_json(rule[name])}" for name, (sign, _) in _BOUNDS.items() if name in rule)
+    return text + "".join(f", or {_json(v)}" for v in rule.get("except", ()))
 
 
 def _listed(items: list[Any]) -> str:

@@ -415,6 +415,58 @@ def _confirm_bounds(bounds: dict[str, Any], step: float, takes: Callable[[Any], 
             raise SystemExit(f"generate_vllm_args.py: the bound {key} {b} of {what} does not hold")
 
 
+# -- the model config's own validator ---------------------------------------------------------
+
+def validator_rules(arguments: dict[str, Any]) -> list[dict[str, Any]]:
+    """The lower bounds ``ModelConfig.validate_model_config_after`` puts on the fields its flags
+    set (``if not isinstance(self.F, int) or self.F < N: raise``), which vLLM checks when it
+    builds the engine's config, after the field's own range (``max-model-len: 0`` passes
+    ``ge=-1`` and is refused there). A value below N that ``__post_init__`` resolves first
+    (``max-model-len: -1``, auto: fitted to the memory) is taken (``except``). Each bound is
+    read from the source and confirmed on the validator itself."""
+    from types import SimpleNamespace
+
+    import vllm.config.model as model
+
+    function = ast.parse(textwrap.dedent(inspect.getsource(
+        model.ModelConfig.validate_model_config_after))).body[0]
+    flags = {entry["dest"] for entry in arguments.values()}
+    rules = []
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.BoolOp)
+                and isinstance(node.test.op, ast.Or) and len(node.test.values) == 2):
+            continue
+        first, second = node.test.values
+        if not (isinstance(second, ast.Compare) and len(second.ops) == 1 and isinstance(second.ops[0], ast.Lt)
+                and isinstance(second.left, ast.Attribute) and isinstance(second.left.value, ast.Name)
+                and second.left.value.id == "self" and isinstance(second.comparators[0], ast.Constant)
+                and isinstance(first, ast.UnaryOp) and isinstance(first.op, ast.Not)):
+            continue
+        dest, bound = second.left.attr, second.comparators[0].value
+        if dest not in flags:
+            continue
+        rule = {"rule": "range", "dest": dest, "owner": "ModelConfig.validate_model_config_after", "ge": bound}
+        if dest == "max_model_len" and "max_model_len == -1" in inspect.getsource(model._get_and_verify_max_len):
+            rule["except"] = [-1]  # auto: resolved to a length before the validator runs
+
+        def takes(value: Any, dest: str = dest) -> bool:
+            config = SimpleNamespace(tokenizer="t", max_model_len=1, enable_prompt_embeds=False,
+                                     is_encoder_decoder=False)
+            setattr(config, dest, value)
+            try:
+                model.ModelConfig.validate_model_config_after(config)
+            except ValueError:
+                return False
+            return True
+
+        _confirm_bounds({"ge": bound}, 1, takes, rule["owner"])
+        rules.append(rule)
+    if "max_model_len" not in {r["dest"] for r in rules}:
+        raise SystemExit("generate_vllm_args.py: ModelConfig.validate_model_config_after no longer bounds "
+                         "max_model_len as read here: look at it again")
+    return rules
+
+
 # -- the scheduler's own pair rules --------------------------------------------------------------
 
 def pair_rules() -> list[dict[str, Any]]:
@@ -667,6 +719,7 @@ def build() -> dict[str, Any]:
             if dest is not None:
                 rule.setdefault("defaults", {})[dest] = _json_default(_flag_of(parser, dest).default)
     rules += range_rules(parser, arguments)
+    rules += validator_rules(arguments)
     rules += pair_rules()
     return {
         "vllm_version": vllm.__version__,

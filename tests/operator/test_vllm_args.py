@@ -96,7 +96,27 @@ def _vllm_verdict(parser, argv: list[str]) -> str | None:
         return f"{type(exc).__name__}: {exc}"
     if args.model_tag is not None:  # a stray value became the positional model tag
         return f"a stray value taken as the model tag: {args.model_tag!r}"
-    return _config_bounds_verdict(parser, args) or _attention_backend_verdict(args)
+    return _config_bounds_verdict(parser, args) or _attention_backend_verdict(args) or _model_config_verdict(args)
+
+
+def _model_config_verdict(args) -> str | None:
+    """What vLLM's ModelConfig says of --max-model-len on the tiny model when the engine's
+    config is built (its validator, after the field's own range and the auto length). A
+    length over the model's own is the model's rule, which the table does not state (it knows
+    no model): not asked."""
+    from vllm.config import ModelConfig
+
+    from omni_runtime.devtools.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model()
+    longest = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    if args.max_model_len is None or args.max_model_len > longest:
+        return None
+    try:
+        ModelConfig(model=str(model), max_model_len=args.max_model_len)
+    except Exception as exc:  # noqa: BLE001 - its validators' refusal
+        return f"ModelConfig: {exc}"
+    return None
 
 
 def _attention_backend_verdict(args) -> str | None:
@@ -212,6 +232,9 @@ def test_the_contract_and_vllms_parser_agree(vllm_parser, monkeypatch):
     # each passed validate, the stage then failed to start).
     {"gpu-memory-utilization": 2.0}, {"gpu-memory-utilization": 1}, {"gpu-memory-utilization": -0.5},
     {"max-model-len": -5}, {"max-model-len": -1}, {"max-num-seqs": -4}, {"max-num-seqs": 1},
+    # ModelConfig's own validator, after the field's range (an outside review's list: 0
+    # passed the door, and the engine refused it at the start).
+    {"max-model-len": 0}, {"max-model-len": "auto"}, {"max-model-len": 1}, {"max-model-len": "1k"},
     {"tensor-parallel-size": -1}, {"tensor-parallel-size": 0},
     # A config object's fields (an outside review: vLLM's parser refused the unknown key, the
     # stage then crash-looped on the cluster).

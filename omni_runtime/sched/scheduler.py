@@ -234,12 +234,12 @@ class OmniKVTransferMixin:
             observers.append(StreamTracing(tracer, stage=cfg.stage_name,
                                            model_name=model_config.served_model_name
                                            or model_config.model))
-        # A step appends a request's sampled token and the draft tokens it accepted.
-        drafts = getattr(self.vllm_config.speculative_config, "num_speculative_tokens", None) or 0
+        # A step appends a request's sampled token and what it accepted of the tokens vLLM
+        # scheduled beside it (drafts, or a diffusion model's canvas): vLLM's own bound.
         return StreamProducer(cfg.streams, self._omni.send_chunks, observers=observers,
                               refresh=metrics.refresh,
                               refresh_interval=cfg.telemetry_interval_seconds,
-                              max_tokens_per_step=1 + drafts)
+                              max_tokens_per_step=1 + self.num_spec_tokens)
 
     # ------------------------------------------------------------------ requests
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kw: Any) -> None:
@@ -252,6 +252,24 @@ class OmniKVTransferMixin:
                 # until it resolves.
                 self._pin(transfer)
         super()._preempt_request(request, timestamp, *args, **kw)
+
+    # ------------------------------------------------------------------ streaming-input sessions
+    def add_request(self, request: Request) -> None:
+        existing = self.requests.get(request.request_id) if self._streams is not None else None
+        if (existing is not None and not request.resumable
+                and existing.status == RequestStatus.WAITING_FOR_STREAMING_REQ):
+            # A waiting session's input ended (vLLM's end of its stream of inputs): vLLM
+            # finishes it as aborted, though it completed; its streams' last chunks go out.
+            # (A client's abort comes through finish_requests, not here.)
+            self._streams.input_ended(existing)
+        super().add_request(request)
+
+    def _update_request_as_session(self, session: Request, update: Any) -> None:
+        if self._streams is not None:
+            # vLLM folds the turn's output into the prompt and clears the list: what the turn
+            # said is taken for the session's streams first.
+            self._streams.turn_over(session)
+        super()._update_request_as_session(session, update)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         if self._streams is not None:

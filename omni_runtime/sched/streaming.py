@@ -39,12 +39,14 @@ SEND_MARGIN = 0.95
 class _Producing:
     """A request whose streams are open: its prompt when they opened, its output. A request
     that is a streaming-input session (``resumable``) has its output list start over at
-    each turn, so every token it has had is kept here as it appears (``output``, and how
-    much of the current list was seen); any other request's output list only grows, and
-    is read where it is (it stays with the request after vLLM frees it)."""
+    each turn (vLLM folds the turn into the prompt: ``turn_over``), so every token it has
+    had is kept here as it appears (``output``, and how much of the current list was seen);
+    any other request's output list only grows, and is read where it is (it stays with the
+    request after vLLM frees it). It stays, its streams resolved, until vLLM frees the
+    request (``finished``): a request that goes on opens no stream again."""
 
     __slots__ = ("request", "streams", "prompt", "origin", "session", "output", "seen", "due",
-                 "wake_at")
+                 "wake_at", "finished", "input_ended")
 
     def __init__(self, request: Any, streams: list[Stream]) -> None:
         self.request = request
@@ -60,17 +62,27 @@ class _Producing:
         self.due: float = 0
         #: The step at which its committed output is looked at next (StreamProducer._wake).
         self.wake_at = 0
+        #: vLLM has freed the request (StreamProducer.finished).
+        self.finished = False
+        #: A session whose input ended while it waited for more (vLLM then finishes it as
+        #: aborted, though nothing failed: StreamProducer.input_ended).
+        self.input_ended = False
 
     def committed(self) -> int:
         current = self.request.output_token_ids
         if not self.session:
             return len(current)
-        if len(current) < self.seen:  # a session's new turn: its output list starts over
-            self.seen = 0
         if len(current) > self.seen:
             self.output.extend(current[self.seen:])
             self.seen = len(current)
         return len(self.output)
+
+    def turn_over(self) -> None:
+        """A session's turn ends and its output list is about to start over: every token of
+        it is taken first (the turn's last step's too, which vLLM appends and clears in one
+        update when the next input is already queued)."""
+        self.committed()
+        self.seen = 0
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Output tokens ``[start, end)``."""
@@ -127,7 +139,13 @@ class StreamProducer:
             rid = request.request_id
             # A request stays in ``_open`` until every stream of it resolved: a session's
             # next turn, or a resumed request, opens nothing again.
-            if rid in self._open:
+            entry = self._open.get(rid)
+            if entry is not None:
+                if entry.request is not request:
+                    # The id of a request whose streams still wait for answers, used again
+                    # (vLLM's ids are unique unless their randomisation is turned off).
+                    logger.error("request %s: its id is that of an earlier request whose streams "
+                                 "are still open; it streams nothing", rid)
                 continue
             headers = getattr(request, "trace_headers", None)
             streams = [self.ledger.open(rid, stage, settings, now, headers)
@@ -191,8 +209,10 @@ class StreamProducer:
         """The request finished: completed, its last chunks; else its streams end (the
         consumer told, with ``reason``)."""
         entry = self._open.get(request.request_id)
-        if entry is None:
+        if entry is None or entry.request is not request:
             return
+        entry.finished = True
+        completed = completed or entry.input_ended
         now, wall = self._clock(), time.time()
         chunks: list[ChunkOut] = []
         committed = entry.committed()
@@ -208,6 +228,20 @@ class StreamProducer:
                                         reason or "the request was aborted", now))
         self._forget_resolved(request.request_id)
         self._flush(chunks)
+
+    def turn_over(self, request: Any) -> None:
+        """A session's turn is over (vLLM is about to fold its output into the prompt and
+        start the list over): what it said is taken first."""
+        entry = self._open.get(request.request_id)
+        if entry is not None and entry.request is request and entry.session:
+            entry.turn_over()
+
+    def input_ended(self, request: Any) -> None:
+        """A waiting session's input ended: vLLM finishes it as aborted, but it completed
+        (its last chunks go out; a client's abort does not come this way)."""
+        entry = self._open.get(request.request_id)
+        if entry is not None and entry.request is request:
+            entry.input_ended = True
 
     def answered(self, answers: list[ChunkAnswer]) -> None:
         """The workers' answers about chunks: acks let queued chunks go; a failure ends the
@@ -257,12 +291,16 @@ class StreamProducer:
 
     # ------------------------------------------------------------------ helpers
     def _forget_resolved(self, request_id: str) -> None:
-        """Drop a request once none of its streams is open: until then its tokens are
-        what its queued chunks are cut from, even after vLLM freed it."""
+        """Once none of a request's streams is open: nothing more is looked at, and the
+        request is dropped once vLLM has freed it too (until then its tokens are what its
+        queued chunks are cut from; a request that goes on keeps its entry, so that it
+        opens no stream again)."""
         entry = self._open.get(request_id)
         if entry is not None and all(s.resolved for s in entry.streams):
-            del self._open[request_id]
             self._sessions.discard(request_id)
+            entry.due = float("inf")
+            if entry.finished:
+                del self._open[request_id]
 
     def _request_of(self, request_id: str) -> _Producing | None:
         return self._open.get(request_id)

@@ -212,3 +212,161 @@ def test_each_chunk_is_cut_in_the_step_whose_output_completes_it(per_step):
             assert tokens == r.output_token_ids[:len(tokens)]
     with pytest.raises(ValueError, match="max_tokens_per_step"):
         StreamProducer({}, sent.extend, max_tokens_per_step=0)
+
+
+# -- streaming-input sessions that stream on (a talker fed by a stream, streaming to a vocoder);
+# an outside review's repros.
+
+ONE_BY_ONE = StreamSettings(first_chunk_tokens=1, chunk_tokens=1, chunks_in_flight=1024)
+
+
+class SessionDriver:
+    """Steps a talker-like scheduler whose requests stream each output token as a chunk to
+    ``vocoder``, each acked a step later; the tokens vLLM said, and the chunks sent."""
+
+    def __init__(self, settings: StreamSettings = ONE_BY_ONE, **kw) -> None:
+        import itertools
+
+        config = make_vllm_config({"need_send_cache": True, "stage_name": "talker",
+                                   "streams": {"vocoder": stream_config(settings)}},
+                                  endpoints={"vocoder": "tcp://127.0.0.1:9"}, **kw)
+        self.s = make_scheduler(OmniARScheduler, config)
+        self.sent, self.said, self.pending = [], [], []
+        self.token = itertools.count(100)
+
+    def step(self, steps: int = 1) -> None:
+        s = self.s
+        for _ in range(steps):
+            so = s.schedule()
+            chunks = chunks_of(so)
+            self.sent += chunks
+            out = runner_output(so, {r: [next(self.token)] for r in so.num_scheduled_tokens
+                                     if s.requests[r].num_computed_tokens
+                                     >= s.requests[r].num_prompt_tokens}, scheduler=s)
+            answers = [ChunkAnswer(c.request_id, c.to_stage, c.seq, None)
+                       for c in self.pending if c.end is None]
+            self.pending = chunks
+            if answers:
+                out.kv_connector_output = KVConnectorOutput(
+                    kv_connector_worker_meta=OmniKVWorkerMetadata(chunk_answers=answers))
+            for outputs in s.update_from_output(so, out).values():
+                for o in outputs.outputs:
+                    self.said += list(o.new_token_ids)
+
+    def streamed(self) -> list[int]:
+        return [t for c in self.sent if c.end is None for t in c.token_ids[c.prompt_len:]]
+
+
+def test_a_sessions_every_turn_streams_every_token_it_said_whenever_its_next_input_comes():
+    """A session's output list starts over at each turn (vLLM folds the turn into the
+    prompt). Its next input may come after the turn ended (a one-token turn: its next turn's
+    first token was lost, the list's length alone hiding the new turn) or while the turn runs
+    (vLLM then ends the turn and clears the list in one update: that step's tokens were
+    lost). Either way every token said is streamed, in order."""
+    d = SessionDriver()
+    d.s.add_request(make_request(4, max_tokens=1, request_id="t", resumable=True))
+    d.step(3)
+    assert d.s.requests["t"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    d.s.add_request(make_request(2, max_tokens=3, request_id="t", resumable=True))  # after
+    d.step(1)
+    d.s.add_request(make_request(2, max_tokens=2, request_id="t", resumable=True))  # during
+    d.step(8)
+    assert d.s.requests["t"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert len(d.said) == 1 + 3 + 2
+    assert d.streamed() == d.said
+
+
+def test_a_session_whose_input_ends_while_it_waits_ends_its_streams_finished():
+    """vLLM ends a waiting session whose input ended (a final request of its id) as aborted;
+    it completed: its streams end with their last chunk, not as aborted."""
+    d = SessionDriver(StreamSettings(first_chunk_tokens=1, chunk_tokens=4, chunks_in_flight=64))
+    d.s.add_request(make_request(4, max_tokens=3, request_id="t", resumable=True))
+    d.step(5)
+    assert d.s.requests["t"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    d.s.add_request(make_request(1, max_tokens=2, request_id="t"))  # the input ends
+    d.step(3)
+    ends = [(c.last, c.end) for c in d.sent if c.last or c.end is not None]
+    assert ends == [(True, None)], ends
+    assert d.streamed() == d.said and not d.s.has_requests()
+
+
+def test_a_session_whose_stream_failed_opens_no_stream_at_its_next_turn():
+    """The consumer refused a chunk: the stream resolved, the session goes on. Its next turn
+    opened a new stream of the same key (a chunk 0 the consumer refuses again, or takes as a
+    new stream once it has forgotten the old)."""
+    d = SessionDriver()
+    s = d.s
+    s.add_request(make_request(4, max_tokens=2, request_id="t", resumable=True))
+    d.step(1)
+    so = s.schedule()
+    assert [c.seq for c in chunks_of(so)] == [0]
+    out = runner_output(so, {"t": [200]}, scheduler=s)
+    out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=OmniKVWorkerMetadata(
+        chunk_answers=[ChunkAnswer("t", "vocoder", 0, "refused by the vocoder")]))
+    s.update_from_output(so, out)
+    d.pending = []
+    d.step(3)
+    assert s.requests["t"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    d.sent = []
+    s.add_request(make_request(2, max_tokens=2, request_id="t", resumable=True))
+    d.step(3)
+    assert d.sent == []
+    s.finish_requests("t", RequestStatus.FINISHED_ABORTED)
+    assert s._streams._open == {}, "the request's entry goes once vLLM frees it"
+
+
+def test_a_step_that_appends_a_canvas_has_its_chunk_cut_in_that_step():
+    """The producer's bound on a step's output is vLLM's own (its scheduled tokens beside the
+    sampled one: drafts, or a diffusion model's canvas, which vLLM counts as speculative
+    tokens without a speculative config): a step that appends a whole canvas has its chunk
+    cut in that very step, not steps later."""
+    from vllm.config.diffusion import DiffusionConfig
+    from vllm.v1.outputs import DraftTokenIds
+
+    settings = StreamSettings(first_chunk_tokens=4, chunk_tokens=4, chunks_in_flight=1024)
+    config = make_vllm_config({"need_send_cache": True, "stage_name": "thinker",
+                               "streams": {"talker": stream_config(settings)}},
+                              endpoints={"talker": "tcp://127.0.0.1:9"})
+    config.diffusion_config = DiffusionConfig(canvas_length=4)
+    s = make_scheduler(OmniARScheduler, config)
+    s.add_request(make_request(4, max_tokens=64, request_id="r"))
+    sent_at = {}
+    for step in range(6):
+        so = s.schedule()
+        for c in chunks_of(so):
+            sent_at.setdefault(c.seq, step)
+        s.update_from_output(so, runner_output(
+            so, {"r": [9] * (1 + len(so.scheduled_spec_decode_tokens.get("r", ())))}, scheduler=s))
+        s.update_draft_token_ids(DraftTokenIds(["r"], [[9, 9, 9, 9]]))
+    # step 0: the prefill's token; step 1: 1 + 4 drafts, chunk 0 complete: out with step 2's.
+    assert sent_at.get(0) == 2, sent_at
+
+
+def test_a_request_id_used_again_while_its_streams_wait_streams_nothing_and_says_so(caplog):
+    """vLLM's request ids are unique unless their randomisation is off: a request of the id
+    of one whose streams still wait for answers streams nothing (its own streams would be
+    the other's) and says so, and its end does not end the other's streams."""
+    from types import SimpleNamespace
+
+    from omni_runtime.sched.streaming import StreamProducer
+
+    sent = []
+    producer = StreamProducer({"talker": StreamSettings(first_chunk_tokens=1, chunk_tokens=1)},
+                              sent.extend)
+
+    def request():
+        return SimpleNamespace(request_id="x", prompt_token_ids=[1, 2], output_token_ids=[],
+                               kv_transfer_params=None, resumable=False)
+
+    old, new = request(), request()
+    producer.started([old])
+    old.output_token_ids += [5]
+    producer.stepped({"x": 1})
+    producer.finished(old, completed=True)  # its last chunk is not acked yet
+    before = list(sent)
+    producer.started([new])
+    assert "its id is that of an earlier request" in caplog.text
+    new.output_token_ids += [8, 9]
+    producer.stepped({"x": 1})
+    producer.finished(new, completed=False, reason="aborted")
+    assert sent == before

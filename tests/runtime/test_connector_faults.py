@@ -256,6 +256,56 @@ def test_an_agent_with_its_progress_thread_sleeps_while_idle():
         agent.close()
 
 
+def test_closing_an_agent_destroys_it_and_its_progress_thread_at_once():
+    """close() destroys the agent then and there (its progress thread joined), not whenever
+    the garbage collector gets to it; the agent refuses to be used after."""
+    before = set(os.listdir("/proc/self/task"))
+    agent = KVAgent("omni-test-closed", progress_thread=True)
+    assert set(os.listdir("/proc/self/task")) - before, "NIXL's progress thread"
+    agent.close()
+    assert set(os.listdir("/proc/self/task")) - before == set()
+    with pytest.raises(NixlUnavailable, match="is closed"):
+        agent.metadata()
+    agent.close()  # once
+
+
+_CLOBBERED = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+from omni_runtime.kv.transport.nixl_agent import KVAgent
+agent = KVAgent("omni-test-clobbered", progress_thread=True)
+eventfds = [fd for fd, what in agent._event_fds.items() if what.startswith("anon_inode:[eventfd]")]
+assert eventfds, agent._event_fds
+for fd in eventfds:
+    os.close(fd)  # a stray close elsewhere in the process
+    r, w = os.pipe()  # its number reused, by a descriptor with something to read
+    assert fd in (r, w), (fd, r, w)
+    os.write(w, b"x")
+agent.close()
+print("closed", flush=True)
+"""
+
+
+def test_an_agent_whose_event_descriptor_was_closed_behind_its_back_is_left_not_hung(tmp_path):
+    """A stray close of the UCX worker's event descriptor, its number reused: NIXL's progress
+    thread then blocks in UCX's read of it, and destroying the agent (which joins the thread,
+    holding the interpreter's lock) hung the process for ever (seen once in make test). close()
+    sees the descriptor is not the agent's any more, leaves the agent undestroyed and says so.
+    (In a process of its own: the test must not hang its runner if this fails.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "clobbered.py"
+    script.write_text(_CLOBBERED)
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).parents[2],
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"closing the agent hung: {exc.stderr}")
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr[-3000:]
+    assert "were closed by something else in this process" in done.stderr
+
+
 @pytest.mark.parametrize("release", ["no bindings", "bindings it does not call"])
 def test_a_nixl_whose_progress_thread_cannot_be_tamed_gets_none(monkeypatch, caplog, release):
     """A NIXL wrapper without the native constructor this module wraps, or one that makes

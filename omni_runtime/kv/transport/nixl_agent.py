@@ -15,6 +15,14 @@ request arrives and not otherwise. NIXL's Python wrapper fixes that thread's pol
 "Figures behind the design").
 An agent without it is progressed by whoever calls :meth:`KVAgent.progress`.
 
+Destruction. Destroying an agent joins its progress thread; the thread waits on UCX's event
+descriptors, and if one of them was closed behind UCX's back (a stray close elsewhere in the
+process) and its number reused, the thread can block in a ``read`` for ever, and the join
+with it, holding the interpreter's lock: the process hangs. :meth:`KVAgent.close` destroys the
+agent at once (not whenever the garbage collector gets to it) after checking that the event
+descriptors made with it are still its own; if not, it leaves the agent undestroyed (its
+memory and thread, for the process's life) and logs the error, rather than hang.
+
 Notifications. An agent that has loaded a peer's metadata can send it a message
 (:meth:`KVAgent.notify`), and a READ may carry one that NIXL delivers to the peer whose memory
 was read once the read has completed (``read(..., notify=)``). The peer collects them with
@@ -27,6 +35,7 @@ notifications").
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -100,7 +109,8 @@ class KVAgent:
                  progress_thread: bool = False) -> None:
         api = _nixl_api()
         try:
-            self._agent, progress_thread = _make_agent(api, name, backends, progress_thread)
+            (self._agent, progress_thread), self._event_fds = _with_new_event_fds(
+                lambda: _make_agent(api, name, backends, progress_thread))
         except Exception as exc:
             raise NixlUnavailable(f"cannot create the NIXL agent {name!r} with backends "
                                   f"{list(backends)}: {type(exc).__name__}: {exc}") from None
@@ -239,12 +249,65 @@ class KVAgent:
                                self.name, dropped)
 
     def close(self) -> None:
+        """Deregister what is registered and destroy the agent (once; nothing may use it
+        after). An agent with a progress thread whose event descriptors are no longer its own
+        is left undestroyed, logged (module docstring, "Destruction")."""
+        agent = self.__dict__.pop("_agent", None)
+        if agent is None:
+            return
         for descs in self._registrations:
             try:
-                self._agent.deregister_memory(descs)
+                agent.deregister_memory(descs)
             except Exception as exc:
                 logger.debug("NIXL: deregistering: %s", exc)
         self._registrations.clear()
+        lost = [fd for fd, what in self._event_fds.items() if _event_fd(fd) != what]
+        if self.progresses_itself and lost:
+            logger.error("NIXL agent %s: its UCX event descriptors %s were closed by something else in "
+                         "this process; the agent is left undestroyed (destroying it could hang the "
+                         "process, joining a progress thread blocked on a reused descriptor)",
+                         self.name, lost)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))  # never deallocated
+        del agent
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_agent":
+            raise NixlUnavailable(f"NIXL agent {self.__dict__.get('name', '?')} is closed")
+        raise AttributeError(name)
+
+
+def _event_fd(fd: int) -> str | None:
+    """What ``fd`` is, as far as telling one event descriptor from another goes: its kind,
+    and an eventfd's id (None: not open)."""
+    try:
+        kind = os.readlink(f"/proc/self/fd/{fd}")
+        if kind != "anon_inode:[eventfd]":
+            return kind
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            return kind + next((line.split()[1] for line in info if line.startswith("eventfd-id:")), "")
+    except OSError:
+        return None
+
+
+def _with_new_event_fds(make: Any) -> tuple[Any, dict[int, str]]:
+    """``make()``, and the event descriptors (eventfd, epoll) that appeared meanwhile: UCX's,
+    as far as another thread made none at the same time (which could only make
+    :meth:`KVAgent.close` keep an agent it could have destroyed)."""
+    def event_fds() -> dict[int, str]:
+        try:
+            fds = os.listdir("/proc/self/fd")
+        except OSError:  # no /proc: nothing is watched
+            return {}
+        found = {}
+        for fd in map(int, fds):
+            what = _event_fd(fd)
+            if what is not None and what.startswith(("anon_inode:[eventfd]", "anon_inode:[eventpoll]")):
+                found[fd] = what
+        return found
+
+    before = event_fds()
+    made = make()
+    return made, {fd: what for fd, what in event_fds().items() if before.get(fd) != what}
 
 
 def _make_agent(api: Any, name: str, backends: Sequence[str], progress_thread: bool) -> tuple[Any, bool]:

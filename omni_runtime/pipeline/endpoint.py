@@ -39,6 +39,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import TypeAdapter, ValidationError
 
 from omni_contract.edges import STREAM
@@ -330,9 +331,22 @@ class PipelineEndpoint:
             return _error_body(400, "Unsupported Media Type: Only 'application/json' is allowed",
                                request_id=given_id)
         try:
-            body = await request.json()
+            # utf-8-sig: a byte-order mark before the JSON is taken, as vLLM's server takes it.
+            body = json.loads((await request.read()).decode("utf-8-sig"))
         except (ValueError, UnicodeDecodeError):
             return _error_body(400, "the request body must be a JSON object", request_id=given_id)
+        except RecursionError:
+            return _error_body(400, "the request body is JSON nested too deeply", request_id=given_id)
+        except RequestPayloadError as exc:  # a Content-Encoding it does not have
+            refused = _error_body(400, "the request body could not be read as its Content-Encoding says "
+                                       f"({request.headers.get('Content-Encoding')}): {exc.args[0] if exc.args else exc}",
+                                  request_id=given_id)
+            # The rest of the body cannot be read: the connection ends with this answer, and
+            # the body is taken as ended (aiohttp would read on after the answer, fail again and
+            # log it as an unhandled exception).
+            refused.force_close()
+            request.content.feed_eof()
+            return refused
         if not isinstance(body, dict):
             return _error_body(400, "the request body must be a JSON object", request_id=given_id)
         refused = _refused(body, kind, several_stages=self.config.entry_stage != self.config.sink)
@@ -341,7 +355,7 @@ class PipelineEndpoint:
         request_id = given_id or f"omni-{uuid.uuid4().hex}"
         if request_id in self._requests:
             return _error_body(409, f"a request with X-Request-Id {request_id} is in flight",
-                               request_id=request_id)
+                               param="X-Request-Id", request_id=request_id)
         stream = bool(_as_vllm_reads(_BOOL, body.get("stream")))
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and bool(
@@ -716,8 +730,9 @@ class _Writer:
     async def error(self, failed: StageFailed) -> None:
         body = _stage_error_body(failed)
         if self.response is not None and self.response.prepared:
-            try:  # the events have begun: the error is the stream's last event
+            try:  # the events have begun: the error, then the stream's end, as vLLM's server
                 await self._sse(body)
+                await self._sse("[DONE]")
                 await self.response.write_eof()
             except (ConnectionError, RuntimeError):
                 pass

@@ -80,12 +80,14 @@ MAX_CLIENT_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS - 24
 
 def request_id_problem(request_id: str) -> str | None:
     """Why a pipeline request cannot carry ``request_id`` (a client's X-Request-Id) to every
-    stage; None when it can: UTF-8 text of 1 to MAX_CLIENT_REQUEST_ID_CHARS characters, not
-    ``.`` or ``..`` (a path segment of the stages' links)."""
-    try:
-        request_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return "X-Request-Id must be UTF-8 text"
+    stage; None when it can: ASCII text of 1 to MAX_CLIENT_REQUEST_ID_CHARS characters, not
+    ``.`` or ``..`` (a path segment of the stages' links). ASCII: vLLM's server reads a
+    header's bytes as Latin-1, so the first stage would know a non-ASCII id by another one
+    (its UTF-8 bytes, one character each: longer than the wire carries past 1,008 bytes)."""
+    if not request_id.isascii():
+        at = next(i for i, c in enumerate(request_id) if not c.isascii())
+        return (f"X-Request-Id must be ASCII text (a stage's vLLM server reads a header as Latin-1 "
+                f"and would know the request by another id); character {at} is not")
     if not 0 < len(request_id) <= MAX_CLIENT_REQUEST_ID_CHARS:
         return (f"X-Request-Id must be 1 to {MAX_CLIENT_REQUEST_ID_CHARS} characters (a stage's request "
                 f"id adds vLLM's prefix and suffix to it), got {len(request_id)}")

@@ -341,7 +341,12 @@ def test_a_refusal_at_the_door_echoes_the_clients_request_id():
     ("x" * 1001, "1 to 1000 characters"),  # vLLM's id of it would pass the wire's 1,024
     (".", "may not be '.'"),
     ("..", "may not be '..'"),
-    ("caf\xe9", "UTF-8"),
+    ("caf\xe9", "ASCII"),  # not UTF-8
+    # UTF-8, not ASCII (the header's bytes as sent): vLLM's server reads a header as Latin-1,
+    # so the first stage knew it by another id, and past ~1,008 bytes the hand-off's id was
+    # over the wire's bound: a 504 blaming the next stage, 12 s on (an outside review).
+    ("caf\xc3\xa9", "ASCII"),
+    ("\xc3\xa9" * 505, "ASCII"),
 ])
 def test_an_x_request_id_no_stage_can_carry_is_refused_at_the_door(request_id, why):
     """An outside review: an id over the origin's bound, or ``.`` or ``..`` (a link path
@@ -400,6 +405,63 @@ def test_what_is_no_json_request_is_refused_as_vllm_refuses_it_in_json():
     assert all(kind == "application/json" and rid == "door-1" for _, kind, rid, _ in answers), answers
     assert "must be a JSON object" in answers[0][3]
     assert answers[1][3] == "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def test_a_body_nested_too_deeply_or_not_in_its_content_encoding_is_a_400_and_a_bom_is_taken(caplog):
+    """JSON nested 5,000 deep and a body that is not the gzip its Content-Encoding says were
+    aiohttp's plain-text 500s with a traceback at ERROR (an outside review); a byte-order mark
+    before the JSON was refused, which vLLM's server takes."""
+    asked = []
+
+    async def stage(request: web.Request) -> web.Response:
+        asked.append(await request.json())
+        return web.json_response({"error": {"message": "enough"}}, status=400)
+
+    async def go():
+        answers = []
+        async with endpoint_before(stage) as front_url, aiohttp.ClientSession() as session:
+            for data, headers in [
+                    (b'{"model": "m", "prompt": [1], "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}),
+                    (b'{"model": "m", "prompt": [1]}', {"Content-Encoding": "gzip"}),
+                    (b'\xef\xbb\xbf{"model": "m", "prompt": [1], "max_tokens": 2}', {})]:
+                async with session.post(front_url + "/v1/completions", data=data, headers={
+                        "Content-Type": "application/json", "X-Request-Id": "door-2", **headers}) as resp:
+                    answers.append((resp.status, resp.content_type, (await resp.json())["error"]["message"]))
+        return answers
+
+    deep, gzip, bom = asyncio.run(go())
+    assert deep[:2] == (400, "application/json") and "nested too deeply" in deep[2], deep
+    assert gzip[:2] == (400, "application/json") and "Content-Encoding" in gzip[2], gzip
+    assert bom[2] == "stage thinker: enough" and asked == [{"model": "m", "prompt": [1], "max_tokens": 2, **asked[0]}]
+    assert "Traceback" not in caplog.text and "Error handling request" not in caplog.text
+
+
+def test_a_stream_that_fails_after_it_began_ends_with_its_error_then_done():
+    """A streamed answer whose pipeline fails once the events have begun: the error is an
+    event, then ``data: [DONE]``, as vLLM's server ends it (clients reading to [DONE] saw a
+    dropped connection: an outside review)."""
+    session_box = {}
+
+    async def thinker(request: web.Request) -> web.Response:
+        request_id, endpoint, token = origin_of(await request.json())
+        async with session_box["s"].ws_connect(link_url(endpoint, request_id, "talker"),
+                                               headers={LINK_TOKEN_HEADER: token}) as link:
+            await link.send_str(encode_event("taken"))
+            await link.send_str(encode_event("error", message="over this stage's max-model-len"))
+        return web.json_response({"choices": [{"finish_reason": "length"}]})
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            session_box["s"] = session
+            async with endpoint_before(thinker) as front_url:
+                async with session.post(front_url + "/v1/completions", json={
+                        "model": "m", "prompt": [1], "max_tokens": 2, "stream": True}) as resp:
+                    return resp.status, await resp.text()
+
+    status, text = asyncio.run(go())
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", text
+    assert json.loads(events[-2])["error"]["stage"] == "talker", text
 
 
 @pytest.mark.parametrize("bad", [

@@ -174,10 +174,12 @@ def parse_stream(raw: Any, where: str) -> StreamSettings:
             continue
         values[name] = (_seconds if kind is float else _count)(value, f"{where}.{key}", low, high)
     settings = StreamSettings(**values)
-    if settings.first_chunk_seconds > settings.stream_seconds:
-        raise EdgeError(f"{where}.firstChunkSeconds ({settings.first_chunk_seconds:g}) exceeds "
-                        f"{where}.streamSeconds ({settings.stream_seconds:g}): the first chunk "
-                        "is part of the stream; lower it, or raise streamSeconds")
+    for key, seconds, what in (("firstChunkSeconds", settings.first_chunk_seconds, "the first chunk"),
+                               ("gapSeconds", settings.gap_seconds, "a wait between chunks")):
+        if seconds > settings.stream_seconds:
+            raise EdgeError(f"{where}.{key} ({seconds:g}) exceeds {where}.streamSeconds "
+                            f"({settings.stream_seconds:g}): {what} is part of the stream; lower "
+                            f"{key}, or raise streamSeconds")
     return settings
 
 

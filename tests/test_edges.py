@@ -55,9 +55,13 @@ def test_a_count_out_of_bounds_is_refused_naming_the_key(key, value):
     assert f"inputs[0].stream.{key}" in str(err.value)
 
 
-def test_a_first_chunk_deadline_past_the_stream_deadline_is_refused():
+def test_a_first_chunk_or_gap_deadline_past_the_stream_deadline_is_refused():
     with pytest.raises(EdgeError, match="firstChunkSeconds .* exceeds .*streamSeconds"):
         parse_stream({"firstChunkSeconds": 30, "streamSeconds": 10}, "s")
+    with pytest.raises(EdgeError, match="gapSeconds .* exceeds .*streamSeconds"):
+        parse_stream({"firstChunkSeconds": 1, "gapSeconds": 30, "streamSeconds": 10}, "s")
+    with pytest.raises(EdgeError, match="gapSeconds .* exceeds .*streamSeconds"):
+        parse_stream({"firstChunkSeconds": 1, "streamSeconds": 5}, "s")  # the default gap (10 s) too
 
 
 @pytest.mark.parametrize("raw, message", [

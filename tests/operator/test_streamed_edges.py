@@ -77,15 +77,16 @@ def test_the_schema_bounds_are_the_contracts():
         node = settings[key]
         low, high = node["minimum"], node["maximum"]
         assert "default" not in node, f"{key}: defaults live in the contract only"
-        contract.parse_stream({key: high} if key != "firstChunkSeconds" else {key: high, "streamSeconds": high}, "s")
+        within = ("firstChunkSeconds", "gapSeconds")  # each at most streamSeconds
+        contract.parse_stream({key: high, "streamSeconds": high} if key in within else {key: high}, "s")
         with pytest.raises(contract.EdgeError, match=key):
             contract.parse_stream({key: high + 1}, "s")
         if node.get("exclusiveMinimum"):
             assert node["type"] == "number" and low == 0
             with pytest.raises(contract.EdgeError, match=key):
                 contract.parse_stream({key: low}, "s")
-            contract.parse_stream({key: 0.001, **({"firstChunkSeconds": 0.001} if key == "streamSeconds" else {})},
-                                  "s")
+            contract.parse_stream({key: 0.001, **({"firstChunkSeconds": 0.001, "gapSeconds": 0.001}
+                                                  if key == "streamSeconds" else {})}, "s")
         else:
             assert node["type"] == "integer"
             contract.parse_stream({key: low}, "s")
@@ -114,6 +115,9 @@ def test_the_schema_bounds_are_the_contracts():
     # both given: CEL says it at kubectl apply ...
     ([{"stage": "thinker", "firstChunkSeconds": 70, "streamSeconds": 60}], {},
      "spec.stages[1].streams[0].firstChunkSeconds", "exceeds streamSeconds"),
+    # ... and of the gap too (an outside review: a gap over the stream was taken)
+    ([{"stage": "thinker", "gapSeconds": 70, "streamSeconds": 60}], {},
+     "spec.stages[1].streams[0].gapSeconds", "exceeds streamSeconds"),
 ])
 def test_the_crd_refuses_at_kubectl_apply(streams, changes, field, text):
     body = body_with(streams, **changes)

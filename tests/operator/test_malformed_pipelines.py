@@ -130,6 +130,10 @@ CASES = [
     ("env-reserved-name", edit(stage(0, env=[{"name": "OMNI_STAGE", "value": "x"}])), "spec.stages[0].env[0].name", CRD, "OMNI_"),
     ("env-ucx-port-range", edit(stage(0, env=[{"name": "LOG", "value": "1"}, {"name": "UCX_TCP_PORT_RANGE", "value": "20000-20100"}])),
      "spec.stages[0].env[1].name", CRD, "the operator sets UCX_TCP_PORT_RANGE to 9700-9731"),
+    # An outside review: with gpus 0 and NVIDIA_VISIBLE_DEVICES=all, NVIDIA's runtime showed the
+    # pod every GPU of its node, past the device plugin and the quota.
+    ("env-nvidia-visible-devices", edit(stage(0, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}])),
+     "spec.stages[0].env[0].name", CRD, "NVIDIA_VISIBLE_DEVICES is the GPU device plugin's"),
     ("env-as-map", edit(stage(0, env={"HF_HOME": "/models"})), "spec.stages[0].env", CRD, "must be a list"),
     # integers beyond their format
     ("replicas-beyond-int32", edit(stage(0, replicas=2**40)), "spec.stages[0].replicas", CRD, "maximum"),

@@ -165,6 +165,24 @@ def test_invalid_spec_applies_nothing_and_warns_once(kube, reconciler):
     assert len(kube.request("list", "Event", "GET", f"/api/v1/namespaces/{NAMESPACE}/events")["items"]) == 1
 
 
+def test_a_spec_with_many_problems_says_the_first_ones_and_how_many_more(kube, reconciler):
+    """A spec with hundreds of problems put every one in the Ready condition and again in
+    Degraded (222 KB of status from 1,024 problems: an outside review); a condition says the
+    first ones and how many more, as the Event does."""
+    body = pipeline_body()
+    body["spec"]["stages"][0]["env"] = [{"name": f"OMNI_{i}", "value": "x"} for i in range(60)]
+    create_pipeline(kube, body)
+    assert reconciler.reconcile(NAMESPACE, "tiny").result == "invalid"
+    status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
+    for kind in ("Ready", "Degraded"):
+        message = next(c for c in status["conditions"] if c["type"] == kind)["message"]
+        assert message.startswith("spec.stages[0].env[0].name:") and len(message) <= 4200, message
+        assert message.endswith("more (omni-pipeline validate lists every one)"), message
+    assert len(json.dumps(status)) < 16_000
+    [event] = kube.request("list", "Event", "GET", f"/api/v1/namespaces/{NAMESPACE}/events")["items"]
+    assert event["message"].startswith("spec.stages[0].env[0].name:")
+
+
 def test_while_the_spec_is_invalid_the_status_follows_the_stages_that_run(kube, reconciler):
     """An invalid update applies nothing, but the stages of the revision that runs are still
     observed: a stage losing its pods shows in stagesReady and its counts (they stayed at

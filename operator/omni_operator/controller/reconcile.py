@@ -299,7 +299,7 @@ class Reconciler:
         try:
             admitted = admit(body, cluster=self.cluster)
         except SpecError as exc:
-            return self._refuse(body, "InvalidSpec", str(exc))
+            return self._refuse(body, "InvalidSpec", exc.summary())
         pipeline = admitted.pipeline
         if admitted.warnings and self._warned.get((namespace, name)) != (pipeline.uid, pipeline.generation):
             self._warn(body, admitted)

@@ -25,3 +25,18 @@ class SpecError(ValueError):
     @property
     def fields(self) -> list[str]:
         return [p.field for p in self.problems]
+
+    def summary(self, max_problems: int = 10, max_chars: int = 4096) -> str:
+        """The first problems, in at most ``max_chars`` characters, and how many more there are:
+        what a status condition or an Event says (a spec can have a thousand problems, and a
+        condition's message is bounded; `omni-pipeline validate` lists them all)."""
+        shown: list[str] = []
+        used = 0
+        for problem in self.problems[:max_problems]:
+            text = str(problem)
+            if shown and used + len(text) + 2 > max_chars:
+                break
+            shown.append(text[:max_chars])
+            used += len(text) + 2
+        rest = len(self.problems) - len(shown)
+        return "; ".join(shown) + (f"; and {rest} more (omni-pipeline validate lists every one)" if rest else "")

@@ -134,6 +134,15 @@ CASES = [
     # pod every GPU of its node, past the device plugin and the quota.
     ("env-nvidia-visible-devices", edit(stage(0, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}])),
      "spec.stages[0].env[0].name", CRD, "NVIDIA_VISIBLE_DEVICES is the GPU device plugin's"),
+    # The model the stage downloads (an outside review: each passed, and the pods would crash-loop).
+    ("model-name-with-spaces", edit(lambda b: b["spec"]["model"].update(name="Qwen Omni 7B")),
+     "spec.model.name", CRD, "is not a Hugging Face repository id"),
+    ("model-name-too-deep", edit(lambda b: b["spec"]["model"].update(name="a/b/c/d")),
+     "spec.model.name", CRD, "is not a Hugging Face repository id"),
+    ("model-name-double-dash", edit(lambda b: b["spec"]["model"].update(name="Qwen/Qwen--7B")),
+     "spec.model.name", CRD, "no '--' or '..'"),
+    ("model-revision-newline", edit(lambda b: b["spec"]["model"].update(revision="main\nx")),
+     "spec.model.revision", CRD, "does not match"),
     ("env-as-map", edit(stage(0, env={"HF_HOME": "/models"})), "spec.stages[0].env", CRD, "must be a list"),
     # integers beyond their format
     ("replicas-beyond-int32", edit(stage(0, replicas=2**40)), "spec.stages[0].replicas", CRD, "maximum"),
@@ -306,6 +315,7 @@ def test_valid_yaml_oddities_are_accepted(tmp_path):
     valid revisions and engine arguments."""
     body = copy.deepcopy(BASE)
     body["spec"]["model"]["revision"] = "DATE"
+    body["spec"]["model"]["name"] = "Qwen/Qwen2.5-Omni-7B_v1.0"  # a repository id at its fullest
     body["spec"]["stages"][0]["engineArgs"] = {"revision": "DATE", "cpu-offload-gb": 2**70,
                                                "gpu-memory-utilization": 0.9}
     text = yaml.safe_dump(body).replace("DATE", "2024-01-01")

@@ -29,7 +29,7 @@ from omni_contract import vllm_args
 from omni_contract.engine_args import RESERVED, SECRET_FLAGS, engine_args_problems, engine_args_report, flag_name
 from omni_operator.local import cli
 from omnip_support import validate_text
-from omni_operator.check.admission import admit, problems_of
+from omni_operator.check.admission import admit, problems_of, report_of
 from omni_operator.check.documents import load_documents
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -428,6 +428,25 @@ def test_a_stage_config_with_a_flag_vllm_refuses_stops_omni_stage():
 def test_flag_name_keeps_a_json_fields_name():
     assert flag_name("compilationConfig.cudagraph_mode") == "compilation-config.cudagraph_mode"
     assert flag_name("max_model_len") == "max-model-len"
+
+
+@pytest.mark.parametrize("stage, warned", [
+    ({"resources": {"limits": {"memory": "1Gi"}}}, True),  # the default shmSize, 2Gi
+    ({"shmSize": "512Mi", "resources": {"limits": {"memory": "1Gi"}}}, False),
+    ({"shmSize": "1Gi", "resources": {"limits": {"memory": "1Gi"}}}, False),
+    ({"shmSize": "4Gi"}, False),  # no limit
+])
+def test_a_shm_size_over_the_memory_limit_is_a_warning(stage, warned):
+    """/dev/shm counts against the container's memory limit (an outside review: a size over
+    it was taken without a word); the stage would run, so a warning, naming both."""
+    body = yaml.safe_load(PIPELINE)
+    body["spec"]["stages"][0].update(stage)
+    problems, warnings = report_of(body)
+    assert problems == []
+    found = [w for w in warnings if w.field == "spec.stages[0].shmSize"]
+    assert bool(found) == warned, warnings
+    if warned:
+        assert "over the container's memory limit 1Gi" in found[0].message
 
 
 def test_reports_are_pure_and_warnings_separate():

@@ -370,6 +370,7 @@ def graph_report(pipeline: Pipeline) -> tuple[list[Problem], list[Problem]]:
         warnings += [_engine_arg(where, p) for p in engine_args_warnings(stage.engine_args, sends_kv=stage.kv.send,
                                                                           vllm_version=version)]
         problems += _gpus_for_parallelism(where, stage)
+        warnings += _shm_over_memory_limit(where, stage)
         if stage.input is not None and vllm_args.applies(version):
             problems += [Problem(f"{where}.input.samplingParams" + (f".{f.key}" if f.key else ""), f.message)
                          for f in vllm_args.sampling_params_problems(stage.input.sampling_params)]
@@ -379,6 +380,21 @@ def graph_report(pipeline: Pipeline) -> tuple[list[Problem], list[Problem]]:
         problems.append(Problem("spec.stages[].inputs", f"the stage graph has a cycle: {' -> '.join(cycle)}; "
                                                         "remove one of these inputs"))
     return problems, warnings
+
+
+def _shm_over_memory_limit(where: str, stage: Stage) -> list[Problem]:
+    """/dev/shm is memory the container's limit counts: a size over the limit is never all
+    there (the stage is killed for memory first)."""
+    limit = (stage.resources.get("limits") or {}).get("memory")
+    try:
+        over = limit is not None and parse_quantity(stage.shm_size) > parse_quantity(limit)
+    except ValueError:  # not quantities: the schema says so
+        return []
+    if not over:
+        return []
+    return [Problem(f"{where}.shmSize", f"{stage.shm_size} is over the container's memory limit {limit}, which "
+                                        "/dev/shm counts against: the stage is killed for memory before /dev/shm "
+                                        "is full; lower shmSize, or raise resources.limits.memory")]
 
 
 def _gpus_for_parallelism(where: str, stage: Stage) -> list[Problem]:

@@ -204,6 +204,61 @@ def test_while_the_spec_is_invalid_the_status_follows_the_stages_that_run(kube, 
     assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0  # nothing new: nothing written
 
 
+def test_while_the_spec_is_refused_its_last_admitted_childrens_are_kept_and_repaired(kube, reconciler):
+    """A refused update (an engineArgs typo) stopped every repair: a Deployment deleted or
+    scaled to 0 by hand stayed so for as long as the spec was refused (an outside review). The
+    children are kept as the last admitted spec made them, while the status says the spec
+    is refused, once."""
+    create_pipeline(kube, pipeline_body())
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
+    before = names(kube, DEPLOYMENT)
+    stages = pipeline_body()["spec"]["stages"]
+    stages[1]["engineArgs"] = {"max-num-seqz": 8}
+    patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
+    assert reconciler.reconcile(NAMESPACE, "tiny").result == "invalid"
+    kube.delete(DEPLOYMENT, NAMESPACE, workload("talker"))
+    kube.patch(DEPLOYMENT, NAMESPACE, workload("code2wav"), {"spec": {"replicas": 0}})
+    outcome = reconciler.reconcile(NAMESPACE, "tiny")
+    assert outcome.result == "invalid" and sorted(outcome.changed) == [
+        f"create Deployment/{workload('talker')}", f"patch Deployment/{workload('code2wav')}"], outcome.changed
+    assert names(kube, DEPLOYMENT) == before
+    assert kube.get(DEPLOYMENT, NAMESPACE, workload("code2wav"))["spec"]["replicas"] == 1
+    status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (status["phase"], status["observedGeneration"], ready["reason"]) == ("Failed", 2, "InvalidSpec")
+    assert "max-num-seqz" in ready["message"]
+    events = kube.request("list", "Event", "GET", f"/api/v1/namespaces/{NAMESPACE}/events")["items"]
+    assert [e["reason"] for e in events if e["type"] == "Warning"] == ["InvalidSpec"]
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
+    assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0
+
+
+def test_a_rollout_under_way_when_the_spec_is_refused_finishes(kube, reconciler):
+    """An update refused mid-rollout left both revisions side by side (a GPU stage a pod short)
+    for as long as it was refused (an outside review): the rollout to the last admitted spec
+    goes on to its end, and fixing the spec rolls on from there."""
+    create_pipeline(kube, pipeline_body())
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
+    stages = pipeline_body()["spec"]["stages"]
+    stages[1]["engineArgs"] = {"max-model-len": 2048}  # a new revision
+    patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
+    reconciler.reconcile(NAMESPACE, "tiny")
+    new = pipeline_body(stages=stages)
+    assert len(names(kube, DEPLOYMENT)) > 3, "both revisions side by side"
+    refused = [dict(s) for s in stages]
+    refused[0]["engineArgs"] = {"max-num-seqz": 8}
+    patch_pipeline(kube, "tiny", {"spec": {"stages": refused}})
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"),
+                 until=lambda: len(names(kube, DEPLOYMENT)) == 3)
+    assert names(kube, DEPLOYMENT) == sorted(workload(s, new) for s in ("thinker", "talker", "code2wav"))
+    ready = next(c for c in kube.get_pipeline(NAMESPACE, "tiny")["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec"
+    patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
+    assert reconciler.reconcile(NAMESPACE, "tiny").result in ("applied", "unchanged")
+    ready = next(c for c in kube.get_pipeline(NAMESPACE, "tiny")["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] != "InvalidSpec"
+
+
 def test_fixing_an_invalid_spec_applies_it(kube, reconciler):
     body = pipeline_body()
     body["spec"]["stages"][1]["inputs"] = ["nobody"]

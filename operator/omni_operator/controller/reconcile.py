@@ -42,7 +42,7 @@ from .metrics import OperatorMetrics
 from omni_operator.pipeline.model import Pipeline
 from omni_operator.pipeline.render import ClusterSettings
 from .rollout import LEGACY, Plan, PodLoad, plan, pod_of, workload_of
-from .status import compute_status, invalid_status, status_patch
+from .status import compute_status, invalid_status, refused_status, status_patch
 from omni_operator.health.transfers import STALLED, TRANSFERS_HEALTHY
 
 if TYPE_CHECKING:
@@ -203,6 +203,11 @@ class Reconciler:
         self._rejected: dict[tuple[str, str], tuple[str, int, str]] = {}
         # The generation whose admission warnings were posted: (uid, generation).
         self._warned: dict[tuple[str, str], tuple[str, int]] = {}
+        # Each pipeline's last admitted spec: while a later one is refused, its children are
+        # kept as that one made them (a child deleted or changed by hand restored, a rollout in
+        # progress finished), as a Deployment keeps its pods while a new template cannot run.
+        # Held by this process: one that starts on a refused spec has none, and applies nothing.
+        self._admitted: dict[tuple[str, str], Admitted] = {}
 
     # -- entry points ------------------------------------------------------------------------
     def close(self) -> None:
@@ -248,6 +253,7 @@ class Reconciler:
             self._desired.pop((namespace, name), None)
             self._rejected.pop((namespace, name), None)
             self._warned.pop((namespace, name), None)
+            self._admitted.pop((namespace, name), None)
             for key in [k for k, (child, _, _) in self._replicated.items()
                         if k[0] == namespace and child["metadata"]["labels"].get(naming.PIPELINE_LABEL) == name]:
                 self._replicated.pop(key, None)
@@ -299,8 +305,9 @@ class Reconciler:
         try:
             admitted = admit(body, cluster=self.cluster)
         except SpecError as exc:
-            return self._refuse(body, "InvalidSpec", exc.summary())
+            return self._keep_admitted(body, exc.summary(), fresh)
         pipeline = admitted.pipeline
+        self._admitted[(namespace, name)] = admitted
         if admitted.warnings and self._warned.get((namespace, name)) != (pipeline.uid, pipeline.generation):
             self._warn(body, admitted)
         rejected = self._rejected.get((namespace, name))
@@ -316,10 +323,26 @@ class Reconciler:
             log.warning("%s/%s: %s", namespace, name, exc.message)
             return self._refuse(body, "ChildRejected", exc.message, pipeline.generation)
 
-    def _apply(self, body: dict[str, Any], admitted: Admitted, fresh: bool | ResyncRound) -> Outcome:
+    def _keep_admitted(self, body: dict[str, Any], message: str, fresh: bool | ResyncRound) -> Outcome:
+        """A spec admission refuses: the pipeline's children are kept as its last admitted spec
+        made them (this process's: none after a restart, then nothing is applied), and the
+        status says the spec is refused (Ready=False, InvalidSpec) and how those stages run."""
+        meta = body["metadata"]
+        last = self._admitted.get((meta.get("namespace") or "default", meta["name"]))
+        if last is None or last.pipeline.uid != (meta.get("uid") or ""):
+            return self._refuse(body, "InvalidSpec", message)
+        try:
+            return self._apply(body, last, fresh, refused=message)
+        except ChildRejected:  # reported as the last admitted spec's generation was
+            return self._refuse(body, "InvalidSpec", message)
+
+    def _apply(self, body: dict[str, Any], admitted: Admitted, fresh: bool | ResyncRound,
+               refused: str | None = None) -> Outcome:
         """Apply the children admission rendered (each with its last-applied record): the
         very objects it checked, the current revision's Deployments with the replicas the
-        rollout gives them; then the rollout's step for the old revisions."""
+        rollout gives them; then the rollout's step for the old revisions. ``refused``: the
+        body's own spec was refused, ``admitted`` is the last one admitted (its children are
+        kept; the status says why the body's is not applied)."""
         pipeline = admitted.pipeline
         namespace, name = pipeline.namespace, pipeline.name
         podmonitors, keda = self._podmonitors_served(), self._keda_served()
@@ -385,6 +408,17 @@ class Reconciler:
         status = compute_status(pipeline, deployments, body.get("status"), self.clock(), transfers=verdict,
                                 transfer_health=self.health is not None, targets=targets, rollout=step,
                                 autoscalers=autoscalers)
+        if refused is not None:
+            outcome.result = "invalid"
+            ready = next((c for c in (body.get("status") or {}).get("conditions") or []
+                          if c.get("type") == "Ready"), {})
+            if ready.get("reason") != "InvalidSpec" or ready.get("message") != refused:
+                log.warning("%s/%s: InvalidSpec: %s (generation %s kept)", namespace, name, refused,
+                            pipeline.generation)
+                self._post_event(body, "Warning", "InvalidSpec", refused)
+                outcome.writes += 1
+            status = refused_status(status, int(body["metadata"].get("generation") or 0), "InvalidSpec",
+                                    refused, body.get("status"), self.clock())
         outcome.phase = status["phase"]
         if self._write_status(body, status):
             outcome.writes += 1

@@ -204,6 +204,18 @@ NOT_PROGRESSING = {
 }
 
 
+def refused_status(status: Mapping[str, Any], generation: int, reason: str, message: str,
+                   previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+    """``status`` (the stages as the last admitted spec runs them) of a resource whose current
+    spec (``generation``) is refused: Ready=False and Degraded with the reason; Progressing as
+    the kept spec's rollout goes on."""
+    kept = [dict(c) for c in status.get("conditions") or [] if c["type"] not in (READY, DEGRADED)]
+    conditions = [_condition(READY, False, reason, message, generation),
+                  _condition(DEGRADED, True, reason, message, generation), *kept]
+    return {**status, "observedGeneration": generation, "phase": "Failed",
+            "conditions": with_transition_times(conditions, (previous or {}).get("conditions"), now)}
+
+
 def invalid_status(generation: int, message: str, previous: Mapping[str, Any] | None, now: str,
                    reason: str = "InvalidSpec",
                    deployments: Mapping[str, Mapping[str, Any] | None] | None = None) -> dict[str, Any]:

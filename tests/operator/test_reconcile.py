@@ -233,6 +233,32 @@ def test_while_the_spec_is_refused_its_last_admitted_childrens_are_kept_and_repa
     assert reconciler.reconcile(NAMESPACE, "tiny").writes == 0
 
 
+def test_an_operator_starting_on_a_refused_spec_keeps_the_last_admitted_from_the_status(kube, reconciler, emulator):
+    """The last admitted spec is in the status (`status.admitted`): an operator started (or
+    restarted) while a later spec is refused repairs the children as that one made them."""
+    from omni_operator.controller.reconcile import Reconciler
+
+    create_pipeline(kube, pipeline_body())
+    complete_all(kube, reconcile=lambda: reconciler.reconcile(NAMESPACE, "tiny"))
+    admitted = kube.get_pipeline(NAMESPACE, "tiny")["status"]["admitted"]
+    assert admitted["generation"] == 1 and admitted["spec"]["stages"][0]["name"] == "thinker"
+    stages = pipeline_body()["spec"]["stages"]
+    stages[1]["engineArgs"] = {"max-num-seqz": 8}
+    patch_pipeline(kube, "tiny", {"spec": {"stages": stages}})
+    kube.delete(DEPLOYMENT, NAMESPACE, workload("talker"))
+    client = make_kube(emulator.url)
+    restarted = Reconciler(client)
+    try:
+        outcome = restarted.reconcile(NAMESPACE, "tiny")
+        assert outcome.result == "invalid" and f"create Deployment/{workload('talker')}" in outcome.changed
+        status = kube.get_pipeline(NAMESPACE, "tiny")["status"]
+        assert status["admitted"] == admitted, "the last admitted is kept, not the refused"
+        assert next(c for c in status["conditions"] if c["type"] == "Ready")["reason"] == "InvalidSpec"
+    finally:
+        restarted.close()
+        client.close()
+
+
 def test_a_rollout_under_way_when_the_spec_is_refused_finishes(kube, reconciler):
     """An update refused mid-rollout left both revisions side by side (a GPU stage a pod short)
     for as long as it was refused (an outside review): the rollout to the last admitted spec

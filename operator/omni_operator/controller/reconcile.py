@@ -128,6 +128,18 @@ def _one_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def admitted_record(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the status keeps of an admitted spec (``status.admitted``): its generation, the
+    metadata admission reads besides the name (the vLLM-version annotation: a user's others,
+    kubectl's last-applied copy of the object among them, it does not read) and the spec,
+    so that an operator starting while a later spec is refused keeps the children as this one
+    made them."""
+    meta = body.get("metadata") or {}
+    ours = {k: v for k, v in (meta.get("annotations") or {}).items() if k == naming.VLLM_VERSION_ANNOTATION}
+    return {"generation": meta.get("generation"), "metadata": {"annotations": ours} if ours else {},
+            "spec": body.get("spec")}
+
+
 def is_owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
@@ -203,11 +215,12 @@ class Reconciler:
         self._rejected: dict[tuple[str, str], tuple[str, int, str]] = {}
         # The generation whose admission warnings were posted: (uid, generation).
         self._warned: dict[tuple[str, str], tuple[str, int]] = {}
-        # Each pipeline's last admitted spec: while a later one is refused, its children are
-        # kept as that one made them (a child deleted or changed by hand restored, a rollout in
-        # progress finished), as a Deployment keeps its pods while a new template cannot run.
-        # Held by this process: one that starts on a refused spec has none, and applies nothing.
-        self._admitted: dict[tuple[str, str], Admitted] = {}
+        # Each pipeline's last admitted spec, and its record in the status (`admitted_record`):
+        # while a later one is refused, its children are kept as that one made them (a child
+        # deleted or changed by hand restored, a rollout in progress finished), as a Deployment
+        # keeps its pods while a new template cannot run. A process that starts on a refused
+        # spec reads it from the status.
+        self._admitted: dict[tuple[str, str], tuple[Admitted, dict[str, Any]]] = {}
 
     # -- entry points ------------------------------------------------------------------------
     def close(self) -> None:
@@ -307,7 +320,8 @@ class Reconciler:
         except SpecError as exc:
             return self._keep_admitted(body, exc.summary(), fresh)
         pipeline = admitted.pipeline
-        self._admitted[(namespace, name)] = admitted
+        record = admitted_record(body)
+        self._admitted[(namespace, name)] = (admitted, record)
         if admitted.warnings and self._warned.get((namespace, name)) != (pipeline.uid, pipeline.generation):
             self._warn(body, admitted)
         rejected = self._rejected.get((namespace, name))
@@ -317,7 +331,7 @@ class Reconciler:
             return self._refuse(body, "ChildRejected", rejected[2], pipeline.generation)
         self._rejected.pop((namespace, name), None)
         try:
-            return self._apply(body, admitted, fresh)
+            return self._apply(body, admitted, fresh, record=record)
         except ChildRejected as exc:
             self._rejected[(namespace, name)] = (pipeline.uid, pipeline.generation, exc.message)
             log.warning("%s/%s: %s", namespace, name, exc.message)
@@ -328,21 +342,45 @@ class Reconciler:
         made them (this process's: none after a restart, then nothing is applied), and the
         status says the spec is refused (Ready=False, InvalidSpec) and how those stages run."""
         meta = body["metadata"]
-        last = self._admitted.get((meta.get("namespace") or "default", meta["name"]))
-        if last is None or last.pipeline.uid != (meta.get("uid") or ""):
-            return self._refuse(body, "InvalidSpec", message)
+        key = (meta.get("namespace") or "default", meta["name"])
+        last = self._admitted.get(key)
+        if last is None or last[0].pipeline.uid != (meta.get("uid") or ""):
+            last = self._admitted_from_status(body)
+            if last is None:
+                return self._refuse(body, "InvalidSpec", message)
+            self._admitted[key] = last
         try:
-            return self._apply(body, last, fresh, refused=message)
+            return self._apply(body, last[0], fresh, refused=message, record=last[1])
         except ChildRejected:  # reported as the last admitted spec's generation was
             return self._refuse(body, "InvalidSpec", message)
 
+    def _admitted_from_status(self, body: Mapping[str, Any]) -> tuple[Admitted, dict[str, Any]] | None:
+        """The last admitted spec as the status records it (`admitted_record`), admitted again
+        (this process's checks); None without one, or where it is not admitted now."""
+        record = (body.get("status") or {}).get("admitted")
+        if not isinstance(record, dict) or not isinstance(record.get("spec"), dict):
+            return None
+        meta = body["metadata"]
+        saved = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+        again = {"apiVersion": API_VERSION, "kind": KIND, "spec": record["spec"],
+                 "metadata": {**{k: v for k, v in saved.items() if k == "annotations"},
+                              "name": meta["name"], "namespace": meta.get("namespace") or "default",
+                              "uid": meta.get("uid") or "", "generation": record.get("generation")}}
+        try:
+            return admit(again, cluster=self.cluster), record
+        except SpecError as exc:
+            log.warning("%s/%s: the last admitted spec in the status is not admitted now: %s",
+                        meta.get("namespace"), meta["name"], exc.summary())
+            return None
+
     def _apply(self, body: dict[str, Any], admitted: Admitted, fresh: bool | ResyncRound,
-               refused: str | None = None) -> Outcome:
+               refused: str | None = None, record: dict[str, Any] | None = None) -> Outcome:
         """Apply the children admission rendered (each with its last-applied record): the
         very objects it checked, the current revision's Deployments with the replicas the
         rollout gives them; then the rollout's step for the old revisions. ``refused``: the
         body's own spec was refused, ``admitted`` is the last one admitted (its children are
-        kept; the status says why the body's is not applied)."""
+        kept; the status says why the body's is not applied). ``record``: the admitted spec's
+        record, kept in the status."""
         pipeline = admitted.pipeline
         namespace, name = pipeline.namespace, pipeline.name
         podmonitors, keda = self._podmonitors_served(), self._keda_served()
@@ -408,6 +446,8 @@ class Reconciler:
         status = compute_status(pipeline, deployments, body.get("status"), self.clock(), transfers=verdict,
                                 transfer_health=self.health is not None, targets=targets, rollout=step,
                                 autoscalers=autoscalers)
+        if record is not None:
+            status["admitted"] = record
         if refused is not None:
             outcome.result = "invalid"
             ready = next((c for c in (body.get("status") or {}).get("conditions") or []

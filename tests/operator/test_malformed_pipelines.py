@@ -181,7 +181,10 @@ CASES = [
     ("kv-transfer-true", edit(stage(0, kvTransfer=True)), "spec.stages[0].kvTransfer", CRD, "must be an object"),
     ("image-pull-secrets-strings", edit(spec(imagePullSecrets=["regcred"])), "spec.imagePullSecrets[0]", CRD, "must be an object"),
     # other fields the pods would not start with
-    ("image-with-space", edit(spec(image="ghcr.io/example/omni stage:0.1")), "spec.image", CRD, "does not match"),
+    ("image-with-space", edit(spec(image="ghcr.io/example/omni stage:0.1")), "spec.image", CRD, "is not an image reference"),
+    # An outside review: each passed (only spaces were refused), and the kubelet refuses it.
+    ("image-upper-case-and-two-tags", edit(spec(image="UPPER/Case:tag:two")), "spec.image", CRD, "is not an image reference"),
+    ("image-empty-tag", edit(stage(1, image="ghcr.io/x/y:")), "spec.stages[1].image", CRD, "is not an image reference"),
     ("cache-mounted-on-tmp", edit(spec(model={"name": "m", "cache": {"pvc": {"claimName": "models"}, "mountPath": "/tmp"}})),
      "spec.model.cache.mountPath", CRD, "already mount"),
     ("claim-name-upper-case", edit(spec(model={"name": "m", "cache": {"pvc": {"claimName": "Models"}}})),

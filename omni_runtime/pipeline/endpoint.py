@@ -831,6 +831,9 @@ def _refused_past_one_stage(body: Mapping[str, Any], kind: str = "completion"
     - several outputs (``n``, ``best_of``) or several prompts: a pipeline request carries one
       output from stage to stage."""
     stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (
+            isinstance(stop, list) and all(isinstance(item, str) for item in stop))):
+        return "stop", f"stop must be a string or a list of strings, got a JSON {json_kind(stop)}"
     if stop:
         return "stop", ("stop strings cannot end a request of a pipeline of several stages: "
                         "vLLM ends a request on one by aborting it, and an aborted request "

@@ -91,6 +91,16 @@ def test_what_cannot_go_past_the_first_stage_is_refused_at_the_door(body, param)
     assert sent == [], "nothing reached the first stage"
 
 
+@pytest.mark.parametrize("stop", [5, {"a": 1}, ["a", 3]])
+def test_a_stop_that_is_no_string_is_refused_as_such(stop):
+    """``"stop": 5`` was refused with the stop-strings message (an outside review): it says
+    what stop must be, as vLLM's validation does."""
+    sent = [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stop": stop}]
+    [(status, answer)] = asyncio.run(_through(sent))
+    assert status == 400 and answer["error"]["param"] == "stop", answer
+    assert answer["error"]["message"].startswith("stop must be a string or a list of strings"), answer
+
+
 def test_what_can_go_past_it_goes_and_a_one_stage_pipeline_takes_anything():
     # One token-id prompt, one string in a list, n=1, an empty stop list, stop token ids.
     fine = [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 2},

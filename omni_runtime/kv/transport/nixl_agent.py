@@ -109,8 +109,12 @@ class KVAgent:
                  progress_thread: bool = False) -> None:
         api = _nixl_api()
         try:
-            (self._agent, progress_thread), self._event_fds = _with_new_event_fds(
-                lambda: _make_agent(api, name, backends, progress_thread))
+            def make() -> tuple[Any, bool]:
+                return _make_agent(api, name, backends, progress_thread)
+
+            # The event descriptors a progress thread waits on are watched (close()).
+            (self._agent, progress_thread), watched = (_with_new_event_fds(make) if progress_thread
+                                                       else (make(), {}))
         except Exception as exc:
             raise NixlUnavailable(f"cannot create the NIXL agent {name!r} with backends "
                                   f"{list(backends)}: {type(exc).__name__}: {exc}") from None
@@ -122,6 +126,7 @@ class KVAgent:
         #: Whether NIXL's thread progresses this agent (else :meth:`progress` must, where a
         #: peer reads its memory over a transport that needs the owner's progress).
         self.progresses_itself = progress_thread
+        self._event_fds: dict[int, str] = watched if progress_thread else {}
         self._registrations: list[Any] = []
         # Notifications collected by progress() and not taken yet: (peer, message), oldest first.
         self._pending: list[tuple[str, bytes]] = []
@@ -262,7 +267,7 @@ class KVAgent:
                 logger.debug("NIXL: deregistering: %s", exc)
         self._registrations.clear()
         lost = [fd for fd, what in self._event_fds.items() if _event_fd(fd) != what]
-        if self.progresses_itself and lost:
+        if lost:
             logger.error("NIXL agent %s: its UCX event descriptors %s were closed by something else in "
                          "this process; the agent is left undestroyed (destroying it could hang the "
                          "process, joining a progress thread blocked on a reused descriptor)",

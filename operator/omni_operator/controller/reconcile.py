@@ -339,8 +339,8 @@ class Reconciler:
 
     def _keep_admitted(self, body: dict[str, Any], message: str, fresh: bool | ResyncRound) -> Outcome:
         """A spec admission refuses: the pipeline's children are kept as its last admitted spec
-        made them (this process's: none after a restart, then nothing is applied), and the
-        status says the spec is refused (Ready=False, InvalidSpec) and how those stages run."""
+        made them (this process's, else the status's `admitted`; none: nothing is applied), and
+        the status says the spec is refused (Ready=False, InvalidSpec) and how those stages run."""
         meta = body["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         last = self._admitted.get(key)
@@ -450,13 +450,7 @@ class Reconciler:
             status["admitted"] = record
         if refused is not None:
             outcome.result = "invalid"
-            ready = next((c for c in (body.get("status") or {}).get("conditions") or []
-                          if c.get("type") == "Ready"), {})
-            if ready.get("reason") != "InvalidSpec" or ready.get("message") != refused:
-                log.warning("%s/%s: InvalidSpec: %s (generation %s kept)", namespace, name, refused,
-                            pipeline.generation)
-                self._post_event(body, "Warning", "InvalidSpec", refused)
-                outcome.writes += 1
+            outcome.writes += self._report_refusal(body, "InvalidSpec", refused)
             status = refused_status(status, int(body["metadata"].get("generation") or 0), "InvalidSpec",
                                     refused, body.get("status"), self.clock())
         outcome.phase = status["phase"]
@@ -764,17 +758,24 @@ class Reconciler:
         meta = body["metadata"]
         gen = int(meta.get("generation") or 0) if generation is None else generation
         previous = body.get("status") or {}
-        ready = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
         result = {"InvalidSpec": "invalid", "ChildRejected": "rejected"}.get(reason, "conflict")
         outcome = Outcome(result, phase="Failed")
-        if ready.get("reason") != reason or ready.get("message") != message:
-            log.warning("%s/%s: %s: %s", meta.get("namespace"), meta["name"], reason, message)
-            self._post_event(body, "Warning", reason, message)
-            outcome.writes += 1
+        outcome.writes += self._report_refusal(body, reason, message)
         status = invalid_status(gen, message, previous, self.clock(), reason, self._running_stages(body, previous))
         if self._write_status(body, status):
             outcome.writes += 1
         return outcome
+
+    def _report_refusal(self, body: Mapping[str, Any], reason: str, message: str) -> int:
+        """Log and post a refusal once per new reason and message (the status's Ready says the
+        last one); the writes made."""
+        meta = body["metadata"]
+        ready = next((c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        if ready.get("reason") == reason and ready.get("message") == message:
+            return 0
+        log.warning("%s/%s: %s: %s", meta.get("namespace"), meta["name"], reason, message)
+        self._post_event(body, "Warning", reason, message)
+        return 1
 
     def _running_stages(self, body: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any] | None:
         """The Deployments of the stages the previous status reports, at its revision, by stage

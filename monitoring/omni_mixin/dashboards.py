@@ -239,7 +239,7 @@ def kv_transfers(cfg: Config = Config()) -> dict[str, Any]:
         "omni-kv-transfers",
         "Omni KV transfers",
         "KV-cache transfers between the stages of omni pipelines (omni_kv_* metrics).",
-        _variables(m.KV_TRANSFERS),
+        _variables("up", 'pipeline!=""'),
         rows,
     )
 

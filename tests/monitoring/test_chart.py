@@ -340,6 +340,25 @@ def test_rbac_check_is_not_vacuous():
     {"securityContext": {"runAsUser": "abc"}},
     {"podSecurityContext": {"runAsUser": -1}},
     {"podSecurityContext": {"runAsNonRoot": "yes"}},
+    # Each of these rendered and failed only at install, or (a label with ',' or '=' in
+    # --podmonitor-labels) was read by the operator as other labels (an outside review).
+    {"podLabels": {"bad key!": "x"}},
+    {"podLabels": {"team": "x y"}},
+    {"podMonitors": {"additionalLabels": {"release": "a,b=c"}}},
+    {"podMonitors": {"additionalLabels": {"bad key": "v"}}},
+    {"podMonitors": {"additionalLabels": {"release": "kps: x"}}},
+    {"serviceMonitor": {"additionalLabels": {"release": "-x"}}},
+    {"nodeSelector": {"kubernetes.io/os": "linux os"}},
+    {"podAnnotations": {"not a key": "x"}},
+    {"serviceAccount": {"name": "Bad_Name"}},
+    {"nameOverride": "x y"},
+    {"fullnameOverride": "Omni_Pipeline"},
+    {"image": {"tag": "bad tag:x"}},
+    {"priorityClassName": "High Priority"},
+    {"dashboards": {"label": "team: omni"}},
+    {"dashboards": {"labelValue": "a b"}},
+    {"serviceMonitor": {"interval": "30s30s"}},
+    {"ingress": {"hosts": [{"host": "omni.example.com", "paths": [{"path": "/ #x", "pathType": "Prefix"}]}]}},
 ])
 def test_values_schema_rejects_bad_values(bad):
     with helm.Chart.load(CHART) as chart:
@@ -479,7 +498,29 @@ def test_pod_labels_may_not_replace_the_labels_the_deployment_selects_by():
     ({"extraArgs": ["--metrics-port", "9000"]}, "extraArgs sets --metrics-port, .* metrics.port"),
     ({"serviceMonitor": {"enabled": True, "interval": "1m30s", "scrapeTimeout": "2m"}},
      r"serviceMonitor.scrapeTimeout \(2m\) is longer than serviceMonitor.interval \(1m30s\)"),
+    # A second POD_NAMESPACE won (the last entry): the NetworkPolicy peers in the wrong namespace.
+    ({"extraEnv": [{"name": "POD_NAMESPACE", "value": "x"}]}, "extraEnv sets POD_NAMESPACE, which the chart sets"),
+    ({"extraEnv": [{"name": "POD_NAME", "value": "x"}]}, "extraEnv sets POD_NAME"),
+    ({"ingress": {"enabled": True, "pipeline": "p", "entryStage": "s",
+                  "hosts": [{"host": "10.0.0.1", "paths": [{"path": "/", "pathType": "Prefix"}]}]}},
+     "ingress.hosts.*host 10.0.0.1 is an IP address"),
 ])
 def test_values_that_could_never_run_fail_to_render_naming_them(values, message):
     with pytest.raises(helm.HelmError, match=message):
         render(values)
+
+
+def test_values_that_yaml_would_read_otherwise_render_as_given():
+    """Values written into the manifests are quoted: a priority class of digits, an Ingress
+    path with ':' or '#', stayed strings only by chance, or changed silently (an outside
+    review: `/ #x` became `/`)."""
+    deployment = one(render({"priorityClassName": "1000", "podMonitors": {"additionalLabels": {"release": "1.0"}}}),
+                     "Deployment")
+    assert deployment["spec"]["template"]["spec"]["priorityClassName"] == "1000"
+    assert "--podmonitor-labels=release=1.0" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    ingress = one(render({"ingress": {"enabled": True, "pipeline": "p", "entryStage": "s", "hosts": [
+        {"host": "omni.example.com", "paths": [{"path": "/v1:x", "pathType": "Prefix"}]}]}}), "Ingress")
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/v1:x"
+    configmaps = [c for c in render({"dashboards": {"enabled": True, "label": "example.com/dashboard",
+                                                    "labelValue": "true"}}) if c["kind"] == "ConfigMap"]
+    assert configmaps and all(c["metadata"]["labels"]["example.com/dashboard"] == "true" for c in configmaps)

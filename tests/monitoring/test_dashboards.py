@@ -64,6 +64,11 @@ def test_variables_for_datasource_namespace_pipeline_and_stage(name):
     # Each later variable is narrowed by the earlier ones.
     assert '"$namespace"' in variables["pipeline"]["definition"]
     assert '"$pipeline"' in variables["stage"]["definition"]
+    # Every stage is offered: the scrape's own series, which each stage pod has (sending,
+    # receiving or the endpoint); a receiving stage exports no omni_kv_transfers, and from
+    # that family it could not be picked (an outside review).
+    for variable in ("namespace", "pipeline", "stage"):
+        assert variables[variable]["definition"].startswith('label_values(up{pipeline!=""'), variable
     for expr in panel_queries(LOADED[name]):
         if "omni_operator_" not in expr:  # the operator is not part of any pipeline
             assert all(f'=~"${v}"' in expr for v in ("namespace", "pipeline", "stage")), expr

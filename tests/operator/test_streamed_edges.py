@@ -139,6 +139,21 @@ def test_a_producer_that_is_not_an_ar_stage_is_named():
     assert "set kvTransfer.send: true on the upstream" in problem.message
 
 
+def test_duplicate_stage_names_are_said_without_a_stream_refusal_about_another_stage():
+    """Two stages named talker, the second streaming from "talker": the stream rule found the
+    second stage as the first talker's producer and said ``spec.stages[1].streams[0] streams
+    talker -> talker, but talker does not send KV``, of a stage that streams from thinker and
+    sends (an outside review). The duplicate is the problem; the rule waits for names to be
+    unique, as the self-input rule does."""
+    body = pipeline_body()
+    body["spec"]["stages"][1]["streams"] = [{"stage": "thinker"}]
+    body["spec"]["stages"][2] = {"name": "talker", "role": "generation", "gpus": 0, "inputs": ["talker"],
+                                 "streams": [{"stage": "talker"}]}
+    said = validate(crd.openapi_schema(), copy.deepcopy(body))
+    assert any("spec.stages[].name must be unique" in e for e in said), said
+    assert not any("streams talker -> talker" in e or "does not send KV" in e for e in said), said
+
+
 def test_a_streamed_consumer_cannot_scale_to_zero():
     body = body_with([{"stage": "talker"}], stage=2)
     body["spec"]["stages"][2]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 4,

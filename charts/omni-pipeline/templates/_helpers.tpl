@@ -53,6 +53,16 @@ the name is within a Service name's 63 characters (a DNS-1035 label). */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- range .Values.extraEnv }}
+{{- if has (toString .name) (list "POD_NAME" "POD_NAMESPACE") }}
+{{- fail (printf "extraEnv sets %s, which the chart sets from the pod itself (the operator's identity, and the namespace its pods' NetworkPolicy peers are in); remove it" .name) }}
+{{- end }}
+{{- end }}
+{{- range .Values.ingress.hosts }}
+{{- if and .host (regexMatch "^[0-9]+([.][0-9]+){3}$" (toString .host)) }}
+{{- fail (printf "ingress.hosts[].host %s is an IP address: an Ingress host must be a DNS name; leave host out to match every host" .host) }}
+{{- end }}
+{{- end }}
 {{- include "omni-pipeline.checkPodLabels" . }}
 {{- $operators := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/part-of" "app.kubernetes.io/managed-by" "omnipipeline.dev/pipeline" }}
 {{- range $key, $_ := .Values.podMonitors.additionalLabels }}
@@ -60,6 +70,13 @@ the name is within a Service name's 63 characters (a DNS-1035 label). */}}
 {{- fail (printf "podMonitors.additionalLabels.%s: the operator sets this label on each PodMonitor itself; use another key" $key) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* podMonitors.additionalLabels as the operator's --podmonitor-labels reads them:
+key=value,... (the schema keeps keys and values to label syntax, so neither holds a ',' or
+a '='). */}}
+{{- define "omni-pipeline.podMonitorLabels" -}}
+{{- range $i, $key := keys .Values.podMonitors.additionalLabels | sortAlpha }}{{ if $i }},{{ end }}{{ $key }}={{ get $.Values.podMonitors.additionalLabels $key }}{{ end }}
 {{- end }}
 
 {{/* A Prometheus duration ("1m30s") in milliseconds. */}}

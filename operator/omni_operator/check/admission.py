@@ -111,7 +111,7 @@ def _admission(body: Any, cluster: ClusterSettings) -> Admitted | tuple[Problem,
 def _identity(body: Mapping[str, Any]) -> list[Problem]:
     problems = []
     if body.get("kind") != KIND:
-        problems.append(Problem("kind", f"must be {KIND} (got {_shown(body.get('kind'))}); this file is not an OmniPipeline"))
+        problems.append(Problem("kind", f"must be {KIND} (got {_shown(body.get('kind'))}); this document is not an OmniPipeline"))
     if body.get("apiVersion") != API_VERSION:
         problems.append(Problem("apiVersion", f"must be {API_VERSION} (got {_shown(body.get('apiVersion'))})"))
     return problems

@@ -149,6 +149,54 @@ def kv_transfers(cfg: Config = Config()) -> dict[str, Any]:
             ],
         ),
     ]
+    rows.append(Row(
+        "Receiving stages: the inbox",
+        [
+            Panel(
+                "Payloads waiting in the inbox",
+                "KV payloads a receiving stage has stored and its consumer has not taken yet.",
+                [(
+                    f"sum by (pipeline, stage) ({m.KV_RECEIVER_BUFFERED_PAYLOADS}{{{SEL}}})",
+                    by_stage,
+                )],
+                width=6,
+            ),
+            Panel(
+                "Bytes waiting in the inbox",
+                "The bytes of those payloads (bounded by the inbox's memory limit).",
+                [(
+                    f"sum by (pipeline, stage) ({m.KV_RECEIVER_BUFFERED_BYTES}{{{SEL}}})",
+                    by_stage,
+                )],
+                unit="bytes",
+                width=6,
+            ),
+            Panel(
+                "Payloads dropped unconsumed",
+                "Stored payloads no consumer took, per second: expired (their TTL passed), "
+                "replaced (the same request again) or abandoned (a tensor-parallel attempt "
+                "another of whose shards was refused).",
+                [(
+                    f"sum by (pipeline, stage, reason) (rate({m.KV_RECEIVER_EVICTED}{{{SEL}}}[{RATE}]))",
+                    by_stage + " {{reason}}",
+                )],
+                unit="ops",
+                width=6,
+                stack=True,
+            ),
+            Panel(
+                "Consumer wait for a payload",
+                "Time a consumer waited for a payload, p50 and p99, by outcome (found, timeout).",
+                [(
+                    f"histogram_quantile({q}, sum by (le, pipeline, stage, outcome) "
+                    f"(rate({m.KV_RECEIVER_WAIT}_bucket{{{SEL}}}[{RATE}])))",
+                    f"p{int(q * 100)} " + by_stage + " {{outcome}}",
+                ) for q in (0.5, 0.99)],
+                unit="s",
+                width=6,
+            ),
+        ],
+    ))
     by_edge = "{{pipeline}}/{{stage}} -> {{to_stage}}"
     rows.append(Row(
         "Per edge (sending stage -> to_stage)",

@@ -30,6 +30,10 @@ KV_EDGE_BYTES = contract.EDGE_BYTES.name  # histogram, to_stage
 KV_RECEIVED = contract.RECEIVED.name
 # Receiving stage: transfers it refused (bad payload, unknown request, full), label reason.
 KV_RECEIVER_REJECTED = contract.RECEIVER_REJECTED.name
+KV_RECEIVER_BUFFERED_PAYLOADS = contract.RECEIVER_BUFFERED_PAYLOADS.name
+KV_RECEIVER_BUFFERED_BYTES = contract.RECEIVER_BUFFERED_BYTES.name
+KV_RECEIVER_EVICTED = contract.RECEIVER_EVICTED.name
+KV_RECEIVER_WAIT = contract.RECEIVER_WAIT.name
 # Either stage: 1 while the KV transport's thread runs, label thread = sender, receiver.
 KV_TRANSPORT_THREAD_UP = contract.TRANSPORT_THREAD_UP.name
 # A streamed edge, at either end (labels from_stage and to_stage; `stage` is the end that

@@ -109,6 +109,11 @@ def test_kv_transfers_dashboard_has_the_issue_panels():
         "Transfers started by trigger",
         "Transfer bytes per second",
         "Receiver rejections",
+        # a receiving stage's inbox (an outside review: its families were on no panel)
+        "Payloads waiting in the inbox",
+        "Bytes waiting in the inbox",
+        "Payloads dropped unconsumed",
+        "Consumer wait for a payload",
     }
     legends = [t["legendFormat"] for t in by_title["Transfer duration"]["targets"]]
     assert [l.split()[0] for l in legends] == ["p50", "p95", "p99"]

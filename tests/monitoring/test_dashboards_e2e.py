@@ -6,7 +6,8 @@ live two-stage pipeline and the running operator.
   the ZeroMQ connector, both `omni-stage` processes on stage configs the operator renders
   (as `omni-pipeline up` runs them). Requests are acked (durations, bytes, hold times,
   resolutions); one malformed frame sent to the receiver's kv port with a raw DEALER is
-  rejected (rejections).
+  rejected (rejections); a consumer asks the receiving stage for a payload that never came
+  (the inbox's wait).
 - The operator: the real one (kopf, handlers, reconciler) against the operator tests' API
   emulator, serving its own /metrics. It applies one pipeline, and fails to reconcile
   another whose namespace refuses it Deployments (403), as a missing Role would (errors).
@@ -196,6 +197,9 @@ def traffic(stages, operator, prometheus):
         complete(ar, prompt, max_tokens)
     reply = send_malformed_frame(receiver.kv_port)
     assert reply["type"] == "rejected" and reply["code"] == "malformed", reply
+    # A consumer asking the receiving stage for a payload that never came (the inbox's wait).
+    missing = requests.get(f"http://127.0.0.1:{receiver.http_port}/v1/kv/never-sent?wait=0.05", timeout=10)
+    assert missing.status_code == 404, missing.text
     user = operator["user"]
     create_pipeline(user, pipeline_body())
     create_pipeline(user, pipeline_body(RESTRICTED))

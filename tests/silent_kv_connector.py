@@ -2,10 +2,10 @@
 worker side never sending nor answering.
 
 Used where a test needs transfers that nobody acknowledges (stuck, held and expiring
-transfers, the stuck-transfer alert): the real worker side gives up just before the deadline
-and reports ``failed``, so only a data path that stopped answering ends in ``expired``, and
-there is no deterministic way to hang the real one inside vLLM's worker. A mock, therefore,
-of the worker half only; the scheduler, the ledger, the metrics and vLLM are real.
+transfers, the stuck-transfer alert) and the scheduler's own deadline to end them: the real
+worker side gives up just before the deadline (reporting them ``expired`` itself), and there
+is no deterministic way to hang the real one inside vLLM's worker. A mock, therefore, of the
+worker half only; the scheduler, the ledger, the metrics and vLLM are real.
 Loaded by vLLM from this directory (tests/procs.py puts it on PYTHONPATH).
 """
 

@@ -23,6 +23,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from omni_runtime.devtools.offline import SCHEDULER_CLS
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
 EOS = 0  # <|endoftext|> is the first special token of the tiny tokenizer
@@ -52,6 +53,8 @@ def make_vllm_config(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         is_encoder_decoder=False,
+        # What the harness builds (make_scheduler): the omni connector checks it runs under it.
+        scheduler_cls=SCHEDULER_CLS,
     )
     cache_config = CacheConfig(
         block_size=block_size, enable_prefix_caching=enable_prefix_caching

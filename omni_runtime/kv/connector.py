@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from omni_runtime.kv.connector_config import CONNECTOR_NAME, kv_transfer_config  # noqa: F401
+from omni_runtime.kv.connector_config import CONNECTOR_NAME, ConnectorConfigError, kv_transfer_config  # noqa: F401
 from omni_runtime.kv.cpu_affinity import transport_cpus
 from omni_runtime.kv.layout import UnsupportedKVCache
 from omni_runtime.kv.load import CacheLoader, LoadPlanner, model_kv_identity
@@ -43,10 +43,11 @@ from omni_runtime.kv.metadata import (  # noqa: F401  (public names)
     ShardAnswers,
 )
 from omni_runtime.kv.scheduler_side import OmniKVConnectorScheduler
-from omni_runtime.kv.stats import OmniKVStatsMixin, StreamStats, known_to_stages
+from omni_runtime.observability.logs import log_like_vllm
+from omni_runtime.kv.stats import OmniKVStatsMixin, StreamStats
 from omni_runtime.kv.worker_side import (
     OmniKVConnectorWorker,
-    extra_config,
+    connector_settings_of,
     tensor_parallel_shard,
 )
 
@@ -65,21 +66,22 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
 
     #: Marks the connector for OmniARScheduler, which finds it without importing this module.
     omni_kv_connector = True
+    #: The keys of ``kv_connector_extra_config`` a subclass reads besides the connector's
+    #: own (any other is refused at start, naming it: a typo would be ignored).
+    extra_config_keys: tuple[str, ...] = ()
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_like_vllm()
         world_size = _check_parallelism(vllm_config)
-        extra = extra_config(vllm_config)
+        settings = connector_settings_of(vllm_config, self.extra_config_keys)
         # A bad io_cpus refuses the engine at start-up (not at the first transfer).
-        transport_cpus(extra.get("io_cpus"))
+        transport_cpus(settings.io_cpus)
         #: It ships KV downstream (its endpoints), and/or loads the KV prefixes its requests
         #: name (a downstream stage: kv/load.py); at least one.
-        self.sends_kv = bool(extra.get("endpoints"))
-        self.loads_kv = extra.get("loads", False)
-        if not isinstance(self.loads_kv, bool):
-            raise UnsupportedKVCache("kv_connector_extra_config.loads must be true or false, "
-                                     f"got {self.loads_kv!r}")
+        self.sends_kv = bool(settings.endpoints)
+        self.loads_kv = settings.loads
         if not (self.sends_kv or self.loads_kv):
             raise UnsupportedKVCache(
                 "the omni KV connector has no downstream endpoint and loads nothing: set "
@@ -91,14 +93,15 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
         self.cache_loader: CacheLoader | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self.sends_kv:
+                _check_scheduler(vllm_config)
                 self.scheduler_half = OmniKVConnectorScheduler(
-                    world_size, self.omni_kv_stats, known_to_stages(vllm_config),
-                    fans_out=len(extra["endpoints"]) > 1)
+                    world_size, self.omni_kv_stats, settings.to_stages,
+                    fans_out=len(settings.endpoints) > 1)
             if self.loads_kv:
                 self.load_planner = LoadPlanner(model_kv_identity(vllm_config))
         else:
             if self.sends_kv:
-                self.worker_half = OmniKVConnectorWorker(vllm_config, kv_cache_config)
+                self.worker_half = OmniKVConnectorWorker(vllm_config, kv_cache_config, settings)
             if self.loads_kv:
                 self.cache_loader = CacheLoader(vllm_config,
                                                 *tensor_parallel_shard(vllm_config))
@@ -217,6 +220,19 @@ class OmniKVConnector(OmniKVStatsMixin, KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_half is not None:
             self.worker_half.shutdown()
+
+
+def _check_scheduler(vllm_config: VllmConfig) -> None:
+    """A connector that sends runs under the omni scheduler, which decides when each request
+    is handed off; under vLLM's own nothing ever would be, and the stage would serve with
+    every omni figure at 0 as if idle."""
+    scheduler = vllm_config.scheduler_config.get_scheduler_cls()
+    if not getattr(scheduler, "omni_kv_scheduler", False):
+        raise ConnectorConfigError(
+            f"the omni KV connector sends KV (kv_connector_extra_config.endpoints) but the "
+            f"engine's scheduler is {scheduler.__module__}.{scheduler.__qualname__}, which never "
+            "hands a request off: add --scheduler-cls omni_runtime.sched.OmniARScheduler "
+            "(omni_runtime.sched.OmniARAsyncScheduler with --async-scheduling)")
 
 
 def _check_parallelism(vllm_config: Any) -> int:

@@ -135,7 +135,8 @@ class ShardAnswers:
                 del expected[rid]
                 answer = seen[failed]
                 resolved[rid] = Answer(attempt, f"tensor-parallel rank {failed}: "
-                                                f"{answer.reason}", seconds=answer.seconds)
+                                                f"{answer.reason}", seconds=answer.seconds,
+                                       expired=answer.expired)
                 if len(seen) < world:
                     withdraw[rid] = attempt
             elif len(seen) == world:  # every rank's shard was acked

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -22,9 +21,7 @@ from omni_runtime.kv.stats import OTHER_STAGE, KVStatsRecorder
 from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 
 #: An answer's outcome in the stats: acked without a reason, else failed.
-_OUTCOME_OF_REASON = {None: "acked"}
-_FAILED = "failed"
-_REASON, _NBYTES, _SECONDS = attrgetter("reason"), attrgetter("nbytes"), attrgetter("seconds")
+_OUTCOME, _NBYTES, _SECONDS = attrgetter("outcome"), attrgetter("nbytes"), attrgetter("seconds")
 
 
 class OmniKVConnectorScheduler:
@@ -133,7 +130,7 @@ class OmniKVConnectorScheduler:
             return
         values = answers.values()
         self._stats.record_columns(
-            list(map(_OUTCOME_OF_REASON.get, map(_REASON, values), repeat(_FAILED))),
+            list(map(_OUTCOME, values)),
             list(map(_NBYTES, values)), list(map(_SECONDS, values)), self._to_stage)
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:

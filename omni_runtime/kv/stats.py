@@ -63,6 +63,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from omni_contract.metrics import (HANDOFF_ANSWER_DURATION, RESOLVED, STREAM_CHUNKS, STREAMS_RESOLVED,
                                    TRANSFER_BYTES)
+from omni_runtime.kv.connector_config import connector_settings
+from omni_runtime.observability.logs import log_like_vllm
 from omni_runtime.observability.metrics import BYTES_BUCKETS, OUTCOMES, duration_buckets
 from omni_runtime.observability.multiproc import MULTIPROC_ENV
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
@@ -348,11 +350,8 @@ def known_to_stages(vllm_config: Any) -> tuple[str, ...]:
     bounded values of ``to_stage`` (``kv_connector_extra_config.to_stages``, else the keys of
     its ``endpoints``)."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
-    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-    stages = extra.get("to_stages")
-    if stages is None:
-        stages = list((extra.get("endpoints") or {}).keys())
-    return tuple(dict.fromkeys(str(s) for s in stages))
+    # The connector has refused any key it does not read (a subclass may read more).
+    return connector_settings(getattr(ktc, "kv_connector_extra_config", None), also=None).to_stages
 
 
 def _is_prometheus_client(cls: type) -> bool:
@@ -419,6 +418,7 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        log_like_vllm()
         cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
         self.stage = cfg.stage_name
         self.to_stages = known_to_stages(vllm_config)

@@ -33,11 +33,13 @@ from typing import Any
 
 import torch
 
+from omni_runtime.kv.connector_config import ConnectorSettings, connector_settings
 from omni_runtime.kv.cpu_affinity import transport_cpus
 from omni_runtime.kv.layout import UnsupportedKVCache, probe_block_format
 from omni_runtime.kv.metadata import OmniKVConnectorMetadata
 from omni_runtime.kv.transport.payload import vllm_external_request_id
 from omni_runtime.kv.transport.protocol import Compat, Hello, Region, block_runs
+from omni_runtime.kv.transport.sender import Unanswered
 from omni_runtime.sched.handoff import Answer, ChunkAnswer, ChunkOut, HandOff
 from omni_runtime.transfers.config import parse_omni_kv_config, raw_omni_kv_config
 
@@ -49,17 +51,18 @@ IDLE_WAIT_S = 0.005
 
 
 class OmniKVConnectorWorker:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any = None,
+                 settings: ConnectorSettings | None = None) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
-        extra = extra_config(vllm_config)
-        self._endpoints = dict(extra["endpoints"])  # some: the connector checked
-        self._pipeline = str(extra.get("pipeline", ""))
-        self._revision = str(extra.get("revision") or "")
-        self._io_cpus = transport_cpus(extra.get("io_cpus"))
+        settings = settings or connector_settings_of(vllm_config)
+        self._endpoints = settings.endpoints  # some: the connector checked
+        self._pipeline = settings.pipeline
+        self._revision = settings.revision
+        self._io_cpus = transport_cpus(settings.io_cpus)
         #: A host KV cache is moved onto huge pages before it is registered (huge_pages.py);
         #: ``kv_connector_extra_config.host_huge_pages: false`` leaves it as vLLM made it.
-        self._host_huge_pages = _flag(extra.get("host_huge_pages", True), "host_huge_pages")
+        self._host_huge_pages = settings.host_huge_pages
         self.host_huge_pages = None  # what register_kv_caches did: a HugePageOutcome
         self.shard, self.num_shards = tensor_parallel_shard(vllm_config)
         self._kv_cfg = parse_omni_kv_config(raw_omni_kv_config(vllm_config))
@@ -161,7 +164,7 @@ class OmniKVConnectorWorker:
                     (rid, attempt), to_stage, outcome,
                     nbytes=nbytes if outcome == "acked" else None))
         self._sender = KVSender(
-            {s: _zmq_address(a) for s, a in self._endpoints.items()}, hello=hello,
+            self._endpoints, hello=hello,
             agent=self._agent, send_timeout_s=max(0.1, 0.95 * self._kv_cfg.timeout_seconds),
             observe_bytes=transfer_bytes_observer(stage=stage, model_name=model_name),
             on_edge=on_edge,
@@ -271,7 +274,8 @@ class OmniKVConnectorWorker:
                     del self._offered[rid]
                     nbytes = offered[1] if reason is None else 0
                     seconds = now - offered[2]
-                answers[rid] = Answer(attempt, reason, nbytes, seconds)
+                answers[rid] = Answer(attempt, reason, nbytes, seconds,
+                                      expired=isinstance(reason, Unanswered))
         return answers
 
     def shutdown(self) -> None:
@@ -307,13 +311,6 @@ def _on_cpus(cpus: Any, make: Any) -> Any:
     return result["value"]
 
 
-def _flag(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise UnsupportedKVCache(f"kv_connector_extra_config.{key} must be true or false, "
-                                 f"got {value!r}")
-    return value
-
-
 def _onto_huge_pages(storages: list[tuple[int, int, int]]) -> Any:
     """The host KV cache onto transparent huge pages, before NIXL registers it: the receivers'
     reads of it (UCX's cma pins the pages it copies) run at the memory's speed. Returns the
@@ -336,10 +333,6 @@ def _onto_huge_pages(storages: list[tuple[int, int, int]]) -> Any:
     return outcome
 
 
-def _zmq_address(endpoint: str) -> str:
-    return endpoint if "://" in endpoint else f"tcp://{endpoint}"
-
-
 def _ids_not_randomized() -> bool:
     """vLLM keeps the client's request id as its internal id (no random suffix)."""
     import vllm.envs as envs
@@ -347,8 +340,10 @@ def _ids_not_randomized() -> bool:
     return bool(envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
 
 
-def extra_config(vllm_config: Any) -> dict[str, Any]:
-    return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+def connector_settings_of(vllm_config: Any, also: tuple[str, ...] | None = ()) -> ConnectorSettings:
+    """The connector's ``kv_connector_extra_config``, checked (connector_config.py)."""
+    return connector_settings(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None),
+                              also)
 
 
 def tensor_parallel_shard(vllm_config: Any) -> tuple[int, int]:

@@ -120,14 +120,23 @@ class ChunkAnswer(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class Answer:
     """A worker's answer about one attempt of a transfer: delivered (``reason`` None) or
-    failed with the reason; with the payload bytes delivered (every rank's together, once
-    combined) and the seconds from the worker's offer to the answer (the slowest rank's)."""
+    not, with the reason; ``expired`` when it is not because no answer came before the
+    deadline (the sender gave up waiting, just before the ledger's deadline: an unreachable,
+    hung or stopped receiver), else a failure; with the payload bytes delivered (every rank's
+    together, once combined) and the seconds from the worker's offer to the answer (the
+    slowest rank's)."""
 
     attempt: int
     reason: str | None = None
     nbytes: int = 0
     seconds: float = 0.0
+    expired: bool = False
 
     @property
     def acked(self) -> bool:
         return self.reason is None
+
+    @property
+    def outcome(self) -> str:
+        """acked, expired or failed: the ledger's outcome for it."""
+        return "acked" if self.reason is None else "expired" if self.expired else "failed"

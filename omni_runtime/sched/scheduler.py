@@ -106,6 +106,10 @@ _BLOCK_ID = operator.attrgetter("block_id")
 class OmniKVTransferMixin:
     """The KV-transfer behaviour, over vLLM's ``Scheduler`` or ``AsyncScheduler``."""
 
+    #: Marks the scheduler for the omni connector, which checks that it runs under one
+    #: without importing this module (vLLM's own never hands a request off).
+    omni_kv_scheduler = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         vllm_config = self.vllm_config
@@ -607,8 +611,8 @@ class OmniKVTransferMixin:
         ignored: list[str] | None = [] if self.log_stats else None
         for transfer in self.transfer_ledger.resolve_answers(answers, ignored):
             if transfer.reason is not None:
-                logger.warning("KV transfer of request %s failed: %s", transfer.request_id,
-                               transfer.reason)
+                logger.warning("KV transfer of request %s %s: %s", transfer.request_id,
+                               transfer.outcome.value, transfer.reason)
             if transfer.held_since is not None or self._pinned:
                 self._release(transfer)  # else nothing to give back: still running, no pin
         if ignored is None:

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_runtime.observability.logs import log_like_vllm
 from omni_runtime.kv.load import LOAD_PARAMS, model_kv_identity, payload_into_file
 from omni_runtime.pipeline.protocol import KV_PARAMS_KEY, ProtocolError, origin_token, parse_origin
 from omni_runtime.stages.inputs import InputHookError, Upstream, load_hook, request_of
@@ -810,7 +811,7 @@ class StageInputMiddleware:
         async def wrapped() -> dict:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                _log_to_stderr()
+                log_like_vllm()
                 state = scope["app"].state
                 settings = InputSettings.parse(
                     (state.vllm_config.additional_config or {}).get(SETTINGS_KEY))
@@ -820,18 +821,6 @@ class StageInputMiddleware:
                 await self.stage_input.stop()
             return message
         return wrapped
-
-
-def _log_to_stderr() -> None:
-    """omni_runtime's log lines, INFO and up, on the server's stderr as vLLM's are (vLLM
-    configures only its own logger)."""
-    package = logging.getLogger("omni_runtime")
-    if not package.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        package.addHandler(handler)
-        package.setLevel(logging.INFO)
 
 
 async def _respond(send: Any, status: int, body: bytes) -> None:

@@ -529,8 +529,9 @@ class TransferLedger:
     def resolve_answers(self, answers: Mapping[str, Any],
                         ignored: list[str] | None = None) -> Iterator[Transfer]:
         """The runner's answers of a step, by request id, each naming the attempt it answers
-        (``attempt``) and why it failed (``reason``, None: delivered): for each,
-        ``resolve(request_id, ACKED or FAILED, reason, only_active=True, attempt=...)``, in
+        (``attempt``) and why it failed (``reason``, None: delivered; ``expired``: no answer
+        came before the deadline): for each, ``resolve(request_id, ACKED, EXPIRED or FAILED,
+        reason, only_active=True, attempt=...)``, in
         one loop, yielding each transfer resolved. Lazily: an answer is taken when the
         iteration reaches it, so the caller gives back one transfer's blocks before the next
         resolves (a failure in between strands no other transfer's blocks); iterate to the
@@ -549,8 +550,9 @@ class TransferLedger:
                     ignored.append(request_id)
                 continue
             reason = answer.reason
-            self._resolve(transfer, Outcome.ACKED if reason is None else Outcome.FAILED,
-                          reason, now)
+            outcome = Outcome.ACKED if reason is None else \
+                Outcome.EXPIRED if getattr(answer, "expired", False) else Outcome.FAILED
+            self._resolve(transfer, outcome, reason, now)
             yield transfer
 
     def expire_due(self) -> list[Transfer]:

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from omni_runtime.kv.transport import REJECT_CODES, KVInbox, KVReceiver
 from omni_runtime.kv.transport.protocol import MAX_MESSAGE_BYTES, WIRE_VERSION, encode_hello
 from omni_runtime.kv.transport.nixl_agent import IN_PROGRESS
+from omni_runtime.kv.transport.sender import Unanswered
 from omni_runtime.observability.receiver_metrics import ReceiverMetrics
 
 from transport_fixtures import (  # noqa: F401 (fixtures)
@@ -493,6 +494,9 @@ def test_no_ack_within_the_timeout_fails(fake, ar, make_sender):
     fake.recv()  # it arrived; the fake never answers
     acked, failed = collect(sender, 1)
     assert "no ack from stage talker" in failed["r"] and "within 0.5s" in failed["r"]
+    # No answer before the deadline: the transfer's outcome is expired, not failed (a hung
+    # receiver was counted failed, against the metrics' and the runbooks' meaning).
+    assert isinstance(failed["r"], Unanswered)
 
 
 def test_late_answers_after_the_timeout_are_ignored(fake, ar, make_sender):

@@ -46,12 +46,12 @@ def test_a_range_without_a_whole_huge_page_or_unmapped_is_left_alone_and_nothing
 
 def test_a_malformed_host_huge_pages_setting_refuses_the_connector_naming_the_key():
     from omni_runtime.devtools.sched_harness import make_vllm_config
-    from omni_runtime.kv.layout import UnsupportedKVCache
+    from omni_runtime.kv.connector_config import ConnectorConfigError
     from omni_runtime.kv.worker_side import OmniKVConnectorWorker
 
     config = make_vllm_config({"need_send_cache": True})
     config.kv_transfer_config.kv_connector_extra_config["host_huge_pages"] = "yes"
-    with pytest.raises(UnsupportedKVCache, match="kv_connector_extra_config.host_huge_pages must be true or false"):
+    with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config.host_huge_pages must be true or false"):
         OmniKVConnectorWorker(config)
     config.kv_transfer_config.kv_connector_extra_config["host_huge_pages"] = False
     assert OmniKVConnectorWorker(config)._host_huge_pages is False

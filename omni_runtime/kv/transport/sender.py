@@ -202,6 +202,13 @@ class _Stage:
     unresolved: str | None = None
 
 
+class Unanswered(str):
+    """The reason of a transfer given up because no answer came before its deadline (the
+    receiver unreachable, hung or stopped): its outcome is ``expired``, not ``failed``."""
+
+    __slots__ = ()
+
+
 def split_address(address: str) -> tuple[str, int]:
     """(host, port) of ``tcp://host:port`` (an IPv6 host in brackets); ValueError naming the
     form otherwise."""
@@ -414,7 +421,8 @@ class KVSender:
 
     def poll(self) -> dict[str, tuple[int, str | None]]:
         """Answers since the last poll(), without blocking: {request id: (attempt, None when
-        acked else the reason)}."""
+        acked else the reason)}; a reason that is :class:`Unanswered` means no answer came
+        before the deadline."""
         with self._lock:
             answers, self._answers = self._answers, {}
             return answers
@@ -518,7 +526,8 @@ class KVSender:
             for stage in sorted(t.waiting):
                 self._edge(t, stage, edges)
             t.waiting.clear()
-            logger.warning("KV transfer of request %s failed: %s", t.offer.request_id, failure)
+            # The scheduler logs the transfer's resolution (once, however many ranks).
+            logger.debug("KV transfer of request %s failed: %s", t.offer.request_id, failure)
         elif self._observe_bytes is not None:
             try:
                 self._observe_bytes(t.offer.nbytes)
@@ -1099,7 +1108,7 @@ class KVSender:
                 if st is not None and t in st.unplaced:
                     st.unplaced.remove(t)
             if why is not None:
-                self._report(t, why, edges="expired")
+                self._report(t, Unanswered(why), edges="expired")
 
     def _timeout_reason(self, t: _Transfer) -> str:
         stage = next((s for s in self.endpoints if s in t.waiting), "")

@@ -84,10 +84,20 @@ class EndpointConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Edge:
+    """``timeout_s``: the time the target has to take a request's input (a whole edge's
+    transfer deadline; a streamed edge's first-chunk deadline); ``stall_s``: the longest its
+    stages may legitimately sit without progress (a whole edge's transfer deadline; a
+    streamed one's gap between chunks)."""
+
     source: str
     target: str
     timeout_s: float
     streamed: bool = False  # fed as a stream (omni_contract.edges): what a message calls it
+    stall_s: float = 0.0
+
+    @property
+    def deadline_name(self) -> str:
+        return "the stream's first-chunk deadline" if self.streamed else "the edge's transfer deadline"
 
 
 @dataclass(frozen=True)
@@ -118,8 +128,10 @@ class EndpointConfig:
         """The ping interval of the stages' links here. A link that answers no ping is lost
         after about one and a half intervals, with every request it holds: that is at most
         the longest edge deadline, so a stage that stalls for less than its deadlines keeps
-        its requests (at the fixed interval a 7.5 s pause failed them all)."""
-        return max(HEARTBEAT_S, max((e.timeout_s for e in self.edges), default=0.0) * 2 / 3)
+        its requests (at the fixed interval a 7.5 s pause failed them all; a streamed edge's
+        gap, longer than its transfer deadline, lost a stream's requests mid-gap)."""
+        return max(HEARTBEAT_S, max((max(e.timeout_s, e.stall_s) for e in self.edges),
+                                    default=0.0) * 2 / 3)
 
 
 def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointConfig:
@@ -148,9 +160,16 @@ def parse_endpoint_config(pipeline: str, model_name: str, raw: Any) -> EndpointC
         where = f"endpoint.edges[{i}]."
         if not isinstance(edge, Mapping):
             raise EndpointConfigError(f"endpoint.edges[{i}] must be a mapping")
-        edges.append(Edge(text(edge, "from", where), text(edge, "to", where),
-                          seconds(edge.get("timeoutSeconds"), f"{where}timeoutSeconds"),
-                          streamed=edge.get("mode") == STREAM))
+        timeout_s = seconds(edge.get("timeoutSeconds"), f"{where}timeoutSeconds")
+        streamed = edge.get("mode") == STREAM
+        stream = edge.get("stream") if streamed else None
+        if stream is not None and not isinstance(stream, Mapping):
+            raise EndpointConfigError(f"{where}stream must be a mapping")
+        stream = stream or {}
+        take_s, stall_s = (seconds(stream.get(key, timeout_s), f"{where}stream.{key}")
+                           for key in ("firstChunkSeconds", "gapSeconds"))
+        edges.append(Edge(text(edge, "from", where), text(edge, "to", where), take_s,
+                          streamed=streamed, stall_s=stall_s))
     timeout = seconds(raw.get("requestTimeoutSeconds", DEFAULT_REQUEST_TIMEOUT_S),
                       "endpoint.requestTimeoutSeconds")
     urls = {}
@@ -493,7 +512,7 @@ class PipelineEndpoint:
                         what = "stream" if edge.streamed else "hand-off"
                         raise StageFailed(target, f"did not take the {what} of request "
                                           f"{pending.id} from stage {edge.source} within "
-                                          f"{edge.timeout_s:g}s (the edge's transfer deadline)",
+                                          f"{edge.timeout_s:g}s ({edge.deadline_name})",
                                           504) from None
                 continue
             kind = event["event"]

@@ -86,6 +86,9 @@ class _Session:
         #: pipeline's client.
         self.status = 502
         self.param: str | None = None
+        #: Its request's task has begun (a task cancelled before it began runs none of its
+        #: own end: the report, the forgetting).
+        self.started = False
 
     def length_with(self, tokens: int, max_len: int) -> int:
         """An upper bound on the request's length once ``tokens`` more are applied: a chunk
@@ -166,18 +169,25 @@ class StreamInputs:
         ends for that request alone (``consumer_error``), its request aborted."""
         said = (f"up to {session.turn_tokens} said after each"
                 if session.turn_tokens is not None else "no max_tokens per chunk")
-        reason = (f"over this stage's max-model-len {self._max_len}: the streamed request "
-                  f"can hold {session.length_with(0, self._max_len)} tokens when chunk "
-                  f"{chunk.seq} is applied ({session.fed} fed in {session.turns} chunks, "
-                  f"{said}) and chunk {chunk.seq} adds {len(chunk.token_ids)}")
+        reason = (f"over this stage's max-model-len {self._max_len}: chunk {chunk.seq} adds "
+                  f"{len(chunk.token_ids)} tokens to a streamed request that may already hold "
+                  f"{session.length_with(0, self._max_len)} ({session.fed} fed in "
+                  f"{session.turns} chunks, {said})")
         self.ledger.refused(session.stream, chunk.seq, reason, self._clock())
         # What the client asked for does not fit: its request's fault, its max_tokens (the
         # producer's output, which the chunks carry, follows from it).
         session.status, session.param = 400, "max_tokens"
+        started = session.started
         if session.task is not None and not session.task.done():
             session.task.cancel()
             await asyncio.gather(session.task, return_exceptions=True)
         self._end(session, StreamOutcome.CONSUMER_ERROR, reason)
+        if not started:
+            # Its first chunk over the length: the task never began, so neither its report
+            # (the client's 400 naming max_tokens, not a 502 it would retry) nor its forgetting
+            # ran.
+            self._sessions.pop(session.stream.key, None)
+            await self._failed(session, reason)
 
     async def _inputs(self, session: _Session) -> AsyncIterator[Any]:
         from vllm.engine.protocol import StreamingInput
@@ -201,6 +211,7 @@ class StreamInputs:
     async def _run(self, session: _Session, params: Any,
                    trace_headers: Mapping[str, str] | None = None) -> None:
         stream = session.stream
+        session.started = True
         finished = False
         try:
             async for output in self._engine.generate(

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from omni_runtime.pipeline.endpoint import PipelineEndpoint, parse_endpoint_config
+from omni_runtime.pipeline.endpoint import EndpointConfigError, PipelineEndpoint, parse_endpoint_config
 from omni_runtime.pipeline.protocol import CLOSE_WRONG_TOKEN, LINK_TOKEN_HEADER, encode_event, link_url
 
 from stand_in_stage import endpoint_before, origin_of
@@ -615,6 +615,21 @@ def test_a_stage_link_that_answers_no_heartbeat_is_lost_after_about_the_edges_de
         "entry": {"stage": "thinker", "url": "http://127.0.0.1:1"}, "sink": "talker",
         "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 1}], "advertise": "http://127.0.0.1:2"})
     assert short.link_heartbeat_s == HEARTBEAT_S and isinstance(short.edges[0], Edge)
+    # A streamed edge: its gap is how long its stages may sit between chunks (a 12 s stall
+    # under a 15 s gap lost the requests at the 10 s transfer deadline's interval: an
+    # outside review), and the consumer takes the stream by its first-chunk deadline.
+    streamed = parse_endpoint_config("p", "m", {
+        "entry": {"stage": "thinker", "url": "http://127.0.0.1:1"}, "sink": "talker",
+        "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 10, "mode": "stream",
+                   "stream": {"firstChunkSeconds": 12, "gapSeconds": 24}}],
+        "advertise": "http://127.0.0.1:2"})
+    assert streamed.link_heartbeat_s == 16 and streamed.edges[0].timeout_s == 12
+    assert streamed.edges[0].deadline_name == "the stream's first-chunk deadline"
+    with pytest.raises(EndpointConfigError, match=r"endpoint.edges\[0\].stream.gapSeconds must be a positive"):
+        parse_endpoint_config("p", "m", {
+            "entry": {"stage": "thinker", "url": "http://127.0.0.1:1"}, "sink": "talker",
+            "edges": [{"from": "thinker", "to": "talker", "timeoutSeconds": 10, "mode": "stream",
+                       "stream": {"gapSeconds": float("nan")}}], "advertise": "http://127.0.0.1:2"})
 
     def thinker(session: aiohttp.ClientSession):
         async def handler(request: web.Request) -> web.Response:

@@ -143,6 +143,23 @@ def test_a_chunk_the_engine_refuses_fails_its_request_alone(engine, loop):
     loop.run_until_complete(go())
 
 
+def test_a_first_chunk_over_the_length_fails_its_request_with_a_400_and_leaves_nothing(engine, loop):
+    """Chunk 0 over max-model-len: its request's task was cancelled before it began, so its
+    report never ran: the client got the stage input's 502 (which a default openai client
+    sends three times) and not the 400 naming max_tokens, and the session stayed (an
+    outside review)."""
+    async def go():
+        outputs = Outputs()
+        inputs = StreamInputs(engine, ConsumerStreams(), params, outputs)
+        refused = await inputs.take(chunk("long", 0, list(range(100, 100 + MAX_MODEL_LEN))))
+        assert refused and f"chunk 0 adds {MAX_MODEL_LEN} tokens" in refused, refused
+        await inputs.ended("long", "thinker")
+        failed = outputs.final("long")
+        assert isinstance(failed, StreamFailed) and (failed.status, failed.param) == (400, "max_tokens"), failed
+        assert not inputs._sessions
+    loop.run_until_complete(go())
+
+
 def test_a_chunk_that_would_overflow_once_the_turns_before_it_have_spoken_is_refused(engine, loop):
     """A chunk that comes while a turn runs waits in vLLM's queue until that turn has said its
     max_tokens, then is appended whole: counted on what was said so far it fitted (100 + 20 <

@@ -93,6 +93,10 @@ class EndpointLink:
                 self.abort_reason = reason
                 self.aborted.set()
 
+    @property
+    def closed(self) -> bool:
+        return self._ws.closed
+
     async def send(self, event: str, **fields: Any) -> bool:
         """Report ``event``; False when the link is gone (the request is then aborted)."""
         if self._ws.closed:
@@ -122,9 +126,12 @@ class EndpointLink:
 
 class LinkReporter:
     """For a stage that is not asyncio (a receiving stage's threads): reports to pipeline
-    endpoints from a thread of its own, each report a link opened, its events sent, closed.
-    A report that cannot be delivered (the request gone, the endpoint unreachable) is
-    logged; the stage goes on."""
+    endpoints from a thread of its own, each report a link opened, its events sent, closed;
+    or, for a request the stage holds a while (a stream it takes chunk by chunk), a link
+    :meth:`hold` opens and the report with the same key ends, which answers the endpoint's
+    pings meanwhile: a stage that stops answering (hung, stopped) is seen there within the
+    links' heartbeat, naming it. A report that cannot be delivered (the request gone, the
+    endpoint unreachable) is logged; the stage goes on."""
 
     def __init__(self, stage: str) -> None:
         import threading
@@ -132,19 +139,36 @@ class LinkReporter:
         self.stage = stage
         self._loop = asyncio.new_event_loop()
         self._session: aiohttp.ClientSession | None = None
+        #: The links held open, by the caller's key: the task opening each (touched on the
+        #: loop's thread only).
+        self._held: dict[Any, asyncio.Task] = {}
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name=f"omni-links-{stage}", daemon=True)
         self._thread.start()
 
-    def report(self, endpoint: str, request_id: str,
-               events: list[tuple[str, dict[str, Any]]], token: str | None = None) -> Any:
-        """Send ``events`` on a link of ``request_id`` (``token``: its origin's); a future of
-        whether they went."""
-        return asyncio.run_coroutine_threadsafe(
-            self._report(endpoint, request_id, events, token), self._loop)
+    def hold(self, key: Any, endpoint: str, request_id: str,
+             events: list[tuple[str, dict[str, Any]]], token: str | None = None) -> None:
+        """Open a link of ``request_id``, send ``events`` on it and keep it open until
+        :meth:`report` with ``key`` (or :meth:`close`)."""
+        self._loop.call_soon_threadsafe(self._hold, key, endpoint, request_id, events, token)
 
-    async def _report(self, endpoint: str, request_id: str,
-                      events: list[tuple[str, dict[str, Any]]], token: str | None) -> bool:
+    def _hold(self, key: Any, endpoint: str, request_id: str,
+              events: list[tuple[str, dict[str, Any]]], token: str | None) -> None:
+        self._held[key] = self._loop.create_task(self._open(endpoint, request_id, events, token))
+
+    def report(self, endpoint: str, request_id: str,
+               events: list[tuple[str, dict[str, Any]]], token: str | None = None,
+               key: Any = None, opening: list[tuple[str, dict[str, Any]]] = ()) -> Any:
+        """Send ``events`` on a link of ``request_id`` (``token``: its origin's): the one held
+        under ``key`` if there is one, else a new one, ``opening``'s events first (what the
+        held one said when it opened); then closed. A future of whether they went."""
+        return asyncio.run_coroutine_threadsafe(
+            self._report(endpoint, request_id, events, token, key, list(opening)), self._loop)
+
+    async def _open(self, endpoint: str, request_id: str,
+                    events: list[tuple[str, dict[str, Any]]], token: str | None
+                    ) -> EndpointLink | None:
+        """A link of the request with ``events`` sent on it; None when it could not be."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
@@ -153,7 +177,27 @@ class LinkReporter:
         except LinkError as exc:
             logger.info("stage %s: nothing reported for request %s: %s", self.stage,
                         request_id, exc)
-            return False
+            return None
+        for event, fields in events:
+            if not await link.send(event, **fields):
+                await link.close()
+                return None
+        return link
+
+    async def _report(self, endpoint: str, request_id: str,
+                      events: list[tuple[str, dict[str, Any]]], token: str | None,
+                      key: Any, opening: list[tuple[str, dict[str, Any]]]) -> bool:
+        held = self._held.pop(key, None) if key is not None else None
+        link = await held if held is not None else None
+        if link is not None and (link.aborted.is_set() or link.closed):
+            await link.close()  # the endpoint dropped it: the report goes on a new one
+            link = None
+        if link is None:
+            link = await self._open(endpoint, request_id, opening + events, token)
+            if link is None:
+                return False
+            await link.close()
+            return True
         try:
             for event, fields in events:
                 if not await link.send(event, **fields):
@@ -164,6 +208,11 @@ class LinkReporter:
 
     def close(self) -> None:
         async def stop() -> None:
+            for task in list(self._held.values()):
+                link = await task
+                if link is not None:
+                    await link.close()
+            self._held.clear()
             if self._session is not None:
                 await self._session.close()
 

@@ -27,6 +27,7 @@ A real generation stage (a diffusion model or a talker) reads the inbox in-proce
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -180,27 +181,40 @@ class ReceiverStage:
             self.streams.arrive(message, ticket)
 
     def _stream_started(self, record, chunk) -> None:
+        """A stream's first chunk taken: its pipeline request's link opens now, saying so,
+        and stays open while the stream runs, answering the endpoint's pings (this stage
+        stopped or hung mid-stream is seen there, named, within the links' heartbeat)."""
         record.offered_at = chunk.sent_at
+        found = self._origin_of(record)
+        if found is not None:
+            (request_id, endpoint), token = found
+            self._links.hold((record.request_id, record.from_stage), endpoint, request_id,
+                             [self._taken(record)], token)
+
+    @staticmethod
+    def _taken(record) -> tuple[str, dict[str, float]]:
+        return ("taken", {"offered_at": record.offered_at or record.started_at,
+                          "taken_at": record.started_at})
 
     def _stream_ended(self, record) -> None:
-        """A stream ended: reported to its pipeline request's endpoint, once (a report's link
-        closes after it: the endpoint reads a link that closes before the answer as lost)."""
+        """A stream ended: reported to its pipeline request's endpoint, once, on the link its
+        start opened (closed after it: the endpoint reads a link that closes before the
+        answer as lost)."""
         found = self._origin_of(record)
         if found is None:
             return
         (request_id, endpoint), token = found
+        report = functools.partial(self._links.report, endpoint, request_id, token=token,
+                                   key=(record.request_id, record.from_stage))
         if record.outcome == "finished":
-            self._links.report(endpoint, request_id, [
-                ("taken", {"offered_at": record.offered_at or record.started_at,
-                           "taken_at": record.started_at}),
-                ("payload", {"payload": record.summary()})], token)
+            report([("payload", {"payload": record.summary()})], opening=[self._taken(record)])
         else:  # an error: the producer is the stage at fault where the end was its doing
             producers = record.outcome in {o.value for o in PRODUCERS_DOING}
             which = f"to stage {self.config.stage}" if producers else f"from {record.from_stage}"
             error = {"message": f"its stream {which} ended {record.outcome}: {record.reason}"}
             if producers:
                 error["stage"] = record.from_stage
-            self._links.report(endpoint, request_id, [("error", error)], token)
+            report([("error", error)])
 
     def _origin_of(self, record):
         """((request id, endpoint), token) of a stream's origin; None without one."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from chain import CHAIN_ENV
-from procs import http_get, wait_until
+from procs import http_get, metric_value, wait_until
 
 from omni_runtime.devtools.tiny_model import ensure_tiny_model
 
@@ -224,6 +224,39 @@ def test_up_runs_the_streamed_example_and_each_stage_takes_its_input_as_it_comes
         # took its first chunk half a millisecond after the thinker finished; its first input,
         # above, shows it began on the first chunk.)
         assert stages["vocoder"]["taken_at"] < stages["talker"]["finished_at"]
+
+        # The vocoder (a receiving last stage) stopped mid-stream: it holds its stream's link
+        # to the endpoint from its first chunk on, so the endpoint's pings miss it and the
+        # client is told, naming it (an outside review: it held no link while streaming, and
+        # the error came only once it was resumed, blaming the talker).
+        vocoder = re.search(r"^vocoder\s+.*?(http://\S+)/metrics", text(), re.M).group(1)
+        vocoder_pid = int((tmp_path / "run" / "vocoder.pid").read_text())
+        outcome: dict = {}
+
+        def ask() -> None:
+            try:
+                openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=120).completions.create(
+                    model="tiny-qwen2", prompt=[41, 42, 43], max_tokens=200, temperature=0,
+                    extra_body={"ignore_eos": True})
+            except openai.APIError as exc:
+                outcome["error"] = exc
+
+        def open_at_vocoder() -> bool:
+            page = http_get(vocoder + "/metrics", timeout=5)[1].decode()
+            return metric_value(page, "omni_kv_streams", state="open", from_stage="talker",
+                                to_stage="vocoder") >= 1
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until(open_at_vocoder, 60, "the vocoder's stream to open", interval=0.05)
+        os.killpg(vocoder_pid, signal.SIGSTOP)
+        try:
+            asker.join(60)  # the links' ping interval is 2/3 of the 15 s gap: lost after ~15 s
+            assert not asker.is_alive() and "error" in outcome, "the client was told"
+        finally:
+            os.killpg(vocoder_pid, signal.SIGCONT)
+        said = str(outcome["error"])
+        assert "stage vocoder" in said and "heartbeat" in said, said
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         wait_until(lambda: not processes_with_env(marker), 30, "every process to be gone")

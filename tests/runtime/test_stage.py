@@ -427,7 +427,7 @@ def test_a_receiving_stage_names_its_producer_where_a_stream_ended_by_its_doing(
            "ports": {"http": free_port(), "kv": free_port()}}
     stage = ReceiverStage(parse_stage_config(raw), host="127.0.0.1")
     reports = []
-    stage._links.report = lambda endpoint, request_id, events, token: reports.append(events)
+    stage._links.report = lambda endpoint, request_id, events, token=None, **where: reports.append(events)
     try:
         stage._stream_ended(StreamRecord("r1", "talker", origin("p-1", "http://127.0.0.1:1", "t"),
                                          outcome=outcome, reason="waited over its 5 s gap deadline"))

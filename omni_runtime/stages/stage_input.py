@@ -144,9 +144,10 @@ class Refused(Exception):
     ``status``: the HTTP status the pipeline's client gets (400: what the client asked
     cannot be done, e.g. too many tokens for this stage; 502 otherwise)."""
 
-    def __init__(self, reason: str, code: str = "input_refused", status: int = 502) -> None:
+    def __init__(self, reason: str, code: str = "input_refused", status: int = 502,
+                 param: str | None = None) -> None:
         super().__init__(reason)
-        self.code, self.reason, self.status = code, reason, status
+        self.code, self.reason, self.status, self.param = code, reason, status, param
 
 
 def _refused_by_vllm(exc: Exception) -> Refused:
@@ -218,7 +219,9 @@ class StageInput:
             # Any model's hand-off is an input (its tokens); only its KV needs this model.
             expect={"revision": settings.revision},
             consumer=self._arrived,
-            streams=self._chunk_arrived if settings.streams else None).start()
+            # Taken even by a stage fed whole: a stream sent to it (its upstream reads the
+            # edge as streamed) is refused here, its request's endpoint told why at once.
+            streams=self._chunk_arrived).start()
         if settings.streams:
             from omni_runtime.stages.stream_input import StreamInputs
             from omni_runtime.transfers.streams import ConsumerStreams
@@ -390,6 +393,8 @@ class StageInput:
                 self.receiver.settle(ticket, ("stopping",
                                               f"stage {self.settings.stage} is stopping"))
             return
+        if ticket is None and self.streams is None:
+            return  # a stream's end where none is taken: nothing of it is here
         self._track(self._loop.create_task(
             self._take_chunk(message, ticket) if ticket is not None
             else self._end_stream(message)))
@@ -413,7 +418,7 @@ class StageInput:
                 if self.streams.ledger.get(pipeline_id, chunk.from_stage) is not None:
                     raise Refused(f"a stream of pipeline request {pipeline_id} from stage {chunk.from_stage} "
                                   "is still open here: a second request of that id (X-Request-Id) cannot "
-                                  "be taken until it ends")
+                                  "be taken until it ends", status=409, param="X-Request-Id")
                 # A new producer request: a stream of an earlier pipeline request of the same
                 # id that ended here (a client's X-Request-Id used again) is not this one.
                 self.streams.ledger.reopen(pipeline_id, chunk.from_stage)
@@ -434,6 +439,12 @@ class StageInput:
                 pipeline_id = chunk.request_id
         except Refused as refused:
             self.receiver.settle(ticket, (refused.code, refused.reason[:512]))
+            if chunk.seq == 0 and key not in self._stream_requests:
+                # No link of this request says anything here yet: the endpoint hears why now,
+                # not at the stream's first-chunk deadline (an outside review: a client's
+                # X-Request-Id used again while the stream of its first use was still open
+                # here waited for that deadline and was told the stage did not take it).
+                self._track(self._loop.create_task(self._tell_refused(chunk, refused)))
             return
         why = await self.streams.take(ChunkIn(pipeline_id, chunk.from_stage, chunk.seq,
                                               chunk.last, tuple(tokens), chunk.produced_at,
@@ -468,6 +479,22 @@ class StageInput:
         await link.send("taken", offered_at=offered_at, taken_at=taken_at)
         self._track(self._loop.create_task(self._abort_on(link, pipeline_id, from_stage)))
         return link
+
+    async def _tell_refused(self, chunk: Any, refused: Refused) -> None:
+        """A stream's first chunk refused: its pipeline request's endpoint told, naming why."""
+        try:
+            pipeline_id, endpoint, token = self._origin(chunk)
+            if endpoint is None:
+                return
+            link = await self._link(endpoint, pipeline_id, token)
+        except Refused:
+            return  # no context to tell, or the request is gone
+        try:
+            await link.send("error", message=f"refused its streamed input from stage "
+                            f"{chunk.from_stage}: {refused.reason}", status=refused.status,
+                            param=refused.param)
+        finally:
+            await link.close()
 
     async def _end_stream(self, end: Any) -> None:
         from omni_runtime.transfers.streams import StreamOutcome

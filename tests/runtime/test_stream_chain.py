@@ -294,3 +294,25 @@ def test_the_talker_killed_mid_stream_frees_the_thinker(streamed):
                                     **edge) == 0, 10, "nothing open at the thinker")
     wait_until(lambda: metric_value(thinker.metrics(), "vllm:num_requests_running") == 0, 30,
                "the thinker's request to end")
+
+
+def test_ends_that_disagree_on_the_edge_fail_the_request_at_once_saying_so(tmp_path):
+    """The thinker streams to a talker that reads the edge as whole (the class of vllm-omni's
+    hangs, #4793 and #7544; the operator refuses such a pipeline, so here the stage configs
+    are written by hand): the talker refuses the first chunk, and the client is told at once
+    why, naming the talker, not that it did not take its input by the deadline."""
+    configs = chain_configs([
+        {"name": "thinker", "role": "ar"},
+        {"name": "talker", "role": "ar", "stream": STREAM,
+         "input": {"samplingParams": {"max_tokens": PER_CHUNK}}},
+    ], pipeline="disagree", timeout_seconds=30)
+    configs["talker"]["inputs"] = ["thinker"]  # whole, where the thinker streams
+    with running(configs, tmp_path, env=ENV) as stages:
+        with pytest.raises(openai.APIStatusError) as err:
+            client(stages["endpoint"]).completions.create(
+                model=MODEL, prompt=[7, 8, 9], max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True})
+        body = err.value.body
+        assert body["stage"] == "talker", body
+        assert "refused its streamed input from stage thinker" in body["message"], body
+        assert "both ends must read the same edge" in body["message"], body

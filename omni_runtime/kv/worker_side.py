@@ -252,7 +252,8 @@ class OmniKVConnectorWorker:
     def poll_chunks(self) -> list[ChunkAnswer]:
         if self._sender is None or self.shard != 0:
             return []
-        return [ChunkAnswer(*answer) for answer in self._sender.poll_chunks()]
+        return [ChunkAnswer(*answer, unanswered=isinstance(answer[3], Unanswered))
+                for answer in self._sender.poll_chunks()]
 
     def _answer(self, h: HandOff, reason: str) -> None:
         with self._lock:

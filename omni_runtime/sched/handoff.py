@@ -109,12 +109,14 @@ class ChunkOut(NamedTuple):
 
 
 class ChunkAnswer(NamedTuple):
-    """A worker's answer about one chunk: acked (``reason`` None) or why not."""
+    """A worker's answer about one chunk: acked (``reason`` None) or why not; ``unanswered``:
+    the sender gave up waiting for the consumer's answer (it may not know the stream ended)."""
 
     request_id: str
     to_stage: str
     seq: int
     reason: str | None
+    unanswered: bool = False
 
 
 @dataclass(frozen=True, slots=True)

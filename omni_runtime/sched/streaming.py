@@ -245,21 +245,26 @@ class StreamProducer:
 
     def answered(self, answers: list[ChunkAnswer]) -> None:
         """The workers' answers about chunks: acks let queued chunks go; a failure ends the
-        stream (the consumer could not take it)."""
+        stream (the consumer could not take it). One the sender gave up waiting for (the
+        consumer hung, stopped, or too slow to answer) is also told to the consumer, which
+        may be waiting for the next chunk: it ends its request now, naming itself, rather
+        than at its gap deadline blaming the producer."""
         now = self._clock()
         chunks: list[ChunkOut] = []
-        for rid, stage, seq, reason in answers:
+        for rid, stage, seq, reason, unanswered in answers:
             stream = self.ledger.get(rid, stage)
             if stream is None:
                 continue
             if reason is None:
                 chunks += self._out(self._request_of(rid), stream,
                                     self.ledger.ack(stream, seq, now))
-            else:
-                self.ledger.fail(stream, seq, reason, now)
+            elif self.ledger.fail(stream, seq, reason, now) is not None:
                 logger.warning("the stream of request %s to %s failed: %s", rid, stage,
                                stream.reason)
-        for rid, _, _, _ in answers:
+                if unanswered:
+                    chunks.append(self._out_end(stream, StreamOutcome.CONSUMER_ERROR,
+                                                stream.reason or reason))
+        for rid, *_ in answers:
             self._forget_resolved(rid)
         self._flush(chunks)
 

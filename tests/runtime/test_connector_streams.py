@@ -159,6 +159,11 @@ def test_a_stream_end_names_a_known_outcome():
     with pytest.raises(Rejected, match="outcome must be one of"):
         parse_stream_end({"transfer_id": 1, "agent": "a", "request_id": "r", "pipeline": "p",
                           "from_stage": "t", "to_stage": "u", "outcome": "finished"}, [])
+    # The producer gave up waiting for the consumer's answer: the consumer is told so.
+    end = parse_stream_end({"transfer_id": 1, "agent": "a", "request_id": "r", "pipeline": "p",
+                            "from_stage": "t", "to_stage": "u", "outcome": "consumer_error",
+                            "reason": "no ack"}, [])
+    assert end.outcome == "consumer_error"
 
 
 def test_a_stream_stays_with_the_replica_its_first_chunk_reached(make_receiver, ar, make_sender):

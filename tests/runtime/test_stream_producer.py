@@ -32,9 +32,11 @@ def chunks_of(so: SchedulerOutput):
     return list(getattr(meta, "chunks", ()) or ())
 
 
-def run(s, requests, token_of, answer=lambda chunk: None, stats=None):
+def run(s, requests, token_of, answer=lambda chunk: None, stats=None,
+        unanswered=lambda chunk: False):
     """Steps the scheduler until nothing is left; every chunk is answered in the step after
-    it was sent (``answer(chunk)``: None acks, else the refusal). Returns the chunks sent;
+    it was sent (``answer(chunk)``: None acks, else the refusal; ``unanswered(chunk)``: the
+    refusal is the sender giving up waiting). Returns the chunks sent;
     ``stats`` (a list) gets each step's connector stats as the engine core sends them."""
     sent, to_answer = [], []
     for _ in range(2000):
@@ -47,7 +49,7 @@ def run(s, requests, token_of, answer=lambda chunk: None, stats=None):
                                  if s.requests[r].num_computed_tokens
                                  + so.num_scheduled_tokens[r] >= s.requests[r].num_prompt_tokens},
                             scheduler=s)
-        answers = [ChunkAnswer(c.request_id, c.to_stage, c.seq, answer(c))
+        answers = [ChunkAnswer(c.request_id, c.to_stage, c.seq, answer(c), unanswered(c))
                    for c in to_answer if c.end is None]
         to_answer = chunks_of(so)
         if answers:
@@ -122,6 +124,21 @@ def test_an_abort_ends_the_stream_with_word_to_the_consumer_and_a_refusal_ends_i
     # b's stream ended at the refusal: nothing was sent for it after chunk 1's answer.
     b_chunks = [c.seq for c in sent if c.request_id == "b" and c.end is None]
     assert max(b_chunks) <= 1 + SETTINGS.chunks_in_flight
+
+
+def test_a_chunk_the_sender_gave_up_waiting_for_ends_the_stream_with_word_to_the_consumer():
+    """No answer to chunk 1 in time (the consumer stopped, then resumed: an outside review):
+    the stream ends here and the consumer is told, ``consumer_error`` naming the chunk (it
+    waited for its next chunk until its gap deadline, then blamed the producer)."""
+    s = streaming_scheduler()
+    s.add_request(make_request(8, max_tokens=20, request_id="b"))
+    gave_up = "no ack from stage talker at tcp://127.0.0.1:9 within 2.85s"
+    sent = run(s, [], lambda rid, i: 9, answer=lambda c: gave_up if c.seq == 1 else None,
+               unanswered=lambda c: c.seq == 1)
+    ends = [c for c in sent if c.end is not None]
+    assert [(c.request_id, c.to_stage, c.end) for c in ends] == [("b", "talker", "consumer_error")]
+    assert gave_up in ends[0].reason and "chunk 1" in ends[0].reason, ends[0].reason
+    assert len(s._streams.ledger) == 0
 
 
 def test_a_served_engines_connector_stats_carry_each_chunk_and_stream_once():

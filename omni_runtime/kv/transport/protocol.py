@@ -274,8 +274,9 @@ class StreamEnd:
     reason: str
 
 
-#: How a producer's stream may end early (the stream ledger's outcomes a StreamEnd carries).
-STREAM_END_OUTCOMES = ("producer_error", "aborted", "expired")
+#: How a producer's stream may end early (the stream ledger's outcomes a StreamEnd carries;
+#: ``consumer_error``: the producer gave up waiting for the consumer's answer to a chunk).
+STREAM_END_OUTCOMES = ("producer_error", "aborted", "expired", "consumer_error")
 #: Chunks of a stream a message may number (far above any request's output).
 MAX_CHUNK_SEQ = 1 << 24
 

@@ -113,15 +113,18 @@ def connector_settings(extra: Any, also: tuple[str, ...] | None = ()) -> Connect
 
 
 def kv_address(address: Any, where: str) -> str:
-    """``address`` (``tcp://host:port`` or ``host:port``) as ``tcp://host:port``;
-    ConnectorConfigError naming ``where`` for anything else (the KV hello rides ZeroMQ over
-    TCP: another scheme, a missing or bad port, would fail only on the transport's thread)."""
+    """``address`` (``tcp://host:port`` or ``host:port``: the transport's grammar,
+    ``split_address``) as ``tcp://host:port``; ConnectorConfigError naming ``where`` for
+    anything else."""
+    from omni_runtime.kv.transport.sender import split_address
+
     if isinstance(address, str):
-        scheme, _, rest = address.rpartition("://")
-        host, _, port = rest.rpartition(":")
-        if scheme in ("", "tcp") and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536 \
-                and not any(c.isspace() or c in "/?#@" for c in host):
-            return f"tcp://{rest}"
+        try:
+            split_address(address)
+        except ValueError:
+            pass
+        else:
+            return address if "://" in address else f"tcp://{address}"
     raise ConnectorConfigError(f"{where} must be a receiving stage's KV address, tcp://HOST:PORT "
                                f"or HOST:PORT (e.g. tcp://talker-kv:9600), got {address!r}")
 

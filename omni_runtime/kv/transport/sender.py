@@ -210,11 +210,13 @@ class Unanswered(str):
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """(host, port) of ``tcp://host:port`` (an IPv6 host in brackets); ValueError naming the
-    form otherwise."""
-    rest = address.split("://", 1)[-1]
-    host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    """(host, port) of ``tcp://host:port`` or ``host:port`` (an IPv6 host in brackets);
+    ValueError naming the form otherwise (another scheme too: the hello rides ZeroMQ over
+    TCP, and any other would fail only on the I/O thread)."""
+    scheme, sep, rest = address.partition("://")
+    host, _, port = (rest if sep else address).rpartition(":")
+    if (sep and scheme != "tcp") or not host.strip("[]") or not port.isdigit() \
+            or not 0 < int(port) < 65536 or any(c.isspace() or c in "/?#@" for c in host):
         raise ValueError(f"a KV address must be tcp://HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 
